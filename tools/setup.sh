@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The one set-up for this repository: a virtual environment at .venv with the package (editable)
+# and everything the recipes and tests need. Safe to run again; it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade pip
+# torch first and on every line after it, so pip never swaps it for another build.
+"${PIP[@]}" install "torch==2.14.1"
+"${PIP[@]}" install -e ".[test]" "torch==2.14.1"

@@ -1,0 +1,83 @@
+"""torch_deltasync: lossless sparse delta weight sync for asynchronous RL.
+
+After an optimizer step at RL learning rates about 99% of bf16 weights are bit-identical, so a
+trainer ships only the changed elements (positions + new values) through an object store, and
+rollout replicas apply them in place, bit-exactly. See ``docs/`` and ``DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+# Errors
+from .errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    DeltaSyncError,
+    IncompatibleTargetError,
+    ObjectNotFoundError,
+    PublishError,
+    StoreError,
+    UnsupportedLayoutError,
+    VersionNotFoundError,
+)
+
+# Stores
+from .store import LocalStore, Store, open_store
+
+# Detection, codecs, wire format
+from .detect import ChangeDetector, Changes
+from .codec import Codec, TensorDelta, codec_names, get_codec, register_codec
+from .layout import TensorSlice
+from .manifest import Manifest
+
+# Sender and receiver
+from .sender import AnchorPolicy, DeltaSender, PublishStats
+from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
+from .targets import ModuleTarget, Target
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # sender / receiver
+    "DeltaSender",
+    "DeltaReceiver",
+    "AnchorPolicy",
+    "PublishStats",
+    "UpdatePlan",
+    "UpdateStats",
+    # targets
+    "Target",
+    "ModuleTarget",
+    # stores
+    "Store",
+    "LocalStore",
+    "open_store",
+    # detection, codecs, format
+    "ChangeDetector",
+    "Changes",
+    "Codec",
+    "TensorDelta",
+    "register_codec",
+    "get_codec",
+    "codec_names",
+    "TensorSlice",
+    "Manifest",
+    # errors
+    "DeltaSyncError",
+    "CorruptObjectError",
+    "ChecksumMismatchError",
+    "VersionNotFoundError",
+    "IncompatibleTargetError",
+    "UnsupportedLayoutError",
+    "StoreError",
+    "ObjectNotFoundError",
+    "PublishError",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("torch_deltasync."):
+        try:
+            _obj.__module__ = "torch_deltasync"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

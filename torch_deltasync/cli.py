@@ -1,0 +1,225 @@
+"""The ``deltasync`` command.
+
+``deltasync inspect FILE``   metadata, tensors, changed counts and density of an object or manifest
+``deltasync ls STORE``       versions in a store: kind, base, bytes, density
+``deltasync verify STORE``   replay the chain and check every per-tensor checksum
+``deltasync demo``           trainer + receiver process through a local bucket (see demo.py)
+
+``STORE`` is anything :func:`torch_deltasync.open_store` accepts (a folder, ``file://``,
+``memory://``, ``s3://``, ``hf://buckets/...``); ``--prefix`` selects a run inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["main", "command"]
+
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+
+
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
+    """Register ``deltasync <name>``: decorate ``run(args) -> exit code``."""
+
+    def deco(fn: Callable[[argparse.Namespace], int]):
+        _COMMANDS[name] = (help, add_arguments, fn)
+        return fn
+
+    return deco
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# --- inspect -----------------------------------------------------------------------------------
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="an anchor/delta .safetensors object or a versions/*.json manifest")
+
+
+@command("inspect", "show an object's or manifest's metadata, tensors and changed counts", _inspect_args)
+def _inspect(args: argparse.Namespace) -> int:
+    from .format import read_header
+    from .manifest import Manifest
+
+    path = Path(args.file)
+    data = path.read_bytes()
+    if path.suffix == ".json":
+        m = Manifest.from_json(data)
+        _print_manifest(m)
+        return 0
+    header, meta = read_header(data, str(path))
+    print(f"{path} ({_fmt_bytes(len(data))})")
+    for k, v in meta.items():
+        if k not in ("counts", "slices"):
+            print(f"  {k}: {v}")
+    manifest = None
+    try:  # objects/<v>/x.safetensors -> versions/<v>.json next to it, for numel and density
+        manifest = Manifest.from_json((path.parent.parent.parent / "versions" / f"{path.parent.name}.json").read_bytes())
+    except (OSError, ValueError):
+        pass
+    numel = {t.name: t.numel for t in manifest.tensors} if manifest else {}
+    if meta.get("kind") == "delta":
+        counts = json.loads(meta.get("counts", "{}"))
+        print(f"  {len(counts)} changed tensors, {sum(counts.values()):,} changed elements")
+        for name, c in counts.items():
+            dens = f"{c / numel[name]:8.3%}" if name in numel and numel[name] else "       ?"
+            parts = ", ".join(f"{k.rpartition(':')[2]} {v['dtype']}{v['shape']}" for k, v in header.items()
+                              if k.rpartition(":")[0] == name)
+            print(f"    {name:<60s} {c:>12,} {dens}  [{parts}]")
+    else:
+        slices = json.loads(meta.get("slices", "{}"))
+        print(f"  {len(header)} tensors")
+        for name, v in header.items():
+            s = slices.get(name, {})
+            print(f"    {name:<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {s.get('offsets')}")
+    return 0
+
+
+def _print_manifest(m) -> None:
+    print(f"version {m.version} ({m.kind}, base {m.base_version}, anchor {m.anchor_version}), codec {m.codec}, "
+          f"{m.inference_dtype}, run {m.run_id}")
+    print(f"  {len(m.objects)} objects, {_fmt_bytes(m.nbytes)}; {m.changed:,} of {m.numel:,} elements changed "
+          f"({m.changed / max(m.numel, 1):.3%})")
+    for o in m.objects:
+        print(f"    {o.key}  {o.nbytes:,} B  sha256 {o.sha256[:16]}...")
+    for t in m.tensors:
+        print(f"    {t.name:<60s} {str(list(t.shape)):<18} changed {t.changed:>12,}  checksum {t.checksum:016x}")
+    if m.aliases:
+        print(f"  aliases: {m.aliases}")
+
+
+# --- ls ----------------------------------------------------------------------------------------
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", help="folder, file://, memory://, s3://... or hf://buckets/...")
+    p.add_argument("--prefix", default="", help="run prefix inside the store")
+
+
+@command("ls", "list the versions in a store", _store_args)
+def _ls(args: argparse.Namespace) -> int:
+    from .manifest import list_versions, load_manifest
+    from .store import open_store
+
+    store = open_store(args.store).sub(args.prefix)
+    versions = list_versions(store)
+    if not versions:
+        print(f"{store.describe()}: no versions")
+        return 0
+    print(f"{'version':>8} {'kind':<6} {'base':>6} {'bytes':>12} {'changed':>12} {'density':>8}  created")
+    for v in versions:
+        try:
+            m = load_manifest(store, v)
+        except Exception as e:  # noqa: BLE001 - one bad manifest should not hide the rest
+            print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {e}")
+            continue
+        base = "" if m.base_version is None else str(m.base_version)
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at)) if m.created_at else ""
+        print(f"{v:>8} {m.kind:<6} {base:>6} {m.nbytes:>12,} {m.changed:>12,} {m.changed / max(m.numel, 1):>8.3%}  {created}")
+    return 0
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+def _verify_args(p: argparse.ArgumentParser) -> None:
+    _store_args(p)
+    p.add_argument("--from-version", type=int, default=None, help="first version to check (default: oldest)")
+
+
+@command("verify", "replay every version and check every checksum", _verify_args)
+def _verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from .manifest import list_versions, load_manifest
+    from .receiver import DeltaReceiver
+    from .store import open_store
+
+    store = open_store(args.store).sub(args.prefix)
+    versions = list_versions(store)
+    if args.from_version is not None:
+        versions = [v for v in versions if v >= args.from_version]
+    if not versions:
+        print(f"{store.describe()}: no versions to verify")
+        return 1
+    first = load_manifest(store, versions[-1])
+    state = {t.name: torch.zeros(t.shape, dtype=first.inference_dtype) for t in first.tensors}
+    receiver = DeltaReceiver(state, store)
+    failures = 0
+    for v in versions:
+        try:
+            receiver.update(v)
+            st = receiver.last_stats
+            print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B)")
+        except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
+            failures += 1
+            print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")
+    print(f"{len(versions) - failures}/{len(versions)} versions verified")
+    return 1 if failures else 0
+
+
+# --- demo --------------------------------------------------------------------------------------
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=50, help="versions to publish (one Adam step each)")
+    p.add_argument("--size", default="small", help="Qwen3 config: tiny, small, 100m, ...")
+    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--anchor-every", type=int, default=10)
+    p.add_argument("--bucket", default=None, help="local bucket folder (default: a new one under --run-dir)")
+    p.add_argument("--codec", default=None)
+    p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("demo", "train a small Qwen3 and follow it from a receiver process, bit-exactly", _demo_args)
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    ok = run_demo(steps=args.steps, size=args.size, lr=args.lr, anchor_every=args.anchor_every,
+                  bucket=args.bucket, codec=args.codec, seed=args.seed, run_dir=args.run_dir)
+    return 0 if ok else 1
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltasync", description="Lossless sparse delta weight sync.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_, add, fn) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        add(p)
+        p.set_defaults(_run=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a CLI prints a one-line error, not a traceback
+        from .errors import DeltaSyncError
+
+        if isinstance(e, (DeltaSyncError, OSError, ValueError)):
+            print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

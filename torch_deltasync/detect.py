@@ -1,0 +1,199 @@
+"""``ChangeDetector``: which elements of a tensor changed since the last *published* state.
+
+The detector keeps, per tensor, a snapshot of the bit patterns that were last published (2 bytes per
+element for bf16), on the tensor's device (fastest) or in (pinned) CPU memory. ``detect`` casts the
+live tensor to the inference dtype chunk by chunk into a reused buffer, compares the integer bit
+views with the snapshot and returns the changed positions and their new values. ``commit`` advances
+the snapshot only once the version carrying those changes is visible, so deltas are always relative
+to what receivers can have (DESIGN invariant 4): a failed or skipped publish is folded into the next.
+
+Why bit views: ``-0.0 == 0.0`` and ``NaN != NaN`` make a float comparison lose a sign flip or report
+every NaN as changed forever; comparing ``view(torch.int16)`` sees exactly the bytes a receiver holds.
+
+Why chunks: the naive ``(x.to(bf16).view(i16) != snap).nonzero()`` allocates a cast copy and a mask
+of the whole tensor; reusing 4M-element buffers halves its time on CPU (research/baselines.md §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._dtypes import as_dtype, bits, int_view_dtype
+
+__all__ = ["Changes", "ChangeDetector"]
+
+
+@dataclass(frozen=True)
+class Changes:
+    """The changed elements of one tensor (or one local shard of it).
+
+    Attributes:
+        positions: int64 ``(k,)``, sorted, unique flat positions into the tensor the detector saw
+            (local shard positions for a sharded sender; see :class:`~torch_deltasync.layout.TensorSlice`).
+        values: ``(k,)`` new values in the inference dtype, on the tensor's device.
+        old_values: ``(k,)`` the published values at the same positions (inference dtype).
+    """
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    old_values: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.positions.numel()
+
+
+class ChangeDetector:
+    """Bit-exact change detection against a snapshot of the last published state.
+
+    Args:
+        inference_dtype: dtype receivers serve (``torch.bfloat16`` default; fp16, fp32, fp64 and
+            fp8 work the same way through integer views of their width).
+        snapshot_device: where snapshots live. ``None``: on each tensor's own device (fastest,
+            costs ``element_size`` bytes per element there). ``"cpu"``: host memory, pinned when
+            CUDA is available so chunks stream to the device asynchronously.
+        chunk_numel: elements compared per step (bounds temporary memory to ~3 bytes x chunk for
+            bf16). ``None``: 4M on CPU, 64M on accelerators.
+
+    Example:
+        >>> det = ChangeDetector()
+        >>> w = torch.randn(1000)
+        >>> det.reset("w", w)                  # snapshot = w.to(bf16)
+        >>> w[3] += 1.0
+        >>> ch = det.detect("w", w)
+        >>> ch.positions
+        tensor([3])
+        >>> det.commit("w", ch)                # after the version is visible
+    """
+
+    def __init__(
+        self,
+        *,
+        inference_dtype: torch.dtype | str = torch.bfloat16,
+        snapshot_device: torch.device | str | None = None,
+        chunk_numel: int | None = None,
+    ) -> None:
+        self.dtype = as_dtype(inference_dtype)
+        self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        self.chunk_numel = chunk_numel
+        self._snap: dict[str, torch.Tensor] = {}  # name -> flat integer bit view
+        self._buf: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # --- snapshots -------------------------------------------------------------------------------
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._snap
+
+    def names(self) -> list[str]:
+        return list(self._snap)
+
+    def snapshot(self, name: str) -> torch.Tensor:
+        """The published values of ``name``, flat, in the inference dtype (a view; do not modify)."""
+        return self._snap[name].view(self.dtype)
+
+    def snapshot_nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self._snap.values())
+
+    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A new flat copy of ``tensor`` in the inference dtype (used for anchors)."""
+        return tensor.detach().reshape(-1).to(self.dtype, copy=True)
+
+    def reset(self, name: str, tensor: torch.Tensor | None = None, *, cast: torch.Tensor | None = None) -> None:
+        """Make the snapshot of ``name`` equal to ``tensor`` cast to the inference dtype.
+
+        Pass ``cast`` (a flat tensor already in the inference dtype, e.g. the anchor just
+        published) to adopt it without another copy when it lives where snapshots should.
+        """
+        if cast is None:
+            cast = self.cast(tensor)
+        device = self.snapshot_device or cast.device
+        snap = bits(cast.reshape(-1))
+        if snap.device != device:
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            host = torch.empty(snap.shape, dtype=snap.dtype, device=device, pin_memory=pin)
+            host.copy_(snap)
+            snap = host
+        self._snap[name] = snap
+
+    def drop(self, name: str | None = None) -> None:
+        """Forget the snapshot of ``name`` (or all of them)."""
+        if name is None:
+            self._snap.clear()
+            self._buf.clear()
+        else:
+            self._snap.pop(name, None)
+
+    # --- detection -------------------------------------------------------------------------------
+
+    def _buffers(self, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self._buf.get(device)
+        if buf is None or buf[0].numel() < n:
+            buf = (torch.empty(n, dtype=self.dtype, device=device), torch.empty(n, dtype=torch.bool, device=device))
+            self._buf[device] = buf
+        return buf
+
+    def detect(self, name: str, tensor: torch.Tensor) -> Changes:
+        """Compare ``tensor`` (any floating dtype, any layout) with the snapshot of ``name``.
+
+        Args:
+            name: the snapshot to compare against (must have been :meth:`reset`).
+            tensor: the live tensor, same number of elements as the snapshot. Non-contiguous
+                tensors are copied once to a contiguous layout (row-major order).
+
+        Returns:
+            :class:`Changes` with positions in row-major order of ``tensor``.
+
+        Raises:
+            KeyError: no snapshot for ``name``.
+            ValueError: the element count differs from the snapshot.
+        """
+        snap = self._snap[name]
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        flat = src.view(-1)
+        n = flat.numel()
+        if n != snap.numel():
+            raise ValueError(f"{name}: tensor has {n} elements, snapshot has {snap.numel()}")
+        device = flat.device
+        chunk = self.chunk_numel or (1 << 22 if device.type == "cpu" else 1 << 26)
+        chunk = max(1, min(chunk, n))
+        same_dtype = flat.dtype == self.dtype
+        cast_buf, mask_buf = self._buffers(device, chunk)
+        positions, values = [], []
+        for a in range(0, n, chunk):
+            m = min(chunk, n - a)
+            if same_dtype:
+                cur = flat[a : a + m]
+            else:
+                cur = cast_buf[:m]
+                cur.copy_(flat[a : a + m])
+            ref = snap[a : a + m]
+            if ref.device != device:
+                ref = ref.to(device, non_blocking=True)
+            mask = mask_buf[:m]
+            torch.ne(bits(cur), ref, out=mask)
+            idx = mask.nonzero().squeeze(1)
+            if idx.numel():
+                positions.append(idx + a)
+                values.append(cur[idx])
+        if positions:
+            pos = torch.cat(positions)
+            val = torch.cat(values)
+        else:
+            pos = torch.empty(0, dtype=torch.int64, device=device)
+            val = torch.empty(0, dtype=self.dtype, device=device)
+        old = snap[pos.to(snap.device)].view(self.dtype).to(device)
+        return Changes(pos, val, old)
+
+    def commit(self, name: str, changes: Changes) -> None:
+        """Advance the snapshot of ``name`` by ``changes`` (call once their version is visible)."""
+        snap = self._snap[name]
+        if changes.numel:
+            snap.index_copy_(0, changes.positions.to(snap.device), bits(changes.values).to(snap.device))
+
+    @property
+    def int_dtype(self) -> torch.dtype:
+        return int_view_dtype(self.dtype)

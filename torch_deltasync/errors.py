@@ -1,0 +1,64 @@
+"""All errors raised by torch_deltasync.
+
+Every error subclasses :class:`DeltaSyncError` *and* the builtin it refines, so callers can write
+``except torch_deltasync.DeltaSyncError`` to catch everything from this library, or keep catching
+``ValueError`` / ``FileNotFoundError`` / ``OSError`` as they would for any other library.
+
+Messages name the store key, tensor, version and bad value where they exist, and say what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeltaSyncError",
+    "CorruptObjectError",
+    "ChecksumMismatchError",
+    "VersionNotFoundError",
+    "IncompatibleTargetError",
+    "UnsupportedLayoutError",
+    "StoreError",
+    "PublishError",
+    "ObjectNotFoundError",
+]
+
+
+class DeltaSyncError(Exception):
+    """Base class of every error raised by torch_deltasync."""
+
+
+class CorruptObjectError(DeltaSyncError, ValueError):
+    """A store object or manifest is malformed, truncated, tampered with or malicious.
+
+    Raised before any live parameter changes. Typical causes: a sha256 or size that does not match
+    the manifest, an index out of range, unsorted or duplicate indices, a wrong dtype or shape, a
+    key that escapes the run prefix, or an unknown format version.
+    """
+
+
+class ChecksumMismatchError(CorruptObjectError):
+    """The state a version would produce does not match the per-tensor checksum in its manifest."""
+
+
+class VersionNotFoundError(DeltaSyncError, FileNotFoundError):
+    """A requested version (or any version at all) is not visible in the store, or no longer retained."""
+
+
+class IncompatibleTargetError(DeltaSyncError, ValueError):
+    """The receiving model does not match the published tensors (unknown name, shape or dtype)."""
+
+
+class UnsupportedLayoutError(DeltaSyncError, NotImplementedError):
+    """A tensor layout the library does not understand (e.g. a ``Partial`` DTensor placement,
+    quantized or repacked weights). Refused before anything is read or written."""
+
+
+class StoreError(DeltaSyncError, OSError):
+    """A store operation failed. The message names the store, the key and the cause."""
+
+
+class PublishError(DeltaSyncError, RuntimeError):
+    """Publishing a version failed. No partial version is visible; the next publish recovers."""
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """A key does not exist in the store."""

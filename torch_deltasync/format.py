@@ -1,0 +1,253 @@
+"""Anchor and delta objects: safetensors files with strict validation on read.
+
+Only safetensors and JSON are ever read from a store (never pickle). An object is checked in this
+order before any tensor leaves this module:
+
+1. its size and sha256 against the manifest (:func:`verify_bytes`);
+2. the safetensors header: length below :data:`MAX_HEADER_BYTES` and inside the object, valid JSON,
+   string-only ``__metadata__`` that names this format, kind, version and rank;
+3. the tensors (parsed by ``safetensors`` itself, which bounds-checks offsets and dtypes), their
+   names against the manifest, and (for deltas) every part through the codec's validating decoder.
+
+Object layouts (``docs/format.md`` is the full specification):
+
+* **anchor**: one tensor per model tensor, named as in HF, holding this rank's block of the full
+  tensor in the inference dtype; ``__metadata__["slices"]`` is a JSON map
+  ``{name: {"offsets": [...], "shape": [...]}}`` giving the block's place in the full tensor.
+* **delta**: for each changed tensor, the codec's parts as ``<name>:<part>``;
+  ``__metadata__["counts"]`` is a JSON map ``{name: changed elements in this object}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Mapping
+
+import torch
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+from ._dtypes import dtype_name
+from .codec import TensorDelta, get_codec
+from .errors import CorruptObjectError
+from .layout import TensorSlice
+from .manifest import FORMAT, FORMAT_VERSION, Manifest, ObjectEntry
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "encode_anchor",
+    "decode_anchor",
+    "encode_delta",
+    "decode_delta",
+    "read_header",
+    "verify_bytes",
+    "sha256_hex",
+]
+
+#: Largest safetensors header we accept (bytes). The header lists every tensor (~150 B each).
+MAX_HEADER_BYTES = 64 << 20
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def verify_bytes(data: bytes, entry: ObjectEntry, where: str) -> None:
+    """Check an object's size and sha256 against its manifest entry.
+
+    Raises:
+        CorruptObjectError: size or digest differ (truncated, corrupted or replaced object).
+    """
+    if len(data) != entry.nbytes:
+        raise CorruptObjectError(f"{where}: {entry.key} is {len(data)} bytes, manifest says {entry.nbytes}")
+    digest = sha256_hex(data)
+    if digest != entry.sha256:
+        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {digest}, manifest says {entry.sha256}")
+
+
+def _metadata(kind: str, version: int, rank: int, world: int, dtype: torch.dtype, extra: dict) -> dict[str, str]:
+    meta = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "kind": kind,
+        "version": str(version),
+        "rank": str(rank),
+        "world": str(world),
+        "inference_dtype": dtype_name(dtype),
+    }
+    meta.update({k: json.dumps(v, separators=(",", ":")) for k, v in extra.items()})
+    return meta
+
+
+def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str]]:
+    """Parse and bound-check a safetensors header without touching tensor data.
+
+    Returns:
+        ``(tensor_index, metadata)``: the header's tensor entries and its ``__metadata__``.
+
+    Raises:
+        CorruptObjectError: truncated object, oversized or non-JSON header, non-string metadata.
+    """
+    if len(data) < 8:
+        raise CorruptObjectError(f"{where}: {len(data)} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+        raise CorruptObjectError(
+            f"{where}: safetensors header of {n} bytes is larger than the object ({len(data)} bytes) "
+            f"or the {MAX_HEADER_BYTES}-byte limit"
+        )
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptObjectError(f"{where}: safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptObjectError(f"{where}: safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CorruptObjectError(f"{where}: __metadata__ must map strings to strings")
+    return header, meta
+
+
+def _load(data: bytes, manifest: Manifest, entry: ObjectEntry, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    where = f"version {manifest.version} object {entry.key}"
+    _, meta = read_header(data, where)
+    expected = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "kind": kind,
+                "version": str(manifest.version), "rank": str(entry.rank), "world": str(entry.world),
+                "inference_dtype": dtype_name(manifest.inference_dtype)}
+    for k, v in expected.items():
+        if meta.get(k) != v:
+            raise CorruptObjectError(f"{where}: metadata {k}={meta.get(k)!r}, expected {v!r}")
+    try:
+        tensors = _st_load(bytes(data))
+    except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError and others
+        raise CorruptObjectError(f"{where}: unreadable safetensors data: {e}") from None
+    return tensors, meta
+
+
+def _json_meta(meta: Mapping[str, str], key: str, where: str) -> dict:
+    try:
+        value = json.loads(meta.get(key, "{}"))
+    except ValueError:
+        raise CorruptObjectError(f"{where}: metadata {key!r} is not JSON") from None
+    if not isinstance(value, dict):
+        raise CorruptObjectError(f"{where}: metadata {key!r} must be a JSON object")
+    return value
+
+
+# --- anchors ---------------------------------------------------------------------------------------
+
+
+def encode_anchor(
+    blocks: Mapping[str, tuple[torch.Tensor, TensorSlice]],
+    *,
+    version: int,
+    dtype: torch.dtype,
+    rank: int = 0,
+    world: int = 1,
+) -> bytes:
+    """Serialize one rank's anchor object.
+
+    Args:
+        blocks: ``{name: (block, slice)}``: ``block`` is this rank's part of the tensor in the
+            inference dtype (CPU or device; copied to CPU), shaped ``slice.shape``.
+        version, rank, world: recorded in the metadata and checked on read.
+    """
+    tensors = {name: t.detach().to("cpu").contiguous().reshape(s.shape) for name, (t, s) in blocks.items()}
+    slices = {name: s.to_json() for name, (_, s) in blocks.items()}
+    return _st_save(tensors, metadata=_metadata("anchor", version, rank, world, dtype, {"slices": slices}))
+
+
+def decode_anchor(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str, tuple[TensorSlice, torch.Tensor]]:
+    """Read one verified anchor object of ``manifest``.
+
+    Returns:
+        ``{name: (slice, block)}`` with ``block`` shaped ``slice.shape`` in the inference dtype.
+
+    Raises:
+        CorruptObjectError: unknown tensor names, a block whose dtype or shape disagrees with its
+            slice or the manifest, or a slice outside the tensor.
+    """
+    where = f"version {manifest.version} object {entry.key}"
+    tensors, meta = _load(data, manifest, entry, "anchor")
+    slices = _json_meta(meta, "slices", where)
+    specs = manifest.tensor_map()
+    if set(slices) != set(tensors):
+        raise CorruptObjectError(f"{where}: tensors and slice metadata name different tensors")
+    out = {}
+    for name, block in tensors.items():
+        if name not in specs:
+            raise CorruptObjectError(f"{where}: tensor {name!r} is not in the manifest")
+        s = TensorSlice.from_json(slices[name], specs[name].shape)
+        if block.dtype != manifest.inference_dtype or tuple(block.shape) != s.shape:
+            raise CorruptObjectError(
+                f"{where}: tensor {name!r} is {block.dtype} {tuple(block.shape)}, expected "
+                f"{manifest.inference_dtype} {s.shape}"
+            )
+        out[name] = (s, block)
+    return out
+
+
+# --- deltas ----------------------------------------------------------------------------------------
+
+
+def encode_delta(
+    parts: Mapping[str, Mapping[str, torch.Tensor]],
+    counts: Mapping[str, int],
+    *,
+    version: int,
+    base_version: int,
+    codec: str,
+    dtype: torch.dtype,
+    rank: int = 0,
+    world: int = 1,
+) -> bytes:
+    """Serialize one rank's delta object.
+
+    Args:
+        parts: ``{name: {part: tensor}}`` as returned by the codec's ``encode``.
+        counts: ``{name: changed elements}`` for the tensors in ``parts``.
+    """
+    tensors = {f"{name}:{p}": t.contiguous() for name, ps in parts.items() for p, t in ps.items()}
+    meta = _metadata("delta", version, rank, world, dtype, {"counts": dict(counts)})
+    meta["base_version"] = str(base_version)
+    meta["codec"] = codec
+    return _st_save(tensors, metadata=meta)
+
+
+def decode_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str, TensorDelta]:
+    """Read and validate one verified delta object of ``manifest``.
+
+    Returns:
+        ``{name: TensorDelta}`` for the tensors this object changes (global flat positions).
+
+    Raises:
+        CorruptObjectError: unknown tensor names or parts, counts that disagree, or anything the
+            codec's decoder rejects (out-of-range, unsorted or duplicate indices, wrong dtypes).
+    """
+    where = f"version {manifest.version} object {entry.key}"
+    tensors, meta = _load(data, manifest, entry, "delta")
+    if meta.get("codec") != manifest.codec or meta.get("base_version") != str(manifest.base_version):
+        raise CorruptObjectError(f"{where}: codec/base_version metadata disagree with the manifest")
+    counts = _json_meta(meta, "counts", where)
+    specs = manifest.tensor_map()
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, sep, part = key.rpartition(":")
+        if not sep or name not in specs:
+            raise CorruptObjectError(f"{where}: entry {key!r} names no tensor of the manifest")
+        grouped.setdefault(name, {})[part] = t
+    if set(counts) != set(grouped):
+        raise CorruptObjectError(f"{where}: counts metadata and tensors name different tensors")
+    codec = get_codec(manifest.codec)
+    out = {}
+    for name, ps in grouped.items():
+        count = counts[name]
+        if type(count) is not int or not 0 <= count <= specs[name].numel:
+            raise CorruptObjectError(f"{where}: bad count {count!r} for {name!r}")
+        try:
+            out[name] = codec.decode(ps, numel=specs[name].numel, count=count, dtype=manifest.inference_dtype)
+        except CorruptObjectError as e:
+            raise CorruptObjectError(f"{where}: tensor {name!r}: {e}") from None
+    return out

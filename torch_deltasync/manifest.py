@@ -1,0 +1,342 @@
+"""The version manifest (JSON) and the bucket key layout (format 1).
+
+Layout under a run's prefix (``docs/format.md`` has the full specification)::
+
+    objects/<version:012d>/anchor-r<rank:05d>-of<world:05d>.safetensors
+    objects/<version:012d>/delta-r<rank:05d>-of<world:05d>.safetensors
+    versions/<version:012d>.json      # the manifest, written last, immutable
+    LATEST                            # advisory pointer to the newest version
+
+A version exists for readers exactly when its manifest exists. Manifests are parsed from untrusted
+bytes: :meth:`Manifest.from_json` checks every field's type and range and every object key before
+anything else looks at it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ._dtypes import dtype_from_name, dtype_name
+from .checksum import format_checksum, parse_checksum
+from .codec import codec_names
+from .errors import CorruptObjectError
+from .store.base import check_key
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Manifest",
+    "ObjectEntry",
+    "TensorEntry",
+    "object_key",
+    "manifest_key",
+    "LATEST_KEY",
+    "VERSIONS_DIR",
+    "parse_manifest_key",
+    "list_versions",
+    "load_manifest",
+]
+
+FORMAT = "torch_deltasync"
+FORMAT_VERSION = 1
+LATEST_KEY = "LATEST"
+VERSIONS_DIR = "versions"
+
+#: Largest manifest we parse (bytes). A 1T-parameter model has ~10^5 tensors at ~200 B each.
+MAX_MANIFEST_BYTES = 256 << 20
+#: Largest version number (fits the 12-digit key field).
+MAX_VERSION = 10**12 - 1
+
+Kind = Literal["anchor", "delta"]
+_MANIFEST_RE = re.compile(r"^versions/(\d{12})\.json$")
+_OBJECT_RE = re.compile(r"^objects/(\d{12})/(anchor|delta)-r(\d{5})-of(\d{5})\.safetensors$")
+
+
+def object_key(version: int, kind: Kind, rank: int = 0, world: int = 1) -> str:
+    """Key of one rank's object of a version, relative to the run prefix."""
+    return f"objects/{version:012d}/{kind}-r{rank:05d}-of{world:05d}.safetensors"
+
+
+def manifest_key(version: int) -> str:
+    """Key of a version's manifest, relative to the run prefix."""
+    return f"{VERSIONS_DIR}/{version:012d}.json"
+
+
+def list_versions(store) -> list[int]:
+    """Every version whose manifest is visible in ``store`` (a run's prefix), ascending."""
+    return sorted(v for v in (parse_manifest_key(k) for k in store.list(VERSIONS_DIR)) if v is not None)
+
+
+def load_manifest(store, version: int) -> "Manifest":
+    """Read and validate the manifest of ``version`` from ``store`` (a run's prefix).
+
+    Raises:
+        VersionNotFoundError: the version is not visible (never published or not retained).
+        CorruptObjectError: the manifest is malformed.
+        StoreError: the store failed.
+    """
+    from .errors import ObjectNotFoundError, VersionNotFoundError
+
+    if type(version) is not int or not 0 <= version <= MAX_VERSION:
+        raise VersionNotFoundError(f"{store.describe()}: invalid version {version!r}")
+    try:
+        data = store.get(manifest_key(version))
+    except ObjectNotFoundError:
+        raise VersionNotFoundError(f"{store.describe()}: version {version} is not visible") from None
+    return Manifest.from_json(data, expected_version=version)
+
+
+def parse_manifest_key(key: str) -> int | None:
+    """The version named by a manifest key, or ``None`` for any other key."""
+    m = _MANIFEST_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """One stored object of a version.
+
+    Attributes:
+        key: key relative to the run prefix (``objects/<v>/<kind>-r<rank>-of<world>.safetensors``).
+        nbytes: exact object size in bytes.
+        sha256: lower-case hex digest of the object bytes.
+        rank, world: the sender rank that wrote it and the sender world size.
+    """
+
+    key: str
+    nbytes: int
+    sha256: str
+    rank: int = 0
+    world: int = 1
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "nbytes": self.nbytes, "sha256": self.sha256,
+                "rank": self.rank, "world": self.world}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the model in HF naming.
+
+    Attributes:
+        name: HF state-dict name (``model.layers.0.self_attn.q_proj.weight``).
+        shape: full (unsharded) shape in HF layout.
+        checksum: :mod:`~torch_deltasync.checksum` value of the whole tensor in the inference dtype
+            *after* this version.
+        changed: elements whose bit pattern changed relative to the base version (for anchors:
+            relative to the previous published state when known, else ``numel``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    checksum: int
+    changed: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape),
+                "checksum": format_checksum(self.checksum), "changed": self.changed}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a receiver needs to know about one version.
+
+    Attributes:
+        version: this version's number (``0 <= version <= MAX_VERSION``).
+        kind: ``"anchor"`` (full weights) or ``"delta"`` (changes relative to ``base_version``).
+        base_version: the version a delta applies to (``None`` for anchors).
+        anchor_version: the anchor this version's chain starts from (itself for anchors).
+        codec: name of the codec of the delta objects (``"raw"``; anchors are always dense).
+        inference_dtype: dtype of every shipped value.
+        run_id: identifies the writer session (a new writer on the same prefix gets a new one).
+        tensors: every tensor of the model, in publish order.
+        objects: every object of this version.
+        aliases: tied names, ``{alias: canonical}``: the alias holds the same tensor and is not shipped.
+        stats: informational numbers (changed elements, bytes, timings); never trusted for safety.
+        created_at: Unix time in seconds.
+    """
+
+    version: int
+    kind: Kind
+    base_version: int | None
+    anchor_version: int
+    codec: str
+    inference_dtype: torch.dtype
+    run_id: str
+    tensors: tuple[TensorEntry, ...]
+    objects: tuple[ObjectEntry, ...]
+    aliases: dict[str, str] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+
+    # --- derived ---------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of this version's objects."""
+        return sum(o.nbytes for o in self.objects)
+
+    @property
+    def numel(self) -> int:
+        """Total elements of the model."""
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def changed(self) -> int:
+        return sum(t.changed for t in self.tensors)
+
+    def tensor_map(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    # --- wire form -------------------------------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "version": self.version,
+            "kind": self.kind,
+            "base_version": self.base_version,
+            "anchor_version": self.anchor_version,
+            "codec": self.codec,
+            "inference_dtype": dtype_name(self.inference_dtype),
+            "run_id": self.run_id,
+            "created_at": self.created_at,
+            "objects": [o.to_json() for o in self.objects],
+            "tensors": [t.to_json() for t in self.tensors],
+            "aliases": dict(self.aliases),
+            "stats": self.stats,
+        }
+        return json.dumps(doc, indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, expected_version: int | None = None) -> "Manifest":
+        """Parse and validate untrusted manifest bytes.
+
+        Args:
+            data: the manifest object's bytes.
+            expected_version: the version its key names; a manifest claiming another is refused.
+
+        Raises:
+            CorruptObjectError: anything malformed: not JSON, unknown format or format version,
+                wrong types, negative sizes, keys escaping the prefix or not belonging to this
+                version, duplicate tensor names, a delta without a valid base, and so on.
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CorruptObjectError(f"manifest is {len(data)} bytes, above the {MAX_MANIFEST_BYTES} limit")
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptObjectError(f"manifest is not valid JSON: {e}") from None
+        where = f"manifest of version {expected_version}" if expected_version is not None else "manifest"
+        try:
+            return cls._from_doc(doc, expected_version)
+        except CorruptObjectError as e:
+            raise CorruptObjectError(f"{where}: {e}") from None
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            raise CorruptObjectError(f"{where}: malformed field ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_doc(cls, doc: Any, expected_version: int | None) -> "Manifest":
+        if not isinstance(doc, dict):
+            raise CorruptObjectError("top level is not an object")
+        if doc.get("format") != FORMAT:
+            raise CorruptObjectError(f"unknown format {doc.get('format')!r} (expected {FORMAT!r})")
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise CorruptObjectError(
+                f"unsupported format_version {doc.get('format_version')!r}; this torch_deltasync "
+                f"reads format {FORMAT_VERSION}. Upgrade torch_deltasync to read newer runs."
+            )
+        version = _int(doc["version"], "version", 0, MAX_VERSION)
+        if expected_version is not None and version != expected_version:
+            raise CorruptObjectError(f"claims version {version}, stored as version {expected_version}")
+        kind = doc["kind"]
+        if kind not in ("anchor", "delta"):
+            raise CorruptObjectError(f"unknown kind {kind!r}")
+        anchor_version = _int(doc["anchor_version"], "anchor_version", 0, version)
+        if kind == "anchor":
+            if doc.get("base_version") is not None or anchor_version != version:
+                raise CorruptObjectError("an anchor has no base_version and is its own anchor_version")
+            base = None
+        else:
+            base = _int(doc["base_version"], "base_version", 0, version - 1)
+            if anchor_version > base:
+                raise CorruptObjectError(f"anchor_version {anchor_version} is after base_version {base}")
+        codec = doc["codec"]
+        if codec not in codec_names():
+            raise CorruptObjectError(f"unknown codec {codec!r}; this reader knows {codec_names()}")
+        dtype = dtype_from_name(doc["inference_dtype"])
+        run_id = doc.get("run_id", "")
+        if not isinstance(run_id, str):
+            raise CorruptObjectError("run_id must be a string")
+
+        objects = []
+        seen_keys = set()
+        for o in _list(doc["objects"], "objects"):
+            key = check_key(o["key"])
+            m = _OBJECT_RE.match(key)
+            if not m or int(m.group(1)) != version or m.group(2) != kind:
+                raise CorruptObjectError(f"object key {key!r} does not belong to {kind} version {version}")
+            rank, world = _int(o["rank"], "rank", 0, 99999), _int(o["world"], "world", 1, 99999)
+            if (int(m.group(3)), int(m.group(4))) != (rank, world) or rank >= world:
+                raise CorruptObjectError(f"object key {key!r} does not match rank {rank} of {world}")
+            sha = o["sha256"]
+            if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+                raise CorruptObjectError(f"bad sha256 {sha!r} for {key!r}")
+            if key in seen_keys:
+                raise CorruptObjectError(f"duplicate object {key!r}")
+            seen_keys.add(key)
+            objects.append(ObjectEntry(key, _int(o["nbytes"], "nbytes", 0, 1 << 50), sha, rank, world))
+        if not objects:
+            raise CorruptObjectError("no objects")
+
+        tensors = []
+        names = set()
+        for t in _list(doc["tensors"], "tensors"):
+            name = t["name"]
+            if not isinstance(name, str) or not name or len(name) > 1024 or name in names:
+                raise CorruptObjectError(f"bad or duplicate tensor name {name!r}")
+            names.add(name)
+            shape = tuple(_int(s, f"shape of {name}", 0, 1 << 48) for s in _list(t["shape"], "shape"))
+            if len(shape) > 8:
+                raise CorruptObjectError(f"tensor {name!r} has {len(shape)} dims (at most 8)")
+            entry = TensorEntry(name, shape, parse_checksum(t["checksum"]), 0)
+            changed = _int(t.get("changed", 0), f"changed of {name}", 0, entry.numel)
+            tensors.append(TensorEntry(name, shape, entry.checksum, changed))
+        aliases = doc.get("aliases", {})
+        if not isinstance(aliases, dict) or not all(
+            isinstance(a, str) and isinstance(c, str) and c in names and a not in names
+            for a, c in aliases.items()
+        ):
+            raise CorruptObjectError("aliases must map unshipped names to shipped tensor names")
+        stats = doc.get("stats", {})
+        created = doc.get("created_at", 0.0)
+        return cls(
+            version=version, kind=kind, base_version=base, anchor_version=anchor_version,
+            codec=codec, inference_dtype=dtype, run_id=run_id, tensors=tuple(tensors),
+            objects=tuple(objects), aliases=dict(aliases),
+            stats=stats if isinstance(stats, dict) else {},
+            created_at=float(created) if isinstance(created, (int, float)) else 0.0,
+        )
+
+
+def _int(v: Any, what: str, lo: int, hi: int) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise CorruptObjectError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _list(v: Any, what: str) -> list:
+    if not isinstance(v, list):
+        raise CorruptObjectError(f"{what} must be a list, got {type(v).__name__}")
+    return v

@@ -1,0 +1,548 @@
+"""``DeltaReceiver``: plan, download, validate, stage, verify, then apply in place.
+
+An update from the version a receiver holds to a target version ``T`` (the newest by default):
+
+1. **plan** (:meth:`DeltaReceiver.plan`): walk the manifests back from ``T`` along ``base_version``
+   links until reaching the version held (a *delta path*) or an anchor (an *anchor path*); when the
+   delta path is larger than the model, take the anchor path if it is cheaper. A receiver that holds
+   nothing, is ahead of ``T``, or is off ``T``'s chain (e.g. after a writer restart) takes the anchor
+   path. Manifests are immutable and cached.
+2. **download** every object of the plan in parallel and check its size and sha256;
+3. **decode and validate** every object (names, shapes, dtypes, index ranges and order);
+4. **stage** the result without touching the target: per changed tensor the union of positions with
+   their final values (delta path), or full tensors rebuilt from the anchor blocks (anchor path);
+5. **verify** the per-tensor checksums of the state this would produce against ``T``'s manifest. For
+   a delta path this costs ``O(changed elements)``: ``C' = C - partial(old) + partial(new)``. A
+   mismatch on a delta path falls back to the anchor path once; a mismatch there raises.
+6. **apply** in place (``index_copy_`` for deltas, ``copy_`` for anchors).
+
+So a receiver serves version ``v-1`` or version ``v``, never a mix (DESIGN invariant 2): nothing is
+written before step 6, and step 6 cannot fail on validated input. Should it fail anyway (e.g. out of
+device memory), the receiver marks its state unknown and the next update takes the anchor path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .checksum import checksum, combine, tensor_checksum
+from .codec import TensorDelta
+from .errors import ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
+from .format import decode_anchor, decode_delta, verify_bytes
+from .manifest import LATEST_KEY, MAX_VERSION, Manifest, list_versions, load_manifest, manifest_key
+from .store import Store, open_store
+from .targets import ModuleTarget, Target
+
+__all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "UpdateStats"]
+
+log = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One version to download and apply, and why."""
+
+    version: int
+    kind: str
+    nbytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How a receiver gets from ``from_version`` to ``to_version``.
+
+    Attributes:
+        from_version: the version held now (``None``: nothing held yet).
+        to_version: the version it will hold.
+        path: ``"noop"``, ``"delta"`` (from the version held) or ``"anchor"`` (from an anchor).
+        steps: the versions to apply, oldest first.
+    """
+
+    from_version: int | None
+    to_version: int
+    path: str
+    steps: tuple[PlanStep, ...]
+    manifests: tuple[Manifest, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes to download."""
+        return sum(s.nbytes for s in self.steps)
+
+    def __str__(self) -> str:
+        lines = [f"update {self.from_version} -> {self.to_version} via {self.path} path, {self.nbytes:,} bytes"]
+        lines += [f"  v{s.version:<8d} {s.kind:<6s} {s.nbytes:>14,d} B  {s.reason}" for s in self.steps]
+        return "\n".join(lines)
+
+
+@dataclass
+class UpdateStats:
+    """Numbers of one update. Times in milliseconds."""
+
+    version: int
+    from_version: int | None
+    path: str
+    versions_applied: int
+    nbytes: int  # downloaded
+    changed: int  # elements written (delta path) or elements of the model (anchor path)
+    plan_ms: float = 0.0
+    download_ms: float = 0.0
+    decode_ms: float = 0.0
+    verify_ms: float = 0.0
+    apply_ms: float = 0.0
+    total_ms: float = 0.0
+    recovered: bool = False  # a delta path failed verification and the anchor path was used
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _merge(pos_a: torch.Tensor, val_a: torch.Tensor, pos_b: torch.Tensor, val_b: torch.Tensor):
+    """Union of two sorted change sets; where both have a position, ``b`` (the later) wins."""
+    if pos_a.numel() == 0:
+        return pos_b, val_b
+    if pos_b.numel() == 0:
+        return pos_a, val_a
+    pos = torch.cat([pos_a, pos_b])
+    val = torch.cat([val_a, val_b])
+    pos, order = torch.sort(pos, stable=True)
+    val = val[order]
+    last = torch.ones_like(pos, dtype=torch.bool)
+    last[:-1] = pos[1:] != pos[:-1]  # keep the last of equal positions: b's, by stability
+    return pos[last], val[last]
+
+
+def _concat(parts: list[TensorDelta], what: str) -> TensorDelta:
+    """One tensor's changes from several rank objects (disjoint positions) as one sorted delta."""
+    if len(parts) == 1:
+        return parts[0]
+    pos = torch.cat([p.positions for p in parts])
+    val = torch.cat([p.values for p in parts])
+    steps = rel = None
+    if any(p.steps is not None for p in parts):
+        steps = torch.cat([p.steps if p.steps is not None else torch.zeros(p.numel, dtype=torch.int64) for p in parts])
+        rel = torch.cat([
+            (p.relative if p.relative is not None else torch.ones(p.numel, dtype=torch.bool))
+            if p.steps is not None else torch.zeros(p.numel, dtype=torch.bool)
+            for p in parts
+        ])
+    pos, order = torch.sort(pos)
+    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        raise CorruptObjectError(f"{what}: two objects change the same element")
+    return TensorDelta(pos, val[order], None if steps is None else steps[order], None if rel is None else rel[order])
+
+
+class DeltaReceiver:
+    """Follows a run in a store and applies its versions to a model, bit-exactly.
+
+    Args:
+        target: an ``nn.Module`` or state dict (wrapped in :class:`ModuleTarget`), or any
+            :class:`~torch_deltasync.targets.Target` (e.g. ``VLLMTarget``).
+        store: a :class:`~torch_deltasync.store.Store` or anything :func:`open_store` accepts.
+        prefix: the run's sub-path in the store (as given to the sender).
+        max_workers: parallel downloads.
+        metrics_path: append one JSON line of :class:`UpdateStats` per update.
+
+    Attributes:
+        version: the version the target holds (``None`` before the first update, or after a
+            failure that left the target's state unknown).
+
+    Example:
+        >>> receiver = DeltaReceiver(model, LocalStore("runs/x/bucket"))
+        >>> receiver.update()          # -> newest version, now held bit-exactly
+        12
+    """
+
+    def __init__(
+        self,
+        target: Target | nn.Module | Mapping[str, torch.Tensor],
+        store: Store | str,
+        *,
+        prefix: str = "",
+        max_workers: int = 8,
+        metrics_path: str | Path | None = None,
+    ) -> None:
+        self.target = target if isinstance(target, Target) else ModuleTarget(target)
+        self.store = open_store(store).sub(prefix)
+        self.max_workers = max_workers
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.version: int | None = None
+        self.last_stats: UpdateStats | None = None
+        self._checksums: dict[str, int] = {}  # full checksums of the held state (holds_all targets)
+        self._manifests: dict[int, Manifest] = {}
+        self._checked: set[tuple] = set()
+        self._lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # --- discovery -------------------------------------------------------------------------------
+
+    def manifest(self, version: int) -> Manifest:
+        """The validated manifest of ``version`` (cached; manifests are immutable).
+
+        Raises:
+            VersionNotFoundError: no such version is visible (never published, or not retained).
+            CorruptObjectError: the manifest is malformed.
+        """
+        m = self._manifests.get(version)
+        if m is not None:
+            return m
+        m = load_manifest(self.store, version)
+        if len(self._manifests) >= 512:
+            self._manifests.pop(next(iter(self._manifests)))
+        self._manifests[version] = m
+        return m
+
+    def newest_version(self) -> int | None:
+        """The newest visible version (``LATEST`` if it is current, else a listing), or ``None``."""
+        try:
+            latest = int(self.store.get(LATEST_KEY).decode().strip())
+            if (0 <= latest < MAX_VERSION and self.store.exists(manifest_key(latest))
+                    and not self.store.exists(manifest_key(latest + 1))):
+                return latest
+        except (ObjectNotFoundError, ValueError, UnicodeDecodeError):
+            pass  # LATEST is advisory: missing, stale or garbage -> list
+        versions = list_versions(self.store)
+        return versions[-1] if versions else None
+
+    def wait_for(self, version: int | None = None, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> int:
+        """Block until a version ``>= version`` (any version when ``None``) is visible; return the newest.
+
+        Raises:
+            TimeoutError: nothing new appeared within ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            newest = self.newest_version()
+            if newest is not None and (version is None or newest >= version):
+                return newest
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.store.describe()}: no version >= {version} after {timeout_s} s (newest: {newest})")
+            time.sleep(poll_s)
+
+    # --- planning --------------------------------------------------------------------------------
+
+    def plan(self, version: int | None = None, *, force_anchor: bool = False) -> UpdatePlan:
+        """Work out which versions to download to reach ``version`` (the newest when ``None``).
+
+        Raises:
+            VersionNotFoundError: no version at all, the target version is not visible, or its
+                chain needs a version that is no longer retained.
+        """
+        target = self.newest_version() if version is None else version
+        if target is None:
+            raise VersionNotFoundError(f"{self.store.describe()}: no version has been published yet")
+        if target == self.version and not force_anchor:
+            return UpdatePlan(self.version, target, "noop", ())
+        chain: list[Manifest] = []
+        delta_path: list[Manifest] | None = None
+        v = target
+        model_nbytes = None
+        while True:
+            try:
+                m = self.manifest(v)
+            except VersionNotFoundError:
+                if not chain:
+                    raise
+                raise VersionNotFoundError(
+                    f"{self.store.describe()}: version {target} needs version {v}, which is not retained; "
+                    "update to the newest version instead"
+                ) from None
+            chain.append(m)
+            if model_nbytes is None:
+                model_nbytes = m.numel * m.inference_dtype.itemsize
+            if m.kind == "anchor":
+                break
+            if delta_path is None and not force_anchor and m.base_version == self.version:
+                delta_path = list(chain)
+                if sum(x.nbytes for x in delta_path) <= model_nbytes:
+                    break  # cheaper than any anchor: stop walking
+            v = m.base_version
+        if delta_path is not None and (chain[-1].kind != "anchor" or
+                                       sum(x.nbytes for x in delta_path) <= sum(x.nbytes for x in chain)):
+            path, ms = "delta", delta_path[::-1]
+        else:
+            path, ms = "anchor", chain[::-1]
+        first_reason = (
+            "anchor: nothing held yet" if self.version is None
+            else f"anchor: version {self.version} is not on the chain of {target}" if path == "anchor" and delta_path is None
+            else "anchor: cheaper than the delta chain" if path == "anchor"
+            else f"delta on {self.version}"
+        )
+        steps = tuple(
+            PlanStep(m.version, m.kind, m.nbytes, first_reason if i == 0 else f"delta on {m.base_version}")
+            for i, m in enumerate(ms)
+        )
+        return UpdatePlan(self.version, target, path, steps, tuple(ms))
+
+    # --- update ----------------------------------------------------------------------------------
+
+    def update(self, version: int | None = None) -> int:
+        """Bring the target to ``version`` (the newest visible one when ``None``), all or nothing.
+
+        Returns:
+            The version now held.
+
+        Raises:
+            VersionNotFoundError: nothing published, or the version is not visible / retained.
+            CorruptObjectError: an object or manifest is corrupt or malicious (sha256, sizes,
+                indices, names, shapes, dtypes), and no anchor path recovers. Target unchanged.
+            ChecksumMismatchError: the state would not match the manifest's checksums, even from
+                the anchor. Target unchanged.
+            IncompatibleTargetError: the published tensors do not fit the target. Target unchanged.
+            StoreError: the store failed. Target unchanged.
+        """
+        with self._lock:
+            t0 = time.perf_counter()
+            plan = self.plan(version)
+            if plan.path == "noop":
+                return self.version  # type: ignore[return-value]
+            plan_ms = (time.perf_counter() - t0) * 1e3
+            recovered = False
+            try:
+                stats = self._run(plan)
+            except (CorruptObjectError, ObjectNotFoundError) as e:
+                if plan.path != "delta":
+                    raise
+                log.warning("delta path to version %d failed (%s); recovering from the anchor", plan.to_version, e)
+                plan = self.plan(plan.to_version, force_anchor=True)
+                stats = self._run(plan)
+                recovered = True
+            stats.plan_ms = plan_ms
+            stats.recovered = recovered
+            stats.total_ms = (time.perf_counter() - t0) * 1e3
+            self.last_stats = stats
+            if self.metrics_path is not None:
+                self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps({"event": "update", **stats.to_dict()}) + "\n")
+            return self.version  # type: ignore[return-value]
+
+    def verify(self) -> None:
+        """Recompute every tensor's checksum from the target and compare with the held version's
+        manifest (``O(model size)``; updates themselves only verify what changed).
+
+        Raises:
+            VersionNotFoundError: nothing is held.
+            ChecksumMismatchError: the target's weights differ from the published version.
+            NotImplementedError: the target holds only part of each tensor (use the combined
+                partial checksums, e.g. ``DeltaWorkerExtension``).
+        """
+        if self.version is None:
+            raise VersionNotFoundError("nothing is held yet; call update() first")
+        if not self.target.holds_all:
+            raise NotImplementedError("this target holds part of each tensor; combine partial_checksums() across ranks")
+        m = self.manifest(self.version)
+        bad = [t.name for t in m.tensors if self.target.checksum(t.name, m.inference_dtype) != t.checksum]
+        if bad:
+            raise ChecksumMismatchError(
+                f"version {self.version}: {len(bad)} tensors differ from the published checksums, e.g. {bad[:3]}"
+            )
+
+    def partial_checksums(self) -> dict[str, int]:
+        """This target's partial checksum per tensor (each element it holds counted once); partials
+        of targets that partition the elements (TP ranks) add up to the manifest's checksums."""
+        m = self.manifest(self.version) if self.version is not None else None
+        if m is None:
+            raise VersionNotFoundError("nothing is held yet; call update() first")
+        return {t.name: self.target.checksum(t.name, m.inference_dtype) for t in m.tensors}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _check_target(self, m: Manifest) -> None:
+        key = (tuple((t.name, t.shape) for t in m.tensors), tuple(sorted(m.aliases.items())), m.inference_dtype)
+        if key not in self._checked:
+            self.target.check({t.name: t.shape for t in m.tensors}, dict(m.aliases), m.inference_dtype)
+            self._checked.add(key)
+
+    def _download(self, plan: UpdatePlan) -> dict[str, bytes]:
+        entries = [(m, o) for m in plan.manifests for o in m.objects]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
+
+        def fetch(mo):
+            m, o = mo
+            data = self.store.get(o.key)
+            verify_bytes(data, o, f"version {m.version}")
+            return o.key, data
+
+        return dict(self._pool.map(fetch, entries))
+
+    def _run(self, plan: UpdatePlan) -> UpdateStats:
+        final = plan.manifests[-1]
+        shapes = {t.name: t.shape for t in final.tensors}
+        for m in plan.manifests:
+            if {t.name: t.shape for t in m.tensors} != shapes or m.inference_dtype != final.inference_dtype:
+                raise CorruptObjectError(
+                    f"version {m.version} lists other tensors or dtype than version {final.version} on the same chain"
+                )
+        self._check_target(final)
+        dtype = final.inference_dtype
+
+        t = time.perf_counter()
+        blobs = self._download(plan)
+        download_ms = (time.perf_counter() - t) * 1e3
+
+        t = time.perf_counter()
+        if plan.path == "anchor":
+            dense = self._stage_anchor(plan, blobs, shapes)
+            staged = None
+        else:
+            staged = self._stage_deltas(plan.manifests, blobs, dtype)
+            dense = None
+        del blobs
+        decode_ms = (time.perf_counter() - t) * 1e3
+
+        t = time.perf_counter()
+        new_checksums = self._verify(final, dense, staged)
+        verify_ms = (time.perf_counter() - t) * 1e3
+
+        t = time.perf_counter()
+        previous = self.version
+        self.version = None  # unknown until every write landed
+        changed = 0
+        if dense is not None:
+            for name, full in dense.items():
+                self.target.assign(name, full)
+                changed += full.numel()
+        else:
+            for name, (pos, val) in staged.items():
+                if pos.numel():
+                    self.target.write(name, pos, val)
+                    changed += pos.numel()
+        self._checksums = new_checksums
+        self.version = final.version
+        apply_ms = (time.perf_counter() - t) * 1e3
+        return UpdateStats(final.version, previous, plan.path, len(plan.manifests), plan.nbytes, changed,
+                           download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms, apply_ms=apply_ms)
+
+    def _decode_version(self, m: Manifest, blobs: dict[str, bytes]) -> dict[str, TensorDelta]:
+        """Decode every delta object of ``m`` and check the counts against the manifest."""
+        per_tensor: dict[str, list[TensorDelta]] = {}
+        for o in m.objects:
+            for name, d in decode_delta(blobs[o.key], m, o).items():
+                per_tensor.setdefault(name, []).append(d)
+        out = {}
+        for entry in m.tensors:
+            parts = per_tensor.get(entry.name, [])
+            n = sum(p.numel for p in parts)
+            if n != entry.changed:
+                raise CorruptObjectError(
+                    f"version {m.version}: tensor {entry.name!r} has {n} changes in its objects, manifest says {entry.changed}"
+                )
+            if parts:
+                out[entry.name] = _concat(parts, f"version {m.version} tensor {entry.name!r}")
+        return out
+
+    def _stage_deltas(self, manifests: tuple[Manifest, ...], blobs: dict[str, bytes], dtype: torch.dtype):
+        """Compose a delta chain into ``{name: (positions, final values)}`` without touching the target."""
+        staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        target = self.target
+        for m in manifests:
+            for name, d in self._decode_version(m, blobs).items():
+                if not target.holds_all:
+                    d = d.select(target.owned(name, d.positions))
+                if d.needs_base:
+                    d_old = self._lookup(name, staged.get(name), d.positions, dtype)
+                    new = d.resolve(d_old)
+                else:
+                    new = d.values
+                if name in staged:
+                    staged[name] = _merge(*staged[name], d.positions, new)
+                else:
+                    staged[name] = (d.positions, new)
+        return staged
+
+    def _lookup(self, name: str, staged: tuple[torch.Tensor, torch.Tensor] | None, pos: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Values at ``pos`` as of the staged state: staged values where present, else the target's."""
+        if staged is None:
+            return self.target.read(name, pos, dtype)
+        spos, sval = staged
+        out = torch.empty(pos.shape, dtype=dtype)
+        if spos.numel():
+            i = torch.searchsorted(spos, pos).clamp_(max=spos.numel() - 1)
+            hit = spos[i] == pos
+        else:
+            i = torch.zeros_like(pos)
+            hit = torch.zeros_like(pos, dtype=torch.bool)
+        out[hit] = sval[i[hit]]
+        miss = ~hit
+        if bool(miss.any()):
+            out[miss] = self.target.read(name, pos[miss], dtype)
+        return out
+
+    def _stage_anchor(self, plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tuple[int, ...]]):
+        """Rebuild full tensors from the anchor's blocks, then apply the chain's deltas to them."""
+        anchor = plan.manifests[0]
+        blocks: dict[str, list] = {}
+        for o in anchor.objects:
+            for name, sb in decode_anchor(blobs[o.key], anchor, o).items():
+                blocks.setdefault(name, []).append(sb)
+        dense: dict[str, torch.Tensor] = {}
+        for name, shape in shapes.items():
+            parts = blocks.get(name)
+            if not parts:
+                raise CorruptObjectError(f"version {anchor.version}: anchor has no data for tensor {name!r}")
+            if len(parts) == 1 and parts[0][0].is_full:
+                dense[name] = parts[0][1].reshape(shape)
+                continue
+            full = torch.empty(shape, dtype=anchor.inference_dtype)
+            cover = torch.zeros(shape, dtype=torch.int8)  # every element exactly once
+            for s, block in parts:
+                idx = tuple(slice(off, off + n) for off, n in zip(s.offsets, s.shape))
+                full[idx] = block
+                cover[idx] += 1
+            if not bool((cover == 1).all()):
+                raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap or leave gaps")
+            dense[name] = full
+        for m in plan.manifests[1:]:
+            for name, d in self._decode_version(m, blobs).items():
+                flat = dense[name].view(-1)
+                new = d.resolve(flat[d.positions]) if d.needs_base else d.values
+                flat.index_copy_(0, d.positions, new)
+        return dense
+
+    def _verify(self, final: Manifest, dense, staged) -> dict[str, int]:
+        """Checksums of the staged state; raise if they differ from ``final``'s manifest."""
+        if not self.target.holds_all:
+            return {}  # partial holders cannot see whole tensors; sha256 protected the bytes
+        new: dict[str, int] = {}
+        bad = []
+        for entry in final.tensors:
+            if dense is not None:
+                c = tensor_checksum(dense[entry.name])
+            else:
+                c = self._checksums.get(entry.name)
+                if c is None:
+                    raise CorruptObjectError(f"no checksum held for {entry.name!r}")
+                if entry.name in staged:
+                    pos, val = staged[entry.name]
+                    old = self.target.read(entry.name, pos, final.inference_dtype)
+                    c = combine(c, -checksum(old, pos) & _MASK64, checksum(val, pos))
+            if c != entry.checksum:
+                bad.append(entry.name)
+            new[entry.name] = c
+        if bad:
+            raise ChecksumMismatchError(
+                f"version {final.version}: the staged state differs from the published checksums for "
+                f"{len(bad)} tensors, e.g. {bad[:3]}; nothing was applied"
+            )
+        return new

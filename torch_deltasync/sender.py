@@ -1,0 +1,558 @@
+"""``DeltaSender``: detect -> encode -> upload -> publish, one version at a time.
+
+A publish of version ``v``:
+
+1. every rank compares its tensors (or local FSDP2 shards) with the snapshot of the last published
+   state (:class:`~torch_deltasync.detect.ChangeDetector`);
+2. encodes the changes with the codec (a delta) or casts every tensor (an anchor), writes its own
+   object ``objects/<v>/<kind>-r<rank>-of<world>.safetensors``;
+3. rank 0 gathers the small per-rank metadata (object sizes, sha256, partial checksums, counts) and
+   writes the manifest ``versions/<v>.json`` **last**, then the advisory ``LATEST`` pointer;
+4. only once the manifest is visible do the snapshots advance.
+
+If anything fails, no manifest is written, the snapshots stay at the last published state and the
+version number is burned: the next publish is a delta against the last *published* version (DESIGN
+invariant 4), so the chain that receivers follow is never broken. A new sender on a prefix that
+already holds versions continues after the newest one and starts with an anchor.
+
+With ``background=True`` the detection (which must read the live weights before the next optimizer
+step changes them) runs in ``publish()``; encoding the object, uploading and writing the manifest run
+on a worker thread. If the previous upload is still running, ``publish()`` coalesces: it returns
+``None`` and the next publish covers both steps, so uploads never queue up without bound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import torch
+from torch import nn
+
+from ._dtypes import as_dtype
+from .checksum import checksum, combine, tensor_checksum
+from .codec import get_codec
+from .detect import Changes, ChangeDetector
+from .errors import PublishError, UnsupportedLayoutError
+from .format import encode_anchor, encode_delta, sha256_hex
+from .layout import TensorSlice
+from .manifest import LATEST_KEY, Manifest, ObjectEntry, TensorEntry, list_versions, manifest_key, object_key
+from .store import Store, open_store
+
+__all__ = ["DeltaSender", "AnchorPolicy", "PublishStats", "newest_version"]
+
+log = logging.getLogger(__name__)
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnchorPolicy:
+    """When a version is an anchor (full weights) instead of a delta.
+
+    The first version of a sender is always an anchor, and so is the first one after a failed
+    anchor. Otherwise a version is an anchor when either rule fires.
+    """
+
+    every: int | None = 10
+    """Anchor when ``version - last_anchor >= every`` (versions). ``None`` or ``0``: never by cadence."""
+
+    chain_ratio: float | None = None
+    """Anchor when the bytes of the deltas published since the last anchor reach ``chain_ratio``
+    times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
+    anchors' worth). ``None``: off."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None and self.every < 0:
+            raise ValueError(f"AnchorPolicy.every must be >= 0 or None, got {self.every}")
+        if self.chain_ratio is not None and not self.chain_ratio > 0:
+            raise ValueError(f"AnchorPolicy.chain_ratio must be > 0 or None, got {self.chain_ratio}")
+
+    def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
+        if self.every and version - last_anchor >= self.every:
+            return True
+        return bool(self.chain_ratio and anchor_nbytes and chain_nbytes >= self.chain_ratio * anchor_nbytes)
+
+
+@dataclass
+class PublishStats:
+    """Numbers of one publish (all ranks summed where it says so). Times in milliseconds."""
+
+    version: int
+    kind: str
+    base_version: int | None
+    changed: int  # elements whose bits changed since the base version (all ranks)
+    numel: int  # elements of the model
+    nbytes: int  # bytes of this version's objects + manifest (all ranks)
+    full_nbytes: int  # bytes of the model in the inference dtype
+    detect_ms: float = 0.0
+    encode_ms: float = 0.0
+    upload_ms: float = 0.0
+    publish_ms: float = 0.0
+    coalesced: int = 0  # publishes skipped into this one because an upload was in flight
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.numel if self.numel else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Bytes shipped / bytes of a full copy."""
+        return self.nbytes / self.full_nbytes if self.full_nbytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["density"] = self.density
+        d["ratio"] = self.ratio
+        return d
+
+
+# --- what a rank publishes ---------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    """One tensor as this rank sees it: its local block, the block's place, and whether to upload."""
+
+    name: str
+    local: torch.Tensor
+    slice: TensorSlice
+    upload: bool = True  # False on replicas of a replicated mesh dim (another rank uploads)
+    distributed: bool = False  # a DTensor: the sender needs torch.distributed collectives
+
+
+class _Group(Protocol):
+    """The collectives a sender needs; single-process by default (FSDP2 plugs in torch.distributed)."""
+
+    rank: int
+    world: int
+
+    def gather(self, obj: Any) -> list[Any] | None: ...
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+    def any(self, flag: bool) -> bool: ...
+
+
+class _SingleProcess:
+    rank = 0
+    world = 1
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+def _tensors_of(model: Any) -> Mapping[str, torch.Tensor]:
+    if isinstance(model, nn.Module):
+        return model.state_dict(keep_vars=True)
+    if callable(model) and not isinstance(model, Mapping):
+        return model()
+    if isinstance(model, Mapping):
+        return model
+    raise TypeError(f"expected an nn.Module, a state dict or a callable returning one, got {type(model).__name__}")
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def collect_sources(model: Any) -> tuple[list[_Source], dict[str, str]]:
+    """The floating tensors of ``model`` as sources, and tied aliases ``{alias: canonical}``.
+
+    Plain tensors are whole (:meth:`TensorSlice.full`); ``DTensor`` parameters (FSDP2) are
+    described by :func:`torch_deltasync.dtensor.local_source`. Non-floating entries (integer
+    buffers) are not synced.
+    """
+    sources: list[_Source] = []
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in _tensors_of(model).items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        t = t.detach()
+        if type(t).__name__ == "DTensor":
+            from .dtensor import local_source
+
+            src = local_source(name, t)
+            key = ("dtensor", _storage_key(src.local), tuple(src.slice.global_shape))
+        else:
+            if t.is_sparse or t.layout != torch.strided:
+                raise UnsupportedLayoutError(f"tensor {name!r} has layout {t.layout}; only strided tensors sync")
+            src = _Source(name, t, TensorSlice.full(t.shape))
+            key = _storage_key(t)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        sources.append(src)
+    return sources, aliases
+
+
+def newest_version(store: Store) -> int | None:
+    """The newest version whose manifest is visible in ``store`` (a run's prefix), or ``None``."""
+    versions = list_versions(store)
+    return versions[-1] if versions else None
+
+
+# --- the sender --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    """Everything a publish needs after the live weights have been read."""
+
+    version: int
+    kind: str
+    base_version: int | None
+    anchor_version: int
+    sources: list[_Source] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    changes: dict[str, Changes] = field(default_factory=dict)
+    global_positions: dict[str, torch.Tensor] = field(default_factory=dict)
+    anchors: dict[str, torch.Tensor] = field(default_factory=dict)
+    partials: dict[str, int] = field(default_factory=dict)  # name -> local partial checksum after v
+    counts: dict[str, int] = field(default_factory=dict)  # name -> changed elements (local, uploaded)
+    stats: PublishStats | None = None
+
+
+class DeltaSender:
+    """Publishes versions of a model's weights to a store, as anchors and sparse deltas.
+
+    Args:
+        model: an ``nn.Module`` (its ``state_dict`` names, i.e. HF names for transformers models),
+            a state dict ``{name: tensor}`` of live tensors, or a callable returning one. Floating
+            tensors are synced; tied tensors (one storage under two names) are shipped once and
+            recorded as aliases. FSDP2 modules (``DTensor`` parameters) publish rank by rank.
+        store: a :class:`~torch_deltasync.store.Store` or anything :func:`open_store` accepts.
+        prefix: sub-path of the store for this run (several runs can share one store).
+        anchor_every: anchor cadence in versions (shorthand for ``AnchorPolicy(every=...)``).
+        anchor_policy: full anchor policy; overrides ``anchor_every``.
+        inference_dtype: dtype receivers serve (bf16 default; fp16, fp32 work too).
+        snapshot_device: where the last-published snapshot lives: ``None`` = each tensor's device,
+            ``"cpu"`` = (pinned) host memory. Costs ``element_size`` bytes per element.
+        codec: name of the delta codec (see :func:`torch_deltasync.codec.codec_names`).
+        background: default for ``publish(background=...)``.
+        run_id: identifies this writer in manifests (random by default).
+        metrics_path: append one JSON line of :class:`PublishStats` per published version.
+        group: collectives for sharded senders; by default a single process, or the default
+            ``torch.distributed`` group when the model holds DTensors.
+
+    Raises:
+        UnsupportedLayoutError: a tensor layout that cannot be published (e.g. ``Partial``).
+
+    Example:
+        >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), anchor_every=10)
+        >>> for step in range(100):
+        ...     train_step(model)
+        ...     v = sender.publish()          # blocks until version v is visible
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        store: Store | str,
+        *,
+        prefix: str = "",
+        anchor_every: int | None = 10,
+        anchor_policy: AnchorPolicy | None = None,
+        inference_dtype: torch.dtype | str = torch.bfloat16,
+        snapshot_device: torch.device | str | None = None,
+        codec: str = "raw",
+        background: bool = False,
+        run_id: str | None = None,
+        metrics_path: str | Path | None = None,
+        group: _Group | None = None,
+    ) -> None:
+        self.model = model
+        self.store = open_store(store).sub(prefix)
+        self.policy = anchor_policy or AnchorPolicy(every=anchor_every)
+        self.dtype = as_dtype(inference_dtype)
+        self.codec = get_codec(codec)
+        self.background = background
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=snapshot_device)
+
+        sources, _ = collect_sources(model)
+        if not sources:
+            raise ValueError("the model has no floating-point tensors to publish")
+        if group is None and any(s.distributed for s in sources):
+            from .dtensor import default_group
+
+            group = default_group()
+        self.group: _Group = group or _SingleProcess()
+
+        # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
+        newest = self.group.broadcast(newest_version(self.store) if self.group.rank == 0 else None)
+        self._next_version = 0 if newest is None else newest + 1
+        self.version: int | None = None  # last version this sender published
+        self._last_anchor: int | None = None
+        self._anchor_nbytes = 0
+        self._chain_nbytes = 0
+        self._partials: dict[str, int] = {}  # name -> local partial checksum of the published state
+        self._coalesced = 0
+        self.last_stats: PublishStats | None = None
+        self.history: deque[PublishStats] = deque(maxlen=100_000)
+
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future | None = None
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def publish(self, *, background: bool | None = None) -> int | None:
+        """Publish the current weights as the next version.
+
+        Args:
+            background: return as soon as the weights are read, and upload on a worker thread
+                (default: the constructor's ``background``). Call :meth:`flush` to wait.
+
+        Returns:
+            The version number. With ``background=True`` it is visible once :meth:`flush`
+            returns; ``None`` means an upload was still in flight and this publish was coalesced
+            into the next one.
+
+        Raises:
+            PublishError: the store failed (foreground), or the previous background publish
+                failed. Nothing partial is visible; the next publish recovers.
+        """
+        background = self.background if background is None else background
+        self._raise_background_error()
+        if background and self._busy():
+            self._coalesced += 1
+            return None
+        t0 = time.perf_counter()
+        job = self._prepare(self._next_version)
+        job.stats.detect_ms = (time.perf_counter() - t0) * 1e3
+        self._next_version += 1  # burned whatever happens
+        if not background:
+            self._finish(job, t0)
+            return job.version
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltasync-publish")
+        self._inflight = self._executor.submit(self._finish_background, job, t0)
+        return job.version
+
+    def flush(self) -> int | None:
+        """Wait for a background publish; returns the newest published version.
+
+        Raises:
+            PublishError: the background publish failed.
+        """
+        fut = self._inflight
+        if fut is not None:
+            fut.result()
+            self._inflight = None
+        self._raise_background_error()
+        return self.version
+
+    def close(self) -> None:
+        """Flush and stop the worker thread. Idempotent."""
+        try:
+            self.flush()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def __enter__(self) -> "DeltaSender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        busy = self._inflight is not None and not self._inflight.done()
+        return self.group.any(busy)  # every rank must take the same branch
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise PublishError(f"background publish failed: {err}") from err
+
+    def _wants_anchor(self, version: int) -> bool:
+        if self.version is None or self._last_anchor is None:
+            return True
+        return self.policy.wants_anchor(version, self._last_anchor, self._chain_nbytes, self._anchor_nbytes)
+
+    def _prepare(self, version: int) -> _Job:
+        """Read the live weights: detect changes (and cast anchors). Runs on the caller's thread."""
+        sources, aliases = collect_sources(self.model)
+        kind = "anchor" if self._wants_anchor(version) else "delta"
+        job = _Job(version, kind, None if kind == "anchor" else self.version,
+                   version if kind == "anchor" else self._last_anchor, sources, aliases)
+        det = self.detector
+        numel = changed = 0
+        for src in sources:
+            numel += src.slice.global_numel
+            if src.name in det:
+                ch = det.detect(src.name, src.local)
+                if src.upload:
+                    gpos = src.slice.to_global(ch.positions)
+                    old = self._partials[src.name]
+                    job.partials[src.name] = combine(
+                        old, -checksum(ch.old_values, gpos) % (1 << 64), checksum(ch.values, gpos)
+                    )
+                    job.global_positions[src.name] = gpos
+                    job.counts[src.name] = ch.numel
+                    changed += ch.numel
+                job.changes[src.name] = ch
+            elif kind == "delta":
+                raise PublishError(f"tensor {src.name!r} appeared after the first publish; the model changed shape")
+            if kind == "anchor":
+                block = det.cast(src.local)
+                job.anchors[src.name] = block
+                if src.name not in job.partials and src.upload:
+                    job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
+                    job.counts[src.name] = src.slice.numel
+                    changed += src.slice.numel
+        job.stats = PublishStats(
+            version=version, kind=kind, base_version=job.base_version, changed=changed, numel=numel,
+            nbytes=0, full_nbytes=numel * torch.empty((), dtype=self.dtype).element_size(),
+            coalesced=self._coalesced,
+        )
+        self._coalesced = 0
+        return job
+
+    def _encode(self, job: _Job) -> bytes | None:
+        """This rank's object for ``job`` (``None`` when this rank uploads nothing)."""
+        g = self.group
+        if job.kind == "anchor":
+            blocks = {s.name: (job.anchors[s.name], s.slice) for s in job.sources if s.upload}
+            if not blocks:
+                return None
+            return encode_anchor(blocks, version=job.version, dtype=self.dtype, rank=g.rank, world=g.world)
+        parts, counts = {}, {}
+        for s in job.sources:
+            if not s.upload or not job.counts.get(s.name):
+                continue
+            ch = job.changes[s.name]
+            parts[s.name] = self.codec.encode(
+                job.global_positions[s.name], ch.values, ch.old_values, numel=s.slice.global_numel
+            )
+            counts[s.name] = ch.numel
+        return encode_delta(parts, counts, version=job.version, base_version=job.base_version,
+                            codec=self.codec.name, dtype=self.dtype, rank=g.rank, world=g.world)
+
+    def _finish_background(self, job: _Job, t0: float) -> None:
+        try:
+            self._finish(job, t0)
+        except BaseException as e:  # noqa: BLE001 - reported on the next publish()/flush()
+            with self._lock:
+                self._error = e
+
+    def _finish(self, job: _Job, t0: float) -> None:
+        """Encode, upload this rank's object, let rank 0 write the manifest, then commit."""
+        g = self.group
+        stats = job.stats
+        local: dict[str, Any] = {"ok": True}
+        try:
+            t = time.perf_counter()
+            data = self._encode(job)
+            stats.encode_ms = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            if data is not None:
+                key = object_key(job.version, job.kind, g.rank, g.world)
+                self.store.put(key, data)
+                local["object"] = ObjectEntry(key, len(data), sha256_hex(data), g.rank, g.world).to_json()
+            stats.upload_ms = (time.perf_counter() - t) * 1e3
+            local["partials"] = job.partials
+            local["counts"] = job.counts
+        except Exception as e:  # noqa: BLE001 - every failure is reported through the gather
+            local = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
+            log.warning("publish of version %d failed on rank %d: %s", job.version, g.rank, e)
+
+        gathered = g.gather(local)
+        outcome: dict[str, Any] | None = None
+        if g.rank == 0:
+            outcome = self._write_manifest(job, gathered)
+        outcome = g.broadcast(outcome)
+        if not outcome["ok"]:
+            raise PublishError(
+                f"version {job.version} was not published ({outcome['error']}); no partial version is "
+                f"visible and the next publish is based on version {self.version}"
+            )
+        self._commit(job, outcome)
+        stats.nbytes = outcome["nbytes"]
+        stats.changed = outcome["changed"]
+        stats.publish_ms = (time.perf_counter() - t0) * 1e3
+        self.last_stats = stats
+        self.history.append(stats)
+        if self.metrics_path is not None and g.rank == 0:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"event": "publish", **stats.to_dict()}) + "\n")
+
+    def _write_manifest(self, job: _Job, gathered: list[dict]) -> dict[str, Any]:
+        """Rank 0: combine per-rank metadata, write the manifest last and ``LATEST``."""
+        errors = [r["error"] for r in gathered if not r["ok"]]
+        if errors:
+            return {"ok": False, "error": "; ".join(errors)}
+        try:
+            objects = [ObjectEntry(**r["object"]) for r in gathered if "object" in r]
+            partials: dict[str, list[int]] = {}
+            counts: dict[str, int] = {}
+            for r in gathered:
+                for name, p in r["partials"].items():
+                    partials.setdefault(name, []).append(p)
+                for name, c in r["counts"].items():
+                    counts[name] = counts.get(name, 0) + c
+            tensors = tuple(
+                TensorEntry(s.name, s.slice.global_shape, combine(*partials[s.name]), counts.get(s.name, 0))
+                for s in job.sources
+            )
+            st = job.stats
+            manifest = Manifest(
+                version=job.version, kind=job.kind, base_version=job.base_version,
+                anchor_version=job.anchor_version, codec=self.codec.name, inference_dtype=self.dtype,
+                run_id=self.run_id, tensors=tensors, objects=tuple(objects), aliases=dict(job.aliases),
+                stats={"changed": sum(counts.values()), "numel": st.numel,
+                       "objects_nbytes": sum(o.nbytes for o in objects), "world": self.group.world},
+                created_at=time.time(),
+            )
+            data = manifest.to_json()
+            self.store.put(manifest_key(job.version), data)
+        except Exception as e:  # noqa: BLE001
+            return {"ok": False, "error": f"rank 0 manifest: {type(e).__name__}: {e}"}
+        try:
+            self.store.put(LATEST_KEY, str(job.version).encode())
+        except Exception as e:  # noqa: BLE001 - LATEST is advisory; receivers fall back to listing
+            log.warning("could not update LATEST to %d: %s", job.version, e)
+        return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values())}
+
+    def _commit(self, job: _Job, outcome: dict[str, Any]) -> None:
+        """The version is visible: advance snapshots, checksums and the anchor policy state."""
+        det = self.detector
+        for s in job.sources:
+            if job.kind == "anchor":
+                det.reset(s.name, cast=job.anchors[s.name])
+            else:
+                det.commit(s.name, job.changes[s.name])
+            if s.name in job.partials:
+                self._partials[s.name] = job.partials[s.name]
+        self.version = job.version
+        if job.kind == "anchor":
+            self._last_anchor = job.version
+            self._anchor_nbytes = outcome["nbytes"]
+            self._chain_nbytes = 0
+        else:
+            self._chain_nbytes += outcome["nbytes"]

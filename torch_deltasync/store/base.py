@@ -1,0 +1,137 @@
+"""The ``Store`` interface: a flat key -> bytes object store with atomic puts.
+
+Keys are relative POSIX paths (``objects/000000000007/delta-r00000-of00001.safetensors``). Store
+contents are untrusted, so every key is validated before use (:func:`check_key`): no absolute paths,
+no ``..``, no empty segments, no backslashes or control characters. Nothing outside a store's root
+(and a run's prefix, see :meth:`Store.sub`) is ever read or written.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+
+from ..errors import CorruptObjectError
+
+__all__ = ["Store", "PrefixStore", "check_key", "join_key"]
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+
+def check_key(key: object, *, allow_empty: bool = False) -> str:
+    """Validate an untrusted store key and return it.
+
+    Raises:
+        CorruptObjectError: the key is not a plain relative path (absolute, ``..``, ``.``, empty
+            segments, backslashes, characters outside ``[A-Za-z0-9._=+@,-]``, or longer than 1024).
+    """
+    if not isinstance(key, str):
+        raise CorruptObjectError(f"store key must be a string, got {type(key).__name__}")
+    if key == "" and allow_empty:
+        return key
+    if not key or len(key) > 1024 or key.startswith("/") or key.endswith("/"):
+        raise CorruptObjectError(f"invalid store key {key!r}: must be a non-empty relative path")
+    for seg in key.split("/"):
+        if seg in ("", ".", "..") or not _SEGMENT.match(seg):
+            raise CorruptObjectError(
+                f"invalid store key {key!r}: segment {seg!r} is not allowed (no '..', '.', empty "
+                "segments, absolute paths or special characters)"
+            )
+    return key
+
+
+def join_key(prefix: str, key: str) -> str:
+    """``prefix/key`` with an empty prefix allowed; both parts are validated."""
+    check_key(prefix, allow_empty=True)
+    check_key(key)
+    return f"{prefix}/{key}" if prefix else key
+
+
+class Store(ABC):
+    """A flat object store.
+
+    Implementations: :class:`~torch_deltasync.LocalStore` (a folder, the default),
+    ``FsspecStore`` (``memory://``, ``s3://`` and other fsspec protocols) and ``HFBucketStore``
+    (Hugging Face Buckets). Every method raises :class:`~torch_deltasync.errors.StoreError` (or its
+    subclass :class:`~torch_deltasync.errors.ObjectNotFoundError`) naming the store, key and cause.
+    """
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` under ``key`` atomically: a reader sees the old object, or all of the new one."""
+
+    @abstractmethod
+    def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        """Read the object, or the byte range ``[start, end)`` of it.
+
+        Raises:
+            ObjectNotFoundError: the key does not exist.
+        """
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """All keys under ``prefix`` (recursive), relative to the store root, sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+
+    def size(self, key: str) -> int:
+        """Size of the object in bytes (default: reads it)."""
+        return len(self.get(key))
+
+    def sub(self, prefix: str) -> "Store":
+        """A view of this store rooted at ``prefix`` (several runs can share one store)."""
+        prefix = prefix.strip("/")
+        if not prefix:
+            return self
+        return PrefixStore(self, check_key(prefix))
+
+    def describe(self) -> str:
+        """Short human-readable name used in error messages (e.g. ``file:///data/bucket``)."""
+        return repr(self)
+
+
+class PrefixStore(Store):
+    """Every key of ``inner`` under ``prefix/``, seen as a store of its own."""
+
+    def __init__(self, inner: Store, prefix: str) -> None:
+        self.inner = inner
+        self.prefix = check_key(prefix)
+
+    def _k(self, key: str) -> str:
+        return join_key(self.prefix, key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(self._k(key), data)
+
+    def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        return self.inner.get(self._k(key), start=start, end=end)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(self._k(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = join_key(self.prefix, prefix) if prefix else self.prefix
+        n = len(self.prefix) + 1
+        return [k[n:] for k in self.inner.list(full) if k.startswith(self.prefix + "/")]
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(self._k(key))
+
+    def size(self, key: str) -> int:
+        return self.inner.size(self._k(key))
+
+    def sub(self, prefix: str) -> Store:
+        prefix = prefix.strip("/")
+        return PrefixStore(self.inner, join_key(self.prefix, prefix)) if prefix else self
+
+    def describe(self) -> str:
+        return f"{self.inner.describe().rstrip('/')}/{self.prefix}"
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self.inner!r}, {self.prefix!r})"

@@ -1,0 +1,61 @@
+"""The ``Target`` interface: where a receiver writes the weights it applies.
+
+All positions a target sees are **global flat indices** of the full HF-layout tensor. A target that
+holds only part of a tensor (a vLLM TP rank) maps them to its own storage and reports which ones it
+owns; a target that holds everything (:class:`~torch_deltasync.targets.ModuleTarget`) owns all.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["Target"]
+
+
+class Target(ABC):
+    """Live tensors a :class:`~torch_deltasync.DeltaReceiver` updates in place.
+
+    Receivers call :meth:`check` once per manifest, then, only after everything was downloaded,
+    decoded and verified, :meth:`write` (deltas) or :meth:`assign` (anchors). Implementations must
+    write in place into the existing storage (CUDA graphs and engines keep pointers to it) and must
+    not change anything in :meth:`check`, :meth:`read` or :meth:`checksum`.
+    """
+
+    #: True when the target holds every element of every tensor (so the receiver can verify the
+    #: full per-tensor checksum itself); False for partial holders such as one vLLM TP rank.
+    holds_all: bool = True
+
+    @abstractmethod
+    def check(self, shapes: dict[str, tuple[int, ...]], aliases: dict[str, str], dtype: torch.dtype) -> None:
+        """Validate that the published tensors (HF name -> full shape, tied ``{alias: canonical}``,
+        values in ``dtype``) fit this target. Called before anything is downloaded.
+
+        Raises:
+            IncompatibleTargetError: unknown names, missing tensors, or shapes that differ.
+        """
+
+    @abstractmethod
+    def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Current values at ``positions`` (int64 ``(k,)`` global flat), ``(k,)`` in ``dtype``.
+
+        Only positions this target owns may be passed (see :meth:`owned`).
+        """
+
+    def owned(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """Bool ``(k,)``: which of ``positions`` this target holds (all, by default)."""
+        return torch.ones_like(positions, dtype=torch.bool)
+
+    @abstractmethod
+    def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite the elements at owned ``positions`` with ``values`` (``(k,)``), in place."""
+
+    @abstractmethod
+    def assign(self, name: str, full: torch.Tensor) -> None:
+        """Overwrite the whole tensor with ``full`` (full HF shape, inference dtype), in place."""
+
+    @abstractmethod
+    def checksum(self, name: str, dtype: torch.dtype) -> int:
+        """Partial checksum (:mod:`torch_deltasync.checksum`) of the elements this target holds,
+        each counted once, in ``dtype``."""
