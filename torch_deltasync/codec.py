@@ -206,3 +206,8 @@ class RawCodec(Codec):
                 f"{what}: declared {count} changes, found {idx.numel()} positions and {val.numel()} values"
             )
         return TensorDelta(check_positions(idx, numel, what), val)
+
+
+# Built-in codecs that live in their own modules register on import; importing them here makes
+# them known wherever manifests are parsed (manifest.py checks codec names against the registry).
+from . import packed as _packed  # noqa: E402,F401  (circular by design: packed needs Codec above)
