@@ -513,8 +513,8 @@ class PackedCodec(Codec):
         t = parts["packed"]
         if t.dtype != torch.uint8 or t.dim() != 1:
             raise CorruptObjectError(f"{what}: part must be 1-D uint8, got {t.dtype} {tuple(t.shape)}")
-        if not 0 <= count <= numel:
-            raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}]")
+        if not 0 <= count <= numel < 2**63:
+            raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}] or tensor of {numel} >= 2**63 elements")
         width = torch.empty((), dtype=dtype).element_size()
         data = memoryview(t.contiguous().numpy().tobytes())
         h = _read_header(data, what)
@@ -533,10 +533,12 @@ class PackedCodec(Codec):
             max_gap = max(numel - 1, 0)
             gap_len = min(_MAX_VARINT_BYTES, max(1, math.ceil(max_gap.bit_length() / 7)))
             gaps = _leb128_decode(stream(0, count, count * gap_len), count, max_gap, f"{what}: positions")
-            # Every gap < numel, so the running sum cannot wrap before it passes numel (checked).
+            # Every gap < numel <= 2**63, so the running sum cannot wrap around 2**64 before some
+            # position reaches numel; that position is exact and the max below sees it. (Checking
+            # only the last position would miss a sum that wrapped back into range.)
             pos = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
-            if count and int(pos[-1]) >= numel:
-                raise CorruptObjectError(f"{what}: position {int(pos[-1])} outside [0, {numel})")
+            if count and int(pos.max()) >= numel:
+                raise CorruptObjectError(f"{what}: position {int(pos.max())} outside [0, {numel})")
             pos = pos.astype(np.int64)
         else:
             nbytes = -(-numel // 8)

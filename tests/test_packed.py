@@ -1,0 +1,530 @@
+"""Tests of the ``packed`` codec (torch_deltasync/packed.py, docs/format.md "Codec packed").
+
+Round trips are checked bit-exactly on integer views: the decoded positions must equal the encoded
+ones and ``TensorDelta.resolve(old)`` must reproduce the new bit patterns. Golden blobs are written
+by hand from the spec, not copied from the encoder.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torch_deltasync import CorruptObjectError, DeltaReceiver, DeltaSender, LocalStore, get_codec
+from torch_deltasync._dtypes import bits
+from torch_deltasync.codec import TensorDelta
+from torch_deltasync.manifest import load_manifest
+from torch_deltasync.packed import PackedCodec, _leb128_decode, _leb128_encode
+from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IDT = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32,
+       torch.float64: np.int64, torch.uint8: np.int8}
+
+
+def _from_bits(b: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(b)).view(dtype)
+
+
+def _bits_np(t: torch.Tensor) -> np.ndarray:
+    return bits(t.contiguous()).numpy().copy()
+
+
+def roundtrip(pos: torch.Tensor, new: torch.Tensor, old: torch.Tensor, numel: int,
+              codec: PackedCodec | None = None) -> tuple[dict, TensorDelta]:
+    """Encode, decode and check bit-exactness; return the parts and the decoded delta."""
+    codec = codec or get_codec("packed")
+    parts = codec.encode(pos, new, old, numel=numel)
+    assert set(parts) == {"packed"} and parts["packed"].dtype == torch.uint8
+    d = codec.decode(parts, numel=numel, count=pos.numel(), dtype=new.dtype)
+    assert d.positions.dtype == torch.int64
+    assert torch.equal(d.positions, pos.to(torch.int64))
+    got = d.resolve(old)
+    assert got.dtype == new.dtype
+    assert torch.equal(bits(got), bits(new)), "decoded values differ from the encoded ones"
+    return parts, d
+
+
+def make_change_set(seed: int, dtype: torch.dtype, numel: int, density: float, mix: dict[str, float]):
+    """Positions, old and new values of a random change set.
+
+    ``mix`` gives the share of each kind of change: ``ulp`` (+-1..3 steps on the bit pattern),
+    ``many`` (up to +-2**(W-2) steps), ``flip`` (sign flip), ``special`` (NaN payloads, +-Inf,
+    +-0), ``random`` (any bit pattern), ``same`` (bits unchanged).
+    """
+    rng = np.random.default_rng(seed)
+    idt = IDT[dtype]
+    W = np.dtype(idt).itemsize * 8
+    k = int(round(numel * density))
+    pos = np.sort(rng.choice(numel, size=k, replace=False)) if k else np.empty(0, np.int64)
+    # Old values: realistic weights with some special patterns mixed in.
+    old = torch.randn(k, generator=torch.Generator().manual_seed(seed)).mul_(0.02).to(dtype)
+    ob = _bits_np(old).astype(np.int64)
+    kinds = list(mix)
+    kind = rng.choice(len(kinds), size=k, p=np.array([mix[x] for x in kinds]) / sum(mix.values()))
+    nb = ob.copy()
+    mod = 1 << W
+    for i, name in enumerate(kinds):
+        m = kind == i
+        n = int(m.sum())
+        if name == "ulp":
+            nb[m] = ob[m] + rng.choice([-3, -2, -1, 1, 2, 3], size=n, p=[.02, .04, .44, .44, .04, .02])
+        elif name == "many":
+            nb[m] = ob[m] + rng.integers(-(1 << (W - 2)), 1 << (W - 2), size=n)
+        elif name == "flip":
+            nb[m] = ob[m] ^ (1 << (W - 1))
+        elif name == "special":
+            spec = _bits_np(torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0], dtype=dtype))
+            nb[m] = spec.astype(np.int64)[rng.integers(0, 5, size=n)]
+            # NaN payloads: exponent all ones, random non-zero mantissa.
+            nan = rng.random(n) < 0.5
+            mant = {16: (10 if dtype == torch.float16 else 7), 32: 23}[W]
+            exp_ones = ((1 << (W - 1 - mant)) - 1) << mant
+            payload = rng.integers(1, 1 << mant, size=n) | exp_ones
+            nb[np.flatnonzero(m)[nan]] = payload[nan]
+        elif name == "random":
+            nb[m] = rng.integers(0, mod, size=n)
+        elif name == "same":
+            pass
+    nb = ((nb % mod) + mod) % mod  # wrap to W bits
+    nb = np.where(nb >= mod // 2, nb - mod, nb).astype(idt)
+    new = _from_bits(nb, dtype)
+    return torch.from_numpy(pos.astype(np.int64)), new, old
+
+
+# --- golden bytes (hand-written from docs/format.md) -------------------------------------------------
+
+
+def _bf16(values):
+    return torch.tensor(values, dtype=torch.bfloat16)
+
+
+def _step(old: torch.Tensor, steps) -> torch.Tensor:
+    return (bits(old).to(torch.int32) + torch.tensor(steps, dtype=torch.int32)).to(torch.int16).view(torch.bfloat16)
+
+
+def test_golden_steps_blob():
+    # positions 3, 4, 10 of 1024; steps +1, -1, +1.
+    # gaps 3, 0, 5 -> varints 03 00 05 (stored, 3 bytes < 24).
+    # zigzag 2, 1, 2 -> 2-bit codes 1, 0, 1 -> 0b00_01_00_01 = 0x11.
+    old = _bf16([1.0, 2.0, -0.5])
+    new = _step(old, [1, -1, 1])
+    blob = bytes([1, 0, 1, 2,       # version, gaps, steps, b=2
+                  0, 3, 0, 1,       # positions: stored 3 B; codes: stored 1 B
+                  0, 0, 0, 0,       # ext, raw: empty
+                  3, 0, 5, 0x11])
+    pos = torch.tensor([3, 4, 10])
+    parts, d = roundtrip(pos, new, old, 1024)
+    assert bytes(parts["packed"].tolist()) == blob
+    d2 = get_codec("packed").decode({"packed": torch.tensor(list(blob), dtype=torch.uint8)},
+                                    numel=1024, count=3, dtype=torch.bfloat16)
+    assert d2.steps.tolist() == [1, -1, 1] and d2.relative is None
+
+
+def test_golden_escapes_decode():
+    # Three changes at 0, 200, 201 of 300 with b = 2 (M = 3):
+    #   +1     -> z 2  -> code 1
+    #   +5     -> z 10 -> code 3 (escape), ext e = z - M = 7
+    #   raw    -> code 3, ext e = 0, raw value 0xBF80 (-1.0) as byte planes 80 | BF
+    # gaps 0, 199, 0 -> 00 C7 01 00 (199 = 0x47 | 0x80, then 1).
+    # codes 1, 3, 3 -> 0b00_11_11_01 = 0x3D.
+    blob = bytes([1, 0, 1, 2,
+                  0, 4,            # positions stored, 4 B
+                  0, 1,            # codes stored, 1 B
+                  0, 2,            # ext stored, 2 B
+                  0, 2,            # raw stored, 2 B
+                  0x00, 0xC7, 0x01, 0x00,
+                  0x3D,
+                  7, 0,
+                  0x80, 0xBF])
+    d = get_codec("packed").decode({"packed": torch.tensor(list(blob), dtype=torch.uint8)},
+                                   numel=300, count=3, dtype=torch.bfloat16)
+    assert d.positions.tolist() == [0, 200, 201]
+    assert d.relative.tolist() == [True, True, False]
+    old = _bf16([0.25, 3.0, 1.0])
+    got = d.resolve(old)
+    assert bits(got).tolist() == (bits(old)[:2] + torch.tensor([1, 5], dtype=torch.int16)).tolist() + [-16512]
+
+
+def test_golden_bitmap_raw_blob():
+    # Every element of an 8-element fp16 tensor changes to random bits: bitmap FF and raw values.
+    numel = 8
+    pos = torch.arange(numel)
+    old = torch.zeros(numel, dtype=torch.float16)
+    vals = [0x1234, 0x7C01, 0xFC00, 0x8000, 0x0001, 0x3C00, 0xABCD, 0x5555]
+    new = torch.tensor(vals, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    lo = [v & 0xFF for v in vals]
+    hi = [v >> 8 for v in vals]
+    blob = bytes([1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 16, 0xFF] + lo + hi)
+    d = get_codec("packed").decode({"packed": torch.tensor(list(blob), dtype=torch.uint8)},
+                                   numel=numel, count=numel, dtype=torch.float16)
+    assert d.steps is None
+    assert torch.equal(d.positions, pos)
+    assert torch.equal(bits(d.values), bits(new))
+    roundtrip(pos, new, old, numel)
+
+
+# --- round trips -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from(list(DTYPES.values())),
+    numel=st.one_of(st.integers(0, 64), st.integers(65, 20_000)),
+    density=st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.01]), st.floats(0.0, 1.0)),
+    ulp=st.floats(0.0, 1.0),
+    many=st.floats(0.0, 1.0),
+    flip=st.floats(0.0, 0.3),
+    special=st.floats(0.0, 0.3),
+    random=st.floats(0.0, 0.3),
+    same=st.floats(0.0, 0.1),
+)
+def test_roundtrip_property(seed, dtype, numel, density, ulp, many, flip, special, random, same):
+    mix = {"ulp": ulp + 1e-3, "many": many, "flip": flip, "special": special, "random": random, "same": same}
+    pos, new, old = make_change_set(seed, dtype, numel, density, mix)
+    roundtrip(pos, new, old, numel)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()))
+@pytest.mark.parametrize("density", [0.001, 0.03, 0.3, 1.0])
+def test_roundtrip_rl_like(dtype, density):
+    pos, new, old = make_change_set(7, dtype, 50_000, density, {"ulp": 0.97, "many": 0.02, "flip": 0.01})
+    roundtrip(pos, new, old, 50_000)
+
+
+def test_empty():
+    codec = get_codec("packed")
+    for numel in (0, 1, 1000):
+        e = torch.empty(0, dtype=torch.bfloat16)
+        parts, d = roundtrip(torch.empty(0, dtype=torch.int64), e, e, numel)
+        assert d.numel == 0 and parts["packed"].numel() <= 16
+    with pytest.raises(CorruptObjectError):  # a count that the empty streams cannot hold
+        codec.decode(parts, numel=1000, count=1, dtype=torch.bfloat16)
+
+
+def test_huge_gaps_and_positions():
+    # Positions near the top of a 2**62-element tensor: 9-byte varints, no dense fallback.
+    numel = 2**62
+    pos = torch.tensor([0, 1, 2**40, 2**61 + 7, numel - 2, numel - 1], dtype=torch.int64)
+    old = _bf16([0.5] * 6)
+    new = _step(old, [1, 1, -1, 2, -3, 100])
+    parts, _ = roundtrip(pos, new, old, numel)
+    assert parts["packed"].numel() < 64
+
+
+def test_unchanged_entries_are_shipped_exactly():
+    # The codec does not require bits to differ (steps of 0 are sent as raw escapes).
+    steps = [0, 1, 0, -1] * 500  # enough +-1 steps that the encoder picks step coding
+    old = torch.randn(2000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    new = _step(old, steps)
+    _, d = roundtrip(torch.arange(2000), new, old, 2000)
+    assert d.relative is not None and d.relative.tolist() == [s != 0 for s in steps]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64] + [d for d in (getattr(torch, "float8_e4m3fn", None),) if d])
+def test_other_widths(dtype):
+    rng = np.random.default_rng(1)
+    k, numel = 500, 3000
+    pos = torch.from_numpy(np.sort(rng.choice(numel, k, replace=False)))
+    old = torch.randn(k, dtype=torch.float64).to(dtype)
+    ob = bits(old)
+    step = torch.from_numpy(rng.integers(-2, 3, size=k)).to(ob.dtype)
+    new = (ob + step).view(dtype)
+    _, d = roundtrip(pos, new, old, numel)
+    if dtype == torch.float64:
+        assert d.steps is None  # 8-byte dtypes ship raw values
+
+
+def test_sign_flips_and_nan_payloads_all_dtypes():
+    for dtype in DTYPES.values():
+        pos, new, old = make_change_set(3, dtype, 4000, 0.25, {"flip": 1.0, "special": 1.0})
+        roundtrip(pos, new, old, 4000)
+
+
+@pytest.mark.parametrize("density", [0.3, 0.7, 0.99, 1.0])
+def test_dense_fallback_is_no_larger_than_a_dense_copy(density):
+    # Fresh random values (e.g. a re-initialised tensor): positions must cost no more than a
+    # bitmap and values no more than raw bit patterns, so the blob stays below a dense copy.
+    numel = 65536
+    g = torch.Generator().manual_seed(int(density * 100))
+    old = torch.randn(numel, generator=g).mul_(0.02).to(torch.bfloat16)
+    new = torch.randn(numel, generator=g).mul_(0.02).to(torch.bfloat16)
+    changed = torch.rand(numel, generator=g) < density
+    new = torch.where(changed, new, old)
+    pos = (bits(old) != bits(new)).nonzero().squeeze(1)
+    parts, d = roundtrip(pos, new[pos], old[pos], numel)
+    k = pos.numel()
+    assert parts["packed"].numel() <= numel // 8 + 2 * k + 32
+    if density >= 0.99:
+        assert parts["packed"].numel() <= 2 * numel
+
+
+def test_compresses_rl_steps_well():
+    # 2% density, mostly +-1 ULP: raw costs 6 B per change; packed must be far below 1.5.
+    pos, new, old = make_change_set(11, torch.bfloat16, 400_000, 0.02, {"ulp": 0.98, "many": 0.01, "flip": 0.01})
+    parts, _ = roundtrip(pos, new, old, 400_000)
+    per = parts["packed"].numel() / pos.numel()
+    assert per < 1.5, per
+
+
+def test_encoder_rejects_bad_input():
+    codec = get_codec("packed")
+    v = _bf16([1.0, 2.0])
+    with pytest.raises(ValueError):
+        codec.encode(torch.tensor([5, 5]), v, v, numel=10)
+    with pytest.raises(ValueError):
+        codec.encode(torch.tensor([1, 10]), v, v, numel=10)
+    with pytest.raises(ValueError):
+        codec.encode(torch.tensor([1, 2]), v, v[:1], numel=10)
+
+
+# --- varints ---------------------------------------------------------------------------------------
+
+
+def test_leb128_known_values():
+    # Protocol Buffers examples: 150 -> 96 01; 300 -> AC 02; 2**63 - 1 -> 8 x FF, 7F.
+    v = np.array([0, 1, 127, 128, 150, 300, 2**63 - 1], dtype=np.uint64)
+    enc = _leb128_encode(v).tobytes()
+    assert enc == bytes([0, 1, 0x7F, 0x80, 0x01, 0x96, 0x01, 0xAC, 0x02] + [0xFF] * 8 + [0x7F])
+    assert _leb128_decode(np.frombuffer(enc, np.uint8), 7, 2**63 - 1, "t").tolist() == v.tolist()
+
+
+@pytest.mark.parametrize("buf,n,limit,why", [
+    (b"\x80", 1, 1000, "cut off"),
+    (b"\x01\x80", 2, 1000, "cut off"),
+    (b"\x81\x00", 1, 1000, "overlong"),
+    (b"\x01\x02", 1, 1000, "two varints, one expected"),
+    (b"\x01", 2, 1000, "one varint, two expected"),
+    (b"\xff\x07", 1, 1000, "1023 above the limit"),
+    (b"\xff\xff\x03", 1, 1000, "3 bytes where 2 suffice for the limit"),
+    (b"\x05", 0, 1000, "bytes where none expected"),
+])
+def test_leb128_rejects(buf, n, limit, why):
+    with pytest.raises(CorruptObjectError):
+        _leb128_decode(np.frombuffer(buf, np.uint8), n, limit, why)
+
+
+# --- defensive decoding ----------------------------------------------------------------------------
+
+
+def _blob(*fields: bytes) -> dict:
+    return {"packed": torch.tensor(list(b"".join(fields)), dtype=torch.uint8)}
+
+
+def _decode(parts, numel=1024, count=3, dtype=torch.bfloat16):
+    return get_codec("packed").decode(parts, numel=numel, count=count, dtype=dtype)
+
+
+GOOD = [bytes([1, 0, 1, 2]), bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11])]
+
+
+def test_good_blob_decodes():
+    assert _decode(_blob(*GOOD)).positions.tolist() == [3, 4, 10]
+
+
+@pytest.mark.parametrize("fields,why", [
+    ([bytes([2, 0, 1, 2])] + GOOD[1:], "unknown layout version"),
+    ([bytes([1, 2, 1, 2])] + GOOD[1:], "unknown positions mode"),
+    ([bytes([1, 0, 2, 2])] + GOOD[1:], "unknown values mode"),
+    ([bytes([1, 0, 1, 3])] + GOOD[1:], "code width 3"),
+    ([bytes([1, 0, 0, 2])] + GOOD[1:], "raw values with a code width"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5])], "blob shorter than its streams"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11, 0])], "trailing byte"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0])], "header cut off"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x51])], "padding bits set"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x31])], "an escape code without escapes"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 0x80, 0x11])], "cut-off varint"),
+    ([GOOD[0], bytes([0, 4, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 0xCC, 0x08, 0x11])], "gap 1100 > numel - 1"),
+    ([GOOD[0], bytes([0, 5, 0, 1, 0, 0, 0, 0]), bytes([0xFF, 0x07, 0xFF, 0x07, 0, 0x11])], "position 2047 >= numel"),
+    ([GOOD[0], bytes([0, 2, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 0x11])], "two gaps for three changes"),
+    ([GOOD[0], bytes([0, 3, 0, 2, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11, 0])], "codes stream too long"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 1, 0, 0]), bytes([3, 0, 5, 0x11, 1])], "escape bytes without escapes"),
+    ([GOOD[0], bytes([2, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11])], "unknown stream method"),
+    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0x80])], "overlong header varint"),
+])
+def test_malformed_blobs_raise(fields, why):
+    with pytest.raises(CorruptObjectError):
+        _decode(_blob(*fields))
+
+
+def test_wrong_part_dtype_or_name():
+    blob = _blob(*GOOD)["packed"]
+    with pytest.raises(CorruptObjectError):
+        _decode({"packed": blob.to(torch.int16)})
+    with pytest.raises(CorruptObjectError):
+        _decode({"idx": blob})
+    with pytest.raises(CorruptObjectError):
+        _decode({"packed": blob, "extra": blob})
+    with pytest.raises(CorruptObjectError):
+        _decode({"packed": blob.reshape(2, 8)})
+    with pytest.raises(CorruptObjectError):
+        _decode(_blob(*GOOD), count=4)  # the object's count disagrees with the streams
+    with pytest.raises(CorruptObjectError):
+        _decode(_blob(*GOOD), numel=10)  # position 10 outside a 10-element tensor
+
+
+def test_positions_that_wrap_around_2_64_are_rejected():
+    # numel = 2**62; five maximal gaps: positions 2**62-1, 2**63-1, ... wrap to 2**62-1 again.
+    g = _leb128_encode(np.array([2**62 - 1] * 5, np.uint64)).tobytes()
+    codes = bytes([0, 0])  # ten 2-bit codes of 0: z = 1 (step -1)
+    blob = _blob(bytes([1, 0, 1, 2, 0, len(g), 0, 2, 0, 0, 0, 0]), g, codes)
+    with pytest.raises(CorruptObjectError, match="outside"):
+        _decode(blob, numel=2**62, count=5)
+
+
+def _zstd_stream(payload: bytes, **kw) -> bytes:
+    return zstandard.ZstdCompressor(level=3, **kw).compress(payload)
+
+
+def test_zstd_bombs_and_lies_are_refused_before_decompressing():
+    count, numel = 3, 1024
+    bomb = _zstd_stream(bytes(50_000_000))  # 50 MB of zeros in a few KB
+    assert len(bomb) < 10_000
+
+    def with_positions(method, raw_len, payload):
+        lens = _leb128_encode(np.array([raw_len] + ([len(payload)] if method else []), np.uint64)).tobytes()
+        return _blob(bytes([1, 0, 1, 2, method]), lens, bytes([0, 1, 0, 0, 0, 0]), payload, bytes([0x11]))
+
+    # The header declares 50 MB of positions: more than 3 changes can need, refused up front.
+    with pytest.raises(CorruptObjectError, match="allow"):
+        _decode(with_positions(1, 50_000_000, bomb), numel=numel, count=count)
+    # The header declares 3 bytes but the frame says 50 MB: refused before decompressing.
+    with pytest.raises(CorruptObjectError, match="declares"):
+        _decode(with_positions(1, 3, bomb), numel=numel, count=count)
+    # A frame without a content size.
+    frame = _zstd_stream(bytes([3, 0, 5]), write_content_size=False)
+    with pytest.raises(CorruptObjectError, match="declares -1"):
+        _decode(with_positions(1, 3, frame), numel=numel, count=count)
+    # A valid frame with trailing data inside the stream.
+    frame = _zstd_stream(bytes([3, 0, 5]))
+    with pytest.raises(CorruptObjectError, match="corrupt zstd"):
+        _decode(with_positions(1, 3, frame + b"\x00"), numel=numel, count=count)
+    # Not a frame at all.
+    with pytest.raises(CorruptObjectError, match="not a zstd frame"):
+        _decode(with_positions(1, 3, b"\x00" * 12), numel=numel, count=count)
+    # A compressed empty stream is not canonical.
+    e = _zstd_stream(b"")
+    with pytest.raises(CorruptObjectError, match="empty"):
+        _decode(_blob(bytes([1, 0, 1, 2, 0, 3, 0, 1, 1, 0, len(e), 0, 0]), bytes([3, 0, 5, 0x11]), e))
+    # And the honest frame decodes.
+    assert _decode(with_positions(1, 3, frame)).positions.tolist() == [3, 4, 10]
+
+
+def _check_well_formed(d: TensorDelta, numel: int, count: int, dtype: torch.dtype, old: torch.Tensor):
+    """What any successfully decoded delta must satisfy, whatever bytes produced it."""
+    p = d.positions
+    assert p.dtype == torch.int64 and p.shape == (count,)
+    if count:
+        assert int(p[0]) >= 0 and int(p[-1]) < numel
+        assert bool((p[1:] > p[:-1]).all())
+    assert d.values.dtype == dtype and d.values.shape == (count,)
+    if d.steps is not None:
+        assert d.steps.shape == (count,) and d.steps.dtype == bits(d.values).dtype
+        assert d.relative is None or (d.relative.dtype == torch.bool and d.relative.shape == (count,))
+    # Applying it cannot write out of bounds: index_copy_ validates, and positions are in range.
+    target = torch.zeros(numel, dtype=dtype)
+    target.index_copy_(0, p, d.resolve(old[:count] if old.numel() >= count else torch.zeros(count, dtype=dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fuzz_mutated_streams(dtype):
+    """Random mutations of valid blobs: a clean CorruptObjectError or a well-formed delta."""
+    rng = np.random.default_rng(1234)
+    codec = get_codec("packed")
+    cases = []
+    for seed, numel, density, mix in [
+        (1, 5000, 0.02, {"ulp": 0.95, "many": 0.04, "flip": 0.01}),  # zstd streams, escapes, raw
+        (2, 300, 0.1, {"ulp": 0.8, "special": 0.2}),  # small: stored streams
+        (3, 2000, 0.9, {"random": 1.0}),  # bitmap + raw values
+    ]:
+        pos, new, old = make_change_set(seed, dtype, numel, density, mix)
+        blob = codec.encode(pos, new, old, numel=numel)["packed"].numpy().tobytes()
+        cases.append((blob, numel, pos.numel(), old))
+    outcomes = {"error": 0, "ok": 0}
+    for trial in range(600):
+        blob, numel, count, old = cases[trial % len(cases)]
+        b = bytearray(blob)
+        op = rng.integers(0, 6)
+        if op == 0:  # flip random bits
+            for _ in range(rng.integers(1, 4)):
+                i = rng.integers(0, len(b))
+                b[i] ^= 1 << int(rng.integers(0, 8))
+        elif op == 1:  # random byte values, often in the header
+            for _ in range(rng.integers(1, 3)):
+                i = rng.integers(0, min(len(b), 24) if rng.random() < 0.6 else len(b))
+                b[i] = int(rng.integers(0, 256))
+        elif op == 2:  # truncate
+            b = b[: rng.integers(0, len(b))]
+        elif op == 3:  # insert bytes
+            i = rng.integers(0, len(b) + 1)
+            b[i:i] = bytes(rng.integers(0, 256, size=rng.integers(1, 5)).astype(np.uint8))
+        elif op == 4:  # delete a span
+            i = rng.integers(0, len(b))
+            del b[i : i + rng.integers(1, 8)]
+        else:  # lie about the count or the size of the tensor
+            count = max(0, count + int(rng.integers(-2, 3)))
+            numel = max(count, numel + int(rng.integers(-50, 50)))
+        try:
+            d = codec.decode({"packed": torch.tensor(list(b), dtype=torch.uint8)}, numel=numel, count=count, dtype=dtype)
+        except CorruptObjectError:
+            outcomes["error"] += 1
+            continue
+        outcomes["ok"] += 1
+        _check_well_formed(d, numel, count, dtype, old)
+    assert outcomes["error"] > 300, outcomes  # most mutations must be caught
+
+
+# --- end to end -------------------------------------------------------------------------------------
+
+
+def test_default_codec_is_packed(tmp_path):
+    model = tiny_qwen3("tiny", seed=0)
+    assert DeltaSender(model, LocalStore(tmp_path / "b")).codec.name == "packed"
+
+
+def test_end_to_end_sender_receiver_bit_exact(tmp_path):
+    """Packed deltas through a store: every version bit-exact on the receiver, whether it follows
+    every version, skips versions (a chain of step-coded deltas composed before applying), or
+    joins late (anchor + deltas)."""
+    torch.manual_seed(0)
+    model = tiny_qwen3("tiny", seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # large steps: escapes and raw values occur
+    gen = torch.Generator().manual_seed(0)
+    store = LocalStore(tmp_path / "bucket")
+    raw_store = LocalStore(tmp_path / "raw")
+    sender = DeltaSender(model, store, codec="packed", anchor_every=6)
+    raw_sender = DeltaSender(model, raw_store, codec="raw", anchor_every=6)
+    follower = tiny_qwen3("tiny", seed=1, dtype=torch.bfloat16)
+    skipper = tiny_qwen3("tiny", seed=2, dtype=torch.bfloat16)
+    r_follow = DeltaReceiver(follower, store)
+    r_skip = DeltaReceiver(skipper, store)
+    packed_bytes = raw_bytes = 0
+    for step in range(9):
+        if step:
+            for g in opt.param_groups:
+                g["lr"] = 1e-3 if step % 2 else 3e-5  # alternate big and RL-sized steps
+            adam_step(model, opt, generator=gen)
+        v = sender.publish()
+        assert raw_sender.publish() == v
+        if sender.last_stats.kind == "delta":
+            packed_bytes += sender.last_stats.nbytes
+            raw_bytes += raw_sender.last_stats.nbytes
+            assert load_manifest(store, v).codec == "packed"
+        assert r_follow.update() == v
+        assert first_difference(follower, model) is None, f"version {v}"
+        if step % 3 == 2:
+            assert r_skip.update() == v
+            assert r_skip.last_stats.versions_applied >= 1
+            assert first_difference(skipper, model) is None, f"version {v} (skipping)"
+        r_follow.verify()
+    late = tiny_qwen3("tiny", seed=3, dtype=torch.bfloat16)
+    r_late = DeltaReceiver(late, store)
+    assert r_late.update() == v and r_late.last_stats.path == "anchor"
+    assert r_late.last_stats.versions_applied > 1  # anchor + packed deltas
+    assert first_difference(late, model) is None
+    assert packed_bytes < raw_bytes / 2, (packed_bytes, raw_bytes)
