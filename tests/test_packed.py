@@ -109,13 +109,13 @@ def _step(old: torch.Tensor, steps) -> torch.Tensor:
 
 def test_golden_steps_blob():
     # positions 3, 4, 10 of 1024; steps +1, -1, +1.
-    # gaps 3, 0, 5 -> varints 03 00 05 (stored, 3 bytes < 24).
+    # gaps 3, 0, 5; shift r = 0 -> gap bytes 03 00 05 (stored: 3 bytes < 24), no escapes or low bits.
     # zigzag 2, 1, 2 -> 2-bit codes 1, 0, 1 -> 0b00_01_00_01 = 0x11.
     old = _bf16([1.0, 2.0, -0.5])
     new = _step(old, [1, -1, 1])
-    blob = bytes([1, 0, 1, 2,       # version, gaps, steps, b=2
-                  0, 3, 0, 1,       # positions: stored 3 B; codes: stored 1 B
-                  0, 0, 0, 0,       # ext, raw: empty
+    blob = bytes([1, 0, 0, 1, 2,    # version, gaps, r = 0, steps, b = 2
+                  0, 3, 0, 0, 0, 0,  # positions: stored 3 B; pos_ext, pos_low: empty
+                  0, 1, 0, 0, 0, 0,  # codes: stored 1 B; ext, raw: empty
                   3, 0, 5, 0x11])
     pos = torch.tensor([3, 4, 10])
     parts, d = roundtrip(pos, new, old, 1024)
@@ -130,14 +130,14 @@ def test_golden_escapes_decode():
     #   +1     -> z 2  -> code 1
     #   +5     -> z 10 -> code 3 (escape), ext e = z - M = 7
     #   raw    -> code 3, ext e = 0, raw value 0xBF80 (-1.0) as byte planes 80 | BF
-    # gaps 0, 199, 0 -> 00 C7 01 00 (199 = 0x47 | 0x80, then 1).
+    # gaps 0, 199, 0 -> gap bytes 00 C7 00 (r = 0, all below 255).
     # codes 1, 3, 3 -> 0b00_11_11_01 = 0x3D.
-    blob = bytes([1, 0, 1, 2,
-                  0, 4,            # positions stored, 4 B
-                  0, 1,            # codes stored, 1 B
-                  0, 2,            # ext stored, 2 B
-                  0, 2,            # raw stored, 2 B
-                  0x00, 0xC7, 0x01, 0x00,
+    blob = bytes([1, 0, 0, 1, 2,
+                  0, 3, 0, 0, 0, 0,  # positions stored, 3 B
+                  0, 1,              # codes stored, 1 B
+                  0, 2,              # ext stored, 2 B
+                  0, 2,              # raw stored, 2 B
+                  0x00, 0xC7, 0x00,
                   0x3D,
                   7, 0,
                   0x80, 0xBF])
@@ -150,6 +150,24 @@ def test_golden_escapes_decode():
     assert bits(got).tolist() == (bits(old)[:2] + torch.tensor([1, 5], dtype=torch.int16)).tolist() + [-16512]
 
 
+def test_golden_split_gaps_decode():
+    # Positions 1030, 1031, 2000 of 5000, gap shift r = 2, raw bf16 values:
+    #   gaps 1030, 0, 968 -> high parts 257, 0, 242 and low 2-bit parts 2, 0, 0.
+    #   gap bytes FF 00 F2 (255 escapes), pos_ext varint 257 - 255 = 02,
+    #   pos_low fields 2, 0, 0 -> bits 01 00 00 (LSB first) -> byte 0x02.
+    vals = [0x3F80, 0xBF80, 0x0001]
+    blob = bytes([1, 0, 2, 0, 0,
+                  0, 3, 0, 1, 0, 1,     # positions 3 B, pos_ext 1 B, pos_low 1 B
+                  0, 0, 0, 0, 0, 6,     # raw values 6 B
+                  0xFF, 0x00, 0xF2, 0x02, 0x02]
+                 + [v & 0xFF for v in vals] + [v >> 8 for v in vals])
+    d = get_codec("packed").decode({"packed": torch.tensor(list(blob), dtype=torch.uint8)},
+                                   numel=5000, count=3, dtype=torch.bfloat16)
+    assert d.positions.tolist() == [1030, 1031, 2000]
+    assert d.steps is None
+    assert [v & 0xFFFF for v in bits(d.values).tolist()] == vals
+
+
 def test_golden_bitmap_raw_blob():
     # Every element of an 8-element fp16 tensor changes to random bits: bitmap FF and raw values.
     numel = 8
@@ -159,7 +177,7 @@ def test_golden_bitmap_raw_blob():
     new = torch.tensor(vals, dtype=torch.int32).to(torch.int16).view(torch.float16)
     lo = [v & 0xFF for v in vals]
     hi = [v >> 8 for v in vals]
-    blob = bytes([1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 16, 0xFF] + lo + hi)
+    blob = bytes([1, 1, 0, 0, 0,  0, 1, 0, 0, 0, 0,  0, 0, 0, 0, 0, 16,  0xFF] + lo + hi)
     d = get_codec("packed").decode({"packed": torch.tensor(list(blob), dtype=torch.uint8)},
                                    numel=numel, count=numel, dtype=torch.float16)
     assert d.steps is None
@@ -202,19 +220,19 @@ def test_empty():
     for numel in (0, 1, 1000):
         e = torch.empty(0, dtype=torch.bfloat16)
         parts, d = roundtrip(torch.empty(0, dtype=torch.int64), e, e, numel)
-        assert d.numel == 0 and parts["packed"].numel() <= 16
+        assert d.numel == 0 and parts["packed"].numel() == 17  # the header alone: 5 + 6 x 2 bytes
     with pytest.raises(CorruptObjectError):  # a count that the empty streams cannot hold
         codec.decode(parts, numel=1000, count=1, dtype=torch.bfloat16)
 
 
 def test_huge_gaps_and_positions():
-    # Positions near the top of a 2**62-element tensor: 9-byte varints, no dense fallback.
+    # Positions near the top of a 2**62-element tensor: wide gap fields, no dense fallback.
     numel = 2**62
     pos = torch.tensor([0, 1, 2**40, 2**61 + 7, numel - 2, numel - 1], dtype=torch.int64)
     old = _bf16([0.5] * 6)
     new = _step(old, [1, 1, -1, 2, -3, 100])
     parts, _ = roundtrip(pos, new, old, numel)
-    assert parts["packed"].numel() < 64
+    assert parts["packed"].numel() < 17 + 6 * 8 + 6 * 2  # below raw int64 positions + bf16 values
 
 
 def test_unchanged_entries_are_shipped_exactly():
@@ -320,32 +338,43 @@ def _decode(parts, numel=1024, count=3, dtype=torch.bfloat16):
     return get_codec("packed").decode(parts, numel=numel, count=count, dtype=dtype)
 
 
-GOOD = [bytes([1, 0, 1, 2]), bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11])]
+GOOD = [bytes([1, 0, 0, 1, 2]), bytes([0, 3, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11])]
+HEAD, DESC, PAY = GOOD
 
 
 def test_good_blob_decodes():
     assert _decode(_blob(*GOOD)).positions.tolist() == [3, 4, 10]
 
 
+def _desc(pos=3, pos_ext=0, pos_low=0, codes=1, ext=0, raw=0) -> bytes:
+    """Stream descriptors of stored streams with these lengths (each < 128)."""
+    return bytes([0, pos, 0, pos_ext, 0, pos_low, 0, codes, 0, ext, 0, raw])
+
+
 @pytest.mark.parametrize("fields,why", [
-    ([bytes([2, 0, 1, 2])] + GOOD[1:], "unknown layout version"),
-    ([bytes([1, 2, 1, 2])] + GOOD[1:], "unknown positions mode"),
-    ([bytes([1, 0, 2, 2])] + GOOD[1:], "unknown values mode"),
-    ([bytes([1, 0, 1, 3])] + GOOD[1:], "code width 3"),
-    ([bytes([1, 0, 0, 2])] + GOOD[1:], "raw values with a code width"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5])], "blob shorter than its streams"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11, 0])], "trailing byte"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0])], "header cut off"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x51])], "padding bits set"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x31])], "an escape code without escapes"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 0x80, 0x11])], "cut-off varint"),
-    ([GOOD[0], bytes([0, 4, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 0xCC, 0x08, 0x11])], "gap 1100 > numel - 1"),
-    ([GOOD[0], bytes([0, 5, 0, 1, 0, 0, 0, 0]), bytes([0xFF, 0x07, 0xFF, 0x07, 0, 0x11])], "position 2047 >= numel"),
-    ([GOOD[0], bytes([0, 2, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 0x11])], "two gaps for three changes"),
-    ([GOOD[0], bytes([0, 3, 0, 2, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11, 0])], "codes stream too long"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 1, 0, 0]), bytes([3, 0, 5, 0x11, 1])], "escape bytes without escapes"),
-    ([GOOD[0], bytes([2, 3, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11])], "unknown stream method"),
-    ([GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 0x80])], "overlong header varint"),
+    ([bytes([2, 0, 0, 1, 2]), DESC, PAY], "unknown layout version"),
+    ([bytes([1, 2, 0, 1, 2]), DESC, PAY], "unknown positions mode"),
+    ([bytes([1, 0, 0, 2, 2]), DESC, PAY], "unknown values mode"),
+    ([bytes([1, 0, 0, 1, 3]), DESC, PAY], "code width 3"),
+    ([bytes([1, 0, 0, 0, 2]), DESC, PAY], "raw values with a code width"),
+    ([bytes([1, 0, 57, 1, 2]), DESC, PAY], "gap shift above 56"),
+    ([bytes([1, 1, 1, 1, 2]), DESC, PAY], "gap shift with a bitmap"),
+    ([HEAD, DESC, bytes([3, 0, 5])], "blob shorter than its streams"),
+    ([HEAD, DESC, PAY + b"\x00"], "trailing byte"),
+    ([HEAD, DESC[:10]], "header cut off"),
+    ([HEAD, DESC, bytes([3, 0, 5, 0x51])], "padding bits set"),
+    ([HEAD, DESC, bytes([3, 0, 5, 0x31])], "an escape code without escapes"),
+    ([HEAD, _desc(pos_ext=2), bytes([3, 0, 255, 0xCD, 0x06, 0x11])], "gap 1100 > numel - 1"),
+    ([bytes([1, 0, 2, 1, 2]), _desc(pos_low=1), bytes([254, 254, 0, 0x0F, 0x11])], "positions 2039, 2040 >= numel"),
+    ([bytes([1, 0, 2, 1, 2]), _desc(pos_low=1), bytes([3, 0, 5, 0x40, 0x11])], "low-bit padding set"),
+    ([bytes([1, 0, 2, 1, 2]), _desc(pos_low=2), bytes([3, 0, 5, 0, 0, 0x11])], "too many low-bit bytes"),
+    ([HEAD, _desc(pos=2), bytes([3, 0, 0x11])], "two gap bytes for three changes"),
+    ([HEAD, _desc(pos_ext=1), bytes([3, 0, 5, 7, 0x11])], "gap escape bytes without escapes"),
+    ([HEAD, _desc(pos_ext=1), bytes([3, 0, 255, 0x80, 0x11])], "cut-off gap escape varint"),
+    ([HEAD, _desc(codes=2), bytes([3, 0, 5, 0x11, 0])], "codes stream too long"),
+    ([HEAD, _desc(ext=1), bytes([3, 0, 5, 0x11, 1])], "escape bytes without escapes"),
+    ([HEAD, bytes([2]) + DESC[1:], PAY], "unknown stream method"),
+    ([HEAD, DESC[:11] + bytes([0x80, 0x00])], "overlong header varint"),
 ])
 def test_malformed_blobs_raise(fields, why):
     with pytest.raises(CorruptObjectError):
@@ -361,7 +390,7 @@ def test_wrong_part_dtype_or_name():
     with pytest.raises(CorruptObjectError):
         _decode({"packed": blob, "extra": blob})
     with pytest.raises(CorruptObjectError):
-        _decode({"packed": blob.reshape(2, 8)})
+        _decode({"packed": blob.reshape(3, 7)})
     with pytest.raises(CorruptObjectError):
         _decode(_blob(*GOOD), count=4)  # the object's count disagrees with the streams
     with pytest.raises(CorruptObjectError):
@@ -370,9 +399,9 @@ def test_wrong_part_dtype_or_name():
 
 def test_positions_that_wrap_around_2_64_are_rejected():
     # numel = 2**62; five maximal gaps: positions 2**62-1, 2**63-1, ... wrap to 2**62-1 again.
-    g = _leb128_encode(np.array([2**62 - 1] * 5, np.uint64)).tobytes()
-    codes = bytes([0, 0])  # ten 2-bit codes of 0: z = 1 (step -1)
-    blob = _blob(bytes([1, 0, 1, 2, 0, len(g), 0, 2, 0, 0, 0, 0]), g, codes)
+    ext = _leb128_encode(np.array([2**62 - 1 - 255] * 5, np.uint64)).tobytes()  # r = 0: all escape
+    codes = bytes([0, 0])  # five 2-bit codes of 0: z = 1 (step -1)
+    blob = _blob(bytes([1, 0, 0, 1, 2, 0, 5, 0, len(ext), 0, 0, 0, 2, 0, 0, 0, 0]), bytes([255] * 5), ext, codes)
     with pytest.raises(CorruptObjectError, match="outside"):
         _decode(blob, numel=2**62, count=5)
 
@@ -388,7 +417,8 @@ def test_zstd_bombs_and_lies_are_refused_before_decompressing():
 
     def with_positions(method, raw_len, payload):
         lens = _leb128_encode(np.array([raw_len] + ([len(payload)] if method else []), np.uint64)).tobytes()
-        return _blob(bytes([1, 0, 1, 2, method]), lens, bytes([0, 1, 0, 0, 0, 0]), payload, bytes([0x11]))
+        return _blob(bytes([1, 0, 0, 1, 2, method]), lens, bytes([0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), payload,
+                     bytes([0x11]))
 
     # The header declares 50 MB of positions: more than 3 changes can need, refused up front.
     with pytest.raises(CorruptObjectError, match="allow"):
@@ -410,7 +440,7 @@ def test_zstd_bombs_and_lies_are_refused_before_decompressing():
     # A compressed empty stream is not canonical.
     e = _zstd_stream(b"")
     with pytest.raises(CorruptObjectError, match="empty"):
-        _decode(_blob(bytes([1, 0, 1, 2, 0, 3, 0, 1, 1, 0, len(e), 0, 0]), bytes([3, 0, 5, 0x11]), e))
+        _decode(_blob(HEAD, bytes([0, 3, 0, 0, 0, 0, 0, 1, 1, 0, len(e), 0, 0]), bytes([3, 0, 5, 0x11]), e))
     # And the honest frame decodes.
     assert _decode(with_positions(1, 3, frame)).positions.tolist() == [3, 4, 10]
 

@@ -26,6 +26,7 @@ from .store import LocalStore, Store, open_store
 # Detection, codecs, wire format
 from .detect import ChangeDetector, Changes
 from .codec import Codec, TensorDelta, codec_names, get_codec, register_codec
+from .packed import PackedCodec
 from .layout import TensorSlice
 from .manifest import Manifest
 
@@ -56,6 +57,7 @@ __all__ = [
     "Changes",
     "Codec",
     "TensorDelta",
+    "PackedCodec",
     "register_codec",
     "get_codec",
     "codec_names",

@@ -50,7 +50,9 @@ CODE_BITS = (2, 4, 8, 16)
 POS_GAPS, POS_BITMAP = 0, 1
 VAL_RAW, VAL_STEPS = 0, 1
 METHOD_STORED, METHOD_ZSTD = 0, 1
-_STREAMS = ("positions", "codes", "ext", "raw")
+_STREAMS = ("positions", "pos_ext", "pos_low", "codes", "ext", "raw")
+#: Largest gap shift ``r``: an ``r``-bit field plus its bit offset within a byte fits 64 bits.
+MAX_GAP_SHIFT = 56
 
 # Longest varint this codec reads: 9 bytes carry 63 bits, enough for any gap (< numel <= 2**63)
 # and any escape (< 2**32); a 10th byte could overflow uint64 arithmetic.
@@ -197,6 +199,35 @@ def _from_planes(buf: np.ndarray, n: int, w: int) -> np.ndarray:
     return np.ascontiguousarray(buf.reshape(w, n).T).view(udt).reshape(-1).astype(udt.newbyteorder("="))
 
 
+def _pack_bits(v: np.ndarray, r: int) -> np.ndarray:
+    """The low ``r`` bits of every element of ``v`` (uint64 ``(n,)``) as a little-endian bit
+    stream: field ``i`` at bit offset ``i * r``, least significant bit first, the last byte
+    zero-padded. ``ceil(n * r / 8)`` bytes."""
+    if r == 0 or v.size == 0:
+        return np.empty(0, np.uint8)
+    fields = (v[:, None] >> np.arange(r, dtype=np.uint64)) & np.uint64(1)
+    return np.packbits(fields.astype(np.uint8).reshape(-1), bitorder="little")
+
+
+def _unpack_bits(buf: np.ndarray, n: int, r: int, what: str) -> np.ndarray:
+    """Inverse of :func:`_pack_bits` (``r <= MAX_GAP_SHIFT``; ``buf`` has the checked length):
+    ``n`` fields as uint64. Each field is read from the 8 bytes at its first byte, so the work and
+    memory stay ``O(n)`` whatever ``r`` is."""
+    if r == 0 or n == 0:
+        return np.zeros(n, np.uint64)
+    tail = (n * r) % 8
+    if tail and int(buf[-1]) >> tail:
+        raise CorruptObjectError(f"{what}: padding bits after the last field are not zero")
+    padded = np.zeros(buf.size + 8, np.uint8)
+    padded[: buf.size] = buf
+    bitpos = np.arange(n, dtype=np.uint64) * np.uint64(r)
+    first = (bitpos >> np.uint64(3)).astype(np.int64)
+    word = np.zeros(n, np.uint64)
+    for j in range((r + 7 + 7) // 8):  # bytes touched by an r-bit field at bit offset 0..7
+        word |= padded[first + j].astype(np.uint64) << np.uint64(8 * j)
+    return (word >> (bitpos & np.uint64(7))) & np.uint64((1 << r) - 1)
+
+
 def _zigzag(s: np.ndarray) -> np.ndarray:
     """Signed -> non-negative: 0, -1, 1, -2, 2, ... -> 0, 1, 2, 3, 4, ... (as in protobuf).
 
@@ -209,7 +240,7 @@ def _unzigzag(z: np.ndarray) -> np.ndarray:
     return (z >> 1) ^ -(z & 1)
 
 
-def _huffman_bits(hist: np.ndarray, per_byte: int) -> float:
+def _huffman_bits(hist: np.ndarray, per_byte: int, table: bool = False) -> float:
     """Estimated size in bits of a byte stream after zstd's Huffman stage.
 
     Args:
@@ -218,9 +249,10 @@ def _huffman_bits(hist: np.ndarray, per_byte: int) -> float:
         per_byte: symbols per byte (1, 2 or 4).
 
     Returns:
-        ``max(entropy, 1 bit per byte) + (p_max + 0.086) bits per byte``: the order-0 entropy,
-        Huffman's floor of one bit per coded byte, and Gallager's redundancy bound (see
-        :meth:`PackedCodec._choose_code_bits`).
+        ``max(entropy, 1 bit per byte) + (p_max + 0.086) bits per byte + 4 bits per symbol``:
+        the order-0 entropy, Huffman's floor of one bit per coded byte, Gallager's redundancy
+        bound (see :meth:`PackedCodec._choose_code_bits`), and roughly what zstd spends to
+        describe the Huffman table (which matters for small tensors).
     """
     c = hist[hist > 0].astype(np.float64)
     total = c.sum()
@@ -229,7 +261,8 @@ def _huffman_bits(hist: np.ndarray, per_byte: int) -> float:
     nbytes = total / per_byte
     entropy = float(-(c * np.log2(c / total)).sum())
     p_max_byte = float(c.max() / total) ** per_byte
-    return max(entropy, nbytes) + nbytes * (p_max_byte + 0.086)
+    table_bits = 4 * min(c.size ** per_byte, 256) if table else 0
+    return max(entropy, nbytes) + nbytes * (p_max_byte + 0.086) + table_bits
 
 
 # --- zstd streams -------------------------------------------------------------------------------
@@ -276,13 +309,18 @@ def _unpack_stream(method: int, payload: memoryview, raw_len: int, what: str) ->
 @dataclass(frozen=True)
 class _Header:
     pos_mode: int
+    gap_shift: int
     val_mode: int
     code_bits: int
-    streams: tuple[tuple[int, int, int, int], ...]  # (method, raw_len, offset, stored_len) x 4
+    streams: tuple[tuple[int, int, int, int], ...]  # (method, raw_len, offset, stored_len) x 6
 
 
-def _write_header(pos_mode: int, val_mode: int, code_bits: int, streams: list[tuple[int, bytes, int]]) -> bytes:
-    fields = [np.array([LAYOUT_VERSION, pos_mode, val_mode, code_bits], np.uint8)]
+_HEADER_FIXED = 5  # version, positions mode, gap shift, values mode, code width
+
+
+def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int,
+                  streams: list[tuple[int, bytes, int]]) -> bytes:
+    fields = [np.array([LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits], np.uint8)]
     for method, payload, raw_len in streams:
         fields.append(np.array([method], np.uint8))
         lens = [raw_len] if method == METHOD_STORED else [raw_len, len(payload)]
@@ -291,20 +329,22 @@ def _write_header(pos_mode: int, val_mode: int, code_bits: int, streams: list[tu
 
 
 def _read_header(data: memoryview, what: str) -> _Header:
-    if len(data) < 4:
+    if len(data) < _HEADER_FIXED:
         raise CorruptObjectError(f"{what}: {len(data)} bytes is too short for a packed header")
-    version, pos_mode, val_mode, code_bits = data[0], data[1], data[2], data[3]
+    version, pos_mode, gap_shift, val_mode, code_bits = (data[i] for i in range(_HEADER_FIXED))
     if version != LAYOUT_VERSION:
         raise CorruptObjectError(f"{what}: packed layout version {version}, this reader knows {LAYOUT_VERSION}")
     if pos_mode not in (POS_GAPS, POS_BITMAP):
         raise CorruptObjectError(f"{what}: unknown positions mode {pos_mode}")
+    if gap_shift > (MAX_GAP_SHIFT if pos_mode == POS_GAPS else 0):
+        raise CorruptObjectError(f"{what}: gap shift {gap_shift} (at most {MAX_GAP_SHIFT}, 0 with a bitmap)")
     if val_mode == VAL_RAW and code_bits != 0:
         raise CorruptObjectError(f"{what}: raw values with code width {code_bits} (must be 0)")
     if val_mode == VAL_STEPS and code_bits not in CODE_BITS:
         raise CorruptObjectError(f"{what}: code width {code_bits}, expected one of {CODE_BITS}")
     if val_mode not in (VAL_RAW, VAL_STEPS):
         raise CorruptObjectError(f"{what}: unknown values mode {val_mode}")
-    at = 4
+    at = _HEADER_FIXED
 
     def varint() -> int:
         nonlocal at
@@ -337,7 +377,7 @@ def _read_header(data: memoryview, what: str) -> _Header:
         at += e[3]
     if at != len(data):
         raise CorruptObjectError(f"{what}: streams add up to {at} bytes, the blob has {len(data)}")
-    return _Header(pos_mode, val_mode, code_bits, tuple(tuple(e) for e in entries))
+    return _Header(pos_mode, gap_shift, val_mode, code_bits, tuple(tuple(e) for e in entries))
 
 
 # --- the codec ----------------------------------------------------------------------------------
@@ -399,31 +439,38 @@ class PackedCodec(Codec):
             )
         width = new.element_size()
         cctx = zstandard.ZstdCompressor(level=self.level)
+        empty = (METHOD_STORED, b"", 0)
 
-        # Positions: gaps, or the bitmap when the gap stream is not clearly smaller.
+        # Positions: split gaps, or the bitmap when the gaps are not clearly smaller.
         gaps = np.diff(pos, prepend=-1) - 1
         if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
-        gap_stream = _leb128_encode(gaps.astype(np.uint64))
-        pos_mode, pos_packed = POS_GAPS, _pack_stream(gap_stream, cctx)
+        gaps = gaps.astype(np.uint64)
+        r = self._choose_gap_shift(gaps)
+        high = gaps >> np.uint64(r)
+        pos_streams = [
+            _pack_stream(np.minimum(high, 255).astype(np.uint8), cctx),
+            _pack_stream(_leb128_encode(high[high >= 255] - np.uint64(255)), cctx),
+            _pack_stream(_pack_bits(gaps, r), cctx),
+        ]
+        pos_mode = POS_GAPS
         bitmap_nbytes = -(-numel // 8)
-        if k and gap_stream.size * 4 > bitmap_nbytes:
+        if k and sum(len(x[1]) for x in pos_streams) * 4 > bitmap_nbytes:
             mask = np.zeros(bitmap_nbytes * 8, np.uint8)
             mask[pos] = 1
             bm = _pack_stream(np.packbits(mask, bitorder="little"), cctx)
-            if len(bm[1]) < len(pos_packed[1]):
-                pos_mode, pos_packed = POS_BITMAP, bm
+            if len(bm[1]) < sum(len(x[1]) for x in pos_streams):
+                pos_mode, r, pos_streams = POS_BITMAP, 0, [bm, empty, empty]
 
         # Values: raw bit patterns, or steps with the code width that the entropy estimate favours.
         new_u = bits(new).numpy().view(f"u{width}")
-        empty = (METHOD_STORED, b"", 0)
         z = b = None
         if width <= 4:
             z = self._zigzag_steps(new_u, bits(old).numpy().view(f"u{width}"), width)
             b = self._choose_code_bits(new_u, z, width)
         if not b:
-            streams = [pos_packed, empty, empty, _pack_stream(_to_planes(new_u), cctx)]
-            return {"packed": self._blob(pos_mode, VAL_RAW, 0, streams)}
+            streams = pos_streams + [empty, empty, _pack_stream(_to_planes(new_u), cctx)]
+            return {"packed": self._blob(pos_mode, r, VAL_RAW, 0, streams)}
         M = (1 << b) - 1
         # z == 0 (an entry whose bits did not change) has no code: it is sent as a raw escape.
         codes = np.where(z == 0, M, np.minimum(z - 1, M))
@@ -431,19 +478,37 @@ class PackedCodec(Codec):
         e = z[esc] - M  # >= 1 except for z == 0
         raw_esc = (e <= 0) | (_varint_lengths(np.maximum(e, 0).astype(np.uint64)) > width)
         ext = np.where(raw_esc, 0, e).astype(np.uint64)
-        streams = [
-            pos_packed,
+        streams = pos_streams + [
             _pack_stream(_pack_codes(codes, b), cctx),
             _pack_stream(_leb128_encode(ext), cctx),
             _pack_stream(_to_planes(new_u[esc][raw_esc]), cctx),
         ]
-        return {"packed": self._blob(pos_mode, VAL_STEPS, b, streams)}
+        return {"packed": self._blob(pos_mode, r, VAL_STEPS, b, streams)}
 
     @staticmethod
-    def _blob(pos_mode: int, val_mode: int, b: int, streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
-        head = _write_header(pos_mode, val_mode, b, streams)
+    def _blob(pos_mode: int, r: int, val_mode: int, b: int, streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
+        head = _write_header(pos_mode, r, val_mode, b, streams)
         blob = head + b"".join(s[1] for s in streams)
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _choose_gap_shift(gaps: np.ndarray) -> int:
+        """Shift ``r`` for the split gap coding, by estimated size: the high parts ``g >> r`` as
+        Huffman-coded bytes (255 escapes to a varint, costed 16 bits), the low ``r`` bits as raw
+        bits. The best ``r`` leaves high parts with a mean of a few dozen, where byte-wise Huffman
+        coding is within a few percent of the entropy of geometric gaps."""
+        k = gaps.size
+        if k == 0:
+            return 0
+        r0 = max(0, int(np.log2(max(float(gaps.mean()), 1.0) / 24)))
+        best_r, best = 0, float("inf")
+        for r in range(max(0, r0 - 1), min(MAX_GAP_SHIFT, r0 + 2) + 1):
+            high = np.minimum(gaps >> np.uint64(r), 255).astype(np.int64)
+            hist = np.bincount(high, minlength=256)
+            est = _huffman_bits(hist, 1, table=True) + int(hist[255]) * 16 + k * r
+            if est < best:
+                best_r, best = r, est
+        return best_r
 
     @staticmethod
     def _zigzag_steps(new_u: np.ndarray, old_u: np.ndarray, width: int) -> np.ndarray:
@@ -469,24 +534,26 @@ class PackedCodec(Codec):
         raw_planes = _to_planes(new_u).reshape(width, k)
         best_b = 0
         best = sum(_huffman_bits(np.bincount(p, minlength=256), 1) for p in raw_planes)
-        cap = 1 << 16
+        raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
+        cap = 1 << 12  # steps with z >= cap are costed as raw values
         hist = np.bincount(np.minimum(z, cap), minlength=cap + 1)
-        raw = int(hist[cap]) + int(hist[0])  # escaped as raw values: beyond any code, or no step
+        n_raw = int(hist[0]) + int(hist[cap])  # no step (z = 0) or a huge one
         for b in CODE_BITS:
             if b > 8 * width:
                 break
             M = (1 << b) - 1
-            n_esc = int(hist[M + 1 :].sum()) + int(hist[0])
-            code_hist = np.append(hist[1 : M + 1], n_esc)  # code c = z - 1; c = M escapes
             if b == 16:
-                planes = np.zeros(1 << 16, np.int64)
-                planes[: code_hist.size] = code_hist
-                planes = planes.reshape(256, 256)
-                est = _huffman_bits(planes.sum(0), 1) + _huffman_bits(planes.sum(1), 1)
+                if int(hist[256:].sum()) * 64 < k:
+                    continue  # almost every step fits 8 bits: 16-bit codes cannot win
+                c16 = np.where(z == 0, M, np.minimum(z - 1, M))
+                est = _huffman_bits(np.bincount(c16 & 0xFF, minlength=256), 1)
+                est += _huffman_bits(np.bincount(c16 >> 8, minlength=256), 1)
+                est += int((c16 == M).sum()) * raw_cost
             else:
+                n_esc = int(hist[M + 1 :].sum()) + int(hist[0])
+                code_hist = np.append(hist[1 : M + 1], n_esc)  # code c = z - 1; c = M escapes
                 est = _huffman_bits(code_hist, 8 // b)
-            ext_hist = hist[M + 1 : cap]
-            est += _huffman_bits(ext_hist, 1) + raw * 8 * width
+                est += _huffman_bits(hist[M + 1 : cap], 1) + n_raw * raw_cost
             if est < best:
                 best_b, best = b, est
         return best_b
@@ -530,9 +597,25 @@ class PackedCodec(Codec):
 
         # Positions.
         if h.pos_mode == POS_GAPS:
+            r = h.gap_shift
             max_gap = max(numel - 1, 0)
-            gap_len = min(_MAX_VARINT_BYTES, max(1, math.ceil(max_gap.bit_length() / 7)))
-            gaps = _leb128_decode(stream(0, count, count * gap_len), count, max_gap, f"{what}: positions")
+            high_b = stream(0, count, count)
+            esc = high_b == 255
+            n_esc = int(esc.sum())
+            max_ext = (max_gap >> r) - 255  # largest high part the tensor allows, minus 255
+            if n_esc and max_ext < 0:
+                raise CorruptObjectError(f"{what}: gap escapes, but no gap of this tensor needs one")
+            ext_len = max(1, math.ceil(max(max_ext, 0).bit_length() / 7))
+            high = high_b.astype(np.uint64)
+            if n_esc:
+                ext = _leb128_decode(stream(1, n_esc, n_esc * ext_len), n_esc, max_ext, f"{what}: gap escapes")
+                high[esc] += ext
+            else:
+                stream(1, 0, 0)
+            n_low = -(-count * r // 8)
+            gaps = (high << np.uint64(r)) | _unpack_bits(stream(2, n_low, n_low), count, r, f"{what}: gap low bits")
+            if count and int(gaps.max()) > max_gap:
+                raise CorruptObjectError(f"{what}: gap {int(gaps.max())} in a {numel}-element tensor")
             # Every gap < numel <= 2**63, so the running sum cannot wrap around 2**64 before some
             # position reaches numel; that position is exact and the max below sees it. (Checking
             # only the last position would miss a sum that wrapped back into range.)
@@ -543,6 +626,8 @@ class PackedCodec(Codec):
         else:
             nbytes = -(-numel // 8)
             bm = stream(0, nbytes, nbytes)
+            stream(1, 0, 0)
+            stream(2, 0, 0)
             mask = np.unpackbits(bm, bitorder="little")
             if bool(mask[numel:].any()):
                 raise CorruptObjectError(f"{what}: bitmap bits set past the end of the tensor")
@@ -553,9 +638,9 @@ class PackedCodec(Codec):
 
         vdt = int_view_dtype(dtype)
         if h.val_mode == VAL_RAW:
-            for i in (1, 2):
+            for i in (3, 4):
                 stream(i, 0, 0)
-            new_u = _from_planes(stream(3, count * width, count * width), count, width)
+            new_u = _from_planes(stream(5, count * width, count * width), count, width)
             values = torch.from_numpy(new_u.view(f"i{width}").copy()).view(dtype)
             return TensorDelta(positions, values)
         if width > 4:
@@ -567,16 +652,16 @@ class PackedCodec(Codec):
         M = (1 << b) - 1
         n_code_bytes = count * b // 8 if b >= 8 else -(-count * b // 8)
         work = np.int32 if width <= 2 else np.int64  # holds any zigzag step of the width
-        codes = _unpack_codes(stream(1, n_code_bytes, n_code_bytes), count, b, f"{what}: codes", work)
+        codes = _unpack_codes(stream(3, n_code_bytes, n_code_bytes), count, b, f"{what}: codes", work)
         esc = codes == M
         n_esc = int(esc.sum())
         z_max = (1 << (8 * width)) - 1  # largest zigzag step of the dtype's width
         e_max = z_max - M
         e_len = max(1, math.ceil(e_max.bit_length() / 7))
-        ext = _leb128_decode(stream(2, n_esc, n_esc * e_len), n_esc, e_max, f"{what}: escapes").astype(work)
+        ext = _leb128_decode(stream(4, n_esc, n_esc * e_len), n_esc, e_max, f"{what}: escapes").astype(work)
         raw_esc = ext == 0
         n_raw = int(raw_esc.sum())
-        raw_u = _from_planes(stream(3, n_raw * width, n_raw * width), n_raw, width)
+        raw_u = _from_planes(stream(5, n_raw * width, n_raw * width), n_raw, width)
 
         z = codes + 1
         z[esc] = M + ext  # raw escapes get z = M; their step is ignored (relative is False)
