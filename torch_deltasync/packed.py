@@ -3,9 +3,13 @@
 At RL learning rates a changed bf16 element almost always moves by one or two ULPs, and changed
 elements are spread like a Bernoulli process, so (``research/baselines.md`` §3):
 
-* **positions** are coded as gaps (``pos[i] - pos[i-1] - 1``) in unsigned LEB128 varints, the
-  integer coding of Protocol Buffers (https://protobuf.dev/programming-guides/encoding/#varints);
-  at density ``p`` most gaps fit one byte and zstd brings them to about ``log2(e/p)`` bits;
+* **positions** are coded as gaps ``g = pos[i] - pos[i-1] - 1``, split Golomb-Rice style at a
+  per-tensor shift ``r``: the high part ``g >> r`` as one byte (255 escapes to an unsigned LEB128
+  varint, the integer coding of Protocol Buffers,
+  https://protobuf.dev/programming-guides/encoding/#varints) and the low ``r`` bits bit-packed. ``r``
+  is chosen so that high parts average a few dozen, where zstd's byte-wise Huffman coding gets
+  within a few percent of the entropy of Bernoulli positions, about ``log2(e/p)`` bits at density
+  ``p``;
 * **values** are coded as integer *steps* on the bit pattern, ``new_bits - old_bits`` wrapped to the
   dtype's width (two's complement), zigzag-mapped to unsigned, packed as ``b``-bit codes (``b`` in
   2, 4, 8, 16, chosen per tensor) with an escape to a varint stream for larger steps and to the raw
@@ -36,7 +40,6 @@ import numpy as np
 import torch
 import zstandard
 
-from ._dtypes import bits, int_view_dtype
 from .codec import Codec, TensorDelta, check_parts, register_codec
 from .errors import CorruptObjectError
 
@@ -95,7 +98,7 @@ def _leb128_encode(v: np.ndarray) -> np.ndarray:
     out = np.empty(int(starts[-1] + lens[-1]), np.uint8)
     low[big] |= np.uint8(0x80)
     out[starts] = low
-    sub, sub_starts, sub_v, sub_lens = big, starts[big], v[big], big_lens
+    sub_starts, sub_v, sub_lens = starts[big], v[big], big_lens
     for j in range(1, int(big_lens.max())):
         keep = sub_lens > j
         sub_starts, sub_v, sub_lens = sub_starts[keep], sub_v[keep], sub_lens[keep]
@@ -199,14 +202,33 @@ def _from_planes(buf: np.ndarray, n: int, w: int) -> np.ndarray:
     return np.ascontiguousarray(buf.reshape(w, n).T).view(udt).reshape(-1).astype(udt.newbyteorder("="))
 
 
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_pattern(t: torch.Tensor) -> np.ndarray:
+    """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view).
+
+    (Same as ``_dtypes.bits`` but without its per-call dtype probe, which costs more than the
+    encoding of a small tensor.)"""
+    w = t.element_size()
+    return t.view(_SIGNED[w]).numpy().view(f"u{w}")
+
+
 def _pack_bits(v: np.ndarray, r: int) -> np.ndarray:
     """The low ``r`` bits of every element of ``v`` (uint64 ``(n,)``) as a little-endian bit
     stream: field ``i`` at bit offset ``i * r``, least significant bit first, the last byte
     zero-padded. ``ceil(n * r / 8)`` bytes."""
     if r == 0 or v.size == 0:
         return np.empty(0, np.uint8)
-    fields = (v[:, None] >> np.arange(r, dtype=np.uint64)) & np.uint64(1)
-    return np.packbits(fields.astype(np.uint8).reshape(-1), bitorder="little")
+    chunk = 1 << 18  # elements per pass (a multiple of 8, so every chunk ends on a byte boundary)
+    out = []
+    for start in range(0, v.size, chunk):
+        part = v[start : start + chunk]
+        bitmat = np.empty((part.size, r), np.uint8)  # one byte per bit, r bytes per field
+        for j in range(r):
+            bitmat[:, j] = (part >> np.uint64(j)) & np.uint64(1)
+        out.append(np.packbits(bitmat.reshape(-1), bitorder="little"))
+    return np.concatenate(out)
 
 
 def _unpack_bits(buf: np.ndarray, n: int, r: int, what: str) -> np.ndarray:
@@ -392,7 +414,10 @@ class PackedCodec(Codec):
     changed bf16 element at RL learning rates (``tools/bench_codec.py``), against 6 for ``raw``.
 
     Args:
-        level: zstd compression level for encoding (any level decodes with the same reader).
+        level: zstd compression level for encoding (any level decodes with the same reader). The
+            streams are near-random bytes whose gain comes from zstd's Huffman stage, not from
+            matches, so the fastest level 1 is also the smallest here (0.3-0.5% below level 3 on
+            the change sets of ``tools/bench_codec.py``).
 
     Supported inference dtypes: any of width 1, 2 or 4 bytes (fp8, bf16, fp16, fp32) code steps;
     8-byte dtypes (fp64) are always shipped as raw values.
@@ -407,7 +432,7 @@ class PackedCodec(Codec):
 
     name = "packed"
 
-    def __init__(self, level: int = 3) -> None:
+    def __init__(self, level: int = 1) -> None:
         self.level = level
 
     # --- encode ---------------------------------------------------------------------------------
@@ -463,10 +488,10 @@ class PackedCodec(Codec):
                 pos_mode, r, pos_streams = POS_BITMAP, 0, [bm, empty, empty]
 
         # Values: raw bit patterns, or steps with the code width that the entropy estimate favours.
-        new_u = bits(new).numpy().view(f"u{width}")
+        new_u = _bit_pattern(new)
         z = b = None
         if width <= 4:
-            z = self._zigzag_steps(new_u, bits(old).numpy().view(f"u{width}"), width)
+            z = self._zigzag_steps(new_u, _bit_pattern(old), width)
             b = self._choose_code_bits(new_u, z, width)
         if not b:
             streams = pos_streams + [empty, empty, _pack_stream(_to_planes(new_u), cctx)]
@@ -582,7 +607,7 @@ class PackedCodec(Codec):
             raise CorruptObjectError(f"{what}: part must be 1-D uint8, got {t.dtype} {tuple(t.shape)}")
         if not 0 <= count <= numel < 2**63:
             raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}] or tensor of {numel} >= 2**63 elements")
-        width = torch.empty((), dtype=dtype).element_size()
+        width = dtype.itemsize
         data = memoryview(t.contiguous().numpy().tobytes())
         h = _read_header(data, what)
 
@@ -636,7 +661,6 @@ class PackedCodec(Codec):
                 raise CorruptObjectError(f"{what}: bitmap marks {pos.size} positions, the object declares {count}")
         positions = torch.from_numpy(pos)
 
-        vdt = int_view_dtype(dtype)
         if h.val_mode == VAL_RAW:
             for i in (3, 4):
                 stream(i, 0, 0)
@@ -667,7 +691,6 @@ class PackedCodec(Codec):
         z[esc] = M + ext  # raw escapes get z = M; their step is ignored (relative is False)
         s = _unzigzag(z)
         steps = torch.from_numpy(s.astype(f"i{width}"))
-        assert steps.dtype == vdt
         relative = None
         values = torch.from_numpy(np.zeros(count, dtype=f"i{width}")).view(dtype)  # placeholders
         if n_raw:
