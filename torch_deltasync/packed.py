@@ -470,7 +470,7 @@ class PackedCodec(Codec):
         gaps = np.diff(pos, prepend=-1) - 1
         if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
-        gaps = gaps.astype(np.uint64)
+        gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
         r = self._choose_gap_shift(gaps)
         high = gaps >> np.uint64(r)
         pos_streams = [
@@ -526,10 +526,17 @@ class PackedCodec(Codec):
         if k == 0:
             return 0
         r0 = max(0, int(np.log2(max(float(gaps.mean()), 1.0) / 24)))
+        r_lo, r_hi = max(0, r0 - 1), min(MAX_GAP_SHIFT, r0 + 2)
+        # One histogram at the smallest shift serves every candidate: the high part at shift
+        # r_lo + d is the r_lo one divided by 2**d, so its bins are sums of 2**d adjacent bins.
+        span = 255 << (r_hi - r_lo)
+        base = np.bincount(np.minimum(gaps >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
         best_r, best = 0, float("inf")
-        for r in range(max(0, r0 - 1), min(MAX_GAP_SHIFT, r0 + 2) + 1):
-            high = np.minimum(gaps >> np.uint64(r), 255).astype(np.int64)
-            hist = np.bincount(high, minlength=256)
+        for r in range(r_lo, r_hi + 1):
+            f = 1 << (r - r_lo)
+            hist = np.empty(256, np.int64)
+            hist[:255] = base[: 255 * f].reshape(255, f).sum(1)
+            hist[255] = k - int(hist[:255].sum())  # escapes: high part >= 255
             est = _huffman_bits(hist, 1, table=True) + int(hist[255]) * 16 + k * r
             if est < best:
                 best_r, best = r, est
@@ -556,9 +563,8 @@ class PackedCodec(Codec):
         k = new_u.size
         if k == 0:
             return CODE_BITS[0]
-        raw_planes = _to_planes(new_u).reshape(width, k)
         best_b = 0
-        best = sum(_huffman_bits(np.bincount(p, minlength=256), 1) for p in raw_planes)
+        best = sum(_huffman_bits(np.bincount((new_u >> (8 * j)) & 0xFF, minlength=256), 1) for j in range(width))
         raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
         cap = 1 << 12  # steps with z >= cap are costed as raw values
         hist = np.bincount(np.minimum(z, cap), minlength=cap + 1)
