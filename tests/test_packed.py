@@ -53,8 +53,9 @@ def make_change_set(seed: int, dtype: torch.dtype, numel: int, density: float, m
     """Positions, old and new values of a random change set.
 
     ``mix`` gives the share of each kind of change: ``ulp`` (+-1..3 steps on the bit pattern),
-    ``many`` (up to +-2**(W-2) steps), ``flip`` (sign flip), ``special`` (NaN payloads, +-Inf,
-    +-0), ``random`` (any bit pattern), ``same`` (bits unchanged).
+    ``mid`` (up to +-200 steps), ``wide`` (up to +-30000 steps), ``many`` (up to +-2**(W-2)
+    steps), ``flip`` (sign flip), ``special`` (NaN payloads, +-Inf, +-0), ``random`` (any bit
+    pattern), ``same`` (bits unchanged).
     """
     rng = np.random.default_rng(seed)
     idt = IDT[dtype]
@@ -73,6 +74,10 @@ def make_change_set(seed: int, dtype: torch.dtype, numel: int, density: float, m
         n = int(m.sum())
         if name == "ulp":
             nb[m] = ob[m] + rng.choice([-3, -2, -1, 1, 2, 3], size=n, p=[.02, .04, .44, .44, .04, .02])
+        elif name == "mid":
+            nb[m] = ob[m] + rng.integers(-200, 201, size=n)
+        elif name == "wide":
+            nb[m] = ob[m] + rng.integers(-30000, 30001, size=n)
         elif name == "many":
             nb[m] = ob[m] + rng.integers(-(1 << (W - 2)), 1 << (W - 2), size=n)
         elif name == "flip":
@@ -196,14 +201,17 @@ def test_golden_bitmap_raw_blob():
     numel=st.one_of(st.integers(0, 64), st.integers(65, 20_000)),
     density=st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.01]), st.floats(0.0, 1.0)),
     ulp=st.floats(0.0, 1.0),
+    mid=st.floats(0.0, 1.0),
+    wide=st.floats(0.0, 1.0),
     many=st.floats(0.0, 1.0),
     flip=st.floats(0.0, 0.3),
     special=st.floats(0.0, 0.3),
     random=st.floats(0.0, 0.3),
     same=st.floats(0.0, 0.1),
 )
-def test_roundtrip_property(seed, dtype, numel, density, ulp, many, flip, special, random, same):
-    mix = {"ulp": ulp + 1e-3, "many": many, "flip": flip, "special": special, "random": random, "same": same}
+def test_roundtrip_property(seed, dtype, numel, density, ulp, mid, wide, many, flip, special, random, same):
+    mix = {"ulp": ulp + 1e-3, "mid": mid, "wide": wide, "many": many, "flip": flip, "special": special,
+           "random": random, "same": same}
     pos, new, old = make_change_set(seed, dtype, numel, density, mix)
     roundtrip(pos, new, old, numel)
 
@@ -213,6 +221,23 @@ def test_roundtrip_property(seed, dtype, numel, density, ulp, many, flip, specia
 def test_roundtrip_rl_like(dtype, density):
     pos, new, old = make_change_set(7, dtype, 50_000, density, {"ulp": 0.97, "many": 0.02, "flip": 0.01})
     roundtrip(pos, new, old, 50_000)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()))
+@pytest.mark.parametrize("b", [0, 2, 4, 8, 16])
+@pytest.mark.parametrize("r", [0, 1, 5, 20])
+def test_every_code_width_and_gap_shift(monkeypatch, dtype, b, r):
+    # The encoder picks b and r by estimates; force each one so every decoder path is exercised.
+    monkeypatch.setattr(PackedCodec, "_choose_code_bits", staticmethod(lambda *a: b))
+    monkeypatch.setattr(PackedCodec, "_choose_gap_shift", staticmethod(lambda *a: r))
+    mix = {"ulp": 0.6, "mid": 0.2, "wide": 0.1, "many": 0.05, "flip": 0.02, "special": 0.02, "same": 0.01}
+    numel = 2_000_000  # sparse enough that even 20-bit gap fields beat the bitmap
+    pos, new, old = make_change_set(b * 100 + r, dtype, numel, 0.005, mix)
+    parts, d = roundtrip(pos, new, old, numel)
+    blob = parts["packed"]
+    assert blob[2].item() == r and blob[3].item() == (1 if b else 0) and blob[4].item() == b
+    if b:
+        assert d.relative is not None  # the "same", "flip" and "special" entries escape to raw values
 
 
 def test_empty():
