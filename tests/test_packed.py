@@ -619,3 +619,56 @@ def test_end_to_end_sender_receiver_bit_exact(tmp_path):
     assert r_late.last_stats.versions_applied > 1  # anchor + packed deltas
     assert first_difference(late, model) is None
     assert packed_bytes < raw_bytes / 2, (packed_bytes, raw_bytes)
+
+
+@pytest.mark.parametrize("tamper", ["header", "zstd", "codes"])
+def test_receiver_refuses_a_tampered_packed_object(tmp_path, tamper):
+    """A delta object whose packed blob was altered (and whose sha256 in the manifest was updated
+    to match, as an attacker with write access would) is refused; the receiver keeps its weights."""
+    import json
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    from torch_deltasync.format import read_header, sha256_hex
+    from torch_deltasync.manifest import manifest_key
+    from torch_deltasync.testing import state_bits
+
+    model = tiny_qwen3("tiny", seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    store = LocalStore(tmp_path / "bucket")
+    sender = DeltaSender(model, store, anchor_every=100)
+    replica = tiny_qwen3("tiny", seed=1, dtype=torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    sender.publish()
+    receiver.update()
+    held = state_bits(replica)
+    adam_step(model, opt, generator=torch.Generator().manual_seed(0))
+    v = sender.publish()
+
+    m = load_manifest(store, v)
+    key = m.objects[0].key
+    data = store.get(key)
+    _, meta = read_header(data)
+    tensors = st_load(data)
+    name = max(tensors, key=lambda n: tensors[n].numel())  # the largest blob: zstd streams
+    blob = tensors[name].clone()
+    if tamper == "header":
+        blob[4] = 3  # code width 3 does not exist
+    elif tamper == "zstd":
+        assert blob[5].item() == 1, "expected a zstd-compressed positions stream"
+        blob[blob.numel() // 3] ^= 0x5A  # inside the compressed streams
+    else:
+        blob[-1] ^= 0x01  # last byte of the last stream: decodes, but to other values
+    tensors[name] = blob
+    bad = st_save(tensors, metadata=meta)
+    store.put(key, bad)
+    doc = json.loads(store.get(manifest_key(v)))
+    doc["objects"][0].update(nbytes=len(bad), sha256=sha256_hex(bad))
+    store.put(manifest_key(v), json.dumps(doc).encode())
+
+    with pytest.raises(CorruptObjectError):
+        receiver.update()
+    assert receiver.version == v - 1
+    after = state_bits(replica)
+    assert all(torch.equal(held[n], after[n]) for n in held), "a refused update changed the weights"
