@@ -11,6 +11,8 @@ receivers look it up with :func:`get_codec`. Built in:
 * ``raw`` (format 1, the seed format): ``<name>:idx`` holds the sorted, unique global flat indices
   (int32 when the tensor has fewer than ``2**31`` elements, else int64) and ``<name>:val`` the new
   values in the inference dtype. 4 + 2 = 6 bytes per changed bf16 element.
+* ``packed`` (:mod:`torch_deltasync.packed`, the default of ``DeltaSender``): ``<name>:packed``,
+  gap-coded positions and step-coded values with zstd, about 1 byte per changed bf16 element.
 """
 
 from __future__ import annotations
