@@ -52,12 +52,18 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class PlanStep:
-    """One version to download and apply, and why."""
+    """One version to download and apply, and why.
+
+    Attributes:
+        kind: ``"anchor"`` (rebuild from the anchor objects) or ``"delta"`` (apply the delta objects).
+        objects: the objects of this version to download (a version can carry both kinds).
+    """
 
     version: int
     kind: str
     nbytes: int
     reason: str
+    objects: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,7 @@ class DeltaReceiver:
         chain: list[Manifest] = []
         delta_path: list[Manifest] | None = None
         v = target
-        model_nbytes = None
+        model_nbytes = 0
         while True:
             try:
                 m = self.manifest(v)
@@ -261,17 +267,18 @@ class DeltaReceiver:
                     "update to the newest version instead"
                 ) from None
             chain.append(m)
-            if model_nbytes is None:
-                model_nbytes = m.numel * m.inference_dtype.itemsize
+            model_nbytes = model_nbytes or m.numel * m.inference_dtype.itemsize
+            if (delta_path is None and not force_anchor and self.version is not None
+                    and m.base_version == self.version):
+                delta_path = list(chain)
+                if sum(x.delta_nbytes for x in delta_path) <= model_nbytes:
+                    break  # cheaper than any anchor: stop walking
             if m.kind == "anchor":
                 break
-            if delta_path is None and not force_anchor and m.base_version == self.version:
-                delta_path = list(chain)
-                if sum(x.nbytes for x in delta_path) <= model_nbytes:
-                    break  # cheaper than any anchor: stop walking
             v = m.base_version
+        anchor_cost = chain[-1].anchor_nbytes + sum(x.delta_nbytes for x in chain[:-1])
         if delta_path is not None and (chain[-1].kind != "anchor" or
-                                       sum(x.nbytes for x in delta_path) <= sum(x.nbytes for x in chain)):
+                                       sum(x.delta_nbytes for x in delta_path) <= anchor_cost):
             path, ms = "delta", delta_path[::-1]
         else:
             path, ms = "anchor", chain[::-1]
@@ -282,7 +289,10 @@ class DeltaReceiver:
             else f"delta on {self.version}"
         )
         steps = tuple(
-            PlanStep(m.version, m.kind, m.nbytes, first_reason if i == 0 else f"delta on {m.base_version}")
+            PlanStep(m.version, "anchor", m.anchor_nbytes, first_reason, m.anchor_objects)
+            if i == 0 and path == "anchor" else
+            PlanStep(m.version, "delta", m.delta_nbytes, first_reason if i == 0 else f"delta on {m.base_version}",
+                     m.delta_objects)
             for i, m in enumerate(ms)
         )
         return UpdatePlan(self.version, target, path, steps, tuple(ms))
@@ -373,7 +383,7 @@ class DeltaReceiver:
             self._checked.add(key)
 
     def _download(self, plan: UpdatePlan) -> dict[str, bytes]:
-        entries = [(m, o) for m in plan.manifests for o in m.objects]
+        entries = [(m, o) for m, step in zip(plan.manifests, plan.steps) for o in step.objects]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
 
@@ -436,7 +446,7 @@ class DeltaReceiver:
     def _decode_version(self, m: Manifest, blobs: dict[str, bytes]) -> dict[str, TensorDelta]:
         """Decode every delta object of ``m`` and check the counts against the manifest."""
         per_tensor: dict[str, list[TensorDelta]] = {}
-        for o in m.objects:
+        for o in m.delta_objects:
             for name, d in decode_delta(blobs[o.key], m, o).items():
                 per_tensor.setdefault(name, []).append(d)
         out = {}
@@ -493,7 +503,7 @@ class DeltaReceiver:
         """Rebuild full tensors from the anchor's blocks, then apply the chain's deltas to them."""
         anchor = plan.manifests[0]
         blocks: dict[str, list] = {}
-        for o in anchor.objects:
+        for o in anchor.anchor_objects:
             for name, sb in decode_anchor(blobs[o.key], anchor, o).items():
                 blocks.setdefault(name, []).append(sb)
         dense: dict[str, torch.Tensor] = {}

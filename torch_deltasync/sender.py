@@ -67,8 +67,8 @@ class AnchorPolicy:
     """Anchor when ``version - last_anchor >= every`` (versions). ``None`` or ``0``: never by cadence."""
 
     chain_ratio: float | None = None
-    """Anchor when the bytes of the deltas published since the last anchor reach ``chain_ratio``
-    times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
+    """Anchor when the bytes of the delta objects published since the last anchor reach
+    ``chain_ratio`` times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
     anchors' worth). ``None``: off."""
 
     def __post_init__(self) -> None:
@@ -397,10 +397,17 @@ class DeltaSender:
     def _prepare(self, version: int) -> _Job:
         """Read the live weights: detect changes (and cast anchors). Runs on the caller's thread."""
         sources, aliases = collect_sources(self.model)
-        kind = "anchor" if self._wants_anchor(version) else "delta"
-        job = _Job(version, kind, None if kind == "anchor" else self.version,
-                   version if kind == "anchor" else self._last_anchor, sources, aliases)
         det = self.detector
+        names = {src.name for src in sources}
+        reshaped = set(det.names()) != names  # tensors appeared or vanished: start over with an anchor
+        if reshaped:
+            for name in det.names():
+                det.drop(name)
+        kind = "anchor" if reshaped or self._wants_anchor(version) else "delta"
+        # An anchor after a published version also carries the delta against it, so receivers that
+        # hold that version never download the anchor.
+        base = None if reshaped else self.version
+        job = _Job(version, kind, base, version if kind == "anchor" else self._last_anchor, sources, aliases)
         numel = changed = 0
         for src in sources:
             numel += src.slice.global_numel
@@ -416,8 +423,6 @@ class DeltaSender:
                     job.counts[src.name] = ch.numel
                     changed += ch.numel
                 job.changes[src.name] = ch
-            elif kind == "delta":
-                raise PublishError(f"tensor {src.name!r} appeared after the first publish; the model changed shape")
             if kind == "anchor":
                 block = det.cast(src.local)
                 job.anchors[src.name] = block
@@ -433,14 +438,21 @@ class DeltaSender:
         self._coalesced = 0
         return job
 
-    def _encode(self, job: _Job) -> bytes | None:
-        """This rank's object for ``job`` (``None`` when this rank uploads nothing)."""
+    def _encode(self, job: _Job) -> list[tuple[str, bytes]]:
+        """This rank's objects for ``job`` as ``[(kind, bytes)]`` (empty when it uploads nothing)."""
         g = self.group
+        if not any(s.upload for s in job.sources):
+            return []
+        out = []
         if job.kind == "anchor":
             blocks = {s.name: (job.anchors[s.name], s.slice) for s in job.sources if s.upload}
-            if not blocks:
-                return None
-            return encode_anchor(blocks, version=job.version, dtype=self.dtype, rank=g.rank, world=g.world)
+            out.append(("anchor", encode_anchor(blocks, version=job.version, dtype=self.dtype, rank=g.rank, world=g.world)))
+        if job.base_version is not None:
+            out.append(("delta", self._encode_delta(job)))
+        return out
+
+    def _encode_delta(self, job: _Job) -> bytes:
+        g = self.group
         parts, counts = {}, {}
         for s in job.sources:
             if not s.upload or not job.counts.get(s.name):
@@ -467,13 +479,14 @@ class DeltaSender:
         local: dict[str, Any] = {"ok": True}
         try:
             t = time.perf_counter()
-            data = self._encode(job)
+            blobs = self._encode(job)
             stats.encode_ms = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            if data is not None:
-                key = object_key(job.version, job.kind, g.rank, g.world)
+            local["objects"] = []
+            for kind, data in blobs:
+                key = object_key(job.version, kind, g.rank, g.world)
                 self.store.put(key, data)
-                local["object"] = ObjectEntry(key, len(data), sha256_hex(data), g.rank, g.world).to_json()
+                local["objects"].append(ObjectEntry(key, len(data), sha256_hex(data), g.rank, g.world).to_json())
             stats.upload_ms = (time.perf_counter() - t) * 1e3
             local["partials"] = job.partials
             local["counts"] = job.counts
@@ -508,7 +521,7 @@ class DeltaSender:
         if errors:
             return {"ok": False, "error": "; ".join(errors)}
         try:
-            objects = [ObjectEntry(**r["object"]) for r in gathered if "object" in r]
+            objects = [ObjectEntry(**o) for r in gathered for o in r["objects"]]
             partials: dict[str, list[int]] = {}
             counts: dict[str, int] = {}
             for r in gathered:
@@ -537,7 +550,8 @@ class DeltaSender:
             self.store.put(LATEST_KEY, str(job.version).encode())
         except Exception as e:  # noqa: BLE001 - LATEST is advisory; receivers fall back to listing
             log.warning("could not update LATEST to %d: %s", job.version, e)
-        return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values())}
+        return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values()),
+                "anchor_nbytes": manifest.anchor_nbytes, "delta_nbytes": manifest.delta_nbytes}
 
     def _commit(self, job: _Job, outcome: dict[str, Any]) -> None:
         """The version is visible: advance snapshots, checksums and the anchor policy state."""
@@ -552,7 +566,7 @@ class DeltaSender:
         self.version = job.version
         if job.kind == "anchor":
             self._last_anchor = job.version
-            self._anchor_nbytes = outcome["nbytes"]
+            self._anchor_nbytes = outcome["anchor_nbytes"]
             self._chain_nbytes = 0
         else:
-            self._chain_nbytes += outcome["nbytes"]
+            self._chain_nbytes += outcome["delta_nbytes"]
