@@ -73,29 +73,62 @@ def _timed(fn, repeat=3):
     return min(times)
 
 
-def bench_size(size: str, steps: int, lr: float, workdir: Path) -> dict:
-    model = tiny_qwen3(size, seed=0)
+class PeakCUDA:
+    """Extra peak CUDA memory (bytes) allocated inside a code block."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        self.start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.extra = torch.cuda.max_memory_allocated() - self.start
+
+
+def synthetic_step(model: torch.nn.Module, lr: float, gen: torch.Generator) -> None:
+    """An Adam-first-step-like update without forward/backward: every element moves by about
+    ``lr`` (Adam's first step is ``lr * sign(g)``), so the bf16 density matches real steps at the
+    same learning rate (research/environment.md §4) at a fraction of the cost for 1B-7B models."""
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen).to(p.device)
+            p.add_(noise.sign_().mul_(lr))
+
+
+def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "cpu", synthetic: bool = False) -> dict:
+    model = tiny_qwen3(size, seed=0, device=device)
     numel = sum(p.numel() for p in model.parameters())
     model_nbytes = numel * 2
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = None if synthetic else torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
-    print(f"\n== Qwen3 {size}: {numel / 1e6:.1f}M parameters, bf16 {model_nbytes / 2**20:.0f} MiB", flush=True)
-    adam_step(model, opt, generator=gen)  # allocate Adam state before any measurement
+    print(f"\n== Qwen3 {size}: {numel / 1e6:.1f}M parameters, bf16 {model_nbytes / 2**20:.0f} MiB, "
+          f"{device}, {'synthetic' if synthetic else 'Adam'} steps", flush=True)
+
+    def step():
+        if synthetic:
+            synthetic_step(model, lr, gen)
+        else:
+            adam_step(model, opt, generator=gen)
+
+    step()  # allocate Adam state before any measurement
+    Peak = PeakCUDA if device.startswith("cuda") else PeakRSS
 
     store = LocalStore(workdir / f"{size}-delta", fsync=False)
     full_store = LocalStore(workdir / f"{size}-full", fsync=False)
     sender = DeltaSender(model, store, anchor_every=1000)
     full_sender = DeltaSender(model, full_store, anchor_every=1)  # the full-snapshot baseline
-    replica = tiny_qwen3(size, seed=1, dtype=torch.bfloat16)
+    replica = tiny_qwen3(size, seed=1, dtype=torch.bfloat16, device=device)
     receiver = DeltaReceiver(replica, store)
-    full_replica = tiny_qwen3(size, seed=2, dtype=torch.bfloat16)
+    full_replica = tiny_qwen3(size, seed=2, dtype=torch.bfloat16, device=device)
     full_receiver = DeltaReceiver(full_replica, full_store)
 
-    with PeakRSS() as m:
+    with Peak() as m:
         sender.publish()
     anchor_pub_mem = m.extra
     full_sender.publish()
-    with PeakRSS() as m:
+    with Peak() as m:
         receiver.update()
     anchor_upd_mem = m.extra
     full_receiver.update()
@@ -103,28 +136,31 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path) -> dict:
     # memory-copy baseline: read the fp32 weights and the bf16 snapshot into preallocated buffers
     params = [p.detach() for p in model.parameters()]
     snaps = [sender.detector.snapshot(n) for n in sender.detector.names()]
-    buf32 = torch.empty(max(p.numel() for p in params))
-    buf16 = torch.empty(max(s.numel() for s in snaps), dtype=torch.bfloat16)
+    buf32 = torch.empty(max(p.numel() for p in params), device=device)
+    buf16 = torch.empty(max(s.numel() for s in snaps), dtype=torch.bfloat16, device=device)
 
     def memcpy():
         for p in params:
             buf32[: p.numel()].copy_(p.reshape(-1))
         for s in snaps:
             buf16[: s.numel()].copy_(s)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     rows = []
-    for step in range(steps):
-        adam_step(model, opt, generator=gen)
+    for _ in range(steps):
+        step()
         det = sender.detector
         sd = model.state_dict()
-        detect_s = _timed(lambda: [det.detect(n, sd[n]) for n in det.names()], repeat=2)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        detect_s = _timed(lambda: ([det.detect(n, sd[n]) for n in det.names()], sync()), repeat=2)
         copy_s = _timed(memcpy, repeat=2)
-        with PeakRSS() as mp:
+        with Peak() as mp:
             sender.publish()
         st = sender.last_stats
         full_sender.publish()
         fst = full_sender.last_stats
-        with PeakRSS() as mu:
+        with Peak() as mu:
             receiver.update()
         ust = receiver.last_stats
         full_receiver.update()
@@ -163,15 +199,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="Adam steps (delta versions) per size")
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (weights, snapshots and replicas live there)")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="Adam-first-step-like updates without forward/backward (for 1B/7B sizes)")
     ap.add_argument("--out", default="runs/bench/core.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"host": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "torch": torch.__version__, "sizes": []}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            results["sizes"].append(bench_size(size, args.steps, args.lr, Path(tmp)))
+            results["sizes"].append(bench_size(size, args.steps, args.lr, Path(tmp), args.device, args.synthetic))
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
