@@ -76,7 +76,6 @@ class RetentionPlan:
         orphans: object folders without a manifest that go (crashed publishes below the cut).
         manifest_keys: manifest keys to delete (first).
         object_keys: object keys to delete (after the manifests).
-        object_nbytes: bytes of the deleted objects named by manifests that could be read.
         reason: one line on how the cut was chosen.
     """
 
@@ -87,7 +86,6 @@ class RetentionPlan:
     orphans: tuple[int, ...]
     manifest_keys: tuple[str, ...] = ()
     object_keys: tuple[str, ...] = ()
-    object_nbytes: int = 0
     reason: str = ""
 
     @property
@@ -104,7 +102,7 @@ class RetentionPlan:
             f"retention: newest version {self.newest}, cut anchor {self.cut}: {self.reason}",
             f"  keep     {span(self.keep)}",
             f"  delete   {span(self.delete)} versions, {len(self.manifest_keys)} manifests, "
-            f"{len(self.object_keys)} objects (>= {self.object_nbytes:,} B)",
+            f"{len(self.object_keys)} objects",
             f"  orphans  {span(self.orphans)}",
         ])
 
@@ -194,11 +192,10 @@ def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: 
     gone = set(delete) | set(orphans)
     for v in sorted(gone):
         object_keys += folders.get(v, [])
-    nbytes = sum(m.nbytes for v in delete if (m := manifests.get(v)) is not None)
     return RetentionPlan(
         newest=newest, cut=cut, keep=tuple(sorted(keep)), delete=delete, orphans=orphans,
         manifest_keys=tuple(manifest_key(v) for v in delete), object_keys=tuple(object_keys),
-        object_nbytes=nbytes, reason=reason,
+        reason=reason,
     )
 
 
