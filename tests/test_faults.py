@@ -35,6 +35,7 @@ def test_8_receivers_follow_a_writer_through_faults(tmp_path):
     done = threading.Event()
     failures: list[str] = []
     surfaced = [0] * len(LAGS_S)  # update() calls that raised (the loop just tries again)
+    errors: list[str] = []
     held = [0] * len(LAGS_S)
     recovered = [0] * len(LAGS_S)
     targets = [empty_target() for _ in LAGS_S]
@@ -50,8 +51,9 @@ def test_8_receivers_follow_a_writer_through_faults(tmp_path):
                     v = receiver.update()
                 except VersionNotFoundError:
                     v = None
-                except DeltaSyncError:
+                except DeltaSyncError as e:
                     surfaced[i] += 1
+                    errors.append(f"{type(e).__name__}: {e}")
                     v = None
                 if v is not None:
                     deadline = time.monotonic() + 10
@@ -104,3 +106,7 @@ def test_8_receivers_follow_a_writer_through_faults(tmp_path):
     assert all(h >= 2 for h in held)
     print(f"publish errors {publish_errors}, update errors surfaced {surfaced}, held {held}, "
           f"recovered {recovered}, injected writer {dict(writer_faults.injected)} readers {dict(injected)}")
+    # An update may give up now and then (e.g. a manifest truncated on all 3 reads: p ~ 1e-4 per
+    # read here); the target is then unchanged and the next update catches up. What must never
+    # happen is checked above: a held version that is not bit-exact.
+    print("\n".join(errors))
