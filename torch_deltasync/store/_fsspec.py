@@ -142,6 +142,10 @@ class FsspecStore(Store):
         self.root = self.fs._strip_protocol(self.url).rstrip("/")
 
     def describe(self) -> str:
+        return self.url
+
+    def _where(self) -> str:
+        """The store's name in error messages: the URL, and the endpoint when it is not the default."""
         endpoint = self.storage_options.get("endpoint_url")
         return f"{self.url} (endpoint {endpoint})" if endpoint else self.url
 
@@ -153,7 +157,7 @@ class FsspecStore(Store):
         return f"{self.root}/{key}" if self.root else key
 
     def _call(self, op: str, key: str, fn: Callable[[], T], nbytes: int = 0) -> T:
-        return call_with_retry(fn, policy=self.retry, store=self.describe(), op=op, key=key, nbytes=nbytes)
+        return call_with_retry(fn, policy=self.retry, store=self._where(), op=op, key=key, nbytes=nbytes)
 
     def _invalidate(self, path: str) -> None:
         try:
@@ -204,7 +208,7 @@ class FsspecStore(Store):
             def attempt() -> bytes:
                 data = bytes(self.fs.cat_file(path, start=s, end=e))
                 if len(data) != e - s:  # a truncated transfer: retry the part
-                    raise TransientStoreError(f"{self.describe()}: short read of {key!r} bytes [{s}, {e}): got {len(data)}")
+                    raise TransientStoreError(f"{self._where()}: short read of {key!r} bytes [{s}, {e}): got {len(data)}")
                 return data
 
             return self._call("read", f"{key} [{s}, {e})", attempt, e - s)
@@ -247,8 +251,12 @@ class FsspecStore(Store):
         out = []
         for p in self._call("list", prefix or "/", find):
             p = self.fs._strip_protocol(p)
-            rel = p[len(root) + 1:] if root and p.startswith(root + "/") else (p if not root else "")
-            rel = rel.lstrip("/") if not root else rel
+            if root:
+                if not p.startswith(root + "/"):
+                    continue
+                rel = p[len(root) + 1:]
+            else:
+                rel = p.lstrip("/")
             if rel and (not prefix or rel == prefix or rel.startswith(prefix + "/")):
                 out.append(rel)
         return sorted(out)
