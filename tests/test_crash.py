@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_deltasync import DeltaReceiver, DeltaSender, DeltaSyncError, VersionNotFoundError, open_store
+from torch_deltasync import DeltaReceiver, DeltaSender, VersionNotFoundError, open_store
 from torch_deltasync.manifest import list_versions, load_manifest
 
 from remote_helpers import StepModel, assert_holds, bits_of, empty_target, same_bits

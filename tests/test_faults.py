@@ -8,8 +8,6 @@ import random
 import threading
 import time
 
-import pytest
-
 from torch_deltasync import (DeltaReceiver, DeltaSender, DeltaSyncError, LocalStore, PublishError,
                              RetentionPolicy, RetryPolicy, VersionNotFoundError)
 from torch_deltasync.manifest import manifest_key

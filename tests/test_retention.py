@@ -112,6 +112,8 @@ def test_grace_picks_the_newest_anchor_old_enough(store):
     assert plan_retention(store, RetentionPolicy(grace_s=150), now=1360.0).cut == 10
     young = plan_retention(store, RetentionPolicy(grace_s=1000), now=1360.0)
     assert young.cut is None and young.empty and young.keep == tuple(range(17))
+    apply_retention(store, plan)
+    assert list_versions(store) == list(range(5, 17))
 
 
 class _DropManifest:

@@ -9,7 +9,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from torch_deltasync import (DeltaReceiver, DeltaSender, ObjectNotFoundError, StoreError,
                              TransientStoreError, open_store)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import CorruptObjectError, VersionNotFoundError
 from .manifest import Manifest, list_versions, load_manifest, manifest_key
