@@ -45,7 +45,7 @@ from .errors import PublishError, UnsupportedLayoutError
 from .format import encode_anchor, encode_delta, sha256_hex
 from .layout import TensorSlice
 from .manifest import LATEST_KEY, Manifest, ObjectEntry, TensorEntry, list_versions, manifest_key, object_key
-from .retention import RetentionPolicy
+from .retention import RetentionPolicy, collect_garbage
 from .store import Store, open_store
 
 __all__ = ["DeltaSender", "AnchorPolicy", "PublishStats", "newest_version"]
@@ -512,8 +512,6 @@ class DeltaSender:
 
     def _collect_garbage(self) -> None:
         """Rank 0, after an anchor is visible: apply the retention policy (see retention.py)."""
-        from .retention import collect_garbage
-
         try:
             collect_garbage(self.store, self.retention)
         except Exception as e:  # noqa: BLE001 - old versions are only garbage; never fail a publish
