@@ -48,6 +48,10 @@ __all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "UpdateStats"]
 log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
+#: Reads of one object before a size/sha256 mismatch counts as corruption (not a bad transfer).
+_REREAD_ATTEMPTS = 3
+#: Plans of one ``update()`` toward the newest version when retention removes the chain meanwhile.
+_REPLAN_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -205,7 +209,14 @@ class DeltaReceiver:
         m = self._manifests.get(version)
         if m is not None:
             return m
-        m = load_manifest(self.store, version)
+        for attempt in range(_REREAD_ATTEMPTS):  # a garbled transfer is read again (see _download)
+            try:
+                m = load_manifest(self.store, version)
+                break
+            except CorruptObjectError as e:
+                if attempt + 1 == _REREAD_ATTEMPTS:
+                    raise
+                log.warning("%s: %s; reading it again", self.store.describe(), e)
         if len(self._manifests) >= 512:
             self._manifests.pop(next(iter(self._manifests)))
         self._manifests[version] = m
@@ -314,6 +325,23 @@ class DeltaReceiver:
             IncompatibleTargetError: the published tensors do not fit the target. Target unchanged.
             StoreError: the store failed. Target unchanged.
         """
+        # Following the newest version, the chain being planned or downloaded can vanish under us:
+        # a new anchor appears and retention deletes the older chain. The newest version's chain is
+        # always retained, so plan again from it (a receiver behind the retained range thus
+        # recovers from the newest anchor). An explicit version that is gone stays an error.
+        attempts = 1 if version is not None else _REPLAN_ATTEMPTS
+        for attempt in range(attempts):
+            try:
+                return self._update(version)
+            except (VersionNotFoundError, ObjectNotFoundError) as e:
+                if attempt + 1 == attempts or self.newest_version() is None:
+                    raise
+                log.info("%s: the chain being applied is no longer retained (%s); planning again "
+                         "from the newest version", self.store.describe(), e)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _update(self, version: int | None) -> int:
+        """One planning and applying pass of :meth:`update`."""
         with self._lock:
             t0 = time.perf_counter()
             plan = self.plan(version)
@@ -389,9 +417,17 @@ class DeltaReceiver:
 
         def fetch(mo):
             m, o = mo
-            data = self.store.get(o.key)
-            verify_bytes(data, o, f"version {m.version}")
-            return o.key, data
+            # A truncated or garbled transfer fails the size/sha256 check; read it again before
+            # calling the object corrupt (a store that lost bytes once usually delivers them next).
+            for attempt in range(_REREAD_ATTEMPTS):
+                data = self.store.get(o.key)
+                try:
+                    verify_bytes(data, o, f"version {m.version}")
+                    return o.key, data
+                except CorruptObjectError as e:
+                    if attempt + 1 == _REREAD_ATTEMPTS:
+                        raise
+                    log.warning("%s: %s; reading it again", self.store.describe(), e)
 
         return dict(self._pool.map(fetch, entries))
 

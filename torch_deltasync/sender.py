@@ -45,6 +45,7 @@ from .errors import PublishError, UnsupportedLayoutError
 from .format import encode_anchor, encode_delta, sha256_hex
 from .layout import TensorSlice
 from .manifest import LATEST_KEY, Manifest, ObjectEntry, TensorEntry, list_versions, manifest_key, object_key
+from .retention import RetentionPolicy, collect_garbage
 from .store import Store, open_store
 
 __all__ = ["DeltaSender", "AnchorPolicy", "PublishStats", "newest_version"]
@@ -249,6 +250,9 @@ class DeltaSender:
         background: default for ``publish(background=...)``.
         run_id: identifies this writer in manifests (random by default).
         metrics_path: append one JSON line of :class:`PublishStats` per published version.
+        retention: after each published anchor, rank 0 deletes old versions under this
+            :class:`~torch_deltasync.retention.RetentionPolicy` (``None``: keep everything). A
+            failed collection is logged and never fails the publish.
         group: collectives for sharded senders; by default a single process, or the default
             ``torch.distributed`` group when the model holds DTensors.
 
@@ -277,6 +281,7 @@ class DeltaSender:
         run_id: str | None = None,
         metrics_path: str | Path | None = None,
         group: _Group | None = None,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         self.model = model
         self.store = open_store(store).sub(prefix)
@@ -286,6 +291,7 @@ class DeltaSender:
         self.background = background
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.retention = retention
         self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=snapshot_device)
 
         sources, _ = collect_sources(model)
@@ -514,6 +520,15 @@ class DeltaSender:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"event": "publish", **stats.to_dict()}) + "\n")
+        if self.retention is not None and job.kind == "anchor" and g.rank == 0:
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Rank 0, after an anchor is visible: apply the retention policy (see retention.py)."""
+        try:
+            collect_garbage(self.store, self.retention)
+        except Exception as e:  # noqa: BLE001 - old versions are only garbage; never fail a publish
+            log.warning("retention after version %s failed (%s); retrying after the next anchor", self.version, e)
 
     def _write_manifest(self, job: _Job, gathered: list[dict]) -> dict[str, Any]:
         """Rank 0: combine per-rank metadata, write the manifest last and ``LATEST``."""
