@@ -5,17 +5,20 @@ from __future__ import annotations
 import pytest
 
 from torch_deltasync import AnchorPolicy, DeltaSender, LocalStore
-from torch_deltasync.manifest import list_versions, load_manifest, manifest_key
+from torch_deltasync.manifest import list_versions, load_manifest
 
 from remote_helpers import StepModel
 
 
 def stored_kinds_and_bytes(store):
-    """``[(version, kind, bytes of its objects + manifest)]`` read back from the store."""
+    """``[(version, kind, bytes)]`` read back from the store: for an anchor the bytes of its anchor
+    objects, for a delta the bytes of its delta objects (the quantities the policy compares; an
+    anchor's own delta against the previous version is for followers and does not count)."""
     out = []
     for v in list_versions(store):
         m = load_manifest(store, v)
-        out.append((v, m.kind, sum(store.size(o.key) for o in m.objects) + store.size(manifest_key(v))))
+        objs = m.anchor_objects if m.kind == "anchor" else m.delta_objects
+        out.append((v, m.kind, sum(store.size(o.key) for o in objs)))
     return out
 
 
