@@ -16,12 +16,14 @@ from .errors import (
     ObjectNotFoundError,
     PublishError,
     StoreError,
+    TransientStoreError,
     UnsupportedLayoutError,
     VersionNotFoundError,
 )
 
 # Stores
-from .store import LocalStore, Store, open_store
+from .store import LocalStore, RetryPolicy, Store, open_store
+from .retention import RetentionPolicy, collect_garbage
 
 # Detection, codecs, wire format
 from .detect import ChangeDetector, Changes
@@ -52,6 +54,9 @@ __all__ = [
     "Store",
     "LocalStore",
     "open_store",
+    "RetryPolicy",
+    "RetentionPolicy",
+    "collect_garbage",
     # detection, codecs, format
     "ChangeDetector",
     "Changes",
@@ -72,6 +77,7 @@ __all__ = [
     "UnsupportedLayoutError",
     "StoreError",
     "ObjectNotFoundError",
+    "TransientStoreError",
     "PublishError",
 ]
 

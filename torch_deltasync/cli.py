@@ -3,6 +3,7 @@
 ``deltasync inspect FILE``   metadata, tensors, changed counts and density of an object or manifest
 ``deltasync ls STORE``       versions in a store: kind, base, bytes, density
 ``deltasync verify STORE``   replay the chain and check every per-tensor checksum
+``deltasync gc STORE``       delete old versions under a retention policy (see retention.py)
 ``deltasync demo``           trainer + receiver process through a local bucket (see demo.py)
 
 ``STORE`` is anything :func:`torch_deltasync.open_store` accepts (a folder, ``file://``,
@@ -168,6 +169,31 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")
     print(f"{len(versions) - failures}/{len(versions)} versions verified")
     return 1 if failures else 0
+
+
+# --- gc ----------------------------------------------------------------------------------------
+
+
+def _gc_args(p: argparse.ArgumentParser) -> None:
+    _store_args(p)
+    p.add_argument("--keep-anchors", type=int, default=0, help="older anchors to keep below the newest one")
+    p.add_argument("--grace-s", type=float, default=60.0,
+                   help="only anchors visible this long count as the newest (readers get this long to finish)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+
+
+@command("gc", "delete versions no receiver needs (keeps the newest anchor and everything after it)", _gc_args)
+def _gc(args: argparse.Namespace) -> int:
+    from .retention import RetentionPolicy, collect_garbage
+    from .store import open_store
+
+    store = open_store(args.store).sub(args.prefix)
+    plan = collect_garbage(store, RetentionPolicy(keep_anchors=args.keep_anchors, grace_s=args.grace_s),
+                           dry_run=args.dry_run)
+    print(plan)
+    print("dry run: nothing deleted" if args.dry_run else
+          f"deleted {len(plan.manifest_keys)} manifests and {len(plan.object_keys)} objects")
+    return 0
 
 
 # --- demo --------------------------------------------------------------------------------------

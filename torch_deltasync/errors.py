@@ -19,6 +19,7 @@ __all__ = [
     "StoreError",
     "PublishError",
     "ObjectNotFoundError",
+    "TransientStoreError",
 ]
 
 
@@ -62,3 +63,12 @@ class PublishError(DeltaSyncError, RuntimeError):
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """A key does not exist in the store."""
+
+
+class TransientStoreError(StoreError):
+    """A store operation failed in a way that may succeed if retried: a timeout, a dropped or
+    refused connection, throttling (HTTP 429, S3 ``SlowDown``) or a server error (HTTP 5xx).
+
+    Remote stores retry these with exponential backoff (:class:`~torch_deltasync.store.RetryPolicy`)
+    and raise this error only once every attempt has failed.
+    """

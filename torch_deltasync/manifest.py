@@ -115,6 +115,11 @@ class ObjectEntry:
     rank: int = 0
     world: int = 1
 
+    @property
+    def kind(self) -> str:
+        """``"anchor"`` or ``"delta"``, from the key."""
+        return "anchor" if "/anchor-r" in self.key else "delta"
+
     def to_json(self) -> dict:
         return {"key": self.key, "nbytes": self.nbytes, "sha256": self.sha256,
                 "rank": self.rank, "world": self.world}
@@ -129,8 +134,8 @@ class TensorEntry:
         shape: full (unsharded) shape in HF layout.
         checksum: :mod:`~torch_deltasync.checksum` value of the whole tensor in the inference dtype
             *after* this version.
-        changed: elements whose bit pattern changed relative to the base version (for anchors:
-            relative to the previous published state when known, else ``numel``).
+        changed: elements whose bit pattern changed relative to ``base_version`` (``numel`` for
+            an anchor without a base); the delta objects hold exactly this many changes.
     """
 
     name: str
@@ -154,13 +159,16 @@ class Manifest:
     Attributes:
         version: this version's number (``0 <= version <= MAX_VERSION``).
         kind: ``"anchor"`` (full weights) or ``"delta"`` (changes relative to ``base_version``).
-        base_version: the version a delta applies to (``None`` for anchors).
+        base_version: the version the delta objects apply to. Required for deltas. An anchor that
+            follows a published version also carries a delta against it (so receivers that hold
+            the previous version never download the anchor); ``None`` for a run's first anchor.
         anchor_version: the anchor this version's chain starts from (itself for anchors).
         codec: name of the codec of the delta objects (``"raw"``; anchors are always dense).
         inference_dtype: dtype of every shipped value.
         run_id: identifies the writer session (a new writer on the same prefix gets a new one).
         tensors: every tensor of the model, in publish order.
-        objects: every object of this version.
+        objects: every object of this version: anchor objects (anchors only) and delta objects
+            (deltas, and anchors with a ``base_version``), told apart by their keys.
         aliases: tied names, ``{alias: canonical}``: the alias holds the same tensor and is not shipped.
         stats: informational numbers (changed elements, bytes, timings); never trusted for safety.
         created_at: Unix time in seconds.
@@ -185,6 +193,27 @@ class Manifest:
     def nbytes(self) -> int:
         """Total bytes of this version's objects."""
         return sum(o.nbytes for o in self.objects)
+
+    @property
+    def anchor_objects(self) -> tuple[ObjectEntry, ...]:
+        return tuple(o for o in self.objects if o.kind == "anchor")
+
+    @property
+    def delta_objects(self) -> tuple[ObjectEntry, ...]:
+        return tuple(o for o in self.objects if o.kind == "delta")
+
+    @property
+    def has_delta(self) -> bool:
+        """Whether a receiver holding ``base_version`` can apply this version as a delta."""
+        return self.base_version is not None
+
+    @property
+    def delta_nbytes(self) -> int:
+        return sum(o.nbytes for o in self.delta_objects)
+
+    @property
+    def anchor_nbytes(self) -> int:
+        return sum(o.nbytes for o in self.anchor_objects)
 
     @property
     def numel(self) -> int:
@@ -264,14 +293,12 @@ class Manifest:
         if kind not in ("anchor", "delta"):
             raise CorruptObjectError(f"unknown kind {kind!r}")
         anchor_version = _int(doc["anchor_version"], "anchor_version", 0, version)
-        if kind == "anchor":
-            if doc.get("base_version") is not None or anchor_version != version:
-                raise CorruptObjectError("an anchor has no base_version and is its own anchor_version")
-            base = None
-        else:
-            base = _int(doc["base_version"], "base_version", 0, version - 1)
-            if anchor_version > base:
-                raise CorruptObjectError(f"anchor_version {anchor_version} is after base_version {base}")
+        base_raw = doc.get("base_version")
+        base = None if base_raw is None and kind == "anchor" else _int(base_raw, "base_version", 0, version - 1)
+        if kind == "anchor" and anchor_version != version:
+            raise CorruptObjectError("an anchor is its own anchor_version")
+        if kind == "delta" and anchor_version > base:
+            raise CorruptObjectError(f"anchor_version {anchor_version} is after base_version {base}")
         codec = doc["codec"]
         if codec not in codec_names():
             raise CorruptObjectError(f"unknown codec {codec!r}; this reader knows {codec_names()}")
@@ -285,7 +312,9 @@ class Manifest:
         for o in _list(doc["objects"], "objects"):
             key = check_key(o["key"])
             m = _OBJECT_RE.match(key)
-            if not m or int(m.group(1)) != version or m.group(2) != kind:
+            if not m or int(m.group(1)) != version or (m.group(2) == "anchor" and kind != "anchor") or (
+                m.group(2) == "delta" and base is None
+            ):
                 raise CorruptObjectError(f"object key {key!r} does not belong to {kind} version {version}")
             rank, world = _int(o["rank"], "rank", 0, 99999), _int(o["world"], "world", 1, 99999)
             if (int(m.group(3)), int(m.group(4))) != (rank, world) or rank >= world:
@@ -297,7 +326,9 @@ class Manifest:
                 raise CorruptObjectError(f"duplicate object {key!r}")
             seen_keys.add(key)
             objects.append(ObjectEntry(key, _int(o["nbytes"], "nbytes", 0, 1 << 50), sha, rank, world))
-        if not objects:
+        if kind == "anchor" and not any(o.kind == "anchor" for o in objects):
+            raise CorruptObjectError("an anchor without anchor objects")
+        if kind == "delta" and not objects:
             raise CorruptObjectError("no objects")
 
         tensors = []

@@ -48,16 +48,26 @@ __all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "UpdateStats"]
 log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
+#: Reads of one object before a size/sha256 mismatch counts as corruption (not a bad transfer).
+_REREAD_ATTEMPTS = 3
+#: Plans of one ``update()`` toward the newest version when retention removes the chain meanwhile.
+_REPLAN_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
 class PlanStep:
-    """One version to download and apply, and why."""
+    """One version to download and apply, and why.
+
+    Attributes:
+        kind: ``"anchor"`` (rebuild from the anchor objects) or ``"delta"`` (apply the delta objects).
+        objects: the objects of this version to download (a version can carry both kinds).
+    """
 
     version: int
     kind: str
     nbytes: int
     reason: str
+    objects: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -199,7 +209,14 @@ class DeltaReceiver:
         m = self._manifests.get(version)
         if m is not None:
             return m
-        m = load_manifest(self.store, version)
+        for attempt in range(_REREAD_ATTEMPTS):  # a garbled transfer is read again (see _download)
+            try:
+                m = load_manifest(self.store, version)
+                break
+            except CorruptObjectError as e:
+                if attempt + 1 == _REREAD_ATTEMPTS:
+                    raise
+                log.warning("%s: %s; reading it again", self.store.describe(), e)
         if len(self._manifests) >= 512:
             self._manifests.pop(next(iter(self._manifests)))
         self._manifests[version] = m
@@ -249,7 +266,7 @@ class DeltaReceiver:
         chain: list[Manifest] = []
         delta_path: list[Manifest] | None = None
         v = target
-        model_nbytes = None
+        model_nbytes = 0
         while True:
             try:
                 m = self.manifest(v)
@@ -261,17 +278,18 @@ class DeltaReceiver:
                     "update to the newest version instead"
                 ) from None
             chain.append(m)
-            if model_nbytes is None:
-                model_nbytes = m.numel * m.inference_dtype.itemsize
+            model_nbytes = model_nbytes or m.numel * m.inference_dtype.itemsize
+            if (delta_path is None and not force_anchor and self.version is not None
+                    and m.base_version == self.version):
+                delta_path = list(chain)
+                if sum(x.delta_nbytes for x in delta_path) <= model_nbytes:
+                    break  # cheaper than any anchor: stop walking
             if m.kind == "anchor":
                 break
-            if delta_path is None and not force_anchor and m.base_version == self.version:
-                delta_path = list(chain)
-                if sum(x.nbytes for x in delta_path) <= model_nbytes:
-                    break  # cheaper than any anchor: stop walking
             v = m.base_version
+        anchor_cost = chain[-1].anchor_nbytes + sum(x.delta_nbytes for x in chain[:-1])
         if delta_path is not None and (chain[-1].kind != "anchor" or
-                                       sum(x.nbytes for x in delta_path) <= sum(x.nbytes for x in chain)):
+                                       sum(x.delta_nbytes for x in delta_path) <= anchor_cost):
             path, ms = "delta", delta_path[::-1]
         else:
             path, ms = "anchor", chain[::-1]
@@ -282,7 +300,10 @@ class DeltaReceiver:
             else f"delta on {self.version}"
         )
         steps = tuple(
-            PlanStep(m.version, m.kind, m.nbytes, first_reason if i == 0 else f"delta on {m.base_version}")
+            PlanStep(m.version, "anchor", m.anchor_nbytes, first_reason, m.anchor_objects)
+            if i == 0 and path == "anchor" else
+            PlanStep(m.version, "delta", m.delta_nbytes, first_reason if i == 0 else f"delta on {m.base_version}",
+                     m.delta_objects)
             for i, m in enumerate(ms)
         )
         return UpdatePlan(self.version, target, path, steps, tuple(ms))
@@ -304,6 +325,23 @@ class DeltaReceiver:
             IncompatibleTargetError: the published tensors do not fit the target. Target unchanged.
             StoreError: the store failed. Target unchanged.
         """
+        # Following the newest version, the chain being planned or downloaded can vanish under us:
+        # a new anchor appears and retention deletes the older chain. The newest version's chain is
+        # always retained, so plan again from it (a receiver behind the retained range thus
+        # recovers from the newest anchor). An explicit version that is gone stays an error.
+        attempts = 1 if version is not None else _REPLAN_ATTEMPTS
+        for attempt in range(attempts):
+            try:
+                return self._update(version)
+            except (VersionNotFoundError, ObjectNotFoundError) as e:
+                if attempt + 1 == attempts or self.newest_version() is None:
+                    raise
+                log.info("%s: the chain being applied is no longer retained (%s); planning again "
+                         "from the newest version", self.store.describe(), e)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _update(self, version: int | None) -> int:
+        """One planning and applying pass of :meth:`update`."""
         with self._lock:
             t0 = time.perf_counter()
             plan = self.plan(version)
@@ -373,15 +411,23 @@ class DeltaReceiver:
             self._checked.add(key)
 
     def _download(self, plan: UpdatePlan) -> dict[str, bytes]:
-        entries = [(m, o) for m in plan.manifests for o in m.objects]
+        entries = [(m, o) for m, step in zip(plan.manifests, plan.steps) for o in step.objects]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
 
         def fetch(mo):
             m, o = mo
-            data = self.store.get(o.key)
-            verify_bytes(data, o, f"version {m.version}")
-            return o.key, data
+            # A truncated or garbled transfer fails the size/sha256 check; read it again before
+            # calling the object corrupt (a store that lost bytes once usually delivers them next).
+            for attempt in range(_REREAD_ATTEMPTS):
+                data = self.store.get(o.key)
+                try:
+                    verify_bytes(data, o, f"version {m.version}")
+                    return o.key, data
+                except CorruptObjectError as e:
+                    if attempt + 1 == _REREAD_ATTEMPTS:
+                        raise
+                    log.warning("%s: %s; reading it again", self.store.describe(), e)
 
         return dict(self._pool.map(fetch, entries))
 
@@ -436,7 +482,7 @@ class DeltaReceiver:
     def _decode_version(self, m: Manifest, blobs: dict[str, bytes]) -> dict[str, TensorDelta]:
         """Decode every delta object of ``m`` and check the counts against the manifest."""
         per_tensor: dict[str, list[TensorDelta]] = {}
-        for o in m.objects:
+        for o in m.delta_objects:
             for name, d in decode_delta(blobs[o.key], m, o).items():
                 per_tensor.setdefault(name, []).append(d)
         out = {}
@@ -493,7 +539,7 @@ class DeltaReceiver:
         """Rebuild full tensors from the anchor's blocks, then apply the chain's deltas to them."""
         anchor = plan.manifests[0]
         blocks: dict[str, list] = {}
-        for o in anchor.objects:
+        for o in anchor.anchor_objects:
             for name, sb in decode_anchor(blobs[o.key], anchor, o).items():
                 blocks.setdefault(name, []).append(sb)
         dense: dict[str, torch.Tensor] = {}

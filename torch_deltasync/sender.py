@@ -45,6 +45,7 @@ from .errors import PublishError, UnsupportedLayoutError
 from .format import encode_anchor, encode_delta, sha256_hex
 from .layout import TensorSlice
 from .manifest import LATEST_KEY, Manifest, ObjectEntry, TensorEntry, list_versions, manifest_key, object_key
+from .retention import RetentionPolicy, collect_garbage
 from .store import Store, open_store
 
 __all__ = ["DeltaSender", "AnchorPolicy", "PublishStats", "newest_version"]
@@ -67,8 +68,8 @@ class AnchorPolicy:
     """Anchor when ``version - last_anchor >= every`` (versions). ``None`` or ``0``: never by cadence."""
 
     chain_ratio: float | None = None
-    """Anchor when the bytes of the deltas published since the last anchor reach ``chain_ratio``
-    times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
+    """Anchor when the bytes of the delta objects published since the last anchor reach
+    ``chain_ratio`` times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
     anchors' worth). ``None``: off."""
 
     def __post_init__(self) -> None:
@@ -250,6 +251,9 @@ class DeltaSender:
         background: default for ``publish(background=...)``.
         run_id: identifies this writer in manifests (random by default).
         metrics_path: append one JSON line of :class:`PublishStats` per published version.
+        retention: after each published anchor, rank 0 deletes old versions under this
+            :class:`~torch_deltasync.retention.RetentionPolicy` (``None``: keep everything). A
+            failed collection is logged and never fails the publish.
         group: collectives for sharded senders; by default a single process, or the default
             ``torch.distributed`` group when the model holds DTensors.
 
@@ -278,6 +282,7 @@ class DeltaSender:
         run_id: str | None = None,
         metrics_path: str | Path | None = None,
         group: _Group | None = None,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         self.model = model
         self.store = open_store(store).sub(prefix)
@@ -287,6 +292,7 @@ class DeltaSender:
         self.background = background
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.retention = retention
         self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=snapshot_device)
 
         sources, _ = collect_sources(model)
@@ -398,10 +404,17 @@ class DeltaSender:
     def _prepare(self, version: int) -> _Job:
         """Read the live weights: detect changes (and cast anchors). Runs on the caller's thread."""
         sources, aliases = collect_sources(self.model)
-        kind = "anchor" if self._wants_anchor(version) else "delta"
-        job = _Job(version, kind, None if kind == "anchor" else self.version,
-                   version if kind == "anchor" else self._last_anchor, sources, aliases)
         det = self.detector
+        names = {src.name for src in sources}
+        reshaped = set(det.names()) != names  # tensors appeared or vanished: start over with an anchor
+        if reshaped:
+            for name in det.names():
+                det.drop(name)
+        kind = "anchor" if reshaped or self._wants_anchor(version) else "delta"
+        # An anchor after a published version also carries the delta against it, so receivers that
+        # hold that version never download the anchor.
+        base = None if reshaped else self.version
+        job = _Job(version, kind, base, version if kind == "anchor" else self._last_anchor, sources, aliases)
         numel = changed = 0
         for src in sources:
             numel += src.slice.global_numel
@@ -417,8 +430,6 @@ class DeltaSender:
                     job.counts[src.name] = ch.numel
                     changed += ch.numel
                 job.changes[src.name] = ch
-            elif kind == "delta":
-                raise PublishError(f"tensor {src.name!r} appeared after the first publish; the model changed shape")
             if kind == "anchor":
                 block = det.cast(src.local)
                 job.anchors[src.name] = block
@@ -434,14 +445,21 @@ class DeltaSender:
         self._coalesced = 0
         return job
 
-    def _encode(self, job: _Job) -> bytes | None:
-        """This rank's object for ``job`` (``None`` when this rank uploads nothing)."""
+    def _encode(self, job: _Job) -> list[tuple[str, bytes]]:
+        """This rank's objects for ``job`` as ``[(kind, bytes)]`` (empty when it uploads nothing)."""
         g = self.group
+        if not any(s.upload for s in job.sources):
+            return []
+        out = []
         if job.kind == "anchor":
             blocks = {s.name: (job.anchors[s.name], s.slice) for s in job.sources if s.upload}
-            if not blocks:
-                return None
-            return encode_anchor(blocks, version=job.version, dtype=self.dtype, rank=g.rank, world=g.world)
+            out.append(("anchor", encode_anchor(blocks, version=job.version, dtype=self.dtype, rank=g.rank, world=g.world)))
+        if job.base_version is not None:
+            out.append(("delta", self._encode_delta(job)))
+        return out
+
+    def _encode_delta(self, job: _Job) -> bytes:
+        g = self.group
         parts, counts = {}, {}
         for s in job.sources:
             if not s.upload or not job.counts.get(s.name):
@@ -468,13 +486,14 @@ class DeltaSender:
         local: dict[str, Any] = {"ok": True}
         try:
             t = time.perf_counter()
-            data = self._encode(job)
+            blobs = self._encode(job)
             stats.encode_ms = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            if data is not None:
-                key = object_key(job.version, job.kind, g.rank, g.world)
+            local["objects"] = []
+            for kind, data in blobs:
+                key = object_key(job.version, kind, g.rank, g.world)
                 self.store.put(key, data)
-                local["object"] = ObjectEntry(key, len(data), sha256_hex(data), g.rank, g.world).to_json()
+                local["objects"].append(ObjectEntry(key, len(data), sha256_hex(data), g.rank, g.world).to_json())
             stats.upload_ms = (time.perf_counter() - t) * 1e3
             local["partials"] = job.partials
             local["counts"] = job.counts
@@ -502,6 +521,15 @@ class DeltaSender:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"event": "publish", **stats.to_dict()}) + "\n")
+        if self.retention is not None and job.kind == "anchor" and g.rank == 0:
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Rank 0, after an anchor is visible: apply the retention policy (see retention.py)."""
+        try:
+            collect_garbage(self.store, self.retention)
+        except Exception as e:  # noqa: BLE001 - old versions are only garbage; never fail a publish
+            log.warning("retention after version %s failed (%s); retrying after the next anchor", self.version, e)
 
     def _write_manifest(self, job: _Job, gathered: list[dict]) -> dict[str, Any]:
         """Rank 0: combine per-rank metadata, write the manifest last and ``LATEST``."""
@@ -509,7 +537,7 @@ class DeltaSender:
         if errors:
             return {"ok": False, "error": "; ".join(errors)}
         try:
-            objects = [ObjectEntry(**r["object"]) for r in gathered if "object" in r]
+            objects = [ObjectEntry(**o) for r in gathered for o in r["objects"]]
             partials: dict[str, list[int]] = {}
             counts: dict[str, int] = {}
             for r in gathered:
@@ -538,7 +566,8 @@ class DeltaSender:
             self.store.put(LATEST_KEY, str(job.version).encode())
         except Exception as e:  # noqa: BLE001 - LATEST is advisory; receivers fall back to listing
             log.warning("could not update LATEST to %d: %s", job.version, e)
-        return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values())}
+        return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values()),
+                "anchor_nbytes": manifest.anchor_nbytes, "delta_nbytes": manifest.delta_nbytes}
 
     def _commit(self, job: _Job, outcome: dict[str, Any]) -> None:
         """The version is visible: advance snapshots, checksums and the anchor policy state."""
@@ -553,7 +582,7 @@ class DeltaSender:
         self.version = job.version
         if job.kind == "anchor":
             self._last_anchor = job.version
-            self._anchor_nbytes = outcome["nbytes"]
+            self._anchor_nbytes = outcome["anchor_nbytes"]
             self._chain_nbytes = 0
         else:
-            self._chain_nbytes += outcome["nbytes"]
+            self._chain_nbytes += outcome["delta_nbytes"]

@@ -84,6 +84,16 @@ class Store(ABC):
         """Size of the object in bytes (default: reads it)."""
         return len(self.get(key))
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Remove every key of ``keys`` (missing keys are not an error), in order.
+
+        Stores with a batch delete (S3 ``DeleteObjects``, a Hugging Face bucket batch) override this
+        with fewer round trips; the order is then only guaranteed between calls, so callers that
+        need one key gone before another (retention: manifests before objects) use two calls.
+        """
+        for key in keys:
+            self.delete(key)
+
     def sub(self, prefix: str) -> "Store":
         """A view of this store rooted at ``prefix`` (several runs can share one store)."""
         prefix = prefix.strip("/")
@@ -122,6 +132,9 @@ class PrefixStore(Store):
 
     def delete(self, key: str) -> None:
         self.inner.delete(self._k(key))
+
+    def delete_many(self, keys: list[str]) -> None:
+        self.inner.delete_many([self._k(k) for k in keys])
 
     def size(self, key: str) -> int:
         return self.inner.size(self._k(key))

@@ -1,0 +1,22 @@
+"""Small models and steps shared by the tests (import as ``from helpers import ...``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A small two-layer model (~5k parameters) with std-0.02 weights."""
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.02)
+    return m.to(dtype)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    x = torch.randn(8, 32, generator=gen)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()

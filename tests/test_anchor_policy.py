@@ -1,0 +1,122 @@
+"""``AnchorPolicy``: fixed cadence and adaptive anchors, checked against the bytes actually stored."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_deltasync import AnchorPolicy, DeltaSender, LocalStore
+from torch_deltasync.manifest import list_versions, load_manifest
+
+from remote_helpers import StepModel
+
+
+def stored_kinds_and_bytes(store):
+    """``[(version, kind, bytes)]`` read back from the store: for an anchor the bytes of its anchor
+    objects, for a delta the bytes of its delta objects (the quantities the policy compares; an
+    anchor's own delta against the previous version is for followers and does not count)."""
+    out = []
+    for v in list_versions(store):
+        m = load_manifest(store, v)
+        objs = m.anchor_objects if m.kind == "anchor" else m.delta_objects
+        out.append((v, m.kind, sum(store.size(o.key) for o in objs)))
+    return out
+
+
+def expected_kinds(rows, *, every, ratio):
+    """The kinds the policy's rules give for the stored bytes (written from the rule, not the code):
+    anchor first; then anchor when ``v - last_anchor >= every`` or when the bytes of the deltas
+    since the last anchor reach ``ratio`` x that anchor's bytes."""
+    kinds, last, anchor_nbytes, chain = [], None, 0, 0
+    for v, _, nbytes in rows:
+        anchor = (last is None or (every and v - last >= every)
+                  or (ratio is not None and chain >= ratio * anchor_nbytes))
+        kinds.append("anchor" if anchor else "delta")
+        if anchor:
+            last, anchor_nbytes, chain = v, nbytes, 0
+        else:
+            chain += nbytes
+    return kinds
+
+
+def run(tmp_path, policy, steps=30, changes=40):
+    """Publish ``steps`` versions; ``changes`` is elements per tensor and step, or a function of the step."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    model = StepModel(seed=11)
+    sender = DeltaSender(model.tensors, store, anchor_policy=policy)
+    for step in range(steps):
+        model.changes = changes(step) if callable(changes) else changes
+        model.set_step(step)
+        sender.publish()
+    return stored_kinds_and_bytes(store)
+
+
+@pytest.mark.parametrize("every", [1, 3, 7])
+def test_fixed_cadence(tmp_path, every):
+    rows = run(tmp_path, AnchorPolicy(every=every), steps=15)
+    assert [k for _, k, _ in rows] == ["anchor" if v % every == 0 else "delta" for v in range(15)]
+
+
+@pytest.mark.parametrize("every", [None, 0])
+def test_cadence_off_means_one_anchor(tmp_path, every):
+    rows = run(tmp_path, AnchorPolicy(every=every), steps=8)
+    assert [k for _, k, _ in rows] == ["anchor"] + ["delta"] * 7
+
+
+@pytest.mark.parametrize("ratio", [0.3, 1.0])
+def test_adaptive_anchor_when_chain_bytes_reach_a_fraction_of_the_anchor(tmp_path, ratio):
+    rows = run(tmp_path, AnchorPolicy(every=None, chain_ratio=ratio))
+    kinds = [k for _, k, _ in rows]
+    assert kinds == expected_kinds(rows, every=None, ratio=ratio)
+    anchors = [v for v, k, _ in rows if k == "anchor"]
+    assert len(anchors) >= 3  # the rule fired, not only the first publish
+    # a fresh receiver never downloads more than about (1 + ratio) anchors' worth
+    anchor_nbytes = rows[0][2]
+    for v, _, _ in rows:
+        a = max(x for x in anchors if x <= v)
+        chain = sum(b for x, _, b in rows if a < x <= v)
+        assert chain < (ratio * anchor_nbytes) + max(b for _, k, b in rows if k == "delta")
+
+
+def test_both_rules_whichever_fires_first(tmp_path):
+    # small deltas first (the cadence fires), then large ones (the ratio fires earlier)
+    rows = run(tmp_path, AnchorPolicy(every=4, chain_ratio=0.3), changes=lambda s: 5 if s < 15 else 150)
+    kinds = [k for _, k, _ in rows]
+    assert kinds == expected_kinds(rows, every=4, ratio=0.3)
+    anchors = [v for v, k, _ in rows if k == "anchor"]
+    assert anchors[:4] == [0, 4, 8, 12]  # cadence
+    later_gaps = [b - a for a, b in zip(anchors[4:], anchors[5:])]
+    assert later_gaps and max(later_gaps) < 4  # the ratio cut the chains short
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(every=-1), "negative cadence"),
+    (dict(chain_ratio=0), "a zero ratio would anchor every version; use every=1"),
+    (dict(chain_ratio=-0.5), "negative ratio"),
+])
+def test_policy_rejects_bad_values(kwargs, reason):
+    with pytest.raises(ValueError):
+        AnchorPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("policy, args, want, reason", [
+    (AnchorPolicy(every=10), (19, 10, 0, 100), False, "9 versions since the anchor"),
+    (AnchorPolicy(every=10), (20, 10, 0, 100), True, "10 versions since the anchor"),
+    (AnchorPolicy(every=None, chain_ratio=0.5), (5, 0, 49, 100), False, "chain below half an anchor"),
+    (AnchorPolicy(every=None, chain_ratio=0.5), (5, 0, 50, 100), True, "chain at half an anchor"),
+    (AnchorPolicy(every=None, chain_ratio=0.5), (5, 0, 50, 0), False, "anchor size unknown: ratio off"),
+])
+def test_wants_anchor_table(policy, args, want, reason):
+    assert policy.wants_anchor(*args) is want
+
+
+def test_new_sender_on_an_existing_prefix_starts_with_an_anchor(tmp_path):
+    store = LocalStore(tmp_path / "b", fsync=False)
+    model = StepModel(seed=12)
+    first = DeltaSender(model.tensors, store, anchor_every=100)
+    for step in range(3):
+        model.set_step(step)
+        first.publish()
+    model.set_step(3)
+    second = DeltaSender(model.tensors, store, anchor_every=100)
+    assert second.publish() == 3 and load_manifest(store, 3).kind == "anchor"
+    assert load_manifest(store, 3).run_id != load_manifest(store, 2).run_id

@@ -1,0 +1,263 @@
+"""Corrupt, malicious and failing stores: clear errors, weights untouched, chains never broken."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from helpers import make_mlp, train_step
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from torch_deltasync import (
+    ChecksumMismatchError, CorruptObjectError, DeltaReceiver, DeltaSender, IncompatibleTargetError,
+    PublishError, StoreError, VersionNotFoundError,
+)
+from torch_deltasync.format import read_header, sha256_hex
+from torch_deltasync.manifest import manifest_key
+from torch_deltasync.store.base import Store
+from torch_deltasync.testing import first_difference, state_bits
+
+
+def publish_steps(store, n, *, anchor_every=100, lr=1e-4):
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, anchor_every=anchor_every)
+    for _ in range(n):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    return trainer, sender, opt, gen
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rewrite(store, version, *, tensors=None, meta=None, raw=None, manifest=None, fix_sha=True):
+    """Tamper with the single object of ``version`` like an attacker who also controls the manifest."""
+    mdoc = json.loads(store.get(manifest_key(version)))
+    key = mdoc["objects"][0]["key"]
+    data = store.get(key)
+    if raw is not None:
+        data = raw(data)
+    if tensors is not None or meta is not None:
+        _, md = read_header(data)
+        ts = st_load(data)
+        if tensors is not None:
+            tensors(ts)
+        if meta is not None:
+            meta(md)
+        data = st_save(ts, metadata=md)
+    store.put(key, data)
+    if fix_sha:
+        mdoc["objects"][0]["nbytes"] = len(data)
+        mdoc["objects"][0]["sha256"] = sha256_hex(data)
+    if manifest is not None:
+        manifest(mdoc)
+    store.put(manifest_key(version), json.dumps(mdoc).encode())
+
+
+def first_changed(ts):
+    return next(k for k in ts if k.endswith(":idx")).rpartition(":")[0]
+
+
+def set_idx(ts, fn):
+    name = first_changed(ts)
+    ts[f"{name}:idx"] = fn(ts[f"{name}:idx"])
+
+
+MALICIOUS = [
+    ("index out of range", dict(tensors=lambda ts: set_idx(ts, lambda i: torch.cat([i[:-1], i.new_tensor([10**6])]))),
+     CorruptObjectError, "outside"),
+    ("duplicate indices", dict(tensors=lambda ts: set_idx(ts, lambda i: torch.cat([i[:1], i[:-1]]))),
+     CorruptObjectError, "strictly increasing"),
+    ("unsorted indices", dict(tensors=lambda ts: set_idx(ts, lambda i: i.flip(0))), CorruptObjectError, "strictly increasing"),
+    ("wrong value dtype", dict(tensors=lambda ts: ts.__setitem__(f"{first_changed(ts)}:val", ts[f"{first_changed(ts)}:val"].float())),
+     CorruptObjectError, "values must be"),
+    ("unknown tensor name", dict(tensors=lambda ts: ts.__setitem__("evil.weight:idx", ts.pop(f"{first_changed(ts)}:idx"))),
+     CorruptObjectError, "names no tensor"),
+    ("count metadata lies", dict(meta=lambda md: md.__setitem__("counts", json.dumps({k: 1 for k in json.loads(md["counts"])}))),
+     CorruptObjectError, "declared"),
+    ("object of another version", dict(meta=lambda md: md.__setitem__("version", "1")), CorruptObjectError, "metadata version"),
+    ("manifest key with ..", dict(manifest=lambda m: m["objects"][0].__setitem__("key", "../../outside.safetensors")),
+     CorruptObjectError, "invalid store key"),
+    ("manifest absolute key", dict(manifest=lambda m: m["objects"][0].__setitem__("key", "/etc/passwd")),
+     CorruptObjectError, "invalid store key"),
+    ("oversized safetensors header", dict(raw=lambda d: struct.pack("<Q", 1 << 40) + d[8:]), CorruptObjectError, "header"),
+    ("truncated object, sha fixed", dict(raw=lambda d: d[: len(d) // 2]), CorruptObjectError, "header|unreadable|safetensors"),
+    ("shape of a tensor changed in the manifest",
+     dict(manifest=lambda m: m["tensors"][0].__setitem__("shape", [99, 32])), IncompatibleTargetError, "shape"),
+    ("unknown codec", dict(manifest=lambda m: m.__setitem__("codec", "evil")), CorruptObjectError, "unknown codec"),
+]
+
+
+@pytest.mark.parametrize("why,tamper,error,match", MALICIOUS, ids=[m[0] for m in MALICIOUS])
+def test_malicious_delta_is_refused_and_weights_unchanged(store, why, tamper, error, match):
+    publish_steps(store, 3)  # versions 0 (anchor), 1, 2
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    receiver.update(1)
+    rewrite(store, 2, **tamper)
+    before = state_bits(replica)
+    with pytest.raises(error, match=match):
+        receiver.update(2)
+    assert same(before, state_bits(replica)), why
+    assert receiver.version == 1
+    receiver.verify()  # still exactly version 1
+
+
+def test_flipped_byte_is_detected_by_sha256(store):
+    publish_steps(store, 3)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    receiver.update(1)
+    rewrite(store, 2, raw=lambda d: d[:-5] + bytes([d[-5] ^ 0x01]) + d[-4:], fix_sha=False)
+    before = state_bits(replica)
+    with pytest.raises(CorruptObjectError, match="sha256"):
+        receiver.update(2)
+    assert same(before, state_bits(replica)) and receiver.version == 1
+
+
+def test_flipped_value_bit_with_forged_sha256_fails_the_checksum(store):
+    publish_steps(store, 3)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    receiver.update(1)
+
+    def flip(ts):
+        name = first_changed(ts)
+        v = ts[f"{name}:val"].clone()
+        v.view(torch.int16)[0] ^= 1
+        ts[f"{name}:val"] = v
+
+    rewrite(store, 2, tensors=flip)
+    before = state_bits(replica)
+    with pytest.raises(ChecksumMismatchError, match="version 2"):
+        receiver.update(2)
+    assert same(before, state_bits(replica))
+
+
+def test_receiver_drift_is_repaired_from_the_anchor(store):
+    """A replica whose own weights were damaged recovers: the O(nnz) check sees the wrong old value."""
+    trainer, sender, opt, gen = publish_steps(store, 2)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    receiver.update()
+    train_step(trainer, opt, gen)
+    sender.publish()
+    d = receiver.plan()
+    # damage exactly an element the next delta changes
+    m = receiver.manifest(2)
+    name = next(t.name for t in m.tensors if t.changed)
+    from torch_deltasync.format import decode_delta
+    delta = decode_delta(store.get(m.objects[0].key), m, m.objects[0])[name]
+    with torch.no_grad():
+        replica.state_dict()[name].view(-1)[delta.positions[0]] += 1.0
+    assert d.path == "delta"
+    receiver.update()
+    assert receiver.last_stats.recovered and receiver.last_stats.path == "anchor"
+    assert first_difference(trainer, replica) is None
+    # damage elsewhere is invisible to O(nnz) updates but verify() finds it
+    with torch.no_grad():
+        replica.state_dict()["0.bias"][0] += 1.0
+    with pytest.raises(ChecksumMismatchError):
+        receiver.verify()
+
+
+class FailingStore(Store):
+    """Wraps a store; raises on puts whose key matches ``fail_on`` while ``armed``."""
+
+    def __init__(self, inner, fail_on):
+        self.inner, self.fail_on, self.armed = inner, fail_on, False
+
+    def put(self, key, data):
+        if self.armed and self.fail_on(key):
+            raise StoreError(f"injected failure writing {key}")
+        self.inner.put(key, data)
+
+    def get(self, key, *, start=None, end=None):
+        return self.inner.get(key, start=start, end=end)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+
+@pytest.mark.parametrize("fail_on,what", [
+    (lambda k: k.startswith("versions/"), "writer stopped after its objects, before the manifest"),
+    (lambda k: k.startswith("objects/"), "object upload fails"),
+])
+def test_failed_publish_leaves_no_version_and_next_publish_recovers(store, fail_on, what):
+    fs = FailingStore(store, fail_on)
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, fs, anchor_every=100)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    for _ in range(2):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    receiver.update()
+    train_step(trainer, opt, gen)
+    fs.armed = True
+    with pytest.raises(PublishError, match="not published"):
+        sender.publish()  # burns version 2
+    fs.armed = False
+    assert receiver.newest_version() == 1, what
+    with pytest.raises(VersionNotFoundError):
+        receiver.update(2)
+    for _ in range(3):  # later versions are deltas on the last *published* state
+        train_step(trainer, opt, gen)
+        v = sender.publish()
+        assert receiver.update() == v
+        assert first_difference(trainer, replica) is None, what
+    assert receiver.manifest(3).base_version == 1
+    fresh = make_mlp(3, torch.bfloat16)
+    DeltaReceiver(fresh, store).update()
+    assert first_difference(trainer, fresh) is None
+
+
+def test_failed_background_publish_is_reported_and_recovered(store):
+    fs = FailingStore(store, lambda k: k.startswith("objects/"))
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, fs, background=True)
+    sender.publish()
+    sender.flush()
+    fs.armed = True
+    train_step(trainer, opt, gen)
+    sender.publish()
+    with pytest.raises(PublishError, match="injected"):
+        sender.flush()
+    fs.armed = False
+    train_step(trainer, opt, gen)
+    v = sender.publish()
+    sender.flush()
+    replica = make_mlp(1, torch.bfloat16)
+    assert DeltaReceiver(replica, store).update() == v
+    assert first_difference(trainer, replica) is None
+
+
+def test_garbage_latest_is_ignored(store):
+    publish_steps(store, 2)
+    store.put("LATEST", b"\xff not a number")
+    assert DeltaReceiver(make_mlp(1, torch.bfloat16), store).update() == 1
+    store.put("LATEST", b"999")
+    assert DeltaReceiver(make_mlp(1, torch.bfloat16), store).update() == 1
+
+
+def test_missing_chain_link_is_a_clear_error(store):
+    publish_steps(store, 4)
+    store.delete(manifest_key(0))  # the anchor is gone
+    with pytest.raises(VersionNotFoundError, match="not retained"):
+        DeltaReceiver(make_mlp(1, torch.bfloat16), store).update()

@@ -1,0 +1,250 @@
+"""Sender -> store -> receiver in one process: bit-exactness across dtypes, layouts and lifecycles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import make_mlp, train_step
+
+from torch_deltasync import (
+    AnchorPolicy, DeltaReceiver, DeltaSender, IncompatibleTargetError, VersionNotFoundError, open_store,
+)
+from torch_deltasync.testing import adam_step, first_difference, state_bits, tiny_qwen3
+
+
+def assert_synced(trainer, receiver_model, dtype=torch.bfloat16):
+    diff = first_difference(trainer, receiver_model, dtype)
+    assert diff is None, diff
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_version_bit_exact(store, dtype):
+    trainer = make_mlp(0)
+    replica = make_mlp(1, dtype)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, anchor_every=4, inference_dtype=dtype)
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.version is None
+    for step in range(10):
+        train_step(trainer, opt, gen)
+        v = sender.publish()
+        assert v == step
+        assert receiver.update() == v == receiver.version
+        assert_synced(trainer, replica, dtype)
+    kinds = [s.kind for s in sender.history]
+    assert kinds == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta", "delta", "anchor", "delta"]
+    receiver.verify()
+
+
+def test_fp32_receiver_holds_bf16_values_exactly(store):
+    trainer, replica = make_mlp(0), make_mlp(1, torch.float32)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store)
+    receiver = DeltaReceiver(replica, store)
+    for _ in range(3):
+        train_step(trainer, opt, gen)
+        sender.publish()
+        receiver.update()
+    for (n, a), b in zip(trainer.state_dict().items(), replica.state_dict().values()):
+        assert torch.equal(a.to(torch.bfloat16).float().view(torch.int32), b.view(torch.int32)), n
+
+
+def test_late_receiver_catches_up_and_can_go_back(store):
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, anchor_every=5)
+    snapshots = {}
+    for _ in range(12):
+        train_step(trainer, opt, gen)
+        v = sender.publish()
+        snapshots[v] = state_bits(trainer)
+    late = make_mlp(2, torch.bfloat16)
+    receiver = DeltaReceiver(late, store)
+    plan = receiver.plan()
+    assert [s.version for s in plan.steps] == [10, 11] and plan.path == "anchor"
+    assert receiver.update() == 11
+    assert_synced(trainer, late)
+    for target in (7, 3, 11):  # back to older versions, then forward again
+        assert receiver.update(target) == target
+        got = state_bits(late)
+        assert all(torch.equal(got[n], snapshots[target][n]) for n in got)
+    assert receiver.plan(11).path == "noop"
+    with pytest.raises(VersionNotFoundError):
+        receiver.update(99)
+
+
+def test_delta_path_from_an_older_version(store):
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, anchor_every=100)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    train_step(trainer, opt, gen)
+    sender.publish()
+    receiver.update()
+    for _ in range(6):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    plan = receiver.plan()
+    assert plan.path == "delta" and [s.version for s in plan.steps] == [1, 2, 3, 4, 5, 6]
+    receiver.update()
+    assert receiver.last_stats.path == "delta" and receiver.last_stats.versions_applied == 6
+    assert_synced(trainer, replica)
+
+
+def test_qwen3_tied_and_untied(store):
+    trainer = tiny_qwen3("tiny", tie_word_embeddings=True)
+    tied = tiny_qwen3("tiny", seed=5, tie_word_embeddings=True, dtype=torch.bfloat16)
+    untied = tiny_qwen3("tiny", seed=6, tie_word_embeddings=False, dtype=torch.bfloat16)
+    opt = torch.optim.Adam(trainer.parameters(), lr=3e-6)
+    sender = DeltaSender(trainer, store)
+    r_tied, r_untied = DeltaReceiver(tied, store), DeltaReceiver(untied, store)
+    for _ in range(3):
+        adam_step(trainer, opt)
+        v = sender.publish()
+        assert r_tied.update() == v and r_untied.update() == v
+        assert_synced(trainer, tied)
+        assert_synced(trainer, untied)  # the alias lm_head.weight is mirrored into the untied copy
+    manifest = r_tied.manifest(v)
+    assert manifest.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in manifest.tensor_map()
+
+
+def test_untied_sender_cannot_feed_tied_receiver(store):
+    trainer = tiny_qwen3("tiny", tie_word_embeddings=False)
+    tied = tiny_qwen3("tiny", seed=5, tie_word_embeddings=True, dtype=torch.bfloat16)
+    DeltaSender(trainer, store).publish()
+    before = state_bits(tied)
+    with pytest.raises(IncompatibleTargetError, match="ties"):
+        DeltaReceiver(tied, store).update()
+    after = state_bits(tied)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda sd: sd.pop("2.bias"), "not published|unknown"),
+    (lambda sd: sd.__setitem__("extra", torch.zeros(3)), "not published"),
+    (lambda sd: sd.__setitem__("2.bias", torch.zeros(17)), "shape"),
+    (lambda sd: sd.__setitem__("2.bias", torch.zeros(16, dtype=torch.float16)), "cannot hold"),
+])
+def test_incompatible_receiver_is_refused_untouched(store, change, match):
+    DeltaSender(make_mlp(0), store).publish()
+    sd = {k: v.clone() for k, v in make_mlp(1, torch.bfloat16).state_dict().items()}
+    change(sd)
+    before = {k: v.clone() for k, v in sd.items()}
+    with pytest.raises(IncompatibleTargetError, match=match):
+        DeltaReceiver(sd, store).update()
+    assert all(torch.equal(before[k], sd[k]) for k in sd)
+
+
+def test_restarted_writer_continues_with_an_anchor(store):
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    s1 = DeltaSender(trainer, store)
+    for _ in range(3):
+        train_step(trainer, opt, gen)
+        s1.publish()
+    receiver.update()
+    s2 = DeltaSender(trainer, store)  # e.g. after a crash: no clean-up needed
+    train_step(trainer, opt, gen)
+    assert s2.publish() == 3 and s2.last_stats.kind == "anchor"
+    train_step(trainer, opt, gen)
+    assert s2.publish() == 4 and s2.last_stats.kind == "delta"
+    assert receiver.update() == 4
+    assert_synced(trainer, replica)
+    assert s2.run_id != s1.run_id
+
+
+def test_prefixes_keep_runs_apart(tmp_path):
+    store = open_store(tmp_path / "shared")
+    a, b = make_mlp(0), make_mlp(7)
+    DeltaSender(a, store, prefix="runs/a").publish()
+    DeltaSender(b, store, prefix="runs/b").publish()
+    ra, rb = make_mlp(1, torch.bfloat16), make_mlp(2, torch.bfloat16)
+    DeltaReceiver(ra, store, prefix="runs/a").update()
+    DeltaReceiver(rb, store, prefix="runs/b").update()
+    assert_synced(a, ra)
+    assert_synced(b, rb)
+
+
+def test_background_publish_and_coalescing(store):
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, background=True)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    published = []
+    for _ in range(20):
+        train_step(trainer, opt, gen)
+        v = sender.publish()
+        if v is not None:
+            published.append(v)
+    sender.flush()
+    assert published == list(range(len(published)))
+    assert receiver.update() == published[-1]
+    # the weights read at the last publish call may be older than the trainer now: publish again
+    train_step(trainer, opt, gen)
+    sender.publish()
+    sender.flush()
+    receiver.update()
+    assert_synced(trainer, replica)
+    coalesced = sum(s.coalesced for s in sender.history) + sender._coalesced
+    assert coalesced + len(sender.history) == 21
+    sender.close()
+    sender.close()  # idempotent
+
+
+def test_adaptive_anchor_policy(store):
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, anchor_policy=AnchorPolicy(every=None, chain_ratio=1.0))
+    for _ in range(12):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    receiver = DeltaReceiver(make_mlp(1, torch.bfloat16), store)
+    manifests = [receiver.manifest(v) for v in range(12)]
+    assert manifests[0].kind == "anchor"
+    anchor_bytes, chain = manifests[0].anchor_nbytes, 0
+    for m in manifests[1:]:
+        if m.kind == "anchor":
+            assert chain >= anchor_bytes  # only once the chain reached one anchor's bytes
+            anchor_bytes, chain = m.anchor_nbytes, 0
+        else:
+            assert chain < anchor_bytes
+            chain += m.delta_nbytes
+    assert sum(m.kind == "anchor" for m in manifests[1:]) >= 1
+
+
+def test_metrics_jsonl(store, tmp_path):
+    trainer = make_mlp(0)
+    path = tmp_path / "m.jsonl"
+    sender = DeltaSender(trainer, store, metrics_path=path)
+    receiver = DeltaReceiver(make_mlp(1, torch.bfloat16), store, metrics_path=path)
+    sender.publish()
+    receiver.update()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["event"] for r in rows] == ["publish", "update"]
+    assert rows[0]["kind"] == "anchor" and rows[0]["changed"] == rows[0]["numel"] == sum(p.numel() for p in trainer.parameters())
+    assert rows[1]["version"] == 0 and rows[1]["path"] == "anchor"
+
+
+def test_state_dict_source_and_nothing_published(store):
+    sd = {"a": torch.randn(10), "b": torch.randn(3, 3), "step": torch.tensor(3)}  # int buffer is not synced
+    replica = {"a": torch.zeros(10, dtype=torch.bfloat16), "b": torch.zeros(3, 3, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(replica, store)
+    with pytest.raises(VersionNotFoundError, match="no version"):
+        receiver.update()
+    DeltaSender(sd, store).publish()
+    receiver.update()
+    assert torch.equal(replica["b"].view(torch.int16), sd["b"].to(torch.bfloat16).view(torch.int16))

@@ -1,0 +1,234 @@
+"""Core benchmark: bytes, detection, apply and memory of delta sync, as ratios against baselines.
+
+For each synthetic Qwen3 config (std-0.02 init, fp32 master weights, real Adam steps at lr 3e-6 on
+random tokens) it measures, in one run on the same machine:
+
+* **bytes**: delta bytes (objects + manifest) / full bf16 model bytes, per version;
+* **detection**: time to find the changed elements of every tensor (``ChangeDetector.detect``)
+  / time of a plain memory copy of the bytes detection must read (the fp32 weights and the bf16
+  snapshot: 6 bytes per element) into preallocated buffers;
+* **publish**: delta publish time / full-snapshot publish time (an anchor every version);
+* **apply**: receiver ``update()`` of one delta (download, sha256, decode, verify, apply) / loading
+  the full model from a full snapshot through the same store (read, safetensors load, ``copy_``);
+* **memory**: extra peak RSS of ``publish()`` and of ``update()`` / model bytes in bf16, for the
+  anchor and for steady-state deltas (peak RSS reset through ``/proc/self/clear_refs``).
+
+Usage::
+
+    .venv/bin/python tools/bench_core.py --sizes 100m 500m --steps 3 --out runs/bench/core.json
+
+Results are printed as a table and written as JSON; ``docs/benchmarks.md`` quotes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore  # noqa: E402
+from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3  # noqa: E402
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+class PeakRSS:
+    """Extra peak resident memory (bytes) of a code block, above the RSS when it started."""
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            self.ok = True
+        except OSError:
+            self.ok = False
+        self.start = _rss_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.extra = (_rss_kib("VmHWM") - self.start) * 1024 if self.ok else float("nan")
+
+
+def _timed(fn, repeat=3):
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+class PeakCUDA:
+    """Extra peak CUDA memory (bytes) allocated inside a code block."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        self.start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.extra = torch.cuda.max_memory_allocated() - self.start
+
+
+def synthetic_step(model: torch.nn.Module, lr: float, gen: torch.Generator) -> None:
+    """An Adam-first-step-like update without forward/backward: every element moves by about
+    ``lr`` (Adam's first step is ``lr * sign(g)``), so the bf16 density matches real steps at the
+    same learning rate (research/environment.md §4) at a fraction of the cost for 1B-7B models."""
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen).to(p.device)
+            p.add_(noise.sign_().mul_(lr))
+
+
+def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "cpu", synthetic: bool = False) -> dict:
+    model = tiny_qwen3(size, seed=0, device=device)
+    numel = sum(p.numel() for p in model.parameters())
+    model_nbytes = numel * 2
+    opt = None if synthetic else torch.optim.Adam(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    print(f"\n== Qwen3 {size}: {numel / 1e6:.1f}M parameters, bf16 {model_nbytes / 2**20:.0f} MiB, "
+          f"{device}, {'synthetic' if synthetic else 'Adam'} steps", flush=True)
+
+    def step():
+        if synthetic:
+            synthetic_step(model, lr, gen)
+        else:
+            adam_step(model, opt, generator=gen)
+
+    step()  # allocate Adam state before any measurement
+    Peak = PeakCUDA if device.startswith("cuda") else PeakRSS
+
+    store = LocalStore(workdir / f"{size}-delta", fsync=False)
+    full_store = LocalStore(workdir / f"{size}-full", fsync=False)
+    sender = DeltaSender(model, store, anchor_every=1000)
+    full_sender = DeltaSender(model, full_store, anchor_every=1)  # the full-snapshot baseline
+    replica = tiny_qwen3(size, seed=1, dtype=torch.bfloat16, device=device)
+    receiver = DeltaReceiver(replica, store)
+    full_replica = tiny_qwen3(size, seed=2, dtype=torch.bfloat16, device=device)
+    full_receiver = DeltaReceiver(full_replica, full_store)
+
+    with Peak() as m:
+        sender.publish()
+    anchor_pub_mem = m.extra
+    full_sender.publish()
+    with Peak() as m:
+        receiver.update()
+    anchor_upd_mem = m.extra
+    full_receiver.update()
+
+    # memory-copy baseline: read the fp32 weights and the bf16 snapshot into preallocated buffers
+    params = [p.detach() for p in model.parameters()]
+    snaps = [sender.detector.snapshot(n) for n in sender.detector.names()]
+    buf32 = torch.empty(max(p.numel() for p in params), device=device)
+    buf16 = torch.empty(max(s.numel() for s in snaps), dtype=torch.bfloat16, device=device)
+
+    def memcpy():
+        for p in params:
+            buf32[: p.numel()].copy_(p.reshape(-1))
+        for s in snaps:
+            buf16[: s.numel()].copy_(s)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    rows = []
+    for _ in range(steps):
+        step()
+        det = sender.detector
+        sd = model.state_dict()
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        detect_s = _timed(lambda: ([det.detect(n, sd[n]) for n in det.names()], sync()), repeat=2)
+        copy_s = _timed(memcpy, repeat=2)
+        with Peak() as mp:
+            sender.publish()
+        st = sender.last_stats
+        full_sender.publish()
+        fst = full_sender.last_stats
+        with Peak() as mu:
+            receiver.update()
+        ust = receiver.last_stats
+        full_receiver.update()
+        fust = full_receiver.last_stats
+        assert first_difference(model, replica) is None and first_difference(model, full_replica) is None
+        row = {
+            "version": st.version, "changed": st.changed, "density": st.density,
+            "delta_nbytes": st.nbytes, "full_nbytes": st.full_nbytes, "bytes_ratio": st.nbytes / model_nbytes,
+            "detect_s": detect_s, "memcpy_s": copy_s, "detect_over_memcpy": detect_s / copy_s,
+            "publish_ms": st.publish_ms, "full_publish_ms": fst.publish_ms,
+            "publish_ratio": st.publish_ms / fst.publish_ms,
+            "update_ms": ust.total_ms, "apply_ms": ust.apply_ms, "full_update_ms": fust.total_ms,
+            "update_ratio": ust.total_ms / fust.total_ms, "apply_over_full_load": ust.apply_ms / fust.total_ms,
+            "publish_peak_extra_over_model": mp.extra / model_nbytes,
+            "update_peak_extra_over_model": mu.extra / model_nbytes,
+        }
+        rows.append(row)
+        print(f"  v{st.version}: density {st.density:.2%}, bytes {row['bytes_ratio']:.4f} of full, "
+              f"detect {detect_s * 1e3:.0f} ms = {row['detect_over_memcpy']:.2f}x memcpy, "
+              f"publish {st.publish_ms:.0f} ms vs full {fst.publish_ms:.0f} ms, "
+              f"update {ust.total_ms:.0f} ms (apply {ust.apply_ms:.1f}) vs full {fust.total_ms:.0f} ms, "
+              f"peak +{row['publish_peak_extra_over_model']:.2f}x / +{row['update_peak_extra_over_model']:.2f}x model",
+              flush=True)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+    return {
+        "size": size, "numel": numel, "model_nbytes": model_nbytes, "lr": lr, "steps": rows, "median": med,
+        "anchor_publish_peak_extra_over_model": anchor_pub_mem / model_nbytes,
+        "anchor_update_peak_extra_over_model": anchor_upd_mem / model_nbytes,
+        "snapshot_nbytes_over_model": sender.detector.snapshot_nbytes() / model_nbytes,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["100m", "500m"])
+    ap.add_argument("--steps", type=int, default=3, help="Adam steps (delta versions) per size")
+    ap.add_argument("--lr", type=float, default=3e-6)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (weights, snapshots and replicas live there)")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="Adam-first-step-like updates without forward/backward (for 1B/7B sizes)")
+    ap.add_argument("--out", default="runs/bench/core.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = {"host": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+               "torch": torch.__version__, "sizes": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes:
+            results["sizes"].append(bench_size(size, args.steps, args.lr, Path(tmp), args.device, args.synthetic))
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print("\nmedians over delta versions:")
+    print(f"{'size':>6} {'params':>8} {'density':>8} {'bytes/full':>10} {'detect/memcpy':>13} {'publish/full':>12} "
+          f"{'update/full':>11} {'apply/full':>10} {'pub mem':>8} {'upd mem':>8} {'anchor pub mem':>14} {'anchor upd mem':>14}")
+    for r in results["sizes"]:
+        m = r["median"]
+        print(f"{r['size']:>6} {r['numel'] / 1e6:>7.0f}M {m['density']:>8.2%} {m['bytes_ratio']:>10.4f} "
+              f"{m['detect_over_memcpy']:>13.2f} {m['publish_ratio']:>12.3f} {m['update_ratio']:>11.3f} "
+              f"{m['apply_over_full_load']:>10.4f} {m['publish_peak_extra_over_model']:>8.2f} "
+              f"{m['update_peak_extra_over_model']:>8.2f} {r['anchor_publish_peak_extra_over_model']:>14.2f} "
+              f"{r['anchor_update_peak_extra_over_model']:>14.2f}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Retention: delete old versions of a run without ever breaking a reader that follows it.
+
+What is kept (everything else below the cut is deleted):
+
+* the **cut anchor**: the newest anchor whose manifest is at least ``grace_s`` seconds old
+  (``created_at``, the writer's clock), and every version after it;
+* the whole chain (``base_version`` links down to an anchor) of every kept version, so the newest
+  version can always be rebuilt, even when an out-of-order chain reaches below the cut anchor;
+* the ``keep_anchors`` newest anchors below the cut (their own manifest and objects; the deltas
+  after them are not kept);
+* anything that is not a manifest (``versions/<v>.json``) or an object (``objects/<v>/...``), e.g.
+  ``LATEST`` or files another tool put under the prefix;
+* object folders without a manifest at or above the cut (a publish that may still be in flight).
+
+Order of deletion: first the manifests of every deleted version, then their objects (and orphan
+object folders below the cut: leftovers of crashed or failed publishes). A reader that still sees a
+manifest can therefore always fetch its objects unless the version has just been collected, in which
+case the read fails with :class:`~torch_deltasync.errors.ObjectNotFoundError` and the receiver
+plans again from the newest version. ``grace_s`` gives readers that started on an old chain before
+the cut anchor appeared that many seconds to finish.
+
+Receivers that lag behind the retained range need no special handling: a plan from the newest
+version walks back to the cut anchor at most, so they take the anchor path (newest anchor plus the
+deltas after it).
+
+Example:
+    >>> plan = plan_retention(store, RetentionPolicy(keep_anchors=1, grace_s=60))
+    >>> print(plan)            # what would go, and why
+    >>> apply_retention(store, plan)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+from .errors import CorruptObjectError, VersionNotFoundError
+from .manifest import Manifest, list_versions, load_manifest, manifest_key
+from .store.base import Store
+
+__all__ = ["RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention", "collect_garbage"]
+
+log = logging.getLogger(__name__)
+
+_OBJECT_DIR_RE = re.compile(r"^objects/(\d{12})/[^/]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """How much of a run's history to keep (see the module docstring for the rules)."""
+
+    keep_anchors: int = 0
+    """Anchors kept below the cut anchor, newest first (``0``: only the cut anchor and after)."""
+
+    grace_s: float = 0.0
+    """Seconds an anchor must have been visible before versions below it may be deleted."""
+
+    def __post_init__(self) -> None:
+        if type(self.keep_anchors) is not int or self.keep_anchors < 0:
+            raise ValueError(f"RetentionPolicy.keep_anchors must be an integer >= 0, got {self.keep_anchors!r}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"RetentionPolicy.grace_s must be >= 0, got {self.grace_s}")
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """What :func:`apply_retention` will delete, and why.
+
+    Attributes:
+        newest: the newest visible version (``None``: the run is empty).
+        cut: the cut anchor (``None``: no anchor old enough, nothing is deleted).
+        keep: every version whose manifest stays, ascending.
+        delete: versions whose manifest and objects go, ascending.
+        orphans: object folders without a manifest that go (crashed publishes below the cut).
+        manifest_keys: manifest keys to delete (first).
+        object_keys: object keys to delete (after the manifests).
+        reason: one line on how the cut was chosen.
+    """
+
+    newest: int | None
+    cut: int | None
+    keep: tuple[int, ...]
+    delete: tuple[int, ...]
+    orphans: tuple[int, ...]
+    manifest_keys: tuple[str, ...] = ()
+    object_keys: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.manifest_keys or self.object_keys)
+
+    def __str__(self) -> str:
+        def span(vs: tuple[int, ...]) -> str:
+            if not vs:
+                return "none"
+            return f"{len(vs)} ({vs[0]}..{vs[-1]})" if len(vs) > 3 else ", ".join(map(str, vs))
+
+        return "\n".join([
+            f"retention: newest version {self.newest}, cut anchor {self.cut}: {self.reason}",
+            f"  keep     {span(self.keep)}",
+            f"  delete   {span(self.delete)} versions, {len(self.manifest_keys)} manifests, "
+            f"{len(self.object_keys)} objects",
+            f"  orphans  {span(self.orphans)}",
+        ])
+
+
+def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: float | None = None) -> RetentionPlan:
+    """Work out what to delete from a run (``store`` is the run's prefix). Deletes nothing.
+
+    Args:
+        store: the run's store (after :meth:`Store.sub` with the run prefix).
+        policy: what to keep (default :class:`RetentionPolicy`: the newest anchor and after).
+        now: the current Unix time in seconds, for ``grace_s`` (default ``time.time()``).
+
+    Returns:
+        The plan. Manifests that cannot be parsed are kept at or above the cut (a reader cannot use
+        them, so their links are not followed) and deleted below it.
+
+    Raises:
+        StoreError: listing or reading the store failed.
+    """
+    policy = policy or RetentionPolicy()
+    now = time.time() if now is None else now
+    versions = list_versions(store)
+    if not versions:
+        return RetentionPlan(None, None, (), (), (), reason="no versions")
+    newest = versions[-1]
+    visible = set(versions)
+    manifests: dict[int, Manifest | None] = {}
+
+    def get(v: int) -> Manifest | None:
+        if v not in manifests:
+            try:
+                manifests[v] = load_manifest(store, v)
+            except VersionNotFoundError:  # deleted meanwhile (another collector)
+                manifests[v] = None
+            except CorruptObjectError as e:
+                log.warning("%s: manifest of version %d is unreadable (%s)", store.describe(), v, e)
+                manifests[v] = None
+        return manifests[v]
+
+    # 1. the cut: newest anchor at least grace_s old
+    cut = None
+    reason = "no anchor is visible"
+    for v in reversed(versions):
+        m = get(v)
+        if m is None or m.kind != "anchor":
+            continue
+        age = now - m.created_at
+        if age >= policy.grace_s:
+            cut = v
+            reason = f"newest anchor at least {policy.grace_s:g} s old ({age:.1f} s)"
+            break
+        reason = f"anchor {v} is only {age:.1f} s old (grace {policy.grace_s:g} s); no older anchor"
+    if cut is None:
+        return RetentionPlan(newest, None, tuple(versions), (), (), reason=reason)
+
+    # 2. keep every version from the cut on, and the chain of each of them
+    keep = {v for v in versions if v >= cut}
+    for v in sorted(keep, reverse=True):
+        m = get(v)
+        while m is not None and m.kind == "delta":
+            base = m.base_version
+            if base in keep or base not in visible:
+                break  # joined a kept chain, or the link is already gone (nothing to protect)
+            keep.add(base)
+            m = get(base)
+
+    # 3. older anchors
+    left = policy.keep_anchors
+    for v in reversed(versions):
+        if left == 0:
+            break
+        if v >= cut:
+            continue
+        m = get(v)
+        if m is not None and m.kind == "anchor":
+            keep.add(v)
+            left -= 1
+
+    delete = tuple(v for v in versions if v not in keep)
+    object_keys: list[str] = []
+    folders: dict[int, list[str]] = {}
+    for key in store.list("objects"):
+        mo = _OBJECT_DIR_RE.match(key)
+        if mo:
+            folders.setdefault(int(mo.group(1)), []).append(key)
+    orphans = tuple(sorted(v for v in folders if v not in visible and v < cut))
+    gone = set(delete) | set(orphans)
+    for v in sorted(gone):
+        object_keys += folders.get(v, [])
+    return RetentionPlan(
+        newest=newest, cut=cut, keep=tuple(sorted(keep)), delete=delete, orphans=orphans,
+        manifest_keys=tuple(manifest_key(v) for v in delete), object_keys=tuple(object_keys),
+        reason=reason,
+    )
+
+
+def apply_retention(store: Store, plan: RetentionPlan) -> RetentionPlan:
+    """Delete what ``plan`` names: every manifest first, then the objects.
+
+    Returns:
+        ``plan``, for chaining.
+
+    Raises:
+        StoreError: a delete failed; whatever was deleted stays deleted, and running the
+            collection again finishes the job (manifests are gone before their objects, so no
+            visible version ever lacks its objects).
+    """
+    if plan.manifest_keys:
+        store.delete_many(list(plan.manifest_keys))
+    if plan.object_keys:
+        store.delete_many(list(plan.object_keys))
+    if not plan.empty:
+        log.info("%s: retention deleted %d versions and %d orphan folders (%d objects) below version %s",
+                 store.describe(), len(plan.delete), len(plan.orphans), len(plan.object_keys), plan.cut)
+    return plan
+
+
+def collect_garbage(store: Store, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
+                    now: float | None = None) -> RetentionPlan:
+    """:func:`plan_retention`, then :func:`apply_retention` unless ``dry_run``.
+
+    Safe to run while a writer publishes and receivers read, and from several processes at once.
+
+    Returns:
+        The plan that was (or, with ``dry_run``, would be) carried out.
+    """
+    plan = plan_retention(store, policy, now=now)
+    if not dry_run:
+        apply_retention(store, plan)
+    return plan
