@@ -14,7 +14,14 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torch_deltasync import CorruptObjectError, DeltaReceiver, DeltaSender, LocalStore, get_codec
+from torch_deltasync import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    DeltaReceiver,
+    DeltaSender,
+    LocalStore,
+    get_codec,
+)
 from torch_deltasync._dtypes import bits
 from torch_deltasync.codec import TensorDelta
 from torch_deltasync.manifest import load_manifest
@@ -104,6 +111,21 @@ def make_change_set(seed: int, dtype: torch.dtype, numel: int, density: float, m
 # --- golden bytes (hand-written from docs/format.md) -------------------------------------------------
 
 
+ZERO_CK = bytes(8)  # a base checksum of 0 (only relative steps are checked against it)
+
+
+def _ck(values: torch.Tensor, positions) -> bytes:
+    """The header's base checksum: format section 6's checksum of the old values, 8 bytes LE."""
+    from torch_deltasync.checksum import checksum
+
+    return checksum(values, torch.tensor(positions)).to_bytes(8, "little")
+
+
+def _h(*modes: int, ck: bytes = ZERO_CK) -> bytes:
+    """A header's fixed part: version, positions mode, gap shift, values mode, code width, checksum."""
+    return bytes(modes) + ck
+
+
 def _bf16(values):
     return torch.tensor(values, dtype=torch.bfloat16)
 
@@ -118,10 +140,10 @@ def test_golden_steps_blob():
     # zigzag 2, 1, 2 -> 2-bit codes 1, 0, 1 -> 0b00_01_00_01 = 0x11.
     old = _bf16([1.0, 2.0, -0.5])
     new = _step(old, [1, -1, 1])
-    blob = bytes([1, 0, 0, 1, 2,    # version, gaps, r = 0, steps, b = 2
-                  0, 3, 0, 0, 0, 0,  # positions: stored 3 B; pos_ext, pos_low: empty
-                  0, 1, 0, 0, 0, 0,  # codes: stored 1 B; ext, raw: empty
-                  3, 0, 5, 0x11])
+    blob = (_h(1, 0, 0, 1, 2, ck=_ck(old, [3, 4, 10]))  # version, gaps, r = 0, steps, b = 2, checksum
+            + bytes([0, 3, 0, 0, 0, 0,  # positions: stored 3 B; pos_ext, pos_low: empty
+                     0, 1, 0, 0, 0, 0,  # codes: stored 1 B; ext, raw: empty
+                     3, 0, 5, 0x11]))
     pos = torch.tensor([3, 4, 10])
     parts, d = roundtrip(pos, new, old, 1024)
     assert bytes(parts["packed"].tolist()) == blob
@@ -137,7 +159,8 @@ def test_golden_escapes_decode():
     #   raw    -> code 3, ext e = 0, raw value 0xBF80 (-1.0) as byte planes 80 | BF
     # gaps 0, 199, 0 -> gap bytes 00 C7 00 (r = 0, all below 255).
     # codes 1, 3, 3 -> 0b00_11_11_01 = 0x3D.
-    blob = bytes([1, 0, 0, 1, 2,
+    old = _bf16([0.25, 3.0, 1.0])
+    blob = _h(1, 0, 0, 1, 2, ck=_ck(old, [0, 200, 201])) + bytes([
                   0, 3, 0, 0, 0, 0,  # positions stored, 3 B
                   0, 1,              # codes stored, 1 B
                   0, 2,              # ext stored, 2 B
@@ -150,7 +173,6 @@ def test_golden_escapes_decode():
                                    numel=300, count=3, dtype=torch.bfloat16)
     assert d.positions.tolist() == [0, 200, 201]
     assert d.relative.tolist() == [True, True, False]
-    old = _bf16([0.25, 3.0, 1.0])
     got = d.resolve(old)
     assert bits(got).tolist() == (bits(old)[:2] + torch.tensor([1, 5], dtype=torch.int16)).tolist() + [-16512]
 
@@ -161,7 +183,7 @@ def test_golden_split_gaps_decode():
     #   gap bytes FF 00 F2 (255 escapes), pos_ext varint 257 - 255 = 02,
     #   pos_low fields 2, 0, 0 -> bits 01 00 00 (LSB first) -> byte 0x02.
     vals = [0x3F80, 0xBF80, 0x0001]
-    blob = bytes([1, 0, 2, 0, 0,
+    blob = _h(1, 0, 2, 0, 0) + bytes([
                   0, 3, 0, 1, 0, 1,     # positions 3 B, pos_ext 1 B, pos_low 1 B
                   0, 0, 0, 0, 0, 6,     # raw values 6 B
                   0xFF, 0x00, 0xF2, 0x02, 0x02]
@@ -182,7 +204,7 @@ def test_golden_bitmap_raw_blob():
     new = torch.tensor(vals, dtype=torch.int32).to(torch.int16).view(torch.float16)
     lo = [v & 0xFF for v in vals]
     hi = [v >> 8 for v in vals]
-    blob = bytes([1, 1, 0, 0, 0,  0, 1, 0, 0, 0, 0,  0, 0, 0, 0, 0, 16,  0xFF] + lo + hi)
+    blob = _h(1, 1, 0, 0, 0) + bytes([0, 1, 0, 0, 0, 0,  0, 0, 0, 0, 0, 16,  0xFF] + lo + hi)
     d = get_codec("packed").decode({"packed": torch.tensor(list(blob), dtype=torch.uint8)},
                                    numel=numel, count=numel, dtype=torch.float16)
     assert d.steps is None
@@ -240,12 +262,25 @@ def test_every_code_width_and_gap_shift(monkeypatch, dtype, b, r):
         assert d.relative is not None  # the "same", "flip" and "special" entries escape to raw values
 
 
+def test_steps_refuse_old_values_other_than_the_senders():
+    # Steps are relative: applied to a drifted base they would silently keep the drift, and the
+    # additive per-tensor checksum cannot see it. The blob carries the checksum of the old values.
+    pos, new, old = make_change_set(5, torch.bfloat16, 10_000, 0.05, {"ulp": 1.0})
+    _, d = roundtrip(pos, new, old, 10_000)
+    assert d.steps is not None and d.base_checksum is not None
+    drifted = old.clone()
+    drifted.view(torch.int16)[7] ^= 1
+    with pytest.raises(ChecksumMismatchError, match="base"):
+        d.resolve(drifted)
+    assert d.select(torch.arange(d.numel) % 2 == 0).base_checksum is None  # a subset cannot be checked
+
+
 def test_empty():
     codec = get_codec("packed")
     for numel in (0, 1, 1000):
         e = torch.empty(0, dtype=torch.bfloat16)
         parts, d = roundtrip(torch.empty(0, dtype=torch.int64), e, e, numel)
-        assert d.numel == 0 and parts["packed"].numel() == 17  # the header alone: 5 + 6 x 2 bytes
+        assert d.numel == 0 and parts["packed"].numel() == 25  # the header alone: 5 + 8 + 6 x 2 bytes
     with pytest.raises(CorruptObjectError):  # a count that the empty streams cannot hold
         codec.decode(parts, numel=1000, count=1, dtype=torch.bfloat16)
 
@@ -257,7 +292,7 @@ def test_huge_gaps_and_positions():
     old = _bf16([0.5] * 6)
     new = _step(old, [1, 1, -1, 2, -3, 100])
     parts, _ = roundtrip(pos, new, old, numel)
-    assert parts["packed"].numel() < 17 + 6 * 8 + 6 * 2  # below raw int64 positions + bf16 values
+    assert parts["packed"].numel() < 25 + 6 * 8 + 6 * 2  # header + below raw int64 positions + bf16 values
 
 
 def test_unchanged_entries_are_shipped_exactly():
@@ -378,7 +413,7 @@ def _decode(parts, numel=1024, count=3, dtype=torch.bfloat16):
     return get_codec("packed").decode(parts, numel=numel, count=count, dtype=dtype)
 
 
-GOOD = [bytes([1, 0, 0, 1, 2]), bytes([0, 3, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11])]
+GOOD = [_h(1, 0, 0, 1, 2), bytes([0, 3, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 5, 0x11])]
 HEAD, DESC, PAY = GOOD
 
 
@@ -392,22 +427,22 @@ def _desc(pos=3, pos_ext=0, pos_low=0, codes=1, ext=0, raw=0) -> bytes:
 
 
 @pytest.mark.parametrize("fields,why", [
-    ([bytes([2, 0, 0, 1, 2]), DESC, PAY], "unknown layout version"),
-    ([bytes([1, 2, 0, 1, 2]), DESC, PAY], "unknown positions mode"),
-    ([bytes([1, 0, 0, 2, 2]), DESC, PAY], "unknown values mode"),
-    ([bytes([1, 0, 0, 1, 3]), DESC, PAY], "code width 3"),
-    ([bytes([1, 0, 0, 0, 2]), DESC, PAY], "raw values with a code width"),
-    ([bytes([1, 0, 57, 1, 2]), DESC, PAY], "gap shift above 56"),
-    ([bytes([1, 1, 1, 1, 2]), DESC, PAY], "gap shift with a bitmap"),
+    ([_h(2, 0, 0, 1, 2), DESC, PAY], "unknown layout version"),
+    ([_h(1, 2, 0, 1, 2), DESC, PAY], "unknown positions mode"),
+    ([_h(1, 0, 0, 2, 2), DESC, PAY], "unknown values mode"),
+    ([_h(1, 0, 0, 1, 3), DESC, PAY], "code width 3"),
+    ([_h(1, 0, 0, 0, 2), DESC, PAY], "raw values with a code width"),
+    ([_h(1, 0, 57, 1, 2), DESC, PAY], "gap shift above 56"),
+    ([_h(1, 1, 1, 1, 2), DESC, PAY], "gap shift with a bitmap"),
     ([HEAD, DESC, bytes([3, 0, 5])], "blob shorter than its streams"),
     ([HEAD, DESC, PAY + b"\x00"], "trailing byte"),
     ([HEAD, DESC[:10]], "header cut off"),
     ([HEAD, DESC, bytes([3, 0, 5, 0x51])], "padding bits set"),
     ([HEAD, DESC, bytes([3, 0, 5, 0x31])], "an escape code without escapes"),
     ([HEAD, _desc(pos_ext=2), bytes([3, 0, 255, 0xCD, 0x06, 0x11])], "gap 1100 > numel - 1"),
-    ([bytes([1, 0, 2, 1, 2]), _desc(pos_low=1), bytes([254, 254, 0, 0x0F, 0x11])], "positions 2039, 2040 >= numel"),
-    ([bytes([1, 0, 2, 1, 2]), _desc(pos_low=1), bytes([3, 0, 5, 0x40, 0x11])], "low-bit padding set"),
-    ([bytes([1, 0, 2, 1, 2]), _desc(pos_low=2), bytes([3, 0, 5, 0, 0, 0x11])], "too many low-bit bytes"),
+    ([_h(1, 0, 2, 1, 2), _desc(pos_low=1), bytes([254, 254, 0, 0x0F, 0x11])], "positions 2039, 2040 >= numel"),
+    ([_h(1, 0, 2, 1, 2), _desc(pos_low=1), bytes([3, 0, 5, 0x40, 0x11])], "low-bit padding set"),
+    ([_h(1, 0, 2, 1, 2), _desc(pos_low=2), bytes([3, 0, 5, 0, 0, 0x11])], "too many low-bit bytes"),
     ([HEAD, _desc(pos=2), bytes([3, 0, 0x11])], "two gap bytes for three changes"),
     ([HEAD, _desc(pos_ext=1), bytes([3, 0, 5, 7, 0x11])], "gap escape bytes without escapes"),
     ([HEAD, _desc(pos_ext=1), bytes([3, 0, 255, 0x80, 0x11])], "cut-off gap escape varint"),
@@ -430,7 +465,7 @@ def test_wrong_part_dtype_or_name():
     with pytest.raises(CorruptObjectError):
         _decode({"packed": blob, "extra": blob})
     with pytest.raises(CorruptObjectError):
-        _decode({"packed": blob.reshape(3, 7)})
+        _decode({"packed": blob.reshape(1, -1)})
     with pytest.raises(CorruptObjectError):
         _decode(_blob(*GOOD), count=4)  # the object's count disagrees with the streams
     with pytest.raises(CorruptObjectError):
@@ -441,7 +476,7 @@ def test_positions_that_wrap_around_2_64_are_rejected():
     # numel = 2**62; five maximal gaps: positions 2**62-1, 2**63-1, ... wrap to 2**62-1 again.
     ext = _leb128_encode(np.array([2**62 - 1 - 255] * 5, np.uint64)).tobytes()  # r = 0: all escape
     codes = bytes([0, 0])  # five 2-bit codes of 0: z = 1 (step -1)
-    blob = _blob(bytes([1, 0, 0, 1, 2, 0, 5, 0, len(ext), 0, 0, 0, 2, 0, 0, 0, 0]), bytes([255] * 5), ext, codes)
+    blob = _blob(_h(1, 0, 0, 1, 2), bytes([0, 5, 0, len(ext), 0, 0, 0, 2, 0, 0, 0, 0]), bytes([255] * 5), ext, codes)
     with pytest.raises(CorruptObjectError, match="outside"):
         _decode(blob, numel=2**62, count=5)
 
@@ -457,7 +492,7 @@ def test_zstd_bombs_and_lies_are_refused_before_decompressing():
 
     def with_positions(method, raw_len, payload):
         lens = _leb128_encode(np.array([raw_len] + ([len(payload)] if method else []), np.uint64)).tobytes()
-        return _blob(bytes([1, 0, 0, 1, 2, method]), lens, bytes([0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), payload,
+        return _blob(_h(1, 0, 0, 1, 2), bytes([method]), lens, bytes([0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), payload,
                      bytes([0x11]))
 
     # The header declares 50 MB of positions: more than 3 changes can need, refused up front.
@@ -497,8 +532,13 @@ def _check_well_formed(d: TensorDelta, numel: int, count: int, dtype: torch.dtyp
         assert d.steps.shape == (count,) and d.steps.dtype == bits(d.values).dtype
         assert d.relative is None or (d.relative.dtype == torch.bool and d.relative.shape == (count,))
     # Applying it cannot write out of bounds: index_copy_ validates, and positions are in range.
+    # Steps resolved against other old values than the sender's are refused (a clean error).
     target = torch.zeros(numel, dtype=dtype)
-    target.index_copy_(0, p, d.resolve(old[:count] if old.numel() >= count else torch.zeros(count, dtype=dtype)))
+    try:
+        new = d.resolve(old[:count] if old.numel() >= count else torch.zeros(count, dtype=dtype))
+    except ChecksumMismatchError:
+        return
+    target.index_copy_(0, p, new)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -656,7 +696,7 @@ def test_receiver_refuses_a_tampered_packed_object(tmp_path, tamper):
     if tamper == "header":
         blob[4] = 3  # code width 3 does not exist
     elif tamper == "zstd":
-        assert blob[5].item() == 1, "expected a zstd-compressed positions stream"
+        assert blob[13].item() == 1, "expected a zstd-compressed positions stream"
         blob[blob.numel() // 3] ^= 0x5A  # inside the compressed streams
     else:
         blob[-1] ^= 0x01  # last byte of the last stream: decodes, but to other values
@@ -672,3 +712,24 @@ def test_receiver_refuses_a_tampered_packed_object(tmp_path, tamper):
     assert receiver.version == v - 1
     after = state_bits(replica)
     assert all(torch.equal(held[n], after[n]) for n in held), "a refused update changed the weights"
+
+
+def test_cli_inspect_and_verify_a_packed_run(tmp_path, capsys):
+    from helpers import make_mlp, train_step
+
+    from torch_deltasync.cli import main
+
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    store = LocalStore(tmp_path / "bucket")
+    sender = DeltaSender(trainer, store, anchor_every=3)  # packed by default
+    for _ in range(4):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    obj = store.root / "objects" / f"{2:012d}" / "delta-r00000-of00001.safetensors"
+    assert main(["inspect", str(obj)]) == 0
+    out = capsys.readouterr().out
+    assert "codec: packed" in out and f"{sender.history[2].changed:,} changed elements" in out
+    assert main(["verify", str(store.root)]) == 0
+    assert "4/4 versions verified" in capsys.readouterr().out

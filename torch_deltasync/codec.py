@@ -24,7 +24,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from ._dtypes import bits, int_view_dtype
-from .errors import CorruptObjectError
+from .errors import ChecksumMismatchError, CorruptObjectError
 
 __all__ = ["TensorDelta", "Codec", "RawCodec", "register_codec", "get_codec", "codec_names"]
 
@@ -44,12 +44,19 @@ class TensorDelta:
             applying a step is exact). ``None`` for codecs that ship absolute values only.
         relative: optional bool ``(k,)``: which entries use ``steps`` (``None`` = all of them when
             ``steps`` is given).
+        base_checksum: optional partial checksum (:func:`torch_deltasync.checksum.checksum`) of
+            the values at ``positions`` in the base version, as the sender saw them. Steps are
+            relative, so a receiver whose own old value was wrong would silently stay wrong, and
+            the manifest's checksums cannot tell (they are linear in the bit patterns, so a step
+            changes them by the same amount whatever the old value). :meth:`resolve` compares the
+            old values it is given with this checksum and refuses a mismatch. ``None``: unchecked.
     """
 
     positions: torch.Tensor
     values: torch.Tensor
     steps: torch.Tensor | None = None
     relative: torch.Tensor | None = None
+    base_checksum: int | None = None
 
     @property
     def numel(self) -> int:
@@ -65,18 +72,35 @@ class TensorDelta:
 
         Args:
             old_values: the values before this delta at ``positions`` (required iff ``needs_base``).
+
+        Raises:
+            ValueError: ``old_values`` missing or of the wrong shape.
+            ChecksumMismatchError: ``old_values`` differ from the base the sender computed the
+                steps against (``base_checksum``): the receiver's state has drifted, or the delta
+                is applied to the wrong version. Nothing is returned to apply.
         """
         if self.steps is None:
             return self.values
         if old_values is None or old_values.shape != self.values.shape:
             raise ValueError("this delta stores steps; pass the old values at its positions")
+        if self.base_checksum is not None:
+            from .checksum import checksum  # lazy: checksum is independent of codecs
+
+            got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
+            if got != self.base_checksum:
+                raise ChecksumMismatchError(
+                    f"the old values at the {self.numel} changed positions have checksum {got:016x}, the "
+                    f"delta was made against {self.base_checksum:016x}: the held weights differ from the "
+                    "delta's base version, so its steps cannot be applied"
+                )
         new_bits = bits(old_values.to(self.values.dtype)) + self.steps.to(int_view_dtype(self.values.dtype))
         if self.relative is None:
             return new_bits.view(self.values.dtype)
         return torch.where(self.relative, new_bits, bits(self.values)).view(self.values.dtype)
 
     def select(self, mask: torch.Tensor) -> "TensorDelta":
-        """The entries where ``mask`` (bool ``(k,)``) is true."""
+        """The entries where ``mask`` (bool ``(k,)``) is true (``base_checksum`` covers all
+        entries, so the subset carries none)."""
         return TensorDelta(
             self.positions[mask],
             self.values[mask],

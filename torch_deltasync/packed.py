@@ -17,6 +17,10 @@ elements are spread like a Bernoulli process, so (``research/baselines.md`` §3)
   rebuilds the new value from the old one it holds exactly (:meth:`TensorDelta.resolve`);
 * every stream is then compressed with zstd (the ``zstandard`` package) when that makes it smaller.
 
+Each blob also carries the checksum of the old values it was computed against (format section 6),
+which :meth:`TensorDelta.resolve` checks before applying steps: relative steps on a drifted base
+would otherwise keep the drift, unseen by the additive per-tensor checksums.
+
 Per tensor the encoder falls back to the dense forms when they are smaller: positions as a bitmap
 of the whole tensor and values as raw bit patterns, so a tensor at 100% density costs a dense copy
 plus a few bytes. ``docs/format.md`` ("Codec packed") is the byte-level specification; this module
@@ -40,6 +44,7 @@ import numpy as np
 import torch
 import zstandard
 
+from .checksum import checksum
 from .codec import Codec, TensorDelta, check_parts, register_codec
 from .errors import CorruptObjectError
 
@@ -334,15 +339,18 @@ class _Header:
     gap_shift: int
     val_mode: int
     code_bits: int
+    base_checksum: int
     streams: tuple[tuple[int, int, int, int], ...]  # (method, raw_len, offset, stored_len) x 6
 
 
-_HEADER_FIXED = 5  # version, positions mode, gap shift, values mode, code width
+# version, positions mode, gap shift, values mode, code width (1 byte each), base checksum (u64 LE)
+_HEADER_FIXED = 13
 
 
-def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int,
+def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int, base_checksum: int,
                   streams: list[tuple[int, bytes, int]]) -> bytes:
-    fields = [np.array([LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits], np.uint8)]
+    fields = [np.array([LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits], np.uint8),
+              np.frombuffer(base_checksum.to_bytes(8, "little"), np.uint8)]
     for method, payload, raw_len in streams:
         fields.append(np.array([method], np.uint8))
         lens = [raw_len] if method == METHOD_STORED else [raw_len, len(payload)]
@@ -353,7 +361,8 @@ def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int,
 def _read_header(data: memoryview, what: str) -> _Header:
     if len(data) < _HEADER_FIXED:
         raise CorruptObjectError(f"{what}: {len(data)} bytes is too short for a packed header")
-    version, pos_mode, gap_shift, val_mode, code_bits = (data[i] for i in range(_HEADER_FIXED))
+    version, pos_mode, gap_shift, val_mode, code_bits = (data[i] for i in range(5))
+    base_checksum = int.from_bytes(data[5:13], "little")
     if version != LAYOUT_VERSION:
         raise CorruptObjectError(f"{what}: packed layout version {version}, this reader knows {LAYOUT_VERSION}")
     if pos_mode not in (POS_GAPS, POS_BITMAP):
@@ -399,7 +408,7 @@ def _read_header(data: memoryview, what: str) -> _Header:
         at += e[3]
     if at != len(data):
         raise CorruptObjectError(f"{what}: streams add up to {at} bytes, the blob has {len(data)}")
-    return _Header(pos_mode, gap_shift, val_mode, code_bits, tuple(tuple(e) for e in entries))
+    return _Header(pos_mode, gap_shift, val_mode, code_bits, base_checksum, tuple(tuple(e) for e in entries))
 
 
 # --- the codec ----------------------------------------------------------------------------------
@@ -465,6 +474,8 @@ class PackedCodec(Codec):
         width = new.element_size()
         cctx = zstandard.ZstdCompressor(level=self.level)
         empty = (METHOD_STORED, b"", 0)
+        # What the receiver's old values must add up to before it applies relative steps.
+        base = checksum(old, torch.from_numpy(pos)) if k else 0
 
         # Positions: split gaps, or the bitmap when the gaps are not clearly smaller.
         gaps = np.diff(pos, prepend=-1) - 1
@@ -495,7 +506,7 @@ class PackedCodec(Codec):
             b = self._choose_code_bits(new_u, z, width)
         if not b:
             streams = pos_streams + [empty, empty, _pack_stream(_to_planes(new_u), cctx)]
-            return {"packed": self._blob(pos_mode, r, VAL_RAW, 0, streams)}
+            return {"packed": self._blob(pos_mode, r, VAL_RAW, 0, base, streams)}
         M = (1 << b) - 1
         # z == 0 (an entry whose bits did not change) has no code: it is sent as a raw escape.
         codes = np.where(z == 0, M, np.minimum(z - 1, M))
@@ -508,11 +519,12 @@ class PackedCodec(Codec):
             _pack_stream(_leb128_encode(ext), cctx),
             _pack_stream(_to_planes(new_u[esc][raw_esc]), cctx),
         ]
-        return {"packed": self._blob(pos_mode, r, VAL_STEPS, b, streams)}
+        return {"packed": self._blob(pos_mode, r, VAL_STEPS, b, base, streams)}
 
     @staticmethod
-    def _blob(pos_mode: int, r: int, val_mode: int, b: int, streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
-        head = _write_header(pos_mode, r, val_mode, b, streams)
+    def _blob(pos_mode: int, r: int, val_mode: int, b: int, base: int,
+              streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
+        head = _write_header(pos_mode, r, val_mode, b, base, streams)
         blob = head + b"".join(s[1] for s in streams)
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
 
@@ -597,7 +609,8 @@ class PackedCodec(Codec):
         Returns:
             A :class:`TensorDelta` with CPU tensors: int64 positions; for step-coded entries
             ``steps`` (signed, the dtype's width) and ``relative`` marks them; raw entries carry their
-            new value in ``values``. With raw values only, ``steps`` is ``None``.
+            new value in ``values``. With raw values only, ``steps`` is ``None``. ``base_checksum``
+            is the blob's checksum of the old values, which ``resolve`` verifies.
 
         Raises:
             CorruptObjectError: wrong part name, dtype or shape; unknown layout version or mode;
@@ -672,7 +685,7 @@ class PackedCodec(Codec):
                 stream(i, 0, 0)
             new_u = _from_planes(stream(5, count * width, count * width), count, width)
             values = torch.from_numpy(new_u.view(f"i{width}").copy()).view(dtype)
-            return TensorDelta(positions, values)
+            return TensorDelta(positions, values, base_checksum=h.base_checksum)
         if width > 4:
             raise CorruptObjectError(f"{what}: step-coded values for a {width}-byte dtype")
 
@@ -708,4 +721,4 @@ class PackedCodec(Codec):
             vals_i = np.zeros(count, dtype=f"i{width}")
             vals_i[raw_at] = raw_u.view(f"i{width}")
             values = torch.from_numpy(vals_i).view(dtype)
-        return TensorDelta(positions, values, steps, relative)
+        return TensorDelta(positions, values, steps, relative, h.base_checksum)
