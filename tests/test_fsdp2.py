@@ -34,7 +34,7 @@ CHUNK = 1024  # detection / checksum chunk in the memory check (see _check_memor
 
 
 class TinyLM(nn.Module):
-    """Embedding(1001, 64) tied to the LM head, a residual MLP 64->45->64, LayerNorm, a 5-way head."""
+    """Embedding(1001, 64) tied to the LM head, a residual MLP 64->45->64, LayerNorm, two 5-way heads."""
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
@@ -44,6 +44,7 @@ class TinyLM(nn.Module):
         self.down = nn.Linear(MID, HIDDEN)
         self.norm = nn.LayerNorm(HIDDEN)
         self.aux = nn.Linear(HIDDEN, SMALL)
+        self.aux2 = nn.Linear(HIDDEN, SMALL)  # same shape as aux: two distinct empty shards on rank 3 of 4
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.lm_head.weight = self.embed.weight
         self.register_buffer("gain", torch.linspace(0.5, 1.5, 3))
@@ -59,7 +60,7 @@ class TinyLM(nn.Module):
         h = self.norm(x + self.down(torch.relu(self.up(x))))
         logits = self.lm_head(h)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        return loss + self.aux(h).pow(2).mean()
+        return loss + self.aux(h).pow(2).mean() + self.aux2(h).pow(2).mean()
 
 
 def _shard(model: TinyLM, layout: str, world: int):
@@ -372,3 +373,286 @@ def test_fsdp2_bit_exact_every_version(world, tmp_path):
                 assert m["peak"] <= m["bound"], m
                 # the bound would have caught a rank gathering the largest parameter
                 assert m["essential"] + m["gather_peak"] > m["bound"], m
+
+
+# --- HSDP and FSDP x TP ----------------------------------------------------------------------------
+
+
+def _two_layouts(rank: int, world: int, bucket: str, steps: int) -> dict:
+    return {layout: _scenario(rank, world, bucket, layout, steps, layout == "hsdp", False)
+            for layout in ("hsdp", "fsdp_tp")}
+
+
+def test_hsdp_and_fsdp_x_tp(tmp_path):
+    """A (2, 2) HSDP mesh ``[Replicate(), Shard(0)]``: only the first replica uploads. A (dp=2, tp=2)
+    mesh with a row-parallel linear (``[Shard(0), Shard(1)]``): every rank ships its own block of it,
+    while the non-TP parameters, which sit on the dp sub-mesh and so are held twice, go up once."""
+    steps = 2
+    results = run_ranks(_two_layouts, 4, str(tmp_path), steps, timeout_s=600)
+    for layout in ("hsdp", "fsdp_tp"):
+        per_rank = [r[layout] for r in results]
+        _result_checks(per_rank, 4, layout, steps)
+        objects = [rec["object_ranks"] for rec in per_rank[0]["versions"]]
+        uploads = {r["rank"]: sorted(n for n, up in r["uploads"].items() if up) for r in per_rank}
+        if layout == "hsdp":
+            assert objects == [[0, 1]] * (steps + 1)
+            assert uploads[2] == uploads[3] == []
+            assert "gain" in uploads[0] and "gain" not in uploads[1]
+        else:
+            assert objects == [[0, 1, 2, 3]] * (steps + 1)
+            # ranks 1 and 3 (tp=1) hold the same dp blocks as ranks 0 and 2, except the row-parallel
+            # weight, which TP splits by columns (the bias is Replicate() on tp: tp=0 ships it)
+            assert uploads[1] == uploads[3] == ["down.weight"]
+            assert "down.bias" in uploads[0] and "down.bias" in uploads[2]
+            assert "embed.weight" in uploads[0] and "embed.weight" in uploads[2]
+
+
+# --- refusals --------------------------------------------------------------------------------------
+
+
+def _refusals(rank: int, world: int, bucket: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from torch_deltasync import DeltaSender, LocalStore, UnsupportedLayoutError
+
+    store = LocalStore(bucket)
+    out = {}
+    mesh = init_device_mesh("cpu", (world,))
+
+    def refused(model) -> str:
+        try:
+            DeltaSender(model, store)
+        except UnsupportedLayoutError as e:
+            return str(e)
+        raise AssertionError("not refused")
+
+    # Partial: the local values are unreduced partial sums, not weights
+    out["partial"] = refused({"w.partial": DTensor.from_local(torch.ones(3, 2), mesh, [Partial()])})
+    # FSDP over a column-parallel (TP Shard(0)) weight gives _StridedShard: non-contiguous rows
+    mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    m = TinyLM()
+    parallelize_module(m, mesh2["tp"], {"up": ColwiseParallel()})
+    fully_shard(m, mesh=mesh2["dp"])
+    out["strided"] = refused(m)
+    # ranks that disagree on the model (e.g. pipeline stages): refused on every rank, no hang
+    rep = DTensor.from_local(torch.ones(4), mesh, [Replicate()])
+    out["mismatch"] = refused({f"stage{rank}.w": rep})
+    # a DTensor on a sub-mesh: the other ranks hold nothing and the mesh ranks cover it -> accepted
+    from torch.distributed.device_mesh import DeviceMesh
+
+    sub = DeviceMesh("cpu", [0, 1])  # every rank constructs it (a collective); ranks 2, 3 are outside
+    local = torch.full((3,), float(rank)) if rank < 2 else torch.empty(0)
+    half = DTensor.from_local(local, sub, [Shard(0)], shape=torch.Size([6]), stride=(1,))
+    # a second one of the same shape: on ranks 2, 3 both are empty (no storage to tell them apart)
+    other = DTensor.from_local(local.clone(), sub, [Shard(0)], shape=torch.Size([6]), stride=(1,))
+    sender = DeltaSender({"half": half, "other": other}, LocalStore(os.path.join(bucket, "sub")))
+    out["sub_uploads"] = sender._uploads
+    sender.publish()
+    sender.close()
+    return out
+
+
+def test_refused_layouts_fail_on_every_rank(tmp_path):
+    results = run_ranks(_refusals, 4, str(tmp_path), timeout_s=300)
+    for r in results:
+        assert "'w.partial'" in r["partial"] and "Partial" in r["partial"]
+        assert "'up.weight'" in r["strided"] and "_StridedShard" in r["strided"]
+        assert "different tensors" in r["mismatch"]
+    assert [r["sub_uploads"] for r in results] == [{"half": True, "other": True}] * 2 + [{"half": False, "other": False}] * 2
+
+
+# --- failures ---------------------------------------------------------------------------------------
+
+
+def _flaky_store(root: str):
+    """A LocalStore whose next ``put`` of a key containing ``fail_on`` raises (once)."""
+    from torch_deltasync import LocalStore, StoreError
+
+    class FlakyStore(LocalStore):
+        fail_on: str | None = None
+        crash_on: str | None = None
+
+        def put(self, key: str, data: bytes) -> None:
+            if self.crash_on and self.crash_on in key:
+                self._path(key).parent.mkdir(parents=True, exist_ok=True)
+                self._path(key).write_bytes(data[: len(data) // 2])  # a torn object, then the rank dies
+                os._exit(17)
+            if self.fail_on and self.fail_on in key:
+                self.fail_on = None
+                raise StoreError(f"injected failure writing {key!r}")
+            super().put(key, data)
+
+    return FlakyStore(root)
+
+
+def _fail_detect_once(sender) -> None:
+    det = sender.detector
+    original = det.detect
+
+    def broken(name, tensor):
+        det.detect = original
+        raise RuntimeError("injected detection failure")
+
+    det.detect = broken
+
+
+def _failures(rank: int, world: int, bucket: str) -> dict:
+    import torch.distributed as dist
+
+    from torch_deltasync import DeltaReceiver, DeltaSender, PublishError
+    from torch_deltasync.manifest import list_versions
+    from torch_deltasync.testing import first_difference
+
+    model = TinyLM(seed=0)
+    _shard(model, "fsdp", world)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    store = _flaky_store(bucket)
+    sender = DeltaSender(model, store, anchor_every=100)
+    receiver = DeltaReceiver(TinyLM(seed=5), store) if rank == 0 else None
+    gen = torch.Generator().manual_seed(rank)
+    log = []
+
+    def step():
+        ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model(ids).backward()
+        opt.step()
+
+    def follow(expected: int) -> None:
+        full = _full_bf16(model)  # collective
+        if rank == 0:
+            assert receiver.update() == expected
+            assert first_difference(receiver.target.state_dict(), full) is None, expected
+
+    def failed(fn) -> str:
+        try:
+            fn()
+        except PublishError as e:
+            return str(e)
+        raise AssertionError("publish did not fail")
+
+    assert sender.publish() == 0
+    follow(0)
+    # 1: rank 1's upload fails -> every rank raises, rank 0 writes no manifest
+    step()
+    if rank == 1:
+        store.fail_on = "objects/000000000001/delta-r00001"
+    log.append(failed(sender.publish))
+    assert 1 not in list_versions(store)
+    if rank == 0:
+        assert receiver.update() == 0  # nothing new is visible
+    # 2: recovers; the delta is based on version 0 and carries both steps
+    step()
+    assert sender.publish() == 2
+    follow(2)
+    # 3: rank 0 fails while reading its shards (before any upload) -> nobody hangs, nothing visible
+    step()
+    if rank == 0:
+        _fail_detect_once(sender)
+    log.append(failed(sender.publish))
+    assert 3 not in list_versions(store)
+    assert sender.publish() == 4
+    follow(4)
+    # 5: background; rank 0 cannot write the manifest -> reported by flush() on every rank
+    step()
+    if rank == 0:
+        store.fail_on = "versions/000000000005"
+    assert sender.publish(background=True) == 5
+    _full_bf16(model)  # training-group collectives while the sender's worker gathers
+    log.append(failed(sender.flush))
+    assert 5 not in list_versions(store)
+    # 6: background; rank 1 fails before uploading -> also reported by the next flush()
+    step()
+    if rank == 1:
+        _fail_detect_once(sender)
+    assert sender.publish(background=True) == 6
+    log.append(failed(sender.flush))
+    # 7: background, fine
+    assert sender.publish(background=True) == 7
+    assert sender.flush() == 7
+    follow(7)
+    dist.barrier()
+    sender.close()
+    return {"errors": log, "versions": list_versions(store)}
+
+
+def test_failed_rank_leaves_no_version_and_next_publish_recovers(tmp_path):
+    results = run_ranks(_failures, 2, str(tmp_path), timeout_s=300)
+    for r in results:
+        assert r["versions"] == [0, 2, 4, 7]
+        upload, detect0, manifest, detect1 = r["errors"]
+        assert "version 1 was not published" in upload and "rank 1" in upload and "injected failure" in upload
+        assert "version 3" in detect0 and "rank 0: RuntimeError: injected detection failure" in detect0
+        assert "version 5" in manifest and "rank 0 manifest" in manifest
+        assert "version 6" in detect1 and "rank 1: RuntimeError: injected detection failure" in detect1
+
+
+def _crash_then_restart(rank: int, world: int, bucket: str, phase: str, out_file: str) -> dict:
+    """phase "crash": version 0, then rank 1 dies in the middle of uploading version 1.
+    phase "restart": a new job on the same bucket trains on and publishes; rank 0 saves the bf16
+    weights (safetensors) for the test to compare with its own receiver."""
+    from safetensors.torch import save_file
+
+    from torch_deltasync import DeltaSender
+    from torch_deltasync.manifest import list_versions
+
+    model = TinyLM(seed=0)
+    _shard(model, "fsdp", world)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    store = _flaky_store(bucket)
+    sender = DeltaSender(model, store, anchor_every=100)
+    gen = torch.Generator().manual_seed(rank + (10 if phase == "restart" else 0))
+
+    def step():
+        ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model(ids).backward()
+        opt.step()
+
+    if phase == "crash":
+        assert sender.publish() == 0
+        step()
+        if rank == 1:
+            store.crash_on = "objects/000000000001/delta-r00001"
+        try:
+            sender.publish()
+        except Exception as e:  # noqa: BLE001 - rank 0 sees its peer vanish (gloo)
+            return {"error": f"{type(e).__name__}", "versions": list_versions(store)}
+        raise AssertionError("publish survived a dead peer")
+    step()
+    first = sender.publish()
+    step()
+    second = sender.publish()
+    full = _full_bf16(model)
+    sender.close()
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in full.items() if k != "lm_head.weight"}, out_file)
+    return {"published": [first, second], "kinds": [h.kind for h in sender.history]}
+
+
+def test_crashed_rank_then_restarted_job(tmp_path):
+    """A rank dies while uploading: no version appears, the torn object is never read, and a
+    restarted job continues after the newest visible version with an anchor."""
+    from safetensors.torch import load_file
+
+    from torch_deltasync import DeltaReceiver, LocalStore
+    from torch_deltasync.manifest import list_versions
+
+    bucket = str(tmp_path / "bucket")
+    res = run_ranks(_crash_then_restart, 2, bucket, "crash", "", timeout_s=300, allow_exit=(1,))
+    assert res[1] is None and res[0]["versions"] == [0]
+    receiver = DeltaReceiver(TinyLM(seed=9), LocalStore(bucket))
+    assert receiver.update() == 0
+    out = str(tmp_path / "full.safetensors")
+    res = run_ranks(_crash_then_restart, 2, bucket, "restart", out, timeout_s=300)
+    assert res[0]["published"] == [1, 2] and res[0]["kinds"] == ["anchor", "delta"]
+    assert list_versions(LocalStore(bucket)) == [0, 1, 2]
+    assert receiver.update() == 2
+    full = load_file(out)
+    full["lm_head.weight"] = full["embed.weight"]
+    from torch_deltasync.testing import first_difference
+
+    assert first_difference(receiver.target.state_dict(), full) is None

@@ -166,18 +166,23 @@ def local_source(name: str, dtensor: Any) -> "_Source":
 
     Raises:
         UnsupportedLayoutError: the placements are not understood (see :func:`block_of`), the shard
-            order is not left to right, this rank is not part of the DTensor's mesh, or the local
-            tensor's shape disagrees with the ``torch.chunk`` rule (e.g. a padded local tensor).
+            order is not left to right, or the local tensor's shape disagrees with the
+            ``torch.chunk`` rule (e.g. a padded local tensor).
+
+    A rank outside the DTensor's mesh gets an empty block with ``upload=False``.
     """
     from .sender import _Source
 
     mesh = dtensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise UnsupportedLayoutError(
-            f"tensor {name!r}: this rank is not part of its device mesh {mesh}; every rank that calls "
-            "publish() must hold a shard (or a replica) of every DTensor"
-        )
+        # A DTensor on a sub-mesh that excludes this rank: it holds nothing and ships nothing; the
+        # ranks of the mesh cover the tensor (plan_uploads checks that they do).
+        local = dtensor.to_local()
+        shape = tuple(int(s) for s in dtensor.shape)
+        if local.numel() != 0 or not shape:
+            raise UnsupportedLayoutError(f"tensor {name!r}: this rank is outside its mesh {mesh} but holds data")
+        return _Source(name, local, TensorSlice(shape, shape, (0,) * len(shape)), upload=False, distributed=True)
     spec = getattr(dtensor, "_spec", None)
     order = getattr(spec, "shard_order", ())
     if order is not None and any(list(e.mesh_dims) != sorted(e.mesh_dims) for e in order):

@@ -184,12 +184,15 @@ def collect_sources(model: Any) -> tuple[list[_Source], dict[str, str]]:
     for name, t in _tensors_of(model).items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             continue
-        t = t.detach()
+        param, t = t, t.detach()
         if type(t).__name__ == "DTensor":
             from .dtensor import local_source
 
             src = local_source(name, t)
-            key = ("dtensor", _storage_key(src.local), tuple(src.slice.global_shape))
+            if src.local.numel():
+                key = ("dtensor", _storage_key(src.local), tuple(src.slice.global_shape))
+            else:  # empty shards share no storage to compare: tied parameters are the same object
+                key = ("dtensor-empty", id(param))
         else:
             if t.is_sparse or t.layout != torch.strided:
                 raise UnsupportedLayoutError(f"tensor {name!r} has layout {t.layout}; only strided tensors sync")
