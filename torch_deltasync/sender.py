@@ -331,18 +331,22 @@ class DeltaSender:
     def publish(self, *, background: bool | None = None) -> int | None:
         """Publish the current weights as the next version.
 
+        With a sharded model every rank calls it (it runs collectives); a foreground publish
+        first waits for a background one still in flight.
+
         Args:
             background: return as soon as the weights are read, and upload on a worker thread
                 (default: the constructor's ``background``). Call :meth:`flush` to wait.
 
         Returns:
             The version number. With ``background=True`` it is visible once :meth:`flush`
-            returns; ``None`` means an upload was still in flight and this publish was coalesced
-            into the next one.
+            returns; ``None`` means an upload was still in flight (on any rank) and this publish
+            was coalesced into the next one.
 
         Raises:
-            PublishError: the store failed (foreground), or the previous background publish
-                failed. Nothing partial is visible; the next publish recovers.
+            PublishError: the store failed or a rank failed while reading its weights (foreground;
+                raised on every rank), or the previous background publish failed. Nothing partial
+                is visible; the next publish recovers.
         """
         background = self.background if background is None else background
         # Sharded senders: every rank must take the same branch here and issue the same collectives
