@@ -15,9 +15,7 @@ plain float buffer (whole on every rank; rank 0 alone ships it).
 
 from __future__ import annotations
 
-import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +28,7 @@ pytestmark = pytest.mark.timeout(900)
 
 VOCAB, HIDDEN, MID, SMALL = 1001, 64, 45, 5
 LR = 3e-6
-CHUNK = 1024  # detection / checksum chunk in the memory check (see _check_memory)
+CHUNK = 1024  # detection / checksum chunk in the memory check (see _publish_measured)
 
 
 class TinyLM(nn.Module):
@@ -63,7 +61,19 @@ class TinyLM(nn.Module):
         return loss + self.aux(h).pow(2).mean() + self.aux2(h).pow(2).mean()
 
 
-def _shard(model: TinyLM, layout: str, world: int):
+def _make_model(kind: str, seed: int) -> nn.Module:
+    if kind == "tinylm":
+        return TinyLM(seed=seed)
+    from torch_deltasync.testing import tiny_qwen3
+
+    return tiny_qwen3("tiny", seed=seed)  # Qwen3ForCausalLM (transformers), untied
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids) if isinstance(model, TinyLM) else model(input_ids=ids, labels=ids).loss
+
+
+def _shard(model: nn.Module, layout: str, world: int):
     """Apply ``layout`` in place; returns the data-parallel coordinate (ranks with equal coordinates
     must see the same batch)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -87,8 +97,9 @@ def _shard(model: TinyLM, layout: str, world: int):
         dp = mesh2.get_coordinate()[0]
     else:
         raise ValueError(layout)
-    fully_shard(model.up, mesh=mesh)
-    fully_shard(model.down, mesh=mesh)
+    units = [model.up, model.down] if isinstance(model, TinyLM) else list(model.model.layers)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return dp
 
@@ -259,8 +270,9 @@ def _publish_measured(sender, largest_param) -> dict:
 
 
 def _scenario(rank: int, world: int, bucket: str, layout: str, steps: int, background: bool,
-              measure: bool) -> dict:
-    """Train ``steps`` Adam steps on ``layout``, publish after each, follow with a receiver."""
+              measure: bool, kind: str = "tinylm", anchor_every: int = 2) -> dict:
+    """Train ``steps`` Adam steps of model ``kind`` on ``layout``, publish after each, follow with a
+    receiver on an unsharded model."""
     import torch.distributed as dist
 
     from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
@@ -272,35 +284,39 @@ def _scenario(rank: int, world: int, bucket: str, layout: str, steps: int, backg
 
         _cs.tensor_checksum.__kwdefaults__["chunk"] = CHUNK  # small chunks: temporaries << a shard
 
-    model = TinyLM(seed=0)
+    model = _make_model(kind, seed=0)
     dp = _shard(model, layout, world)
     checked = _check_blocks(model)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     store = LocalStore(os.path.join(bucket, layout))
-    sender = DeltaSender(model, store, anchor_every=2, background=background)
+    sender = DeltaSender(model, store, anchor_every=anchor_every, background=background)
     if measure:
         sender.detector.chunk_numel = CHUNK
     out: dict = {"rank": rank, "checked_blocks": checked, "memory": [], "versions": []}
 
     receiver = reference = None
     if rank == 0:
-        plain = TinyLM(seed=123)  # different weights: everything must come from the store
+        plain = _make_model(kind, seed=123)  # different weights: everything must come from the store
         receiver = DeltaReceiver(plain, store)
     full32 = _full_fp32(model)  # collective
     if rank == 0:
         ref_state = {n: t for n, t in full32.items()}
-        ref_state["lm_head.weight"] = ref_state["embed.weight"]  # tied, as in the module
-        reference = DeltaSender(ref_state, LocalStore(os.path.join(bucket, layout + "-single")), anchor_every=2)
+        if kind == "tinylm":
+            ref_state["lm_head.weight"] = ref_state["embed.weight"]  # tied, as in the module
+        reference = DeltaSender(ref_state, LocalStore(os.path.join(bucket, layout + "-single")),
+                                anchor_every=anchor_every)
 
     gen = torch.Generator().manual_seed(1000 + dp)
+    vocab = VOCAB if kind == "tinylm" else model.config.vocab_size
     for step in range(steps + 1):
         if step:
-            ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
+            ids = torch.randint(0, vocab, (2, 17), generator=gen)
             opt.zero_grad(set_to_none=True)
-            model(ids).backward()
+            _loss(model, ids).backward()
             opt.step()
         if measure and step < 2:
-            out["memory"].append(_publish_measured(sender, model.embed.weight))
+            largest = max(model.parameters(), key=lambda p: p.numel())
+            out["memory"].append(_publish_measured(sender, largest))
             v = out["memory"][-1]["version"]
         else:
             v = sender.publish()
@@ -311,7 +327,7 @@ def _scenario(rank: int, world: int, bucket: str, layout: str, steps: int, backg
         if rank == 0:
             with torch.no_grad():
                 for n, t in full32.items():
-                    if n != "lm_head.weight":
+                    if not (kind == "tinylm" and n == "lm_head.weight"):  # the tied alias
                         ref_state[n].copy_(t)
             assert reference.publish() == v
             got = receiver.update()
@@ -327,7 +343,7 @@ def _scenario(rank: int, world: int, bucket: str, layout: str, steps: int, backg
                                     "worlds": sorted({o.world for o in m.objects})})
         dist.barrier()
     if rank == 0:  # a fresh receiver: newest anchor + deltas, blocks reassembled from every rank
-        fresh = DeltaReceiver(TinyLM(seed=7), store)
+        fresh = DeltaReceiver(_make_model(kind, seed=7), store)
         assert fresh.update() == steps
         assert fresh.plan().path == "noop"
         assert first_difference(fresh.target.state_dict(), full) is None
@@ -337,7 +353,7 @@ def _scenario(rank: int, world: int, bucket: str, layout: str, steps: int, backg
     return out
 
 
-def _result_checks(results: list[dict], world: int, layout: str, steps: int) -> None:
+def _result_checks(results: list[dict], world: int, layout: str, steps: int, anchor_every: int = 2) -> None:
     r0 = results[0]
     assert len(r0["versions"]) == steps + 1
     for rec in r0["versions"]:
@@ -347,7 +363,7 @@ def _result_checks(results: list[dict], world: int, layout: str, steps: int) -> 
             assert 0 < rec["changed"] < 0.5 * rec["numel"], rec
             assert rec["path"] == "delta"
     kinds = [rec["kind"] for rec in r0["versions"]]
-    assert kinds == ["anchor" if v % 2 == 0 else "delta" for v in range(steps + 1)]
+    assert kinds == ["anchor" if v % anchor_every == 0 else "delta" for v in range(steps + 1)]
     for r in results:
         assert r["checked_blocks"] > 0
 
@@ -656,3 +672,14 @@ def test_crashed_rank_then_restarted_job(tmp_path):
     from torch_deltasync.testing import first_difference
 
     assert first_difference(receiver.target.state_dict(), full) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_qwen3_many_versions_in_the_background(world, tmp_path):
+    """Longer: a transformers Qwen3 (tiny config), 12 Adam steps, background publishing, an anchor
+    every 5 versions; bit-exact after every version and equal to a single-process sender."""
+    steps, every = 12, 5
+    results = run_ranks(_scenario, world, str(tmp_path), "fsdp", steps, True, False, "qwen3", every,
+                        timeout_s=1200)
+    _result_checks(results, world, "fsdp", steps, every)
