@@ -15,7 +15,8 @@ and prints one line per update::
   ``total``: plan + download + decode + verify + apply.
 
 Every update is all or nothing and verified against the manifest's per-tensor checksums; a version
-that fails (e.g. a corrupt object) is reported and the model keeps the previous one.
+that fails (e.g. a corrupt object) is reported, not retried, and the model keeps the version it held
+until a newer one appears.
 
 The model is either a state dict of zeros shaped from the first manifest (no download of a model
 needed), or a Hugging Face checkpoint (``--model``, loaded with ``transformers`` in the inference
@@ -130,26 +131,29 @@ def follow(
     receiver = DeltaReceiver(report.model, st, metrics_path=metrics_path)
     print(f"following {st.describe()}: {len(first.tensors)} tensors, {first.numel:,} elements, "
           f"{first.inference_dtype}", file=out, flush=True)
-    last_new = time.monotonic()
+    last_new, last_seen = time.monotonic(), None
+    failed: set[int] = set()
     while max_updates is None or len(report.versions) < max_updates:
         if until_version is not None and receiver.version is not None and receiver.version >= until_version:
             break
         newest = receiver.newest_version()
-        if newest is None or newest == receiver.version:
+        if newest != last_seen:
+            last_new, last_seen = time.monotonic(), newest
+        if newest is None or newest == receiver.version or newest in failed:
             if idle_timeout_s is not None and time.monotonic() - last_new > idle_timeout_s:
                 break
             time.sleep(poll_s)
             continue
-        last_new = time.monotonic()
         try:
             receiver.update(newest)
             if verify:
                 receiver.verify()
         except DeltaSyncError as e:
+            # not retried: the model keeps its version and the next newer version is planned from it
+            failed.add(newest)
             report.failures.append(f"version {newest}: {type(e).__name__}: {e}")
             print(f"version {newest:>7} FAILED: {type(e).__name__}: {e} (model still at {receiver.version})",
                   file=out, flush=True)
-            time.sleep(poll_s)  # the same version is retried after a pause (it may be transient)
             continue
         s = receiver.last_stats
         m = receiver.manifest(receiver.version)
