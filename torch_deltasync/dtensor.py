@@ -27,20 +27,20 @@ global tensor), a non-default shard order and anything else are refused with
 
 Worked example: the global ``(1001, 64)`` embedding ``E``.
 
-=========================  =========  ==========  ===========  ============  ==========
-mesh / placements          rank       coordinate  local shape  offsets       upload
-=========================  =========  ==========  ===========  ============  ==========
-``(2,)`` ``[S(0)]``        0          ``(0,)``    ``(501,64)`` ``(0,0)``     yes
-                           1          ``(1,)``    ``(500,64)`` ``(501,0)``   yes
-``(4,)`` ``[S(0)]``        0..2       ``(c,)``    ``(251,64)`` ``(251c,0)``  yes
-                           3          ``(3,)``    ``(248,64)`` ``(753,0)``   yes
-``(2,2)`` ``[R, S(0)]``    0, 1       ``(0,c)``   as ``(2,)``  as ``(2,)``   yes
-(HSDP)                     2, 3       ``(1,c)``   as ``(2,)``  as ``(2,)``   no
-``(2,2)`` ``[S(0), S(1)]`` 0          ``(0,0)``   ``(501,32)`` ``(0,0)``     yes
-(FSDP x TP)                1          ``(0,1)``   ``(501,32)`` ``(0,32)``    yes
-                           2          ``(1,0)``   ``(500,32)`` ``(501,0)``   yes
-                           3          ``(1,1)``   ``(500,32)`` ``(501,32)``  yes
-=========================  =========  ==========  ===========  ============  ==========
+============================  =======  ============  ==============  ==============  ======
+mesh / placements             rank     coordinate    local shape     offsets         upload
+============================  =======  ============  ==============  ==============  ======
+``(2,)`` ``[S(0)]``           0        ``(0,)``      ``(501, 64)``   ``(0, 0)``      yes
+\                             1        ``(1,)``      ``(500, 64)``   ``(501, 0)``    yes
+``(4,)`` ``[S(0)]``           0..2     ``(c,)``      ``(251, 64)``   ``(251c, 0)``   yes
+\                             3        ``(3,)``      ``(248, 64)``   ``(753, 0)``    yes
+``(2,2)`` ``[R, S(0)]``       0, 1     ``(0, c)``    as ``(2,)``     as ``(2,)``     yes
+(HSDP)                        2, 3     ``(1, c)``    as ``(2,)``     as ``(2,)``     no
+``(2,2)`` ``[S(0), S(1)]``    0        ``(0, 0)``    ``(501, 32)``   ``(0, 0)``      yes
+(FSDP x TP)                   1        ``(0, 1)``    ``(501, 32)``   ``(0, 32)``     yes
+\                             2        ``(1, 0)``    ``(500, 32)``   ``(501, 0)``    yes
+\                             3        ``(1, 1)``    ``(500, 32)``   ``(501, 32)``   yes
+============================  =======  ============  ==============  ==============  ======
 
 Uneven splits leave empty shards: 5 rows over 4 ranks give chunks of ``ceil(5/4) = 2`` rows, i.e.
 ``2, 2, 1, 0`` rows at offsets ``0, 2, 4, 5``; 3 rows over 4 ranks give ``1, 1, 1, 0``.
@@ -170,6 +170,15 @@ def local_source(name: str, dtensor: Any) -> "_Source":
             ``torch.chunk`` rule (e.g. a padded local tensor).
 
     A rank outside the DTensor's mesh gets an empty block with ``upload=False``.
+
+    Example:
+        On rank 1 of 2, for an FSDP2 (``fully_shard``) embedding of shape ``(1001, 64)``:
+
+        >>> src = local_source("model.embed_tokens.weight", model.model.embed_tokens.weight.detach())
+        >>> src.slice.offsets, src.slice.shape, src.upload
+        ((501, 0), (500, 64), True)
+        >>> src.slice.to_global(torch.tensor([0, 64]))  # local rows 0 and 1, column 0
+        tensor([32064, 32128])
     """
     from .sender import _Source
 
@@ -223,6 +232,13 @@ def plan_uploads(group: Any, sources: Sequence["_Source"]) -> dict[str, bool]:
     Raises:
         UnsupportedLayoutError: the ranks list different tensors or global shapes, or the blocks
             chosen for a tensor do not add up to its element count. Raised on every rank.
+
+    Example:
+        FSDP x TP on a ``(dp=2, tp=2)`` mesh: ``embed.weight`` sits on the ``dp`` sub-mesh, so ranks
+        0 and 1 hold rows ``0..500`` and ranks 2 and 3 rows ``501..1000``:
+
+        >>> plan_uploads(group, sources)["embed.weight"]    # on ranks 0, 1, 2, 3
+        True, False, True, False
     """
     mine = {s.name: (list(s.slice.global_shape), list(s.slice.offsets), list(s.slice.shape), bool(s.upload))
             for s in sources}
@@ -297,6 +313,14 @@ class DistributedGroup:
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized (call ``init_process_group`` first,
             e.g. under ``torchrun``).
+
+    Example:
+        >>> g = DistributedGroup()          # on every rank
+        >>> g.gather({"rank": g.rank})      # rank 0: [{'rank': 0}, {'rank': 1}]; others: None
+        >>> g.broadcast("ok" if g.rank == 0 else None)
+        'ok'
+        >>> g.any(g.rank == 1)
+        True
     """
 
     def __init__(self, *, timeout: datetime.timedelta | None = None) -> None:
