@@ -339,7 +339,10 @@ def _scenario(rank: int, world: int, bucket: str, layout: str, steps: int, backg
             assert _manifest_summary(m) == _manifest_summary(single), f"version {v}: sharded != single-process"
             out["versions"].append({"version": v, "kind": m.kind, "path": receiver.last_stats.path,
                                     "changed": m.changed, "numel": m.numel,
-                                    "object_ranks": sorted(o.rank for o in m.objects),
+                                    # the ranks that wrote this version's own kind of object (an
+                                    # anchor also carries a delta against the previous version)
+                                    "object_ranks": sorted(o.rank for o in (m.anchor_objects if m.kind == "anchor" else m.delta_objects)),
+                                    "delta_ranks": sorted(o.rank for o in m.delta_objects),
                                     "worlds": sorted({o.world for o in m.objects})})
         dist.barrier()
     if rank == 0:  # a fresh receiver: newest anchor + deltas, blocks reassembled from every rank
