@@ -380,31 +380,39 @@ class VLLMTarget(Target):
 
     @staticmethod
     def _check_range(e: _Entry, positions: torch.Tensor) -> None:
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= math.prod(e.shape)):
-            raise CorruptObjectError(
-                f"{e.name!r}: positions outside [0, {math.prod(e.shape)}) (min {int(positions.min())}, "
-                f"max {int(positions.max())})"
-            )
+        if positions.numel():
+            lo, hi = (int(x) for x in torch.aminmax(positions))
+            if lo < 0 or hi >= math.prod(e.shape):
+                raise CorruptObjectError(
+                    f"{e.name!r}: positions outside [0, {math.prod(e.shape)}) (min {lo}, max {hi})")
 
     def _map(self, e: _Entry, p: _Place, pos: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(owned mask or None for all, local offsets)`` of int64 global flat ``pos`` (on the
-        parameter's device); offsets of not-owned entries are meaningless."""
+        parameter's device); offsets of not-owned entries are meaningless. About 6 passes over
+        ``pos`` for a 2-D tensor: one integer division, one table gather, multiply-adds."""
         pos = pos.to(torch.int64)
         coords: list[torch.Tensor] = []
         rem = pos
         for size in reversed(e.shape[1:]):
-            coords.append(rem % size)
-            rem = rem // size
+            q = torch.div(rem, size, rounding_mode="floor")
+            coords.append(rem - q * size)  # cheaper than a second division (rem % size)
+            rem = q
         coords.append(rem)
         coords.reverse()
-        local = torch.full_like(pos, p.base)
+        local: torch.Tensor | None = None
         mask = None
         for c, t, s in zip(coords, p.tables, p.strides):
             if t is not None:
-                c = t[c]
+                c = t.index_select(0, c)  # ~1 ns per element; t[c] takes ~3
                 m = c >= 0
-                mask = m if mask is None else mask & m
-            local += c * s
+                mask = m if mask is None else mask.logical_and_(m)
+            term = c * s if s != 1 else c
+            local = term if local is None else local.add_(term)
+        assert local is not None
+        if p.base:
+            local = local + p.base
+        if local.data_ptr() == pos.data_ptr():
+            local = local.clone()  # never alias the caller's positions
         return mask, local
 
     def _owned_local(self, e: _Entry, p: _Place, positions: torch.Tensor) -> torch.Tensor:
