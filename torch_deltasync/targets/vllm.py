@@ -71,6 +71,7 @@ one engine add up (mod 2^64) to the manifest's checksum
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -132,6 +133,7 @@ class _Place:
     strides: tuple[int, ...]
     counted: bool
     pad_rows: tuple[int, int] | None = None
+    affine: tuple[int, int, int] | None = None
 
     def held_numel(self, shape: tuple[int, ...]) -> int:
         """Elements of the HF tensor held by this placement."""
@@ -282,6 +284,9 @@ class VLLMTarget(Target):
             return torch.zeros_like(positions, dtype=torch.bool)
         self._check_range(e, positions)
         p = e.places[0]
+        if p.affine is not None:  # a block of whole rows: two compares, no division
+            lo, hi, _ = p.affine
+            return (positions >= lo) & (positions < hi)
         mask, _ = self._map(e, p, positions.to(p.param.device))
         if mask is None:
             return torch.ones_like(positions, dtype=torch.bool)
@@ -416,6 +421,11 @@ class VLLMTarget(Target):
         return mask, local
 
     def _owned_local(self, e: _Entry, p: _Place, positions: torch.Tensor) -> torch.Tensor:
+        if p.affine is not None and positions.numel():
+            lo, hi, offset = p.affine
+            pmin, pmax = (int(x) for x in torch.aminmax(positions))
+            if pmin >= lo and pmax < hi:
+                return positions.to(device=p.param.device, dtype=torch.int64) + offset
         self._check_range(e, positions)
         mask, local = self._map(e, p, positions.to(p.param.device))
         if mask is not None and not bool(mask.all()):
@@ -463,7 +473,7 @@ class VLLMTarget(Target):
                 raise UnsupportedLayoutError(
                     f"{mirror.name!r} (tied to {canon.name!r} by the sender) is laid out differently from it in vLLM"
                 )
-            canon.places.append(_Place(m.param, m.vname, m.base, m.tables, m.strides, False, m.pad_rows))
+            canon.places.append(dataclasses.replace(m, counted=False))
 
     def _check_coverage(self, entries: dict[str, _Entry]) -> None:
         """Every element of every parameter must be written by exactly one published tensor (or be
@@ -561,14 +571,14 @@ class VLLMTarget(Target):
         if module is None:
             return e  # another pipeline stage holds it
         if module != "moe" and leaf in module._parameters and module._parameters[leaf] is not None:
-            e.places = self._dense(hf_name, vname, module, leaf, shard, shape)
+            e.places = [_with_affine(p, shape) for p in self._dense(hf_name, vname, module, leaf, shard, shape)]
             return e
         if moe is not None:
             experts = self._module(moe.group(1))
             if experts is None:
                 return e
             place = self._moe(hf_name, vname, experts, moe.group(2), shape)
-            e.places = [] if place is None else [place]
+            e.places = [] if place is None else [_with_affine(place, shape)]
             return e
         if hasattr(module, "cpu_linear"):
             raise UnsupportedLayoutError(f"{hf_name!r}: {mod_path!r} was repacked for CPU GEMM (its weight is gone)")
@@ -824,6 +834,30 @@ class VLLMTarget(Target):
             t = torch.tensor(expert_ids, dtype=torch.int64, device=device)
             self._tables[key] = t
         return t
+
+
+def _with_affine(p: _Place, shape: tuple[int, ...]) -> _Place:
+    """``p`` with its ``affine`` fast path filled in when it holds a block of whole HF rows stored
+    row-major with the HF row length (column-parallel, merged, QKV, vocab and replicated tensors):
+    then global flat ``[lo, hi)`` is exactly what it holds and ``local = global + offset``."""
+    row = math.prod(shape[1:])
+    if p.strides[0] != row and shape[0] > 1:
+        return p
+    for d in range(1, len(shape)):
+        if p.tables[d] is not None or (shape[d] > 1 and p.strides[d] != math.prod(shape[d + 1:])):
+            return p
+    t = p.tables[0]
+    if t is None:
+        a, b, dst = 0, shape[0], 0
+    else:
+        held = torch.nonzero(t >= 0).squeeze(1)
+        if held.numel() == 0:
+            return p
+        a, b = int(held[0]), int(held[-1]) + 1
+        dst = int(t[a])
+        if held.numel() != b - a or not torch.equal(t[a:b].cpu(), torch.arange(dst, dst + b - a)):
+            return p
+    return dataclasses.replace(p, affine=(a * row, b * row, p.base + (dst - a) * row))
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
