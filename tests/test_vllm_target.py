@@ -361,3 +361,44 @@ def test_uncovered_parameters_are_refused_unless_not_strict(published_qwen2):
     with pytest.raises(IncompatibleTargetError, match="model.norm.weight"):
         VLLMTarget(model, moe_backends=CPU_MOE).check(shapes, {}, BF16)
     VLLMTarget(model, moe_backends=CPU_MOE, strict=False).check(shapes, {}, BF16)
+
+
+# --- heavier matrix (pytest -m slow) -------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "qwen3_moe"])
+def test_long_run_across_anchors_every_rank_every_version(tmp_path, arch):
+    """12 versions with an anchor every 4, receivers at TP 2 and 8 updating at every version
+    (delta path, then across anchor versions), bitwise against vLLM's loaders at every version."""
+    spec = dict(TINY_VLLM_CONFIGS[arch], num_hidden_layers=3)
+    hf = hf_model(spec, seed=8)
+    store = LocalStore(tmp_path / "bucket")
+    sender = DeltaSender(hf, store, anchor_every=4)
+    states = {sender.publish(): _bf16_state(hf)}
+    opt = torch.optim.Adam(hf.parameters(), lr=3e-5)
+    g = torch.Generator().manual_seed(8)
+    paths = []
+    vc = vllm_config(spec, tmp_path / "cfg")
+    fleets = {}
+    for tp in (2, 8):
+        fleets[tp] = []
+        for r in range(tp):
+            m = build_vllm_model(vc, r, tp)
+            for p in m.parameters():
+                p.data.fill_(float("nan"))
+            fleets[tp].append((m, DeltaReceiver(VLLMTarget(m, moe_backends=CPU_MOE), store)))
+    for step in range(12):
+        if step:
+            adam_step(hf, opt, batch=2, seq=16, generator=g)
+            states[sender.publish()] = _bf16_state(hf)
+        v = max(states)
+        manifest = load_manifest(store, v)
+        for tp, fleet in fleets.items():
+            for r, (m, rec) in enumerate(fleet):
+                assert rec.update() == v
+                paths.append(rec.last_stats.path)
+                bad = _diff(vllm_state_bits(m), _reference(vc, tp, r, states[v]))
+                assert not bad, f"v{v} rank {r}/{tp}: {bad[:5]}"
+            check_partials({t.name: t.checksum for t in manifest.tensors}, [rec.partial_checksums() for _, rec in fleet])
+    sender.close()
+    assert paths.count("delta") >= len(paths) // 2  # mostly deltas; the planner may pick an anchor
