@@ -237,6 +237,29 @@ def test_per_expert_hf_names_and_sparse_writes(tmp_path):
     check_partials({n: tensor_checksum(x) for n, x in new_state.items()}, parts)
 
 
+def test_sender_tied_embeddings_into_untied_vllm_model(tmp_path):
+    """The trainer ties lm_head to embed_tokens (published once, as an alias); the vLLM model keeps
+    two parameters: both are written, the copy is not counted twice in checksums."""
+    spec = TINY_VLLM_CONFIGS["qwen3"]
+    hf = hf_model(spec, seed=9)
+    store = LocalStore(tmp_path / "bucket")
+    v = _train_and_publish(hf, store, steps=2)
+    assert load_manifest(store, v[0]).aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    vc = vllm_config(dict(spec, tie_word_embeddings=False), tmp_path / "cfg")
+    full = {n: t.detach().to(BF16) for n, t in hf.state_dict().items()}  # both names
+    tp, parts = 2, []
+    for r in range(tp):
+        m = build_vllm_model(vc, r, tp)
+        assert m.lm_head.weight.data_ptr() != m.model.embed_tokens.weight.data_ptr()
+        rec = DeltaReceiver(VLLMTarget(m, moe_backends=CPU_MOE), store)
+        rec.update(v[1])
+        rec.update(v[2])
+        bad = _diff(vllm_state_bits(m), _reference(vc, tp, r, full))
+        assert not bad, f"rank {r}: {bad[:5]}"
+        parts.append(rec.partial_checksums())
+    check_partials({t.name: t.checksum for t in load_manifest(store, v[2]).tensors}, parts)
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 def _resign(store, version: int, key: str, data: bytes) -> None:
