@@ -313,7 +313,8 @@ class VLLMTarget(Target):
             raise CorruptObjectError(f"{name!r}: {positions.numel()} positions but values of shape {tuple(values.shape)}")
         locals_ = [self._owned_local(e, p, positions) for p in self._places(e)]  # validate all first
         for p, local in zip(e.places, locals_):
-            # index_copy_ into the live storage: ~2 ns per element; CUDA graphs keep their pointers.
+            # index_copy_ into the live storage: cost per changed element, whatever the parameter size;
+            # never `.data = ...` (CUDA graphs and torch.compile keep the storage pointers).
             _flat(p.param).index_copy_(0, local, values.to(device=p.param.device, dtype=p.param.dtype))
 
     @torch.no_grad()
