@@ -237,6 +237,7 @@ class VLLMTarget(Target):
         self._key: tuple | None = None
         self._tables: dict[tuple, torch.Tensor] = {}
         self._tp: tuple[int, int] | None = None
+        self._expert_ids: dict[int, list[int]] = {}
 
     # --- Target interface ------------------------------------------------------------------------
 
@@ -254,6 +255,7 @@ class VLLMTarget(Target):
         key = (tuple(sorted(shapes.items())), tuple(sorted(aliases.items())), dtype)
         if key == self._key:
             return
+        self._expert_ids = {}  # re-read expert placement on every new map
         entries: dict[str, _Entry] = {}
         for name, shape in shapes.items():
             entries[name] = self._resolve(name, tuple(int(s) for s in shape))
@@ -790,7 +792,11 @@ class VLLMTarget(Target):
         gate, up, down = routed.ckpt_gate_proj_name, routed.ckpt_up_proj_name, routed.ckpt_down_proj_name
         dev = w13.device
         rows = ((r * il, il, 0),)
-        expert_ids = [int(routed._map_global_expert_id_to_local_expert_id(g)) for g in range(n_experts)]
+        # The loader's own global -> local expert map (-1: on another EP rank), once per layer.
+        expert_ids = self._expert_ids.get(id(routed))
+        if expert_ids is None or len(expert_ids) != n_experts:
+            expert_ids = [int(routed._map_global_expert_id_to_local_expert_id(g)) for g in range(n_experts)]
+            self._expert_ids[id(routed)] = expert_ids
 
         def bad(expected) -> IncompatibleTargetError:
             return IncompatibleTargetError(f"published tensor {hf_name!r} has shape {shape}, vLLM expects {tuple(expected)}")
