@@ -34,7 +34,7 @@ from .manifest import Manifest
 # Sender and receiver
 from .sender import AnchorPolicy, DeltaSender, PublishStats
 from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
-from .targets import ModuleTarget, Target
+from .targets import ModuleTarget, Target, VLLMTarget
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,7 @@ __all__ = [
     # targets
     "Target",
     "ModuleTarget",
+    "VLLMTarget",
     # stores
     "Store",
     "LocalStore",
