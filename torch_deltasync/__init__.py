@@ -35,7 +35,7 @@ from .manifest import Manifest
 # Sender and receiver
 from .sender import AnchorPolicy, DeltaSender, PublishStats
 from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
-from .targets import ModuleTarget, Target
+from .targets import ModuleTarget, Target, VLLMTarget
 
 __version__ = "0.1.0"
 
@@ -50,6 +50,7 @@ __all__ = [
     # targets
     "Target",
     "ModuleTarget",
+    "VLLMTarget",
     # stores
     "Store",
     "LocalStore",

@@ -371,6 +371,36 @@ class DeltaReceiver:
                     f.write(json.dumps({"event": "update", **stats.to_dict()}) + "\n")
             return self.version  # type: ignore[return-value]
 
+    def assume(self, version: int) -> None:
+        """Declare that the target already holds ``version`` bit-exactly, so the next update takes
+        the delta path from it instead of downloading an anchor.
+
+        Typical use: a vLLM engine loaded the same checkpoint the trainer published as its first
+        anchor. A target that holds everything is verified here against the manifest
+        (``O(model size)``); a partial target (one TP rank) cannot see whole tensors, so combine
+        its :meth:`partial_checksums` across ranks (:func:`torch_deltasync.checksum.check_partials`,
+        as ``DeltaWorkerExtension`` does) before trusting the claim.
+
+        Raises:
+            VersionNotFoundError: ``version`` is not visible.
+            IncompatibleTargetError: the published tensors do not fit the target.
+            ChecksumMismatchError: (``holds_all`` targets) the target's weights are not ``version``;
+                nothing changes.
+        """
+        with self._lock:
+            m = self.manifest(version)
+            self._check_target(m)
+            sums: dict[str, int] = {}
+            if self.target.holds_all:
+                sums = {t.name: self.target.checksum(t.name, m.inference_dtype) for t in m.tensors}
+                bad = [t.name for t in m.tensors if sums[t.name] != t.checksum]
+                if bad:
+                    raise ChecksumMismatchError(
+                        f"the target does not hold version {version}: {len(bad)} tensors differ, e.g. {bad[:3]}"
+                    )
+            self._checksums = sums
+            self.version = version
+
     def verify(self) -> None:
         """Recompute every tensor's checksum from the target and compare with the held version's
         manifest (``O(model size)``; updates themselves only verify what changed).
