@@ -135,9 +135,9 @@ def _free_port() -> int:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    detail = next((ln.strip() for ln in text if "failed" in ln or "Killed" in ln or "exit" in ln), text[0] if text else "")
-    return f"{type(e).__name__}: {detail[:300]}"
+    """``Type: message`` on one line (Monarch's supervision errors span several), at most ~400 characters."""
+    detail = " ".join(str(e).split())
+    return f"{type(e).__name__}: {detail[:400]}"
 
 
 class Controller:
@@ -394,7 +394,8 @@ class Controller:
         self.gen_version = [None] * cfg.generators
         self.metrics.write("publish", step=-1, **t0_info["publish"])
         self.metrics.write("setup", trainer_pids=[v["pid"] for v in setup_t.values()], generator_pids=self.gen_pids,
-                           params=t0_info["params"], seconds=time.perf_counter() - t0)
+                           params=t0_info["params"], seconds=time.perf_counter() - t0,
+                           trainer_times=[v["times"] for v in setup_t.values()])
         self.say(f"policy: {t0_info['params']:,} parameters; trainer procs {cfg.trainer_procs} "
                  f"(pids {[v['pid'] for v in setup_t.values()]}); generator pids {self.gen_pids}; "
                  f"store {bucket} / {prefix}")
@@ -482,12 +483,16 @@ class Controller:
             try:
                 st = await self.call(g.update_weights.call_one(v), f"generator {i} final update")
                 self.metrics.write("update", generator=i, final=True, **st)
-                d = await self.call(g.digest.call_one(), f"generator {i} digest")
+                fp = await self.call(g.fingerprint.call_one(), f"generator {i} fingerprint")
             except Exception as e:  # noqa: BLE001 - a replica lost at the very end
                 self.lose_generator(i, e)
                 continue
-            same = d["version"] == v and d["digest"] == trainer_digest
-            digests[f"generator{i}"] = d["digest"]
+            if "digest" in fp:  # bitwise: sha256 of the bf16 bit patterns, same as the trainer's
+                same = fp["version"] == v and fp["digest"] == trainer_digest
+                digests[f"generator{i}"] = fp["digest"]
+            else:  # engine checksums were checked against version v's manifest (vLLM backend)
+                same = fp["version"] == v and fp.get("checksums_verified") == v
+                digests[f"generator{i}"] = f"checksums verified at version {fp.get('checksums_verified')}"
             ok = ok and same
         ok = ok and any(self.alive)
         self.metrics.write("bit_exact", ok=ok, **digests)

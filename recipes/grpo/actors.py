@@ -77,27 +77,33 @@ class TrainerActor(Actor):
     @endpoint
     async def setup(self) -> dict[str, Any]:
         """Build the policy and optimizer, publish version 0 (an anchor). Returns its publish stats."""
+        t0 = time.perf_counter()
         _threads()
         from torch_deltasync import DeltaSender
 
         from .policy import build_policy, build_tokenizer, load_warm_start
 
         cfg = self.cfg
+        times = {"import_s": time.perf_counter() - t0}
         self.rank = current_rank().rank
         self.world = cfg.trainer_procs
         torch.manual_seed(cfg.seed + 7919 * self.rank)
         tok = build_tokenizer(cfg)
         model = build_policy(cfg, tok, dtype=torch.float32, seed=cfg.seed)
         load_warm_start(model, self.warm_path)
+        numel = sum(p.numel() for p in model.parameters())
+        times["build_s"] = time.perf_counter() - t0 - times["import_s"]
         if self.world > 1:
             model = self._shard(model)
+        times["shard_s"] = time.perf_counter() - t0 - times["import_s"] - times["build_s"]
         self.model = model
         self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         self.sender = DeltaSender(model, self.bucket, prefix=self.prefix, anchor_every=cfg.anchor_every or None,
                                   codec=cfg.codec, inference_dtype=torch.bfloat16)
         self.sender.publish()
+        times["setup_s"] = time.perf_counter() - t0
         return {"pid": os.getpid(), "rank": self.rank, "publish": self.sender.last_stats.to_dict(),
-                "params": sum(p.numel() for p in model.parameters())}
+                "params": numel, "times": times}
 
     def _shard(self, model):
         import torch.distributed as dist
@@ -184,8 +190,8 @@ class TrainerActor(Actor):
 
 
 class GeneratorActor(Actor):
-    """One rollout replica: its own model copy (a generator backend), a ``DeltaReceiver`` on it, and
-    the task's reward. Rank ``i`` of the generator mesh is replica ``i``.
+    """One rollout replica: its own model copy in a generator backend (which follows the run in the
+    store), and the task's reward. Rank ``i`` of the generator mesh is replica ``i``.
 
     Args:
         cfg: run configuration.
@@ -197,10 +203,8 @@ class GeneratorActor(Actor):
 
     @endpoint
     async def setup(self) -> dict[str, Any]:
-        """Build the backend (random weights) and the receiver; no weights are applied yet."""
+        """Build the backend (random weights) and attach it to the run; no weights are applied yet."""
         _threads()
-        from torch_deltasync import DeltaReceiver
-
         from .generators import make_backend
         from .policy import build_tokenizer, max_new_tokens
         from .task import SortTask
@@ -212,17 +216,14 @@ class GeneratorActor(Actor):
         self.task = SortTask(digits=cfg.digits)
         self.max_new_tokens = max_new_tokens(cfg, self.tok)
         self.backend = make_backend(cfg.generator_backend, cfg, self.tok, seed=cfg.seed + 1000 + self.index)
-        self.receiver = DeltaReceiver(self.backend.weights_target(), self.bucket, prefix=self.prefix)
+        self.backend.attach(self.bucket, self.prefix)
         return {"pid": os.getpid(), "index": self.index}
 
     @endpoint
     async def update_weights(self, version: int) -> dict[str, Any]:
         """Apply versions up to ``version`` (bit-exact, all or nothing). Returns the update stats."""
-        before = self.receiver.version
-        self.receiver.update(version)
-        st = self.receiver.last_stats
-        stats = st.to_dict() if st is not None and st.version == self.receiver.version else {}
-        return {**stats, "version": self.receiver.version, "from_version": before}
+        before = self.backend.version
+        return {**self.backend.update(version), "from_version": before}
 
     @endpoint
     async def generate(self, batch_index: int) -> dict[str, Any]:
@@ -236,7 +237,7 @@ class GeneratorActor(Actor):
         from .policy import encode_prompts
 
         cfg = self.cfg
-        version = self.receiver.version
+        version = self.backend.version
         if version is None:
             raise RuntimeError(f"generator {self.index} holds no weights yet; call update_weights first")
         t0 = time.perf_counter()
@@ -260,9 +261,9 @@ class GeneratorActor(Actor):
                 "gen_ms": (time.perf_counter() - t0) * 1e3}
 
     @endpoint
-    async def digest(self) -> dict[str, Any]:
-        """The version held and the sha256 of the served weights' bf16 bit patterns."""
-        return {"version": self.receiver.version, "digest": self.backend.state_digest()}
+    async def fingerprint(self) -> dict[str, Any]:
+        """The version held and the backend's evidence of its weights (see ``GeneratorBackend``)."""
+        return {"version": self.backend.version, **self.backend.fingerprint()}
 
 
 class ReplayBufferActor(Actor):
