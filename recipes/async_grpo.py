@@ -5,7 +5,7 @@ replicas, 1 trainer process, 200 GRPO steps; a few minutes on a 2-core CPU)::
 
     python -m recipes.async_grpo                       # README main command (after tools/setup.sh)
     python -m recipes.async_grpo --steps 50 --generators 3 --max-staleness 1 --run-name quick
-    python -m recipes.async_grpo --trainer-procs 2     # FSDP2 over gloo (needs torch_deltasync.dtensor)
+    python -m recipes.async_grpo --trainer-procs 2     # FSDP2 over gloo, every rank publishes its shard
     python -m recipes.async_grpo --bucket s3://bucket/runs --model /path/to/hf/checkpoint
 
 Architecture (one host; every box is a Monarch actor, every arrow an endpoint call)::
@@ -339,21 +339,16 @@ class Controller:
         self.sample_event = asyncio.Event()
         self.space_event = asyncio.Event()
 
-        if cfg.trainer_procs > 1:
-            import importlib.util
-
-            if importlib.util.find_spec("torch_deltasync.dtensor") is None:
-                raise RunAborted(
-                    f"--trainer-procs {cfg.trainer_procs} shards the policy with FSDP2, which needs DeltaSender's "
-                    "DTensor support (torch_deltasync.dtensor); this checkout does not have it yet. "
-                    "Run with --trainer-procs 1."
-                )
+        if cfg.bucket is not None and str(cfg.bucket).startswith("memory://"):
+            raise RunAborted("--bucket memory://... lives inside one process, but the trainer and the generators run in "
+                             "separate processes; use a folder, file://, s3:// or hf://buckets/...")
         if cfg.bucket is None:
             bucket_path = self.run_dir / "bucket"
             shutil.rmtree(bucket_path, ignore_errors=True)  # ours: a fresh chain per run
-            bucket = str(bucket_path)
+            bucket = str(bucket_path.resolve())
         else:
-            bucket = cfg.bucket
+            # Every process must find the same folder, whatever its working directory.
+            bucket = cfg.bucket if "://" in str(cfg.bucket) else str(Path(cfg.bucket).resolve())
         prefix = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.bucket, self.prefix = bucket, prefix
 
