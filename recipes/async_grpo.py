@@ -170,7 +170,7 @@ class Controller:
             print(msg, flush=True)
 
     async def call(self, fut, what: str, timeout: float | None = None):
-        """Await a Monarch future with a timeout; a timeout becomes :class:`RunAborted`-worthy TimeoutError."""
+        """Await a Monarch future; after ``timeout`` seconds raise ``TimeoutError`` naming the call (no hang)."""
         timeout = self.cfg.call_timeout_s if timeout is None else timeout
         try:
             return await asyncio.wait_for(fut, timeout)
@@ -512,7 +512,8 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"(GRPO {s['train_s']:.0f} s, warm start {s['warm_start'].get('seconds', 0):.0f} s)")
     print(f"reward: first 10% {f(s['reward_first'], '.3f')} -> last 10% {f(s['reward_last'], '.3f')}")
     print(f"sync: mean density {f(s['mean_density'], '.2%')}, bytes {f(s['bytes_ratio'], '.4f')} of full copies, "
-          f"publish {f(s['mean_publish_ms'], '.1f')} ms, apply {f(s['mean_apply_ms'], '.1f')} ms")
+          f"publish {f(s['mean_publish_ms'], '.1f')} ms, apply {f(s['mean_apply_ms'], '.1f')} ms "
+          f"(whole update {f(s['mean_update_ms'], '.1f')} ms)")
     print(f"staleness: max policy lag {s['max_policy_lag']} (bound {s['max_staleness']}), dropped stale "
           f"{s['dropped_stale']}; generators alive {s['generators_alive']}/{s['generators']}")
     print(f"bit-exact (every live generator vs trainer bf16): {'YES' if s['bit_exact'] else 'NO'}")

@@ -17,7 +17,6 @@ Add another engine with :func:`register_backend`.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Protocol
 
 import torch

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import random
 import time
 from pathlib import Path
@@ -24,10 +23,8 @@ from .task import CharTokenizer, HFTokenizer, SortTask, Tokenizer
 
 __all__ = [
     "build_tokenizer", "build_policy", "encode_prompts", "sample", "response_logprobs", "warm_start",
-    "policy_key",
+    "policy_key", "load_warm_start", "max_new_tokens", "evaluate",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def build_tokenizer(cfg: GRPOConfig) -> Tokenizer:
@@ -205,7 +202,7 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True) -> tup
         ``(path, info)``: the safetensors file (``safetensors.torch.save_model`` layout, tied
         weights stored once) and ``{"cached", "seconds", "reward_greedy", "reward_sampled"}``.
     """
-    from safetensors.torch import load_model, save_model
+    from safetensors.torch import save_model
 
     folder = cfg.run_dir / "warmstart"
     path, meta_path = folder / "model.safetensors", folder / "meta.json"
@@ -248,10 +245,14 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True) -> tup
 
 
 def load_warm_start(model: nn.Module, path: str | Path) -> None:
-    """Load :func:`warm_start`'s weights into ``model`` (strict)."""
+    """Load :func:`warm_start`'s weights into ``model``.
+
+    Raises:
+        RuntimeError: the file does not match the model (``safetensors.torch.load_model(strict=True)``).
+    """
     from safetensors.torch import load_model
 
-    missing, unexpected = load_model(model, str(path), strict=True)
+    load_model(model, str(path), strict=True)
 
 
 def _bar(total: int, desc: str, enabled: bool):

@@ -89,6 +89,7 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
         "max_staleness": cfg["max_staleness"],
         "mean_publish_ms": _mean(p["publish_ms"] for p in pubs),
         "mean_apply_ms": _mean(u["apply_ms"] for u in updates if u.get("apply_ms") is not None),
+        "mean_update_ms": _mean(u["total_ms"] for u in updates if u.get("total_ms") is not None),
         "generator_updates": len(updates),
         **extra,
     }
