@@ -83,8 +83,9 @@ class GRPOConfig:
     """Slots of the replay buffer storage."""
     anchor_every: int = 0
     """Full anchor every this many versions (0: only the first version is an anchor)."""
-    codec: str = "raw"
-    """Delta codec name (``torch_deltasync.codec_names()``)."""
+    codec: str = "packed"
+    """Delta codec name (``torch_deltasync.codec_names()``): ``"packed"`` (the library default: gaps,
+    value steps, zstd) or ``"raw"`` (int32/int64 index + bf16 value per changed element)."""
     trainer_procs: int = 1
     """Trainer processes; more than 1 shards the policy with FSDP2 over gloo."""
     generators: int = 2
