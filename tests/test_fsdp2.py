@@ -494,7 +494,7 @@ def _flaky_store(root: str):
         fail_on: str | None = None
         crash_on: str | None = None
 
-        def put(self, key: str, data: bytes) -> None:
+        def _inject(self, key: str, data: bytes) -> None:
             if self.crash_on and self.crash_on in key:
                 self._path(key).parent.mkdir(parents=True, exist_ok=True)
                 self._path(key).write_bytes(data[: len(data) // 2])  # a torn object, then the rank dies
@@ -502,7 +502,14 @@ def _flaky_store(root: str):
             if self.fail_on and self.fail_on in key:
                 self.fail_on = None
                 raise StoreError(f"injected failure writing {key!r}")
+
+        def put(self, key: str, data: bytes) -> None:
+            self._inject(key, data)
             super().put(key, data)
+
+        def put_new(self, key: str, data: bytes) -> None:  # manifests
+            self._inject(key, data)
+            super().put_new(key, data)
 
     return FlakyStore(root)
 
@@ -654,7 +661,8 @@ def _crash_then_restart(rank: int, world: int, bucket: str, phase: str, out_file
 
 def test_crashed_rank_then_restarted_job(tmp_path):
     """A rank dies while uploading: no version appears, the torn object is never read, and a
-    restarted job continues after the newest visible version with an anchor."""
+    restarted job continues with an anchor after the newest visible version and after the number
+    the crashed job left objects under (object keys are never reused)."""
     from safetensors.torch import load_file
 
     from torch_deltasync import DeltaReceiver, LocalStore
@@ -667,9 +675,9 @@ def test_crashed_rank_then_restarted_job(tmp_path):
     assert receiver.update() == 0
     out = str(tmp_path / "full.safetensors")
     res = run_ranks(_crash_then_restart, 2, bucket, "restart", out, timeout_s=300)
-    assert res[0]["published"] == [1, 2] and res[0]["kinds"] == ["anchor", "delta"]
-    assert list_versions(LocalStore(bucket)) == [0, 1, 2]
-    assert receiver.update() == 2
+    assert res[0]["published"] == [2, 3] and res[0]["kinds"] == ["anchor", "delta"]
+    assert list_versions(LocalStore(bucket)) == [0, 2, 3]
+    assert receiver.update() == 3
     full = load_file(out)
     full["lm_head.weight"] = full["embed.weight"]
     from torch_deltasync.testing import first_difference

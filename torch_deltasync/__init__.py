@@ -2,7 +2,7 @@
 
 After an optimizer step at RL learning rates about 99% of bf16 weights are bit-identical, so a
 trainer ships only the changed elements (positions + new values) through an object store, and
-rollout replicas apply them in place, bit-exactly. See ``docs/`` and ``DESIGN.md``.
+rollout replicas apply them in place, bit-exactly. See ``docs/`` and ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from .errors import (
     CorruptObjectError,
     DeltaSyncError,
     IncompatibleTargetError,
+    ObjectExistsError,
     ObjectNotFoundError,
     PublishError,
     StoreError,
+    SyncTimeoutError,
     TransientStoreError,
     UnsupportedLayoutError,
     VersionNotFoundError,
@@ -78,6 +80,8 @@ __all__ = [
     "UnsupportedLayoutError",
     "StoreError",
     "ObjectNotFoundError",
+    "ObjectExistsError",
+    "SyncTimeoutError",
     "TransientStoreError",
     "PublishError",
 ]

@@ -19,6 +19,8 @@ __all__ = [
     "StoreError",
     "PublishError",
     "ObjectNotFoundError",
+    "ObjectExistsError",
+    "SyncTimeoutError",
     "TransientStoreError",
 ]
 
@@ -63,6 +65,14 @@ class PublishError(DeltaSyncError, RuntimeError):
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """A key does not exist in the store."""
+
+
+class ObjectExistsError(StoreError, FileExistsError):
+    """``Store.put_new`` found the key already taken (e.g. another writer published that version)."""
+
+
+class SyncTimeoutError(DeltaSyncError, TimeoutError):
+    """Waiting for a version (``DeltaReceiver.wait_for``) timed out."""
 
 
 class TransientStoreError(StoreError):
