@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import math
 
-from torch_deltasync import AnchorPolicy, DeltaSender, LocalStore
+import pytest
+import torch
+
+from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore
 from torch_deltasync.manifest import list_versions, load_manifest
 
 from remote_helpers import StepModel
@@ -88,7 +91,50 @@ def test_both_rules_whichever_fires_first(tmp_path):
     assert later_gaps and max(later_gaps) < 4  # the ratio cut the chains short
 
 
+def test_max_delta_ratio_ships_dense_versions_as_anchors_without_a_delta(tmp_path):
+    """Per version, after detection: a delta whose raw size (4 B index + 2 B bf16 value per changed
+    element) reaches the full bf16 size ships as an anchor with no delta; sparse ones stay deltas.
+    A receiver following every version and one that jumps stay bit-exact through both kinds."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    model = StepModel(seed=13)
+    dense_steps = {3, 4, 7}
+    sender = DeltaSender(model.tensors, store, anchor_policy=AnchorPolicy(every=None, max_delta_ratio=1.0))
+    follower = DeltaReceiver({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in model.shapes.items()}, store)
+    jumper = DeltaReceiver({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in model.shapes.items()}, store)
+    paths, states = {}, {}
+    for step in range(10):
+        model.changes = 10_000 if step in dense_steps else 20  # 10_000 > every tensor's numel
+        model.set_step(step)
+        assert sender.publish() == step
+        follower.update()
+        paths[step] = follower.last_stats.path
+        want = states[step] = model.bits_at(step)  # bits_at reads the current ``changes``
+        assert all(torch.equal(follower.target.tensors[n].view(torch.int16), want[n]) for n in want)
+        if step in (5, 9):
+            jumper.update()
+            assert all(torch.equal(jumper.target.tensors[n].view(torch.int16), want[n]) for n in want)
+    numel = sum(math.prod(s) for s in model.shapes.values())
+    for v in range(10):
+        m = load_manifest(store, v)
+        changed = sum(int((states[v][n] != states[v - 1][n]).sum()) for n in model.shapes) if v else numel
+        expect_anchor = v == 0 or changed * (4 + 2) >= numel * 2
+        assert (m.kind == "anchor") is expect_anchor, (v, changed, numel)
+        if expect_anchor:
+            assert m.base_version is None and not m.delta_objects
+        else:
+            assert m.base_version == v - 1 and not m.anchor_objects
+    assert {v for v in range(1, 10) if load_manifest(store, v).kind == "anchor"} == dense_steps
+    assert all(paths[v] == "anchor" for v in dense_steps) and paths[5] == "delta"
+
+
+def test_max_delta_ratio_off_keeps_dense_versions_as_deltas(tmp_path):
+    rows = run(tmp_path, AnchorPolicy(every=None), steps=4, changes=10_000)
+    assert [k for _, k, _ in rows] == ["anchor", "delta", "delta", "delta"]
+
+
 @pytest.mark.parametrize("kwargs, reason", [
+    (dict(max_delta_ratio=0), "a zero ratio would anchor every version; use every=1"),
+    (dict(max_delta_ratio=-1.0), "negative ratio"),
     (dict(every=-1), "negative cadence"),
     (dict(chain_ratio=0), "a zero ratio would anchor every version; use every=1"),
     (dict(chain_ratio=-0.5), "negative ratio"),

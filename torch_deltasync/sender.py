@@ -72,11 +72,22 @@ class AnchorPolicy:
     ``chain_ratio`` times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
     anchors' worth). ``None``: off."""
 
+    max_delta_ratio: float | None = None
+    """Decided per version, after change detection: publish a full anchor *without* a delta when this
+    version's delta would take at least ``max_delta_ratio`` times the bytes of a full copy (e.g. ``1.0``:
+    never ship a delta larger than the weights). The delta size is the ``raw`` codec's, ``changed x
+    (index bytes + value bytes)`` (4 or 8 + 2 bytes per bf16 element, so ``1.0`` fires at about 1/3
+    density); compact codecs ship less, so this over-estimates them. Dense updates are the norm for
+    LoRA adapters at RL learning rates (``docs/lora.md``). With several ranks, one dense rank makes
+    the version an anchor on all. ``None``: off."""
+
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 0:
             raise ValueError(f"AnchorPolicy.every must be >= 0 or None, got {self.every}")
         if self.chain_ratio is not None and not self.chain_ratio > 0:
             raise ValueError(f"AnchorPolicy.chain_ratio must be > 0 or None, got {self.chain_ratio}")
+        if self.max_delta_ratio is not None and not self.max_delta_ratio > 0:
+            raise ValueError(f"AnchorPolicy.max_delta_ratio must be > 0 or None, got {self.max_delta_ratio}")
 
     def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
         if self.every and version - last_anchor >= self.every:
@@ -369,12 +380,23 @@ class DeltaSender:
         t0 = time.perf_counter()
         version = self._next_version
         self._next_version += 1  # burned whatever happens
+        job, error = None, None
         try:
             job = self._prepare(version)
         except Exception as e:  # noqa: BLE001 - the other ranks must still hear about it
-            err = self._abort(version, e)
+            error = e
+        if self.policy.max_delta_ratio is not None:
+            # One collective per publish on every rank, also on a rank whose _prepare failed, so the
+            # collectives of _abort / _finish that follow still line up.
+            if self.group.any(job is not None and self._delta_too_large(job)) and job is not None:
+                try:
+                    self._convert_to_anchor(job)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        if error is not None:
+            err = self._abort(version, error)
             if not background:
-                raise err from e
+                raise err from error
             with self._lock:
                 self._error = err  # reported by the next publish()/flush(), as on the other ranks
             return version
@@ -489,13 +511,8 @@ class DeltaSender:
                     job.counts[src.name] = ch.numel
                     changed += ch.numel
                 job.changes[src.name] = ch
-            if kind == "anchor":
-                block = det.cast(src.local)
-                job.anchors[src.name] = block
-                if src.name not in job.partials and src.upload:
-                    job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
-                    job.counts[src.name] = src.slice.numel
-                    changed += src.slice.numel
+        if kind == "anchor":
+            changed += self._cast_anchors(job)
         job.stats = PublishStats(
             version=version, kind=kind, base_version=job.base_version, changed=changed, numel=numel,
             nbytes=0, full_nbytes=numel * torch.empty((), dtype=self.dtype).element_size(),
@@ -503,6 +520,46 @@ class DeltaSender:
         )
         self._coalesced = 0
         return job
+
+    def _cast_anchors(self, job: _Job, *, whole: bool = False) -> int:
+        """Cast every block of ``job`` for an anchor object; returns the elements newly counted as
+        changed: tensors without a detected delta (or all, with ``whole``) count whole."""
+        added = 0
+        for src in job.sources:
+            block = self.detector.cast(src.local)
+            job.anchors[src.name] = block
+            if not src.upload:
+                continue
+            if src.name not in job.partials:
+                job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
+            elif not whole:
+                continue
+            job.counts[src.name] = src.slice.numel
+            added += src.slice.numel
+        return added
+
+    def _delta_too_large(self, job: _Job) -> bool:
+        """Whether this rank's delta of ``job`` reaches ``max_delta_ratio`` x its full bytes (raw sizes)."""
+        if job.kind != "delta":
+            return False
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        delta = full = 0
+        for s in job.sources:
+            if s.upload:
+                full += s.slice.numel * itemsize
+                delta += job.counts.get(s.name, 0) * ((4 if s.slice.global_numel < 2**31 else 8) + itemsize)
+        return full > 0 and delta >= self.policy.max_delta_ratio * full
+
+    def _convert_to_anchor(self, job: _Job) -> None:
+        """Turn a detected delta into an anchor without a delta (``AnchorPolicy.max_delta_ratio``). The
+        live weights are still those detection read, so the cast blocks are exactly that state, whose
+        checksums the detection already computed (``job.partials`` stays)."""
+        if job.kind == "anchor":
+            return
+        job.kind, job.base_version, job.anchor_version = "anchor", None, job.version
+        job.counts, job.changes, job.global_positions = {}, {}, {}
+        job.stats.kind, job.stats.base_version = "anchor", None
+        job.stats.changed = self._cast_anchors(job, whole=True)
 
     def _encode(self, job: _Job) -> list[tuple[str, bytes]]:
         """This rank's objects for ``job`` as ``[(kind, bytes)]`` (empty when it uploads nothing)."""
