@@ -239,6 +239,9 @@ def test_under_load_every_accepted_episode_is_accounted_for(service):
     def trainer(stop: threading.Event) -> None:
         try:
             with RolloutClient(service.url, token=TOKEN) as c:
+                deadline = time.monotonic() + 60  # let the producers fill the ring first: 429s for sure
+                while c.stats()["rejected_full"] == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 while not stop.is_set():
                     got = c.sample(16, trainer_version=version[0], wait_s=0.2)
                     if got:

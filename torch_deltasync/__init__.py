@@ -14,7 +14,10 @@ from .errors import (
     DeltaSyncError,
     IncompatibleTargetError,
     ObjectNotFoundError,
+    EpisodeError,
     PublishError,
+    RolloutServiceError,
+    ServiceClosedError,
     StoreError,
     TransientStoreError,
     UnsupportedLayoutError,
@@ -36,6 +39,9 @@ from .sender import AnchorPolicy, DeltaSender, PublishStats
 from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
 from .targets import ModuleTarget, Target, VLLMTarget
 
+# LoRA adapters (peft is imported lazily)
+from .lora import AdapterReceiver, AdapterSender, materialize_adapter
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -46,6 +52,10 @@ __all__ = [
     "PublishStats",
     "UpdatePlan",
     "UpdateStats",
+    # LoRA adapters
+    "AdapterSender",
+    "AdapterReceiver",
+    "materialize_adapter",
     # targets
     "Target",
     "ModuleTarget",
@@ -78,6 +88,9 @@ __all__ = [
     "ObjectNotFoundError",
     "TransientStoreError",
     "PublishError",
+    "EpisodeError",
+    "RolloutServiceError",
+    "ServiceClosedError",
 ]
 
 for _name in __all__:

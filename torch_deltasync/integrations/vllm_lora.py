@@ -96,7 +96,7 @@ def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dic
     def unload(name: str, lora_id: int) -> None:
         llm.llm_engine.remove_lora(lora_id)
 
-    return {"load": load, "unload": unload}
+    return {"load": load, "unload": unload, "request": make}
 
 
 def async_llm_lora_ops(engine: Any, request_cls: Callable[..., Any] | None = None) -> dict[str, Callable]:
@@ -112,7 +112,7 @@ def async_llm_lora_ops(engine: Any, request_cls: Callable[..., Any] | None = Non
     async def unload(name: str, lora_id: int) -> None:
         await engine.remove_lora(lora_id)
 
-    return {"load": load, "unload": unload}
+    return {"load": load, "unload": unload, "request": make}
 
 
 def server_lora_ops(base_url: str, *, api_key: str | None = None, timeout: float = 120.0) -> dict[str, Callable]:
@@ -157,8 +157,9 @@ class VLLMAdapterLoader:
     """Follows an adapter run and loads each new version into a vLLM engine as a new LoRA adapter.
 
     Args:
-        ops: the engine's load/unload steps: :func:`llm_lora_ops`, :func:`async_llm_lora_ops`
-            (then use :meth:`apoll`) or :func:`server_lora_ops`.
+        ops: the engine's steps (``"load"``, ``"unload"``, optionally ``"request"``, the request class):
+            :func:`llm_lora_ops`, :func:`async_llm_lora_ops` (then use :meth:`apoll`) or
+            :func:`server_lora_ops`.
         store: the run's store (anything :func:`~torch_deltasync.open_store` accepts).
         prefix: the run's sub-path.
         cache_dir: where versions are materialised (on the engine's file system).
@@ -186,7 +187,7 @@ class VLLMAdapterLoader:
 
     def __init__(self, ops: dict[str, Callable], store: Any, *, prefix: str = "", cache_dir: str | Path,
                  name: str = "adapter", id_offset: int = 1, keep: int = 2, base_model_name_or_path: str | None = None,
-                 request_cls: Callable[..., Any] | None = None, **receiver_kwargs: Any) -> None:
+                 **receiver_kwargs: Any) -> None:
         from ..lora import AdapterReceiver
 
         if keep < 1:
@@ -202,7 +203,6 @@ class VLLMAdapterLoader:
         self.id_offset = id_offset
         self.keep = keep
         self.base_model_name_or_path = base_model_name_or_path
-        self._request_cls = request_cls
         self.loaded: list[LoadedAdapter] = []
 
     @property
@@ -210,7 +210,8 @@ class VLLMAdapterLoader:
         return self.loaded[-1] if self.loaded else None
 
     def lora_request(self) -> Any:
-        """A ``LoRARequest`` for the current version (offline ``LLM`` / ``AsyncLLM`` generate calls).
+        """A ``LoRARequest`` for the current version (offline ``LLM`` / ``AsyncLLM`` generate calls;
+        over HTTP, pass ``current.lora_name`` as the request's ``model`` instead).
 
         Raises:
             DeltaSyncError: nothing loaded yet.
@@ -218,7 +219,7 @@ class VLLMAdapterLoader:
         cur = self.current
         if cur is None:
             raise DeltaSyncError("no adapter version is loaded yet; call poll() or wait() first")
-        make = self._request_cls or _lora_request_cls()
+        make = self.ops.get("request") or _lora_request_cls()
         return make(lora_name=cur.lora_name, lora_int_id=cur.lora_int_id, lora_path=cur.path)
 
     def _fetch_newer(self) -> tuple[int, Path, float] | None:
