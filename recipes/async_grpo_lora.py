@@ -317,7 +317,8 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
             lag = td["lag"].float()
             row = {
                 "step": step, "version": version, "kind": sender.last_stats.kind,
-                "adapter_nbytes": sender.last_stats.nbytes, "full_adapter_nbytes": sender.last_stats.full_nbytes,
+                "adapter_nbytes": sender.last_stats.nbytes, "adapter_objects_nbytes": versions[-1]["objects_nbytes"],
+                "full_adapter_nbytes": sender.last_stats.full_nbytes,
                 "density": sender.last_stats.density, "reward_mean": float(td["reward"].mean()),
                 "loss": float(loss.detach()), **st, "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
                 "policy_versions": sorted(set(td["policy_version"].tolist())),
@@ -354,8 +355,13 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
 
 
 def _version_row(sender) -> dict:
+    """One published version: ``nbytes`` = its objects + manifest (what a publish uploads),
+    ``objects_nbytes`` = the adapter objects alone, ``full_nbytes`` = the adapter in bf16."""
+    from torch_deltasync.manifest import load_manifest
+
     st = sender.last_stats
-    return {"version": st.version, "kind": st.kind, "nbytes": st.nbytes, "full_nbytes": st.full_nbytes,
+    return {"version": st.version, "kind": st.kind, "nbytes": st.nbytes,
+            "objects_nbytes": load_manifest(sender.store, st.version).nbytes, "full_nbytes": st.full_nbytes,
             "density": st.density}
 
 
@@ -371,6 +377,7 @@ def _summary(args, rows, versions, service, exact, workers) -> dict:
         "reward_last": sum(r["reward_mean"] for r in rows[-k:]) / k,
         "reward_window_steps": k,
         "adapter_bytes_per_version": [[v["version"], v["kind"], v["nbytes"]] for v in versions],
+        "adapter_object_bytes_mean": sum(v["objects_nbytes"] for v in versions) / len(versions),
         "adapter_full_nbytes": versions[0]["full_nbytes"],
         "adapter_bytes_mean": sum(v["nbytes"] for v in versions) / len(versions),
         "adapter_bytes_by_kind": {kd: {"versions": len(b), "mean_nbytes": sum(b) / len(b)} for kd, b in by_kind.items()},
@@ -512,8 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     _plot(run_dir, rows, summary)
     e = summary["episodes"]
     print(f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} (first/last {summary['reward_window_steps']} steps)")
-    print(f"adapter bytes per version: mean {summary['adapter_bytes_mean']:,.0f} of a full {summary['adapter_full_nbytes']:,} "
-          f"(by kind: {json.dumps(summary['adapter_bytes_by_kind'])})")
+    print(f"adapter bytes per version: mean {summary['adapter_bytes_mean']:,.0f} published (objects "
+          f"{summary['adapter_object_bytes_mean']:,.0f} + manifest) for a {summary['adapter_full_nbytes']:,}-byte bf16 "
+          f"adapter; by kind: {json.dumps(summary['adapter_bytes_by_kind'])}")
     print(f"lag: mean {summary['lag_mean']:.2f}, max {summary['lag_max']} (threshold {summary['max_lag_allowed']})")
     print(f"episodes: {e['accepted']} accepted = {e['sampled']} sampled + {e['dropped_stale']} dropped stale + "
           f"{e['evicted']} evicted + {e['size']} left (unaccounted {e['unaccounted']}); "
