@@ -284,8 +284,6 @@ def _serve_buffer(args: argparse.Namespace) -> int:
         max_episodes_per_post=args.max_episodes_per_post, max_body_bytes=args.max_body_bytes,
         retry_after_s=args.retry_after, token=token or None,
     )
-    print(f"rollout service on http://{args.host}:{args.port} ({'token required' if config.token else 'open'} "
-          f"for writes): capacity {config.capacity}, max lag {config.max_lag}, on full: {config.on_full}", flush=True)
     serve(config, host=args.host, port=args.port, log_level=args.log_level, port_file=args.port_file)
     return 0
 

@@ -731,9 +731,12 @@ def serve(config: RolloutServiceConfig, *, host: str = "127.0.0.1", port: int = 
     """
     sock = _bind(host, port)
     server, _ = _server(config, log_level)
+    bound = sock.getsockname()[1]
+    print(f"rollout service on http://{host}:{bound} ({'token required' if config.token else 'open'} for writes): "
+          f"capacity {config.capacity}, max lag {config.max_lag}, on full: {config.on_full}", flush=True)
     if port_file:
         with open(port_file, "w") as f:
-            f.write(str(sock.getsockname()[1]))
+            f.write(str(bound))
     server.run(sockets=[sock])
 
 
