@@ -380,7 +380,7 @@ def _summary(args, rows, versions, service, exact, workers) -> dict:
         "adapter_full_nbytes": versions[0]["full_nbytes"],
         "adapter_bytes_mean": sum(v["nbytes"] for v in versions) / len(versions),
         "adapter_bytes_by_kind": {kd: {"versions": len(b), "mean_nbytes": sum(b) / len(b)} for kd, b in by_kind.items()},
-        "lag_mean": sum(lags) / len(lags), "lag_max": max(r["lag_max"] for r in rows), "max_lag_allowed": args.max_lag,
+        "lag_mean": sum(lags) / len(lags), "lag_max": max(r["lag_max"] for r in rows), "max_lag_allowed": service["max_lag"],
         "ratio_mean": sum(r["ratio_mean"] for r in rows) / len(rows),
         "clip_frac_mean": sum(r["clip_frac"] for r in rows) / len(rows),
         "episodes": {k2: service[k2] for k2 in ("accepted", "sampled", "dropped_stale", "dropped_stale_on_arrival",
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{e['rejected_full']} refused while full (429)")
     print(f"final adapter bit-exact after materialise + PeftModel.from_pretrained: {summary['final_adapter_bit_exact']}")
     print(json.dumps({"summary": str(run_dir / "summary.json")}))
-    ok = summary["final_adapter_bit_exact"] and e["unaccounted"] == 0 and summary["lag_max"] <= args.max_lag
+    ok = summary["final_adapter_bit_exact"] and e["unaccounted"] == 0 and summary["lag_max"] <= summary["max_lag_allowed"]
     return 0 if ok else 1
 
 
