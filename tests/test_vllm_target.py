@@ -66,9 +66,9 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return [f"{n}: {int((a[n] != b[n]).sum())} of {a[n].numel()}" for n in a if not torch.equal(a[n], b[n])]
 
 
-def _train_and_publish(hf, store, steps: int, *, lr: float = 1e-3, seed: int = 0):
+def _train_and_publish(hf, store, steps: int, *, lr: float = 1e-3, seed: int = 0, codec: str = "packed"):
     """Anchor, then ``steps`` real Adam steps each published as a delta; returns the versions."""
-    sender = DeltaSender(hf, store, anchor_every=1000)
+    sender = DeltaSender(hf, store, anchor_every=1000, codec=codec)
     versions = [sender.publish()]
     opt = torch.optim.Adam(hf.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed)
@@ -279,7 +279,7 @@ def published_qwen2(tmp_path):
     hf = hf_model(spec, seed=5)
     store = LocalStore(tmp_path / "bucket")
     anchor_state = _bf16_state(hf)
-    v = _train_and_publish(hf, store, steps=1)
+    v = _train_and_publish(hf, store, steps=1, codec="raw")  # the forgery below edits raw indices
     vc = vllm_config(spec, tmp_path / "cfg")
     return spec, store, anchor_state, v, vc
 

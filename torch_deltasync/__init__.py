@@ -31,6 +31,7 @@ from .retention import RetentionPolicy, collect_garbage
 # Detection, codecs, wire format
 from .detect import ChangeDetector, Changes
 from .codec import Codec, TensorDelta, codec_names, get_codec, register_codec
+from .packed import PackedCodec
 from .layout import TensorSlice
 from .manifest import Manifest
 
@@ -72,6 +73,7 @@ __all__ = [
     "Changes",
     "Codec",
     "TensorDelta",
+    "PackedCodec",
     "register_codec",
     "get_codec",
     "codec_names",

@@ -207,7 +207,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--anchor-every", type=int, default=10)
     p.add_argument("--bucket", default=None, help="local bucket folder (default: a new one under --run-dir)")
-    p.add_argument("--codec", default=None)
+    p.add_argument("--codec", default=None, help="delta codec (default: the sender's, packed)")
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
 

@@ -152,7 +152,10 @@ def _concat(parts: list[TensorDelta], what: str) -> TensorDelta:
     pos, order = torch.sort(pos)
     if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
         raise CorruptObjectError(f"{what}: two objects change the same element")
-    return TensorDelta(pos, val[order], None if steps is None else steps[order], None if rel is None else rel[order])
+    # Partial checksums of disjoint position sets add up (mod 2**64) to the checksum of the union.
+    base = combine(*(p.base_checksum for p in parts)) if all(p.base_checksum is not None for p in parts) else None
+    return TensorDelta(pos, val[order], None if steps is None else steps[order], None if rel is None else rel[order],
+                       base)
 
 
 class DeltaReceiver:

@@ -260,7 +260,8 @@ class DeltaSender:
         inference_dtype: dtype receivers serve (bf16 default; fp16, fp32 work too).
         snapshot_device: where the last-published snapshot lives: ``None`` = each tensor's device,
             ``"cpu"`` = (pinned) host memory. Costs ``element_size`` bytes per element.
-        codec: name of the delta codec (see :func:`torch_deltasync.codec.codec_names`).
+        codec: name of the delta codec (see :func:`torch_deltasync.codec.codec_names`): ``"packed"``
+            (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes).
         background: default for ``publish(background=...)``.
         run_id: identifies this writer in manifests (random by default).
         metrics_path: append one JSON line of :class:`PublishStats` per published version.
@@ -290,7 +291,7 @@ class DeltaSender:
         anchor_policy: AnchorPolicy | None = None,
         inference_dtype: torch.dtype | str = torch.bfloat16,
         snapshot_device: torch.device | str | None = None,
-        codec: str = "raw",
+        codec: str = "packed",
         background: bool = False,
         run_id: str | None = None,
         metrics_path: str | Path | None = None,
