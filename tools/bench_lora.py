@@ -9,6 +9,8 @@ lockstep (same weights, own snapshots, own stores):
 * ``by_size``: :class:`~torch_deltasync.lora.AdapterSender`'s default (``max_delta_ratio=1.0``,
   ``chain_ratio=1.0``): a delta when it is smaller than the adapter, else the adapter.
 
+Each configuration runs with every codec in ``--codecs`` (``packed``, the library default:
+gap-coded positions and step-coded values with zstd; ``raw``: 4 + 2 bytes per changed bf16 element).
 The baseline is the seed system's: upload ``adapter_model.safetensors`` (the bf16 adapter, as
 ``safetensors.torch.save`` writes it) every version. Published bytes count objects and manifest.
 
@@ -18,7 +20,7 @@ Two starts: ``fresh`` (PEFT's initialisation, ``lora_B = 0``: the first steps of
 versions 1..steps) and the ratio of each policy to ``full`` in the same run, and what a follower
 that holds the previous version downloads (the receiver plans the cheapest path).
 
-Run (about a minute on 2 cores)::
+Run (about two minutes on 2 cores)::
 
     PYTHONPATH=. python tools/bench_lora.py --size small --rank 16 --steps 12
 
@@ -36,7 +38,7 @@ from statistics import median
 import torch
 
 
-def _run(size: str, rank: int, lr: float, steps: int, start: str, root: Path) -> dict:
+def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, root: Path) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from torch_deltasync import AdapterReceiver, AdapterSender, AnchorPolicy, LocalStore
@@ -53,7 +55,7 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, root: Path) ->
                     p.normal_(0, 0.02)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     policies = {"delta": AnchorPolicy(every=None), "by_size": None}
-    senders = {k: AdapterSender(model, LocalStore(root / k, fsync=False), anchor_policy=p)
+    senders = {k: AdapterSender(model, LocalStore(root / k, fsync=False), anchor_policy=p, codec=codec)
                for k, p in policies.items()}
     follower = AdapterReceiver(None, LocalStore(root / "by_size", fsync=False))
     gen = torch.Generator().manual_seed(0)
@@ -76,7 +78,7 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, root: Path) ->
     med = {k: median(st.nbytes for st in r[1:]) for k, r in rows.items()}
     med["file"] = file_nbytes
     return {
-        "size": size, "rank": rank, "lr": lr, "start": start, "steps": steps,
+        "size": size, "rank": rank, "lr": lr, "start": start, "codec": codec, "steps": steps,
         "adapter_params": rows["delta"][0].numel, "adapter_bf16_nbytes": full_nbytes,
         "density_median": median(st.changed / st.numel for st in rows["delta"][1:]),
         "by_size_kinds": [st.kind for st in rows["by_size"]],
@@ -93,30 +95,32 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--lrs", default="1e-6,1e-5,1e-4,1e-3")
+    p.add_argument("--codecs", default="packed,raw", help="delta codecs to compare (packed is the default)")
     p.add_argument("--metrics", default="runs/bench/lora.jsonl")
     args = p.parse_args()
     torch.set_num_threads(1)
     Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
     out = []
     with open(args.metrics, "w") as f:
-        for start in ("fresh", "trained"):
-            for lr in (float(x) for x in args.lrs.split(",")):
-                with tempfile.TemporaryDirectory() as d:
-                    r = _run(args.size, args.rank, lr, args.steps, start, Path(d))
-                f.write(json.dumps(r) + "\n")
-                f.flush()
-                out.append(r)
-                print(f"{start:8s} lr {lr:7.0e}: density {r['density_median']:.3f}", flush=True)
+        for codec in args.codecs.split(","):
+            for start in ("fresh", "trained"):
+                for lr in (float(x) for x in args.lrs.split(",")):
+                    with tempfile.TemporaryDirectory() as d:
+                        r = _run(args.size, args.rank, lr, args.steps, start, codec, Path(d))
+                    f.write(json.dumps(r) + "\n")
+                    f.flush()
+                    out.append(r)
+                    print(f"{codec:6s} {start:8s} lr {lr:7.0e}: density {r['density_median']:.3f}", flush=True)
     r0 = out[0]
     print(f"\nmodel {args.size}, LoRA r={args.rank}: {r0['adapter_params']:,} adapter parameters, "
           f"{r0['adapter_bf16_nbytes']:,} B in bf16; median over versions 1..{args.steps}\n")
-    print("| start | lr | bf16 density | adapter file B (baseline) | delta-only B/version | by-size B/version | "
+    print("| codec | start | lr | bf16 density | adapter file B (baseline) | delta-only B/version | by-size B/version | "
           "delta-only / file | by-size / file | follower download / file | by-size kinds (v1..) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in out:
         m, q = r["nbytes_median"], r["ratio_to_file"]
         kinds = "".join("A" if k == "anchor" else "d" for k in r["by_size_kinds"][1:])
-        print(f"| {r['start']} | {r['lr']:.0e} | {r['density_median']:.3f} | {m['file']:,.0f} | {m['delta']:,.0f} | "
+        print(f"| {r['codec']} | {r['start']} | {r['lr']:.0e} | {r['density_median']:.3f} | {m['file']:,.0f} | {m['delta']:,.0f} | "
               f"{m['by_size']:,.0f} | {q['delta']:.2f} | {q['by_size']:.2f} | {r['follower_ratio_to_file']:.2f} | `{kinds}` |")
 
 if __name__ == "__main__":

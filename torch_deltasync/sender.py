@@ -74,12 +74,14 @@ class AnchorPolicy:
 
     max_delta_ratio: float | None = None
     """Decided per version, after change detection: publish a full anchor *without* a delta when this
-    version's delta would take at least ``max_delta_ratio`` times the bytes of a full copy (e.g. ``1.0``:
-    never ship a delta larger than the weights). The delta size is the ``raw`` codec's, ``changed x
-    (index bytes + value bytes)`` (4 or 8 + 2 bytes per bf16 element, so ``1.0`` fires at about 1/3
-    density); compact codecs ship less, so this over-estimates them. Dense updates are the norm for
-    LoRA adapters at RL learning rates (``docs/lora.md``). With several ranks, one dense rank makes
-    the version an anchor on all. ``None``: off."""
+    version's delta, as the sender's codec encodes it (the bytes of its encoded tensors), would take at
+    least ``max_delta_ratio`` times the bytes of a full copy in the inference dtype (e.g. ``1.0``:
+    never ship a delta larger than the weights; with the ``raw`` codec, 4 + 2 bytes per changed bf16
+    element, that is about 1/3 density). An anchor due by ``every`` / ``chain_ratio`` then drops the
+    delta it would carry, too. The delta is then encoded in ``publish()`` itself (also
+    with ``background=True``; the upload stays in the background). Dense updates are the norm for
+    LoRA adapters (``docs/lora.md``). With several ranks, one rank over the ratio makes the version
+    an anchor on all. ``None``: off."""
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 0:
@@ -242,6 +244,7 @@ class _Job:
     anchors: dict[str, torch.Tensor] = field(default_factory=dict)
     partials: dict[str, int] = field(default_factory=dict)  # name -> local partial checksum after v
     counts: dict[str, int] = field(default_factory=dict)  # name -> changed elements (local, uploaded)
+    delta_parts: dict[str, dict[str, torch.Tensor]] | None = None  # encoded early (max_delta_ratio)
     stats: PublishStats | None = None
 
 
@@ -540,27 +543,32 @@ class DeltaSender:
         return added
 
     def _delta_too_large(self, job: _Job) -> bool:
-        """Whether this rank's delta of ``job`` reaches ``max_delta_ratio`` x its full bytes (raw sizes)."""
-        if job.kind != "delta":
+        """Whether this rank's encoded delta of ``job`` (a delta, or an anchor that would carry one)
+        reaches ``max_delta_ratio`` x the bytes of its blocks in the inference dtype. Encodes the
+        delta now (on the caller's thread); the upload reuses it."""
+        if job.base_version is None:
             return False
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        delta = full = 0
-        for s in job.sources:
-            if s.upload:
-                full += s.slice.numel * itemsize
-                delta += job.counts.get(s.name, 0) * ((4 if s.slice.global_numel < 2**31 else 8) + itemsize)
-        return full > 0 and delta >= self.policy.max_delta_ratio * full
+        full = sum(s.slice.numel * itemsize for s in job.sources if s.upload)
+        if not full:
+            return False
+        delta = sum(t.numel() * t.element_size() for parts in self._delta_parts(job).values() for t in parts.values())
+        return delta >= self.policy.max_delta_ratio * full
 
     def _convert_to_anchor(self, job: _Job) -> None:
-        """Turn a detected delta into an anchor without a delta (``AnchorPolicy.max_delta_ratio``). The
-        live weights are still those detection read, so the cast blocks are exactly that state, whose
-        checksums the detection already computed (``job.partials`` stays)."""
-        if job.kind == "anchor":
-            return
-        job.kind, job.base_version, job.anchor_version = "anchor", None, job.version
-        job.counts, job.changes, job.global_positions = {}, {}, {}
-        job.stats.kind, job.stats.base_version = "anchor", None
-        job.stats.changed = self._cast_anchors(job, whole=True)
+        """Publish ``job`` as an anchor without a delta (``AnchorPolicy.max_delta_ratio``): a delta
+        becomes an anchor, an anchor drops the delta it would carry. The live weights are still
+        those detection read, so the cast blocks are exactly that state, whose checksums the
+        detection already computed (``job.partials`` stays)."""
+        if job.kind == "delta":
+            job.kind, job.anchor_version = "anchor", job.version
+            job.stats.kind = "anchor"
+            self._cast_anchors(job, whole=True)  # every uploaded block counts whole
+        else:
+            job.counts.update({s.name: s.slice.numel for s in job.sources if s.upload})
+        job.base_version, job.changes, job.global_positions, job.delta_parts = None, {}, {}, None
+        job.stats.base_version = None
+        job.stats.changed = sum(job.counts.values())
 
     def _encode(self, job: _Job) -> list[tuple[str, bytes]]:
         """This rank's objects for ``job`` as ``[(kind, bytes)]`` (empty when it uploads nothing)."""
@@ -575,17 +583,20 @@ class DeltaSender:
             out.append(("delta", self._encode_delta(job)))
         return out
 
+    def _delta_parts(self, job: _Job) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's changed tensors of ``job``, encoded by the codec: ``{name: {part: tensor}}``."""
+        if job.delta_parts is None:
+            job.delta_parts = {
+                s.name: self.codec.encode(job.global_positions[s.name], job.changes[s.name].values,
+                                          job.changes[s.name].old_values, numel=s.slice.global_numel)
+                for s in job.sources if s.upload and job.counts.get(s.name)
+            }
+        return job.delta_parts
+
     def _encode_delta(self, job: _Job) -> bytes:
         g = self.group
-        parts, counts = {}, {}
-        for s in job.sources:
-            if not s.upload or not job.counts.get(s.name):
-                continue
-            ch = job.changes[s.name]
-            parts[s.name] = self.codec.encode(
-                job.global_positions[s.name], ch.values, ch.old_values, numel=s.slice.global_numel
-            )
-            counts[s.name] = ch.numel
+        parts = self._delta_parts(job)
+        counts = {name: job.changes[name].numel for name in parts}
         return encode_delta(parts, counts, version=job.version, base_version=job.base_version,
                             codec=self.codec.name, dtype=self.dtype, rank=g.rank, world=g.world)
 
