@@ -7,7 +7,8 @@ lockstep (same weights, own snapshots, own stores):
 
 * ``delta``: every version a delta (``AnchorPolicy(every=None)``);
 * ``by_size``: :class:`~torch_deltasync.lora.AdapterSender`'s default (``max_delta_ratio=1.0``,
-  ``chain_ratio=1.0``): a delta when it is smaller than the adapter, else the adapter.
+  ``chain_ratio=2.0``): a delta when it is smaller than the adapter, else the adapter, and a full
+  adapter (carrying its delta) once the deltas since the last one add up to twice its size.
 
 Each configuration runs with every codec in ``--codecs`` (``packed``, the library default:
 gap-coded positions and step-coded values with zstd; ``raw``: 4 + 2 bytes per changed bf16 element).
@@ -16,13 +17,13 @@ The baseline is the seed system's: upload ``adapter_model.safetensors`` (the bf1
 
 Two starts: ``fresh`` (PEFT's initialisation, ``lora_B = 0``: the first steps of a run) and
 ``trained`` (``lora_B ~ N(0, 0.02)``: an adapter well into a run). It reports the bf16 density
-(elements whose bf16 bits changed per version), bytes per version (objects + manifest, median over
-versions 1..steps) and the ratio of each policy to ``full`` in the same run, and what a follower
+(elements whose bf16 bits changed per version), bytes per version (objects + manifest, mean over
+versions 1..steps: the upload bandwidth) and the ratio of each policy to ``full`` in the same run, and what a follower
 that holds the previous version downloads (the receiver plans the cheapest path).
 
 Run (about two minutes on 2 cores)::
 
-    PYTHONPATH=. python tools/bench_lora.py --size small --rank 16 --steps 12
+    PYTHONPATH=. python tools/bench_lora.py --size small --rank 16 --steps 24
 
 Writes every record to ``--metrics`` (JSONL).
 """
@@ -33,12 +34,13 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 
 import torch
 
 
-def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, root: Path) -> dict:
+def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, root: Path,
+         chain_ratio: float | None = None) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from torch_deltasync import AdapterReceiver, AdapterSender, AnchorPolicy, LocalStore
@@ -54,7 +56,8 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, ro
                 if "lora_B" in n:
                     p.normal_(0, 0.02)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    policies = {"delta": AnchorPolicy(every=None), "by_size": None}
+    by_size = None if chain_ratio is None else AnchorPolicy(every=None, chain_ratio=chain_ratio, max_delta_ratio=1.0)
+    policies = {"delta": AnchorPolicy(every=None), "by_size": by_size}
     senders = {k: AdapterSender(model, LocalStore(root / k, fsync=False), anchor_policy=p, codec=codec)
                for k, p in policies.items()}
     follower = AdapterReceiver(None, LocalStore(root / "by_size", fsync=False))
@@ -75,7 +78,7 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, ro
 
     full_nbytes = rows["delta"][0].full_nbytes
     file_nbytes = len(save({n: t.detach().to(torch.bfloat16).contiguous() for n, t in adapter_state_dict(model).items()}))
-    med = {k: median(st.nbytes for st in r[1:]) for k, r in rows.items()}
+    med = {k: mean(st.nbytes for st in r[1:]) for k, r in rows.items()}
     med["file"] = file_nbytes
     return {
         "size": size, "rank": rank, "lr": lr, "start": start, "codec": codec, "steps": steps,
@@ -84,8 +87,8 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, ro
         "by_size_kinds": [st.kind for st in rows["by_size"]],
         "nbytes_median": med,
         "ratio_to_file": {k: med[k] / file_nbytes for k in med},
-        "follower_nbytes_median": median(follow[1:]),
-        "follower_ratio_to_file": median(follow[1:]) / file_nbytes,
+        "follower_nbytes_mean": mean(follow[1:]),
+        "follower_ratio_to_file": mean(follow[1:]) / file_nbytes,
     }
 
 
@@ -93,9 +96,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="small")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--lrs", default="1e-6,1e-5,1e-4,1e-3")
     p.add_argument("--codecs", default="packed,raw", help="delta codecs to compare (packed is the default)")
+    p.add_argument("--chain-ratio", type=float, default=None, help="override the by-size policy's chain_ratio")
     p.add_argument("--metrics", default="runs/bench/lora.jsonl")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -106,14 +110,14 @@ def main() -> None:
             for start in ("fresh", "trained"):
                 for lr in (float(x) for x in args.lrs.split(",")):
                     with tempfile.TemporaryDirectory() as d:
-                        r = _run(args.size, args.rank, lr, args.steps, start, codec, Path(d))
+                        r = _run(args.size, args.rank, lr, args.steps, start, codec, Path(d), args.chain_ratio)
                     f.write(json.dumps(r) + "\n")
                     f.flush()
                     out.append(r)
                     print(f"{codec:6s} {start:8s} lr {lr:7.0e}: density {r['density_median']:.3f}", flush=True)
     r0 = out[0]
     print(f"\nmodel {args.size}, LoRA r={args.rank}: {r0['adapter_params']:,} adapter parameters, "
-          f"{r0['adapter_bf16_nbytes']:,} B in bf16; median over versions 1..{args.steps}\n")
+          f"{r0['adapter_bf16_nbytes']:,} B in bf16; density: median, bytes: mean over versions 1..{args.steps}\n")
     print("| codec | start | lr | bf16 density | adapter file B (baseline) | delta-only B/version | by-size B/version | "
           "delta-only / file | by-size / file | follower download / file | by-size kinds (v1..) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")

@@ -15,9 +15,10 @@ types, ``peft_type``, ranks against the published shapes) and never unpickle any
 
 Adapters change densely: at the learning rates LoRA is trained with, most adapter elements change
 their bf16 bits every step (``lora_B`` starts at zero), and a raw delta costs 6 bytes per changed
-bf16 element against 2 for a full copy. So :class:`AdapterSender` uses
-``AnchorPolicy(max_delta_ratio=1.0)`` by default: each version ships as a delta when that is
-smaller than the adapter and as a full adapter otherwise; receivers download the cheaper path.
+bf16 element with the ``raw`` codec against 2 for a full copy (``packed``, the default codec, stores
+the small Adam steps in far fewer). So :class:`AdapterSender` uses ``AnchorPolicy(max_delta_ratio=1.0)``
+by default: each version ships as a delta when that is smaller than the adapter and as a full adapter
+otherwise; receivers download the cheaper path.
 
 Pieces:
 
@@ -299,9 +300,10 @@ class AdapterSender(DeltaSender):
         store: a store or anything :func:`~torch_deltasync.open_store` accepts.
         adapter_name: which adapter to publish.
         prefix: the run's sub-path in the store.
-        anchor_policy: default ``AnchorPolicy(every=None, chain_ratio=1.0, max_delta_ratio=1.0)``:
+        anchor_policy: default ``AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)``:
             a version is a delta when that is smaller than a full adapter, else a full adapter;
-            and a fresh receiver never downloads more than about two adapters' worth.
+            and a receiver that joins late never downloads more than about three adapters' worth
+            (a lower ``chain_ratio`` lowers that bound and costs upload bytes: ``docs/lora.md``).
         kwargs: any other :class:`~torch_deltasync.DeltaSender` argument (``inference_dtype``:
             bf16 by default; ``torch.float32`` ships the fp32 factors exactly).
 
@@ -325,7 +327,7 @@ class AdapterSender(DeltaSender):
         config = _peft_config(model, adapter_name)
         self.peft_model = model
         self.adapter_name = adapter_name
-        policy = anchor_policy or AnchorPolicy(every=None, chain_ratio=1.0, max_delta_ratio=1.0)
+        policy = anchor_policy or AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)
         super().__init__(lambda: adapter_state_dict(model, adapter_name), store, prefix=prefix,
                          anchor_policy=policy, **kwargs)
         self.adapter_config = config
