@@ -15,7 +15,10 @@ from .errors import (
     IncompatibleTargetError,
     ObjectExistsError,
     ObjectNotFoundError,
+    EpisodeError,
     PublishError,
+    RolloutServiceError,
+    ServiceClosedError,
     StoreError,
     SyncTimeoutError,
     TransientStoreError,
@@ -39,6 +42,9 @@ from .sender import AnchorPolicy, DeltaSender, PublishStats
 from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
 from .targets import ModuleTarget, Target, VLLMTarget
 
+# LoRA adapters (peft is imported lazily)
+from .lora import AdapterReceiver, AdapterSender, materialize_adapter
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -49,6 +55,10 @@ __all__ = [
     "PublishStats",
     "UpdatePlan",
     "UpdateStats",
+    # LoRA adapters
+    "AdapterSender",
+    "AdapterReceiver",
+    "materialize_adapter",
     # targets
     "Target",
     "ModuleTarget",
@@ -84,6 +94,9 @@ __all__ = [
     "SyncTimeoutError",
     "TransientStoreError",
     "PublishError",
+    "EpisodeError",
+    "RolloutServiceError",
+    "ServiceClosedError",
 ]
 
 for _name in __all__:

@@ -6,6 +6,7 @@
 ``deltasync gc STORE``       delete old versions under a retention policy (see retention.py)
 ``deltasync follow STORE``   apply versions as they appear; density, bytes, apply latency per update
 ``deltasync demo``           trainer + receiver process through a local bucket (see demo.py)
+``deltasync serve-buffer``   HTTP rollout service: workers POST episodes, the trainer samples
 
 ``STORE`` is anything :func:`torch_deltasync.open_store` accepts (a folder, ``file://``,
 ``memory://``, ``s3://``, ``hf://buckets/...``); ``--prefix`` selects a run inside it.
@@ -267,6 +268,46 @@ def _follow(args: argparse.Namespace) -> int:
                     max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)
     print(f"{len(report.versions)} updates, {len(report.failures)} failed")
     return 1 if report.failures else 0
+
+
+# --- serve-buffer ------------------------------------------------------------------------------
+
+
+def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (plain HTTP: loopback or a private network)")
+    p.add_argument("--port", type=int, default=8088, help="TCP port (0: any free one, see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
+    p.add_argument("--capacity", type=int, default=4096, help="episodes the ring holds")
+    p.add_argument("--max-lag", type=int, default=2, help="drop episodes more than this many versions behind the trainer")
+    p.add_argument("--on-full", choices=("reject", "evict"), default="reject",
+                   help="full ring: 429 + Retry-After (nothing lost) or evict the oldest (counted)")
+    p.add_argument("--vocab-size", type=int, default=None, help="token ids must be below this")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--max-completion-tokens", type=int, default=8192)
+    p.add_argument("--max-episodes-per-post", type=int, default=512)
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--retry-after", type=float, default=1.0, help="seconds a 429 asks producers to wait")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the shared token for write endpoints (else $DELTASYNC_BUFFER_TOKEN; "
+                        "unset: open)")
+    p.add_argument("--log-level", default="info")
+
+
+@command("serve-buffer", "HTTP rollout service: workers POST episodes, the trainer samples (FastAPI)", _serve_buffer_args)
+def _serve_buffer(args: argparse.Namespace) -> int:
+    import os
+
+    from .integrations.rollout_service import RolloutServiceConfig, serve
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("DELTASYNC_BUFFER_TOKEN")
+    config = RolloutServiceConfig(
+        capacity=args.capacity, max_lag=args.max_lag, on_full=args.on_full, vocab_size=args.vocab_size,
+        max_prompt_tokens=args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens,
+        max_episodes_per_post=args.max_episodes_per_post, max_body_bytes=args.max_body_bytes,
+        retry_after_s=args.retry_after, token=token or None,
+    )
+    serve(config, host=args.host, port=args.port, log_level=args.log_level, port_file=args.port_file)
+    return 0
 
 
 # --- entry point -------------------------------------------------------------------------------

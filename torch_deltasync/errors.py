@@ -22,6 +22,9 @@ __all__ = [
     "ObjectExistsError",
     "SyncTimeoutError",
     "TransientStoreError",
+    "EpisodeError",
+    "RolloutServiceError",
+    "ServiceClosedError",
 ]
 
 
@@ -82,3 +85,19 @@ class TransientStoreError(StoreError):
     Remote stores retry these with exponential backoff (:class:`~torch_deltasync.store.RetryPolicy`)
     and raise this error only once every attempt has failed.
     """
+
+
+class EpisodeError(DeltaSyncError, ValueError):
+    """A rollout episode (or a batch of them) posted to the rollout service is malformed: a missing
+    or unknown field, a wrong type, a token outside the vocabulary, a length over the limit, or
+    log-probs that do not match the completion. The message names the episode index and the field.
+    Nothing of the batch is stored."""
+
+
+class RolloutServiceError(DeltaSyncError, RuntimeError):
+    """The rollout service refused a request or could not be reached; the message has the HTTP status
+    and the service's own explanation."""
+
+
+class ServiceClosedError(RolloutServiceError):
+    """The rollout service was closed by the trainer (HTTP 410): rollout workers should stop."""

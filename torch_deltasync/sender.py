@@ -75,6 +75,17 @@ class AnchorPolicy:
     ``chain_ratio`` times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
     anchors' worth). ``None``: off."""
 
+    max_delta_ratio: float | None = None
+    """Decided per version, after change detection: publish a full anchor *without* a delta when this
+    version's delta, as the sender's codec encodes it (the bytes of its encoded tensors), would take at
+    least ``max_delta_ratio`` times the bytes of a full copy in the inference dtype (e.g. ``1.0``:
+    never ship a delta larger than the weights; with the ``raw`` codec, 4 + 2 bytes per changed bf16
+    element, that is about 1/3 density). An anchor due by ``every`` / ``chain_ratio`` then drops the
+    delta it would carry, too. The delta is then encoded in ``publish()`` itself (also
+    with ``background=True``; the upload stays in the background). Dense updates are the norm for
+    LoRA adapters (``docs/lora.md``). With several ranks, one rank over the ratio makes the version
+    an anchor on all. ``None``: off."""
+
     def __post_init__(self) -> None:
         if self.every is not None and (type(self.every) is not int):
             raise TypeError(f"AnchorPolicy.every must be an int or None, got {self.every!r}")
@@ -82,6 +93,8 @@ class AnchorPolicy:
             raise ValueError(f"AnchorPolicy.every must be >= 0 or None, got {self.every}")
         if self.chain_ratio is not None and not self.chain_ratio > 0:
             raise ValueError(f"AnchorPolicy.chain_ratio must be > 0 or None, got {self.chain_ratio}")
+        if self.max_delta_ratio is not None and not self.max_delta_ratio > 0:
+            raise ValueError(f"AnchorPolicy.max_delta_ratio must be > 0 or None, got {self.max_delta_ratio}")
 
     def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
         if self.every and version - last_anchor >= self.every:
@@ -236,6 +249,7 @@ class _Job:
     anchors: dict[str, torch.Tensor] = field(default_factory=dict)
     partials: dict[str, int] = field(default_factory=dict)  # name -> local partial checksum after v
     counts: dict[str, int] = field(default_factory=dict)  # name -> changed elements (local, uploaded)
+    delta_parts: dict[str, dict[str, torch.Tensor]] | None = None  # encoded early (max_delta_ratio)
     stats: PublishStats | None = None
 
 
@@ -389,12 +403,23 @@ class DeltaSender:
                 f"{MAX_VERSION}; publish this run under a new prefix"
             )
         self._next_version += 1  # burned whatever happens
+        job, error = None, None
         try:
             job = self._prepare(version)
         except Exception as e:  # noqa: BLE001 - the other ranks must still hear about it
-            err = self._abort(version, e)
+            error = e
+        if self.policy.max_delta_ratio is not None:
+            # One collective per publish on every rank, also on a rank whose _prepare failed, so the
+            # collectives of _abort / _finish that follow still line up.
+            if self.group.any(job is not None and self._delta_too_large(job)) and job is not None:
+                try:
+                    self._convert_to_anchor(job)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        if error is not None:
+            err = self._abort(version, error)
             if not background:
-                raise err from e
+                raise err from error
             with self._lock:
                 self._error = err  # reported by the next publish()/flush(), as on the other ranks
             return version
@@ -519,13 +544,8 @@ class DeltaSender:
                     job.counts[src.name] = ch.numel
                     changed += ch.numel
                 job.changes[src.name] = ch
-            if kind == "anchor":
-                block = det.cast(src.local)
-                job.anchors[src.name] = block
-                if src.name not in job.partials and src.upload:
-                    job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
-                    job.counts[src.name] = src.slice.numel
-                    changed += src.slice.numel
+        if kind == "anchor":
+            changed += self._cast_anchors(job)
         job.stats = PublishStats(
             version=version, kind=kind, base_version=job.base_version, changed=changed, numel=numel,
             nbytes=0, full_nbytes=numel * torch.empty((), dtype=self.dtype).element_size(),
@@ -533,6 +553,51 @@ class DeltaSender:
         )
         self._coalesced = 0
         return job
+
+    def _cast_anchors(self, job: _Job, *, whole: bool = False) -> int:
+        """Cast every block of ``job`` for an anchor object; returns the elements newly counted as
+        changed: tensors without a detected delta (or all, with ``whole``) count whole."""
+        added = 0
+        for src in job.sources:
+            block = self.detector.cast(src.local)
+            job.anchors[src.name] = block
+            if not src.upload:
+                continue
+            if src.name not in job.partials:
+                job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
+            elif not whole:
+                continue
+            job.counts[src.name] = src.slice.numel
+            added += src.slice.numel
+        return added
+
+    def _delta_too_large(self, job: _Job) -> bool:
+        """Whether this rank's encoded delta of ``job`` (a delta, or an anchor that would carry one)
+        reaches ``max_delta_ratio`` x the bytes of its blocks in the inference dtype. Encodes the
+        delta now (on the caller's thread); the upload reuses it."""
+        if job.base_version is None:
+            return False
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        full = sum(s.slice.numel * itemsize for s in job.sources if s.upload)
+        if not full:
+            return False
+        delta = sum(t.numel() * t.element_size() for parts in self._delta_parts(job).values() for t in parts.values())
+        return delta >= self.policy.max_delta_ratio * full
+
+    def _convert_to_anchor(self, job: _Job) -> None:
+        """Publish ``job`` as an anchor without a delta (``AnchorPolicy.max_delta_ratio``): a delta
+        becomes an anchor, an anchor drops the delta it would carry. The live weights are still
+        those detection read, so the cast blocks are exactly that state, whose checksums the
+        detection already computed (``job.partials`` stays)."""
+        if job.kind == "delta":
+            job.kind, job.anchor_version = "anchor", job.version
+            job.stats.kind = "anchor"
+            self._cast_anchors(job, whole=True)  # every uploaded block counts whole
+        else:
+            job.counts.update({s.name: s.slice.numel for s in job.sources if s.upload})
+        job.base_version, job.changes, job.global_positions, job.delta_parts = None, {}, {}, None
+        job.stats.base_version = None
+        job.stats.changed = sum(job.counts.values())
 
     def _encode(self, job: _Job) -> list[tuple[str, bytes]]:
         """This rank's objects for ``job`` as ``[(kind, bytes)]`` (empty when it uploads nothing)."""
@@ -547,17 +612,20 @@ class DeltaSender:
             out.append(("delta", self._encode_delta(job)))
         return out
 
+    def _delta_parts(self, job: _Job) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's changed tensors of ``job``, encoded by the codec: ``{name: {part: tensor}}``."""
+        if job.delta_parts is None:
+            job.delta_parts = {
+                s.name: self.codec.encode(job.global_positions[s.name], job.changes[s.name].values,
+                                          job.changes[s.name].old_values, numel=s.slice.global_numel)
+                for s in job.sources if s.upload and job.counts.get(s.name)
+            }
+        return job.delta_parts
+
     def _encode_delta(self, job: _Job) -> bytes:
         g = self.group
-        parts, counts = {}, {}
-        for s in job.sources:
-            if not s.upload or not job.counts.get(s.name):
-                continue
-            ch = job.changes[s.name]
-            parts[s.name] = self.codec.encode(
-                job.global_positions[s.name], ch.values, ch.old_values, numel=s.slice.global_numel
-            )
-            counts[s.name] = ch.numel
+        parts = self._delta_parts(job)
+        counts = {name: job.changes[name].numel for name in parts}
         return encode_delta(parts, counts, version=job.version, base_version=job.base_version,
                             codec=self.codec.name, dtype=self.dtype, rank=g.rank, world=g.world)
 
