@@ -1,5 +1,5 @@
 """Unit tests of the async GRPO recipe's pieces: the versioned replay buffer (staleness accounting,
-use-once sampling, group advantages), the truncated importance-sampling weights and the GRPO
+use-once sampling, group advantages; the shared sampler itself is tested in tests/test_replay.py), the truncated importance-sampling weights and the GRPO
 objective, the task's reward and tokenizer."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from recipes.grpo.buffer import StalenessGatedSampler, VersionedReplayBuffer
+from recipes.grpo.buffer import VersionedReplayBuffer
 from recipes.grpo.loss import grpo_objective, truncated_is_weights
 from recipes.grpo.task import CharTokenizer, SortTask, sort_reward
 
@@ -85,11 +85,12 @@ class TestStaleness:
         assert sorted(b["lag"].tolist()) == [0, 0, 1, 1, 2, 2]
         assert buf.dropped_stale == 2
 
-    def test_sampler_rejects_bad_arguments(self):
+    def test_bad_arguments_and_batches_are_rejected(self):
+        # The sampler's own argument checks are in tests/test_replay.py.
         with pytest.raises(ValueError):
-            StalenessGatedSampler(-1)
+            VersionedReplayBuffer(8, max_staleness=-1, group_size=2)
         with pytest.raises(ValueError):
-            StalenessGatedSampler(1, order="lifo")
+            VersionedReplayBuffer(8, max_staleness=1, group_size=2, order="lifo")
         with pytest.raises(KeyError):
             VersionedReplayBuffer(8, max_staleness=1, group_size=2).extend(TensorDict(x=torch.zeros(2), batch_size=[2]))
 

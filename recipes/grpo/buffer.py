@@ -3,101 +3,26 @@
 Every sample carries the ``policy_version`` of the weights that generated it. The trainer samples
 with its own version ``v`` (the newest it published); a sample with ``v - policy_version >
 max_staleness`` is never trained on: it is dropped and counted (``dropped_stale``). Each sample is
-used at most once (torchrl ``ConsumingSampler``: consumed slots are rewritten first), and
-``MCAdvantage`` (torchrl's GRPO transform) turns each complete group of ``group_size`` completions
-of one prompt into group-normalised advantages as the group is written.
+used at most once (torchrl ``ConsumingSampler``: consumed slots are rewritten first). Both come from
+:class:`torch_deltasync.integrations.replay.StalenessGatedSampler` (re-exported here), the sampler
+the rollout service uses too; this buffer reads the versions from its ``LazyTensorStorage`` and
+breaks ties among equal versions at random (seeded). ``MCAdvantage`` (torchrl's GRPO transform)
+turns each complete group of ``group_size`` completions of one prompt into group-normalised
+advantages as the group is written.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.data import ConsumingSampler, LazyTensorStorage, ReplayBuffer
+from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage
+
+from torch_deltasync.integrations.replay import StalenessGatedSampler
 
 __all__ = ["StalenessGatedSampler", "VersionedReplayBuffer"]
 
 VERSION_KEY = "policy_version"
-
-
-class StalenessGatedSampler(ConsumingSampler):
-    """torchrl ``ConsumingSampler`` (each sample used once) that first drops stale samples.
-
-    Args:
-        max_staleness: samples with ``consumer_version - policy_version > max_staleness`` are
-            consumed without being returned (counted in :attr:`dropped_stale`).
-        order: ``"fifo"`` returns the oldest fresh samples first (ties in random order), so a
-            sample is trained on before it goes stale whenever the trainer keeps up; ``"random"``
-            is ``ConsumingSampler``'s uniform choice among fresh samples.
-
-    Attributes:
-        consumer_version: the trainer's version; set it before sampling.
-        dropped_stale: samples dropped so far for staleness.
-    """
-
-    def __init__(self, max_staleness: int, *, order: str = "fifo") -> None:
-        super().__init__(max_sample_count=1)
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        if order not in ("fifo", "random"):
-            raise ValueError(f"order must be 'fifo' or 'random', got {order!r}")
-        self.max_staleness = int(max_staleness)
-        self.order = order
-        self.consumer_version = 0
-        self.dropped_stale = 0
-
-    def live_index(self, storage) -> torch.Tensor:
-        """Storage indices of samples not used yet (int64 ``[k]``)."""
-        self._ensure_state(storage)
-        if self._live_mask is None:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.nonzero(self._live_mask[: self._known_storage_len], as_tuple=False).flatten()
-
-    def drop_stale(self, storage) -> int:
-        """Consume every live sample older than the staleness bound; returns how many."""
-        live = self.live_index(storage)
-        if not live.numel():
-            return 0
-        versions = storage.get(live).get(VERSION_KEY).reshape(-1)
-        stale = live[(self.consumer_version - versions) > self.max_staleness]
-        if stale.numel():
-            self._consume(stale)
-            self.dropped_stale += int(stale.numel())
-        return int(stale.numel())
-
-    def _consume(self, index: torch.Tensor) -> None:
-        # The bookkeeping ConsumingSampler.sample does for the indices it returns (with
-        # max_sample_count == 1), so the replay buffer rewrites these slots first.
-        self._sample_count[index] = self.max_sample_count
-        self._live_mask[index] = False
-        self._append_free_indices(index)
-
-    def sample(self, storage, batch_size: int):
-        self.drop_stale(storage)
-        if self.order == "random":
-            return super().sample(storage, batch_size)
-        live = self.live_index(storage)
-        if not live.numel():
-            raise RuntimeError("Cannot sample from an empty storage.")
-        live = live[torch.randperm(live.numel(), generator=self._rng)]  # random order among equals
-        versions = storage.get(live).get(VERSION_KEY).reshape(-1)
-        index = live[torch.sort(versions, stable=True).indices[:batch_size]]
-        self._consume(index)
-        self._update_remaining_batches(batch_size, storage)
-        return index, {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "max_staleness": self.max_staleness,
-                "consumer_version": self.consumer_version, "dropped_stale": self.dropped_stale}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        self.max_staleness = int(state_dict.pop("max_staleness"))
-        self.consumer_version = int(state_dict.pop("consumer_version"))
-        self.dropped_stale = int(state_dict.pop("dropped_stale"))
-        super().load_state_dict(state_dict)
 
 
 class VersionedReplayBuffer:
@@ -115,12 +40,13 @@ class VersionedReplayBuffer:
         max_staleness: the staleness bound in versions.
         group_size: completions per prompt (``MCAdvantage(grpo_size=...)``).
         seed: seeds the sampler's choice among fresh samples.
-        order: which fresh samples come first (:class:`StalenessGatedSampler`).
+        order: which fresh samples come first: ``"fifo"`` the oldest versions (ties in seeded
+            random order), ``"random"`` uniform (:class:`StalenessGatedSampler`).
     """
 
     def __init__(self, capacity: int, *, max_staleness: int, group_size: int, seed: int = 0,
                  order: str = "fifo") -> None:
-        self.sampler = StalenessGatedSampler(max_staleness, order=order)
+        self.sampler = StalenessGatedSampler(max_staleness, version_key=VERSION_KEY, order=order, ties="random")
         gen = torch.Generator().manual_seed(seed)
         self.rb = ReplayBuffer(
             storage=LazyTensorStorage(capacity),

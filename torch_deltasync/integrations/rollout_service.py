@@ -265,60 +265,16 @@ class AddResult:
         return asdict(self)
 
 
-def _make_sampler(versions: torch.Tensor, seqs: torch.Tensor):
-    """A torchrl ``ConsumingSampler`` (each episode handed out once, its slot then free for writes)
-    that returns the lowest ``(policy_version, arrival)`` first and can consume chosen slots without
-    returning them (stale drops, evictions).
-
-    torchrl 0.14's ``ConsumingSampler`` keeps its state in ``_sample_count`` / ``_live_mask`` and its
-    free list in ``_append_free_indices``; :meth:`consume` does the bookkeeping its ``sample`` does
-    for the indices it returns (with ``max_sample_count == 1``). Checked when the sampler is built.
-    """
-    from torchrl.data import ConsumingSampler
-
-    class _OldestFirstConsumingSampler(ConsumingSampler):
-        def __init__(self) -> None:
-            super().__init__(max_sample_count=1)
-            for attr in ("_ensure_state", "_append_free_indices", "_update_remaining_batches"):
-                if not hasattr(self, attr):
-                    raise RuntimeError(f"torchrl's ConsumingSampler lacks {attr}; this module needs torchrl 0.14.x")
-            self.versions, self.seqs = versions, seqs
-
-        def live_index(self, storage) -> torch.Tensor:
-            self._ensure_state(storage)
-            if self._live_mask is None:
-                return torch.zeros(0, dtype=torch.long)
-            return torch.nonzero(self._live_mask[: self._known_storage_len], as_tuple=False).flatten()
-
-        def consume(self, index: torch.Tensor) -> None:
-            if index.numel():
-                self._sample_count[index] = self.max_sample_count
-                self._live_mask[index] = False
-                self._append_free_indices(index)
-
-        def oldest(self, live: torch.Tensor, k: int) -> torch.Tensor:
-            key = self.versions[live] * (1 << 40) + self.seqs[live]  # seqs < 2**40 per service lifetime
-            return live[torch.argsort(key, stable=True)[:k]]
-
-        def sample(self, storage, batch_size: int):
-            live = self.live_index(storage)
-            if not live.numel():
-                raise RuntimeError("Cannot sample from an empty storage.")
-            index = self.oldest(live, batch_size)
-            self.consume(index)
-            self._update_remaining_batches(batch_size, storage)
-            return index, {}
-
-    return _OldestFirstConsumingSampler()
-
-
 class EpisodeBuffer:
     """The service's state: a torchrl ``ReplayBuffer`` of episodes with exact accounting.
 
     Storage is ``torchrl.data.ListStorage(capacity)`` holding one ``TensorDict`` per episode
     (``prompt`` int64 ``[P]``, ``completion`` int64 ``[T]``, ``logprobs`` float32 ``[T]``,
     ``reward`` / ``advantage`` float64 ``[]`` (JSON numbers, kept exactly), ``policy_version`` int64 ``[]``; ``group`` and
-    ``worker`` as non-tensor data), ragged across episodes. Thread-safe: every method holds one lock.
+    ``worker`` as non-tensor data), ragged across episodes. Use-once, oldest-version-first sampling,
+    stale drops and evictions are :class:`~torch_deltasync.integrations.replay.StalenessGatedSampler`
+    (versions kept in a side tensor by slot, ties in arrival order). Thread-safe: every method holds
+    one lock.
 
     Args:
         config: limits and policies (:class:`RolloutServiceConfig`).
@@ -332,37 +288,40 @@ class EpisodeBuffer:
     def __init__(self, config: RolloutServiceConfig) -> None:
         from torchrl.data import ListStorage, ReplayBuffer
 
+        from .replay import StalenessGatedSampler
+
         self.config = config
         cap = config.capacity
+        # Versions by storage slot: a ListStorage of ragged episodes cannot be read column-wise, so
+        # the sampler reads them here (written right after each ReplayBuffer.extend).
         self._versions = torch.zeros(cap, dtype=torch.int64)
-        self._seqs = torch.zeros(cap, dtype=torch.int64)
-        self.sampler = _make_sampler(self._versions, self._seqs)
+        # Oldest version first, then arrival order; the sampler's consumer_version is the trainer's.
+        self.sampler = StalenessGatedSampler(config.max_lag, versions=self._versions, order="fifo", ties="arrival")
         self.rb = ReplayBuffer(storage=ListStorage(cap), sampler=self.sampler, collate_fn=lambda x: x)
         self._lock = threading.Lock()
-        self._seq = 0
-        self.trainer_version: int | None = None
         self.closed = False
         self.started = time.time()
-        self.counts: Counter[str] = Counter()  # accepted, sampled, dropped_stale, ...
+        self.counts: Counter[str] = Counter()  # accepted, sampled, dropped_stale_on_arrival, ...
         self.lag_sampled: Counter[int] = Counter()
         self.workers: Counter[str] = Counter()
+
+    @property
+    def trainer_version(self) -> int | None:
+        """The trainer's version (``None`` until told): the sampler's ``consumer_version``."""
+        return self.sampler.consumer_version
+
+    @trainer_version.setter
+    def trainer_version(self, version: int | None) -> None:
+        self.sampler.consumer_version = version
 
     # --- internals (lock held) -------------------------------------------------------------------
 
     def _live(self) -> torch.Tensor:
-        return self.sampler.live_index(self.rb.storage) if len(self.rb.storage) else torch.zeros(0, dtype=torch.long)
+        return self.sampler.live_index(self.rb.storage)
 
-    def _stale_mask(self, versions: torch.Tensor) -> torch.Tensor:
-        if self.trainer_version is None:
-            return torch.zeros(versions.shape, dtype=torch.bool)
-        return (self.trainer_version - versions) > self.config.max_lag
-
-    def _drop_stale(self) -> int:
-        live = self._live()
-        stale = live[self._stale_mask(self._versions[live])]
-        self.sampler.consume(stale)
-        self.counts["dropped_stale"] += stale.numel()
-        return stale.numel()
+    def _dropped_stale(self) -> int:
+        """Stale drops: on arrival (never stored) plus those the sampler consumed."""
+        return self.counts["dropped_stale_on_arrival"] + self.sampler.dropped_stale
 
     @staticmethod
     def _to_td(ep: dict[str, Any]):
@@ -411,13 +370,13 @@ class EpisodeBuffer:
                 self.counts["rejected_closed"] += len(episodes)
                 raise ServiceClosedError("the rollout service is closed (the trainer finished)")
             versions = torch.tensor([ep["policy_version"] for ep in episodes], dtype=torch.int64)
-            stale = self._stale_mask(versions)
+            stale = self.sampler.stale_mask(versions)
             fresh = [ep for ep, s in zip(episodes, stale.tolist()) if not s]
             evicted = 0
             cap = self.config.capacity
             live = self._live()
             if live.numel() + len(fresh) > cap:
-                self._drop_stale()
+                self.sampler.drop_stale(self.rb.storage)
                 live = self._live()
             if len(fresh) > cap:
                 raise EpisodeError(f"a batch of {len(fresh)} fresh episodes can never fit a ring of {cap}; post fewer")
@@ -429,7 +388,7 @@ class EpisodeBuffer:
                         f"posted; retry after {self.config.retry_after_s:g} s",
                         self.config.retry_after_s,
                     )
-                victims = self.sampler.oldest(live, live.numel() + len(fresh) - cap)
+                victims = self.sampler.oldest(self.rb.storage, live.numel() + len(fresh) - cap)
                 self.sampler.consume(victims)
                 evicted = victims.numel()
                 self.counts["evicted"] += evicted
@@ -440,12 +399,9 @@ class EpisodeBuffer:
                 # torchrl writes consumed slots first, then its cursor; both must be free here.
                 assert set(written) <= free_before and len(set(written)) == len(written), "overwrote a live episode"
                 self._versions[index] = torch.tensor([ep["policy_version"] for ep in fresh], dtype=torch.int64)
-                self._seqs[index] = torch.arange(self._seq, self._seq + len(fresh), dtype=torch.int64)
-                self._seq += len(fresh)
             n_stale = len(episodes) - len(fresh)
             self.counts["accepted"] += len(episodes)
             self.counts["stored"] += len(fresh)
-            self.counts["dropped_stale"] += n_stale
             self.counts["dropped_stale_on_arrival"] += n_stale
             for ep in episodes:
                 self.workers[str(ep.get("worker", "?"))] += 1
@@ -458,7 +414,7 @@ class EpisodeBuffer:
         with self._lock:
             if self.trainer_version is None or version > self.trainer_version:
                 self.trainer_version = version
-            self._drop_stale()
+            self.sampler.drop_stale(self.rb.storage)
             return self.trainer_version
 
     def sample(self, batch_size: int, trainer_version: int | None = None) -> list[dict[str, Any]] | None:
@@ -478,7 +434,7 @@ class EpisodeBuffer:
         if trainer_version is not None:
             self.set_version(trainer_version)
         with self._lock:
-            self._drop_stale()
+            self.sampler.drop_stale(self.rb.storage)
             if self._live().numel() < batch_size:
                 return None
             tds = self.rb.sample(batch_size)
@@ -504,9 +460,9 @@ class EpisodeBuffer:
             c = self.counts
             return {
                 "accepted": c["accepted"], "stored": c["stored"], "sampled": c["sampled"],
-                "dropped_stale": c["dropped_stale"], "dropped_stale_on_arrival": c["dropped_stale_on_arrival"],
+                "dropped_stale": self._dropped_stale(), "dropped_stale_on_arrival": c["dropped_stale_on_arrival"],
                 "evicted": c["evicted"], "size": size, "capacity": self.config.capacity,
-                "unaccounted": c["accepted"] - (c["sampled"] + c["dropped_stale"] + c["evicted"] + size),
+                "unaccounted": c["accepted"] - (c["sampled"] + self._dropped_stale() + c["evicted"] + size),
                 "rejected_full": c["rejected_full"], "rejected_closed": c["rejected_closed"],
                 "trainer_version": self.trainer_version, "max_lag": self.config.max_lag,
                 "on_full": self.config.on_full, "closed": self.closed,
