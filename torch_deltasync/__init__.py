@@ -16,9 +16,11 @@ from .errors import (
     ObjectNotFoundError,
     PublishError,
     StoreError,
+    SyncTimeoutError,
     TransientStoreError,
     UnsupportedLayoutError,
     VersionNotFoundError,
+    WorkerError,
 )
 
 # Stores
@@ -77,6 +79,8 @@ __all__ = [
     "ObjectNotFoundError",
     "TransientStoreError",
     "PublishError",
+    "WorkerError",
+    "SyncTimeoutError",
 ]
 
 for _name in __all__:

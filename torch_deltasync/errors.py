@@ -20,6 +20,8 @@ __all__ = [
     "PublishError",
     "ObjectNotFoundError",
     "TransientStoreError",
+    "WorkerError",
+    "SyncTimeoutError",
 ]
 
 
@@ -72,3 +74,13 @@ class TransientStoreError(StoreError):
     Remote stores retry these with exponential backoff (:class:`~torch_deltasync.store.RetryPolicy`)
     and raise this error only once every attempt has failed.
     """
+
+
+class WorkerError(DeltaSyncError, RuntimeError):
+    """A receiver worker died, or reported that it could not apply a version (its message is
+    included; the worker keeps serving the version it held before)."""
+
+
+class SyncTimeoutError(DeltaSyncError, TimeoutError):
+    """Receivers did not confirm a version within the configured timeout (they may still be
+    downloading, be stuck, or have been started with another store or prefix)."""
