@@ -20,7 +20,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -384,7 +383,7 @@ def _collector_worker(store: str, idx: int, results, requests, seed: int) -> Non
     torch.set_num_threads(1)
     scheme = DeltaWeightSyncScheme(store, num_workers=2, inference_dtype=torch.bfloat16, receiver_dtype=torch.bfloat16)
     collector = Collector(make_env, make_policy(seed), frames_per_batch=16, total_frames=-1, track_policy_version=True,
-                          weight_recv_schemes={"policy": scheme}, worker_idx=idx)
+                          weight_recv_schemes={"policy": scheme}, worker_idx=idx, auto_register_policy_transforms=False)
     try:
         first = scheme.receiver_state()
         results.put(("joined", idx, (first["version"], first["last_update"]["path"])))
@@ -412,7 +411,7 @@ def test_collector_workers_and_late_joiner(tmp_path, fork_start):
     policy = make_policy(0)
     scheme = DeltaWeightSyncScheme(store, num_workers=2, inference_dtype=dtype, anchor_every=3, ack_timeout_s=120)
     trainer_collector = Collector(make_env, policy, frames_per_batch=16, total_frames=-1, track_policy_version=True,
-                                  weight_sync_schemes={"policy": scheme})
+                                  weight_sync_schemes={"policy": scheme}, auto_register_policy_transforms=False)
     opt = torch.optim.Adam(policy.parameters(), 1e-2)
     digests = {0: expected_digest(policy, dtype)}
     ctx = mp.get_context("fork")
@@ -668,3 +667,35 @@ def test_recipe_runs(tmp_path):
     assert [r["version"] for r in iters] == [1, 2, 3]
     assert all(r["workers_at_version"] for r in iters)
     assert rows[-1] == {"event": "verify", "version": 3, "workers_bitexact": True, "workers": [3, 3]}
+
+
+@pytest.mark.parametrize("same_weights", [True, False], ids=["copy", "other"])
+def test_policy_relocated_after_connect(tmp_path, same_weights):
+    """torchrl may copy the worker's policy to its device after connect and repoint the scheme
+    (``collectors/_runner.py``): the scheme follows the new module, which must end up bit-exact."""
+    trainer = make_policy(0)
+    sender = DeltaWeightSyncScheme(str(tmp_path), num_workers=1, ack_timeout_s=30)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    old = make_policy(1)
+    receiver = DeltaWeightSyncScheme(str(tmp_path), num_workers=1)
+    receiver.init_on_receiver(model_id="policy", model=old)
+    receiver.connect()
+    try:
+        new = copy.deepcopy(old) if same_weights else make_policy(2)
+        receiver.model = new
+        assert receiver.model is new
+        assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, 0,
+                                stored=torch.float32)
+        frozen = {n: t.clone() for n, t in old.state_dict().items()}
+        train_step(trainer, torch.optim.Adam(trainer.parameters(), 1e-2))
+        sender.send()
+        assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, 1,
+                                stored=torch.float32)
+        assert all(torch.equal(frozen[n], t) for n, t in old.state_dict().items())  # the old module is left alone
+        td = new(TensorDict({"th": torch.tensor(0.1), "thdot": torch.tensor(0.2), "policy_version": torch.tensor(0)}, []))
+        assert td["policy_version"].item() == 1  # hooks moved to the new module
+        assert not old._forward_hooks and not old._forward_pre_hooks
+    finally:
+        sender.shutdown()
+        receiver.shutdown()

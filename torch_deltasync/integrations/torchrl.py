@@ -52,7 +52,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -68,6 +68,7 @@ from ..receiver import DeltaReceiver, UpdateStats
 from ..retention import RetentionPolicy
 from ..sender import AnchorPolicy, DeltaSender
 from ..store import Store, open_store
+from ..store.base import check_key
 from ..targets import ModuleTarget, Target
 
 __all__ = ["DeltaWeightSyncScheme", "DeltaVLLMWeightSender", "named_tensors"]
@@ -404,8 +405,6 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         if num_workers is not None and num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 or None, got {num_workers}")
         if prefix is not None:
-            from ..store.base import check_key
-
             check_key(prefix, allow_empty=True)
         self.store_spec = store
         self.store_options = dict(store_options or {})
@@ -472,8 +471,11 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
     @property
     def run_prefix(self) -> str:
         """The store prefix of this model's run (``prefix``, or the model id made key-safe)."""
-        if self.prefix is not None:
-            return self.prefix
+        return self.prefix if self.prefix is not None else self.model_key
+
+    @property
+    def model_key(self) -> str:
+        """The model id as a store-key segment (``"env.transform[0].module"`` -> ``"env.transform_0_.module"``)."""
         return _KEY_UNSAFE.sub("_", self._model_id or "policy").strip("_") or "policy"
 
     @property
@@ -538,8 +540,9 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
             self.model = model
         if weights is not None:
             self._weights = weights
+        # Acknowledgements only when send() waits for them (nobody would drain the channel otherwise).
         n = num_workers or self.num_workers
-        if ctx is not None and context is not None and getattr(context, "num_workers", None):
+        if self.sync and ctx is not None and getattr(context, "num_workers", None):
             n = int(context.num_workers)
             self._acks = _QueueAcks(ctx)
         elif self.sync and n:
@@ -547,10 +550,6 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         else:
             self._acks = None
         self._expected = list(range(n)) if n and self._acks is not None else []
-
-    @property
-    def model_key(self) -> str:
-        return _KEY_UNSAFE.sub("_", self._model_id or "policy").strip("_") or "policy"
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
                                                     weights: Any = None) -> None:
