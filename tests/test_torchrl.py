@@ -244,6 +244,20 @@ def test_manual_receive(tmp_path):
         receiver.shutdown()
 
 
+def test_receiver_without_sender_times_out(tmp_path):
+    """A worker whose sender never connects (or that uses another prefix) fails with a clear error."""
+    receiver = DeltaWeightSyncScheme(str(tmp_path), prefix="nobody-publishes-here", connect_timeout_s=0.3)
+    policy = make_policy(0)
+    receiver.init_on_receiver(model_id="policy", model=policy)
+    t = time.monotonic()
+    with pytest.raises(SyncTimeoutError, match="no version of 'policy' appeared in .*nobody-publishes-here within 0 s; "
+                                               "is the sender connected"):
+        receiver.connect()
+    assert time.monotonic() - t < 10
+    assert not receiver.synchronized_on_receiver
+    receiver.shutdown()
+
+
 class _GarbleDeltas(Store):
     """Serves every delta object of the given versions with one byte flipped (a corrupt upload)."""
 

@@ -764,6 +764,9 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         if worker_idx is not None:
             self._worker_idx = int(worker_idx)
         model = self.model
+        if model is None:  # torchrl keeps models by weak reference
+            raise RuntimeError(f"DeltaWeightSyncScheme: the {self._model_id!r} module was garbage-collected; keep a "
+                               "reference to it (the collector does) while the scheme receives")
         _materialize(model, device=self.device or "cpu", dtype=self.receiver_dtype)
         store = self._open_store()
         self._deferred = _DeferredTarget(ModuleTarget(named_tensors(model)))
