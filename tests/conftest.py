@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# vLLM picks its platform when first imported, and torchrl's LLM modules import it as a side
+# effect; the CPU oracle (torch_deltasync.testing_vllm) needs the CPU platform whichever comes first.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from helpers import make_mlp
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import make_mlp  # noqa: E402
 
 # Tests are many small processes on a 2-core machine: keep each one to a single intra-op thread
 # unless it asks for more, so parallel workers and child processes do not oversubscribe the CPU.

@@ -18,7 +18,7 @@ def run(store):
     trainer = make_mlp(0)
     opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
-    sender = DeltaSender(trainer, store, anchor_every=3)
+    sender = DeltaSender(trainer, store, anchor_every=3, codec="raw")  # the forgery below edits raw values
     for _ in range(5):
         train_step(trainer, opt, gen)
         sender.publish()

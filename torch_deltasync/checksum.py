@@ -27,13 +27,15 @@ The wire form is 16 lower-case hex digits (``format_checksum``).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from ._dtypes import unsigned_bits64
+from .errors import ChecksumMismatchError
 
-__all__ = ["checksum", "tensor_checksum", "combine", "format_checksum", "parse_checksum"]
+__all__ = ["checksum", "tensor_checksum", "combine", "combine_partials", "check_partials", "format_checksum",
+           "parse_checksum"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -133,6 +135,44 @@ def tensor_checksum(
 def combine(*parts: int) -> int:
     """Add partial checksums modulo ``2**64`` (partials of disjoint element sets)."""
     return sum(parts) & _MASK64
+
+
+def combine_partials(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per-tensor sums of the partial checksums of several holders (e.g. every TP worker of one
+    vLLM engine, each counting the elements it holds once across the engine).
+
+    Args:
+        parts: one ``{tensor name: partial checksum}`` per holder; a name missing from a holder
+            counts as 0 there.
+
+    Returns:
+        ``{name: combined checksum}`` over the union of names, each in ``[0, 2**64)``.
+    """
+    out: dict[str, int] = {}
+    for part in parts:
+        for name, value in part.items():
+            out[name] = (out.get(name, 0) + value) & _MASK64
+    return out
+
+
+def check_partials(expected: Mapping[str, int], parts: Iterable[Mapping[str, int]], *, what: str = "") -> None:
+    """Check that the combined partials of several holders equal the published checksums.
+
+    Args:
+        expected: ``{tensor name: checksum}`` from the manifest of the version held.
+        parts: the holders' partials (see :func:`combine_partials`).
+        what: context for the message (e.g. ``"version 12"``).
+
+    Raises:
+        ChecksumMismatchError: a tensor's combined checksum differs (the message names up to 3).
+    """
+    combined = combine_partials(parts)
+    bad = [n for n, c in expected.items() if combined.get(n, 0) != c & _MASK64]
+    if bad:
+        raise ChecksumMismatchError(
+            f"{what + ': ' if what else ''}{len(bad)} of {len(expected)} tensors differ from the published "
+            f"checksums when the holders' partials are combined, e.g. {bad[:3]}"
+        )
 
 
 def format_checksum(value: int) -> str:

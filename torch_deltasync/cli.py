@@ -4,6 +4,7 @@
 ``deltasync ls STORE``       versions in a store: kind, base, bytes, density
 ``deltasync verify STORE``   replay the chain and check every per-tensor checksum
 ``deltasync gc STORE``       delete old versions under a retention policy (see retention.py)
+``deltasync follow STORE``   apply versions as they appear; density, bytes, apply latency per update
 ``deltasync demo``           trainer + receiver process through a local bucket (see demo.py)
 
 ``STORE`` is anything :func:`torch_deltasync.open_store` accepts (a folder, ``file://``,
@@ -205,7 +206,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--anchor-every", type=int, default=10)
     p.add_argument("--bucket", default=None, help="local bucket folder (default: a new one under --run-dir)")
-    p.add_argument("--codec", default=None)
+    p.add_argument("--codec", default=None, help="delta codec (default: the sender's, packed)")
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
 
@@ -217,6 +218,33 @@ def _demo(args: argparse.Namespace) -> int:
     ok = run_demo(steps=args.steps, size=args.size, lr=args.lr, anchor_every=args.anchor_every,
                   bucket=args.bucket, codec=args.codec, seed=args.seed, run_dir=args.run_dir)
     return 0 if ok else 1
+
+
+# --- follow ------------------------------------------------------------------------------------
+
+
+def _follow_args(p: argparse.ArgumentParser) -> None:
+    _store_args(p)
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint to receive into (default: zeros shaped from the first manifest)")
+    p.add_argument("--poll", type=float, default=0.2, help="seconds between polls")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="stop after this many seconds without a new version (<= 0: never)")
+    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates")
+    p.add_argument("--until", type=int, default=None, help="stop once this version (or a newer one) is held")
+    p.add_argument("--metrics", default=None, help="append one JSON line per update to this file")
+    p.add_argument("--verify", action="store_true", help="also recompute every checksum after each update")
+
+
+@command("follow", "apply versions as they appear; report density, bytes and apply latency", _follow_args)
+def _follow(args: argparse.Namespace) -> int:
+    from .follow import follow
+
+    report = follow(args.store, prefix=args.prefix, model=args.model, poll_s=args.poll,
+                    idle_timeout_s=args.idle_timeout if args.idle_timeout > 0 else None,
+                    max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)
+    print(f"{len(report.versions)} updates, {len(report.failures)} failed")
+    return 1 if report.failures else 0
 
 
 # --- entry point -------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ receivers look it up with :func:`get_codec`. Built in:
 * ``raw`` (format 1, the seed format): ``<name>:idx`` holds the sorted, unique global flat indices
   (int32 when the tensor has fewer than ``2**31`` elements, else int64) and ``<name>:val`` the new
   values in the inference dtype. 4 + 2 = 6 bytes per changed bf16 element.
+* ``packed`` (:mod:`torch_deltasync.packed`, the default of ``DeltaSender``): ``<name>:packed``,
+  gap-coded positions and step-coded values with zstd, about 1 byte per changed bf16 element.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from ._dtypes import bits, int_view_dtype
-from .errors import CorruptObjectError
+from .errors import ChecksumMismatchError, CorruptObjectError
 
 __all__ = ["TensorDelta", "Codec", "RawCodec", "register_codec", "get_codec", "codec_names"]
 
@@ -42,12 +44,19 @@ class TensorDelta:
             applying a step is exact). ``None`` for codecs that ship absolute values only.
         relative: optional bool ``(k,)``: which entries use ``steps`` (``None`` = all of them when
             ``steps`` is given).
+        base_checksum: optional partial checksum (:func:`torch_deltasync.checksum.checksum`) of
+            the values at ``positions`` in the base version, as the sender saw them. Steps are
+            relative, so a receiver whose own old value was wrong would silently stay wrong, and
+            the manifest's checksums cannot tell (they are linear in the bit patterns, so a step
+            changes them by the same amount whatever the old value). :meth:`resolve` compares the
+            old values it is given with this checksum and refuses a mismatch. ``None``: unchecked.
     """
 
     positions: torch.Tensor
     values: torch.Tensor
     steps: torch.Tensor | None = None
     relative: torch.Tensor | None = None
+    base_checksum: int | None = None
 
     @property
     def numel(self) -> int:
@@ -63,18 +72,35 @@ class TensorDelta:
 
         Args:
             old_values: the values before this delta at ``positions`` (required iff ``needs_base``).
+
+        Raises:
+            ValueError: ``old_values`` missing or of the wrong shape.
+            ChecksumMismatchError: ``old_values`` differ from the base the sender computed the
+                steps against (``base_checksum``): the receiver's state has drifted, or the delta
+                is applied to the wrong version. Nothing is returned to apply.
         """
         if self.steps is None:
             return self.values
         if old_values is None or old_values.shape != self.values.shape:
             raise ValueError("this delta stores steps; pass the old values at its positions")
+        if self.base_checksum is not None:
+            from .checksum import checksum  # lazy: checksum is independent of codecs
+
+            got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
+            if got != self.base_checksum:
+                raise ChecksumMismatchError(
+                    f"the old values at the {self.numel} changed positions have checksum {got:016x}, the "
+                    f"delta was made against {self.base_checksum:016x}: the held weights differ from the "
+                    "delta's base version, so its steps cannot be applied"
+                )
         new_bits = bits(old_values.to(self.values.dtype)) + self.steps.to(int_view_dtype(self.values.dtype))
         if self.relative is None:
             return new_bits.view(self.values.dtype)
         return torch.where(self.relative, new_bits, bits(self.values)).view(self.values.dtype)
 
     def select(self, mask: torch.Tensor) -> "TensorDelta":
-        """The entries where ``mask`` (bool ``(k,)``) is true."""
+        """The entries where ``mask`` (bool ``(k,)``) is true (``base_checksum`` covers all
+        entries, so the subset carries none)."""
         return TensorDelta(
             self.positions[mask],
             self.values[mask],
@@ -206,3 +232,8 @@ class RawCodec(Codec):
                 f"{what}: declared {count} changes, found {idx.numel()} positions and {val.numel()} values"
             )
         return TensorDelta(check_positions(idx, numel, what), val)
+
+
+# Built-in codecs that live in their own modules register on import; importing them here makes
+# them known wherever manifests are parsed (manifest.py checks codec names against the registry).
+from . import packed as _packed  # noqa: E402,F401  (circular by design: packed needs Codec above)

@@ -152,7 +152,10 @@ def _concat(parts: list[TensorDelta], what: str) -> TensorDelta:
     pos, order = torch.sort(pos)
     if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
         raise CorruptObjectError(f"{what}: two objects change the same element")
-    return TensorDelta(pos, val[order], None if steps is None else steps[order], None if rel is None else rel[order])
+    # Partial checksums of disjoint position sets add up (mod 2**64) to the checksum of the union.
+    base = combine(*(p.base_checksum for p in parts)) if all(p.base_checksum is not None for p in parts) else None
+    return TensorDelta(pos, val[order], None if steps is None else steps[order], None if rel is None else rel[order],
+                       base)
 
 
 class DeltaReceiver:
@@ -367,6 +370,36 @@ class DeltaReceiver:
                 with open(self.metrics_path, "a") as f:
                     f.write(json.dumps({"event": "update", **stats.to_dict()}) + "\n")
             return self.version  # type: ignore[return-value]
+
+    def assume(self, version: int) -> None:
+        """Declare that the target already holds ``version`` bit-exactly, so the next update takes
+        the delta path from it instead of downloading an anchor.
+
+        Typical use: a vLLM engine loaded the same checkpoint the trainer published as its first
+        anchor. A target that holds everything is verified here against the manifest
+        (``O(model size)``); a partial target (one TP rank) cannot see whole tensors, so combine
+        its :meth:`partial_checksums` across ranks (:func:`torch_deltasync.checksum.check_partials`,
+        as ``DeltaWorkerExtension`` does) before trusting the claim.
+
+        Raises:
+            VersionNotFoundError: ``version`` is not visible.
+            IncompatibleTargetError: the published tensors do not fit the target.
+            ChecksumMismatchError: (``holds_all`` targets) the target's weights are not ``version``;
+                nothing changes.
+        """
+        with self._lock:
+            m = self.manifest(version)
+            self._check_target(m)
+            sums: dict[str, int] = {}
+            if self.target.holds_all:
+                sums = {t.name: self.target.checksum(t.name, m.inference_dtype) for t in m.tensors}
+                bad = [t.name for t in m.tensors if sums[t.name] != t.checksum]
+                if bad:
+                    raise ChecksumMismatchError(
+                        f"the target does not hold version {version}: {len(bad)} tensors differ, e.g. {bad[:3]}"
+                    )
+            self._checksums = sums
+            self.version = version
 
     def verify(self) -> None:
         """Recompute every tensor's checksum from the target and compare with the held version's

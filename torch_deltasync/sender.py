@@ -185,12 +185,15 @@ def collect_sources(model: Any) -> tuple[list[_Source], dict[str, str]]:
     for name, t in _tensors_of(model).items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             continue
-        t = t.detach()
+        param, t = t, t.detach()
         if type(t).__name__ == "DTensor":
             from .dtensor import local_source
 
             src = local_source(name, t)
-            key = ("dtensor", _storage_key(src.local), tuple(src.slice.global_shape))
+            if src.local.numel():
+                key = ("dtensor", _storage_key(src.local), tuple(src.slice.global_shape))
+            else:  # empty shards share no storage to compare: tied parameters are the same object
+                key = ("dtensor-empty", id(param))
         else:
             if t.is_sparse or t.layout != torch.strided:
                 raise UnsupportedLayoutError(f"tensor {name!r} has layout {t.layout}; only strided tensors sync")
@@ -246,7 +249,8 @@ class DeltaSender:
         inference_dtype: dtype receivers serve (bf16 default; fp16, fp32 work too).
         snapshot_device: where the last-published snapshot lives: ``None`` = each tensor's device,
             ``"cpu"`` = (pinned) host memory. Costs ``element_size`` bytes per element.
-        codec: name of the delta codec (see :func:`torch_deltasync.codec.codec_names`).
+        codec: name of the delta codec (see :func:`torch_deltasync.codec.codec_names`): ``"packed"``
+            (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes).
         background: default for ``publish(background=...)``.
         run_id: identifies this writer in manifests (random by default).
         metrics_path: append one JSON line of :class:`PublishStats` per published version.
@@ -276,7 +280,7 @@ class DeltaSender:
         anchor_policy: AnchorPolicy | None = None,
         inference_dtype: torch.dtype | str = torch.bfloat16,
         snapshot_device: torch.device | str | None = None,
-        codec: str = "raw",
+        codec: str = "packed",
         background: bool = False,
         run_id: str | None = None,
         metrics_path: str | Path | None = None,
@@ -302,6 +306,15 @@ class DeltaSender:
 
             group = default_group()
         self.group: _Group = group or _SingleProcess()
+        # Several ranks: decide once which rank ships which block (replicas outside a DTensor's mesh
+        # and plain tensors are held by several ranks; exactly one of them uploads each block).
+        self._uploads: dict[str, bool] | None = None
+        self._layout: dict[str, TensorSlice] = {}
+        if self.group.world > 1:
+            from .dtensor import plan_uploads
+
+            self._uploads = plan_uploads(self.group, sources)
+            self._layout = {s.name: s.slice for s in sources}
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
         newest = self.group.broadcast(newest_version(self.store) if self.group.rank == 0 else None)
@@ -325,28 +338,48 @@ class DeltaSender:
     def publish(self, *, background: bool | None = None) -> int | None:
         """Publish the current weights as the next version.
 
+        With a sharded model every rank calls it (it runs collectives); a foreground publish
+        first waits for a background one still in flight.
+
         Args:
             background: return as soon as the weights are read, and upload on a worker thread
                 (default: the constructor's ``background``). Call :meth:`flush` to wait.
 
         Returns:
             The version number. With ``background=True`` it is visible once :meth:`flush`
-            returns; ``None`` means an upload was still in flight and this publish was coalesced
-            into the next one.
+            returns; ``None`` means an upload was still in flight (on any rank) and this publish
+            was coalesced into the next one.
 
         Raises:
-            PublishError: the store failed (foreground), or the previous background publish
-                failed. Nothing partial is visible; the next publish recovers.
+            PublishError: the store failed or a rank failed while reading its weights (foreground;
+                raised on every rank), or the previous background publish failed. Nothing partial
+                is visible; the next publish recovers.
         """
         background = self.background if background is None else background
+        # Sharded senders: every rank must take the same branch here and issue the same collectives
+        # in the same order. So the in-flight check is agreed on (``any``) before a background error
+        # is raised (a rank whose worker has not yet stored the error must not go on alone), and a
+        # foreground publish first waits for a background one (one publish's collectives at a time).
+        if background:
+            if self._busy():
+                self._coalesced += 1
+                return None
+        else:
+            self._wait_inflight()
         self._raise_background_error()
-        if background and self._busy():
-            self._coalesced += 1
-            return None
         t0 = time.perf_counter()
-        job = self._prepare(self._next_version)
-        job.stats.detect_ms = (time.perf_counter() - t0) * 1e3
+        version = self._next_version
         self._next_version += 1  # burned whatever happens
+        try:
+            job = self._prepare(version)
+        except Exception as e:  # noqa: BLE001 - the other ranks must still hear about it
+            err = self._abort(version, e)
+            if not background:
+                raise err from e
+            with self._lock:
+                self._error = err  # reported by the next publish()/flush(), as on the other ranks
+            return version
+        job.stats.detect_ms = (time.perf_counter() - t0) * 1e3
         if not background:
             self._finish(job, t0)
             return job.version
@@ -361,10 +394,7 @@ class DeltaSender:
         Raises:
             PublishError: the background publish failed.
         """
-        fut = self._inflight
-        if fut is not None:
-            fut.result()
-            self._inflight = None
+        self._wait_inflight()
         self._raise_background_error()
         return self.version
 
@@ -385,6 +415,29 @@ class DeltaSender:
 
     # --- internals -------------------------------------------------------------------------------
 
+    def _wait_inflight(self) -> None:
+        fut = self._inflight
+        if fut is not None:
+            fut.result()
+            self._inflight = None
+
+    def _abort(self, version: int, error: BaseException) -> PublishError:
+        """This rank failed before encoding ``version``: take part in the publish collectives with a
+        failure record, so rank 0 writes no manifest and every rank fails the version together."""
+        g = self.group
+        msg = f"rank {g.rank}: {type(error).__name__}: {error}"
+        log.warning("publish of version %d failed on rank %d: %s", version, g.rank, error)
+        if g.world > 1:
+            gathered = g.gather({"ok": False, "error": msg})
+            outcome = None
+            if g.rank == 0:
+                outcome = {"ok": False, "error": "; ".join(r["error"] for r in gathered if not r["ok"])}
+            msg = g.broadcast(outcome)["error"]
+        return PublishError(
+            f"version {version} was not published ({msg}); no partial version is visible and the next "
+            f"publish is based on version {self.version}"
+        )
+
     def _busy(self) -> bool:
         busy = self._inflight is not None and not self._inflight.done()
         return self.group.any(busy)  # every rank must take the same branch
@@ -403,6 +456,14 @@ class DeltaSender:
     def _prepare(self, version: int) -> _Job:
         """Read the live weights: detect changes (and cast anchors). Runs on the caller's thread."""
         sources, aliases = collect_sources(self.model)
+        if self._uploads is not None:
+            for src in sources:
+                if self._layout.get(src.name) != src.slice:
+                    raise PublishError(
+                        f"tensor {src.name!r} is not laid out as when the sender was created "
+                        f"({self._layout.get(src.name)} -> {src.slice}); create a new sender after resharding"
+                    )
+                src.upload = self._uploads[src.name]
         det = self.detector
         names = {src.name for src in sources}
         reshaped = set(det.names()) != names  # tensors appeared or vanished: start over with an anchor

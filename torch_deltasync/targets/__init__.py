@@ -2,5 +2,6 @@
 
 from .base import Target
 from .module import ModuleTarget
+from .vllm import VLLMTarget  # vLLM itself is imported lazily, on first use
 
-__all__ = ["Target", "ModuleTarget"]
+__all__ = ["Target", "ModuleTarget", "VLLMTarget"]

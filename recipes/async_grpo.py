@@ -1,0 +1,545 @@
+r"""Async GRPO on Monarch actor meshes, with weights synced to the generators by lossless deltas.
+
+Launch from the repository root (defaults: ~0.4M-parameter Qwen3, digit sorting, 2 generator
+replicas, 1 trainer process, 200 GRPO steps; a few minutes on a 2-core CPU)::
+
+    python -m recipes.async_grpo                       # README main command (after tools/setup.sh)
+    python -m recipes.async_grpo --steps 50 --generators 3 --max-staleness 1 --run-name quick
+    python -m recipes.async_grpo --trainer-procs 2     # FSDP2 over gloo, every rank publishes its shard
+    python -m recipes.async_grpo --bucket s3://bucket/runs --model /path/to/hf/checkpoint
+
+Architecture (one host; every box is a Monarch actor, every arrow an endpoint call)::
+
+    client process (controller, asyncio)                     store (--bucket; default <run>/bucket)
+    ┌───────────────────────────────────────────┐          ┌──────────────────────────────────┐
+    │ warm start (supervised, cached)           │          │ versions/<v>.json  (manifest)    │
+    │ train loop ── sample(B, v) ──► ReplayBuffer│          │ objects/<v>/anchor|delta-*.st    │
+    │   │           (torchrl, this_proc actor)   │          └──────────▲──────────────┬───────┘
+    │   │ train_step(batch, publish) ───────────────► trainer mesh ───┘ publish      │ update
+    │   │                                        │    (N procs; FSDP2 when N > 1;    │ (pull,
+    │   ▼ newest version v                       │     DeltaSender on every rank)    │  apply
+    │ rollout loop i (one per replica): ─────────────► generator mesh, replica i ◄───┘  in place)
+    │   if v_i < v: update_weights(v)   [soft pause: between batches]                 │
+    │   generate(batch) ─► rewards ─► ReplayBuffer.extend (MCAdvantage groups)        │
+    └───────────────────────────────────────────┘
+
+* Rollouts and training run concurrently (one asyncio task per generator replica, one for the
+  trainer). Each Monarch actor handles one message at a time, and each actor is driven by exactly
+  one task, so no endpoint ever waits on another message to the same actor.
+* Soft pause: when the trainer publishes version ``v``, each generator finishes the batch it is
+  generating with the weights it started with, applies the delta (``DeltaReceiver.update``,
+  bit-exact, all or nothing), then continues. Samples carry the version that generated them.
+* Staleness: the buffer drops (and counts) samples more than ``--max-staleness`` versions older
+  than the trainer's newest version; rollouts pause while the buffer already holds enough fresh
+  samples (back-pressure). Optional truncated importance sampling (``--tis-cap``) corrects for
+  the lag and for bf16 generation using the stored generation log-probs.
+* Faults: a generator replica that dies is reported with its pid and the error, and the run
+  continues on the remaining replicas; when none is left, or the trainer fails, or any call
+  exceeds ``--call-timeout``, the run stops with a message and exit status 1 (never a hang).
+
+Outputs in ``runs/<run-name>/``: ``metrics.jsonl`` (one event per line: ``publish``, ``update``,
+``rollout``, ``step``, ``generator_lost``, ...), ``summary.json``, ``reward.png``, ``sync.png``,
+``warmstart/`` (the cached supervised warm start) and ``bucket/`` (the default store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from recipes.grpo.config import GRPOConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+log = logging.getLogger("recipes.async_grpo")
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GRPOConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m recipes.async_grpo",
+        description="Async GRPO on Monarch actor meshes; trainer -> generators weight sync by lossless deltas.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a("--run-name", default=d.run_name, help="run folder name under --runs-dir")
+    a("--runs-dir", default=d.runs_dir, help="parent folder of run folders")
+    a("--bucket", default=d.bucket, help="store path or URI (default: embedded local bucket <run>/bucket)")
+    a("--steps", type=int, default=d.steps, help="GRPO steps")
+    a("--publish-every", type=int, default=d.publish_every, help="publish a version every N GRPO steps")
+    a("--max-staleness", type=int, default=d.max_staleness, help="max policy lag (versions) of a trained sample")
+    a("--trainer-procs", type=int, default=d.trainer_procs, help="trainer processes (FSDP2 over gloo when > 1)")
+    a("--generators", type=int, default=d.generators, help="generator replicas (one process each)")
+    a("--lr", type=float, default=d.lr, help="GRPO Adam learning rate")
+    a("--seed", type=int, default=d.seed, help="random seed")
+    a("--model", dest="model_path", default=d.model_path, help="local Hugging Face checkpoint instead of the built-in Qwen3")
+    a("--hidden-size", type=int, default=d.hidden_size, help="width of the built-in Qwen3")
+    a("--layers", dest="num_layers", type=int, default=d.num_layers, help="layers of the built-in Qwen3")
+    a("--digits", type=int, default=d.digits, help="digits per sorting prompt")
+    a("--warmstart-steps", type=int, default=d.warmstart_steps, help="supervised warm-start steps (0: none)")
+    a("--warmstart-noise", type=float, default=d.warmstart_noise, help="digit error rate of the warm-start demonstrator")
+    a("--train-batch", type=int, default=d.train_batch, help="samples per GRPO step")
+    a("--minibatches", type=int, default=d.minibatches, help="optimizer steps per GRPO step")
+    a("--prompts-per-batch", type=int, default=d.prompts_per_batch, help="prompts per generator batch")
+    a("--group-size", type=int, default=d.group_size, help="completions per prompt")
+    a("--temperature", type=float, default=d.temperature, help="sampling temperature")
+    a("--tis-cap", type=float, default=d.tis_cap,
+      help="truncated importance-sampling cap on pi_old/pi_gen; 0 turns the correction off")
+    a("--anchor-every", type=int, default=d.anchor_every, help="full anchor every N versions (0: first only)")
+    a("--codec", default=d.codec, help="delta codec")
+    a("--generator-backend", default=d.generator_backend, help="generator engine: hf (CPU) or vllm (GPU slot)")
+    a("--max-buffered", type=int, default=d.max_buffered, help="fresh buffered samples at which rollouts pause (default: train batch)")
+    a("--call-timeout", dest="call_timeout_s", type=float, default=d.call_timeout_s, help="seconds before an unanswered actor call stops the run")
+    a("--kill-generator", type=int, default=None, help="fault injection: SIGKILL this generator replica ...")
+    a("--kill-at-step", type=int, default=None, help="... at this GRPO step")
+    a("--log-every", type=int, default=1, help="print a step line every N steps")
+    a("--no-progress", action="store_true", help="no progress bars (logs and CI)")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> GRPOConfig:
+    fields = set(GRPOConfig.__dataclass_fields__)
+    kw = {k: v for k, v in vars(ns).items() if k in fields}
+    if kw.get("tis_cap") is not None and kw["tis_cap"] <= 0:
+        kw["tis_cap"] = None
+    if (kw.get("kill_generator") is None) != (kw.get("kill_at_step") is None):
+        raise SystemExit("error: --kill-generator and --kill-at-step go together")
+    return GRPOConfig(**kw)
+
+
+# --- the controller --------------------------------------------------------------------------------
+
+
+class RunAborted(RuntimeError):
+    """The run cannot continue (trainer failure, no generator left, timeout); the message says why."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_line(e: BaseException) -> str:
+    """``Type: message`` on one line (Monarch's supervision errors span several), at most ~400 characters."""
+    detail = " ".join(str(e).split())
+    return f"{type(e).__name__}: {detail[:400]}"
+
+
+class Controller:
+    """Drives one run: spawns the meshes, runs the rollout and train loops, writes the outputs."""
+
+    def __init__(self, cfg: GRPOConfig, *, progress: bool = True, log_every: int = 1) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.log_every = max(1, log_every)
+        self.run_dir = cfg.run_dir
+        self.latest_version = 0
+        self.step = 0
+        self.stopping = False
+        self.abort: str | None = None
+        self.alive: list[bool] = []
+        self.gen_pids: list[int] = []
+        self.gen_version: list[int | None] = []
+        self.lost: list[dict[str, Any]] = []
+        self.fresh = 0
+        self.pending_apply_ms: list[float] = []
+        self.samples_generated = 0
+        self.bar = None
+
+    # -- output helpers -------------------------------------------------------------------------
+
+    def say(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    async def call(self, fut, what: str, timeout: float | None = None):
+        """Await a Monarch future; after ``timeout`` seconds raise ``TimeoutError`` naming the call (no hang)."""
+        timeout = self.cfg.call_timeout_s if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} did not answer within {timeout:.0f} s") from None
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def _fault_hook(self, failure) -> None:
+        # Monarch calls this for failures of meshes the client owns; the default exits the process.
+        # We keep running: the affected calls fail (SupervisionError) and the loops report them.
+        self.metrics.write("supervision_event", detail=str(failure)[:2000])
+
+    def lose_generator(self, i: int, err: BaseException) -> None:
+        if not self.alive[i]:
+            return
+        self.alive[i] = False
+        n = sum(self.alive)
+        rec = {"generator": i, "pid": self.gen_pids[i], "step": self.step, "error": _first_line(err)}
+        self.lost.append(rec)
+        self.metrics.write("generator_lost", **rec, alive=n)
+        if n:
+            self.say(f"!! generator {i} (pid {rec['pid']}) lost at GRPO step {self.step}: {rec['error']}; "
+                     f"continuing with {n} of {len(self.alive)} replicas")
+        else:
+            self.abort = (f"all {len(self.alive)} generator replicas are lost (last: generator {i}, pid {rec['pid']}, "
+                          f"at GRPO step {self.step}: {rec['error']})")
+            self.say(f"!! {self.abort}; stopping")
+        self.sample_event.set()
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    async def rollout_loop(self, i: int) -> None:
+        """Replica ``i``: [apply the newest version] -> generate a batch -> add it to the buffer, until stopped.
+
+        A failure of the replica (dead process, endpoint error, timeout) loses this replica only;
+        a failure of the replay buffer stops the run.
+        """
+        cfg = self.cfg
+        gen = self.gens.slice(procs=i)
+        batch_index = 0
+        while not self.stopping and self.abort is None:
+            while self.fresh >= cfg.buffered_limit and not self.stopping and self.abort is None:
+                self.space_event.clear()  # back-pressure: the trainer has enough fresh samples
+                try:
+                    await asyncio.wait_for(self.space_event.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+            if self.stopping or self.abort is not None:
+                return
+            try:
+                target = self.latest_version
+                if self.gen_version[i] is None or self.gen_version[i] < target:
+                    # Soft pause: the previous batch has finished; apply the delta, then go on.
+                    st = await self.call(gen.update_weights.call_one(target), f"generator {i} update_weights({target})")
+                    self.gen_version[i] = st["version"]
+                    rec = self.metrics.write("update", generator=i, **st)
+                    if rec.get("apply_ms") is not None:
+                        self.pending_apply_ms.append(rec["apply_ms"])
+                out = await self.call(gen.generate.call_one(batch_index), f"generator {i} generate")
+            except Exception as e:  # noqa: BLE001 - this replica is gone or broken; the others go on
+                if not self.stopping:
+                    self.lose_generator(i, e)
+                return
+            batch_index += 1
+            if self.stopping:
+                return
+            n = len(out["batch"]["reward"])
+            self.metrics.write("rollout", generator=i, version=out["version"], reward=out["reward_mean"],
+                               gen_ms=out["gen_ms"], samples=n)
+            self.samples_generated += n
+            try:
+                st = await self.call(self.rb.extend.call_one(out["batch"]), "replay buffer extend")
+            except Exception as e:  # noqa: BLE001
+                self.abort = f"the replay buffer failed: {_first_line(e)}"
+                self.sample_event.set()
+                return
+            self.fresh = st["fresh"]
+            self.sample_event.set()
+
+    async def next_batch(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        while True:
+            if self.abort is not None:
+                raise RunAborted(self.abort)
+            got = await self.call(self.rb.sample.call_one(cfg.train_batch, self.latest_version), "replay buffer sample")
+            self.fresh = got["stats"]["fresh"]  # stale samples may just have been dropped: wake rollouts
+            self.space_event.set()
+            if got["batch"] is not None:
+                return got
+            if time.monotonic() - t0 > cfg.sample_timeout_s:
+                raise RunAborted(f"no batch of {cfg.train_batch} fresh samples within {cfg.sample_timeout_s:.0f} s "
+                                 f"(generators alive: {sum(self.alive)})")
+            self.sample_event.clear()
+            try:
+                await asyncio.wait_for(self.sample_event.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    def inject_fault(self) -> None:
+        cfg = self.cfg
+        if cfg.kill_generator is None or self.step != cfg.kill_at_step:
+            return
+        i = cfg.kill_generator
+        pid = self.gen_pids[i]
+        self.say(f"!! fault injection: SIGKILL generator {i} (pid {pid}) at GRPO step {self.step}")
+        self.metrics.write("fault_injected", generator=i, pid=pid, step=self.step)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    async def train_loop(self) -> None:
+        from recipes.grpo.report import STEP_HEADER, step_line
+
+        cfg = self.cfg
+        rewards: list[float] = []
+        self.say(STEP_HEADER)
+        for step in range(cfg.steps):
+            self.step = step
+            self.inject_fault()
+            t0 = time.perf_counter()
+            got = await self.next_batch()
+            wait_ms = (time.perf_counter() - t0) * 1e3
+            batch = got["batch"]
+            publish = (step + 1) % cfg.publish_every == 0 or step == cfg.steps - 1
+            try:
+                res = await self.call(self.trainer.train_step.call(batch, step, publish), f"trainer step {step}")
+            except Exception as e:  # noqa: BLE001
+                raise RunAborted(f"the trainer failed at GRPO step {step}: {_first_line(e)}") from e
+            out = res.item(procs=0)
+            lag = batch["lag"].float()
+            pub = out.pop("publish", None)
+            if pub is not None:
+                self.latest_version = pub["version"]
+                self.metrics.write("publish", step=step, **pub)
+            apply_ms = sum(self.pending_apply_ms) / len(self.pending_apply_ms) if self.pending_apply_ms else None
+            self.pending_apply_ms = []
+            reward = float(batch["reward"].mean())
+            rewards.append(reward)
+            rec = self.metrics.write(
+                "step", step=step, version=self.latest_version, reward=reward, reward_std=float(batch["reward"].std()),
+                lag_max=int(lag.max()), lag_mean=float(lag.mean()), wait_ms=wait_ms, apply_ms=apply_ms,
+                generators_alive=sum(self.alive), fresh=self.fresh, dropped_stale=got["stats"]["dropped_stale"],
+                publish=pub, **out,
+            )
+            if step % self.log_every == 0 or step == cfg.steps - 1:
+                self.say(step_line(rec))
+            if self.bar is not None:
+                recent = rewards[-20:]
+                self.bar.set_postfix(reward=f"{sum(recent) / len(recent):.3f}", v=self.latest_version,
+                                     gens=sum(self.alive))
+                self.bar.update()
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        from recipes.grpo.report import MetricsLog
+
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.metrics.write("config", **cfg.to_dict())
+        self.sample_event = asyncio.Event()
+        self.space_event = asyncio.Event()
+
+        if cfg.bucket is not None and str(cfg.bucket).startswith("memory://"):
+            raise RunAborted("--bucket memory://... lives inside one process, but the trainer and the generators run in "
+                             "separate processes; use a folder, file://, s3:// or hf://buckets/...")
+        if cfg.bucket is None:
+            bucket_path = self.run_dir / "bucket"
+            shutil.rmtree(bucket_path, ignore_errors=True)  # ours: a fresh chain per run
+            bucket = str(bucket_path.resolve())
+        else:
+            # Every process must find the same folder, whatever its working directory.
+            bucket = cfg.bucket if "://" in str(cfg.bucket) else str(Path(cfg.bucket).resolve())
+        prefix = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.bucket, self.prefix = bucket, prefix
+
+        import torch
+        import monarch.actor as ma
+        from monarch.actor import this_host, this_proc
+
+        from recipes.grpo.actors import GeneratorActor, ReplayBufferActor, TrainerActor
+        from recipes.grpo.policy import build_tokenizer, warm_start
+
+        ma.unhandled_fault_hook = self._fault_hook
+        # Spawn first: the processes boot (imports) while the warm start runs here.
+        t0 = time.perf_counter()
+        self.trainer_procs = this_host().spawn_procs(per_host={"procs": cfg.trainer_procs}, name="trainer")
+        self.gen_procs = this_host().spawn_procs(per_host={"procs": cfg.generators}, name="generators")
+        warm_path = cfg.run_dir / "warmstart" / "model.safetensors"
+        self.trainer = self.trainer_procs.spawn("trainer", TrainerActor, cfg, str(warm_path.resolve()), bucket,
+                                                prefix, _free_port())
+        self.gens = self.gen_procs.spawn("generator", GeneratorActor, cfg, bucket, prefix)
+        self.rb = this_proc().spawn("replay_buffer", ReplayBufferActor, cfg)
+
+        torch.set_num_threads(1)  # several busy processes share few cores; extra threads only spin
+        tok = build_tokenizer(cfg)
+        _, ws = warm_start(cfg, tok, progress=self.progress)
+        self.metrics.write("warm_start", **ws)
+        took = "cached" if ws["cached"] else f"{ws['seconds']:.1f} s"
+        self.say(f"warm start: {took}; reward of greedy answers "
+                 f"{ws['reward_greedy']:.3f}, of sampled answers {ws['reward_sampled']:.3f}")
+
+        setup_t, setup_g = await asyncio.gather(
+            self.call(self.trainer.setup.call(), "trainer setup"),
+            self.call(self.gens.setup.call(), "generator setup"),
+        )
+        t0_info = setup_t.item(procs=0)
+        gens = sorted(setup_g.values(), key=lambda x: x["index"])
+        self.gen_pids = [g["pid"] for g in gens]
+        self.alive = [True] * cfg.generators
+        self.gen_version = [None] * cfg.generators
+        self.metrics.write("publish", step=-1, **t0_info["publish"])
+        self.metrics.write("setup", trainer_pids=[v["pid"] for v in setup_t.values()], generator_pids=self.gen_pids,
+                           params=t0_info["params"], seconds=time.perf_counter() - t0,
+                           trainer_times=[v["times"] for v in setup_t.values()])
+        self.say(f"policy: {t0_info['params']:,} parameters; trainer procs {cfg.trainer_procs} "
+                 f"(pids {[v['pid'] for v in setup_t.values()]}); generator pids {self.gen_pids}; "
+                 f"store {bucket} / {prefix}")
+
+        status, message = "ok", None
+        t_train = time.perf_counter()
+        tasks: list[asyncio.Task] = []
+        try:
+            if self.progress:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=cfg.steps, desc="GRPO", unit="step", dynamic_ncols=True)
+            tasks = [asyncio.create_task(self.rollout_loop(i)) for i in range(cfg.generators)]
+            await self.train_loop()
+        except (RunAborted, TimeoutError) as e:
+            status, message = "aborted", str(e)
+        finally:
+            self.stopping = True
+            self.sample_event.set()
+            self.space_event.set()
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            if tasks:
+                done, pending = await asyncio.wait(tasks, timeout=min(60.0, cfg.call_timeout_s))
+                for t in pending:
+                    t.cancel()
+        train_s = time.perf_counter() - t_train
+
+        bit_exact, digests = False, {}
+        if status == "ok":
+            try:
+                bit_exact, digests = await self.final_check()
+            except Exception as e:  # noqa: BLE001
+                status, message = "aborted", f"final bit-exactness check failed: {_first_line(e)}"
+        if message:
+            self.say(f"!! run stopped: {message}")
+        rb_stats = {}
+        try:
+            rb_stats = await self.call(self.rb.stats.call_one(), "replay buffer stats", timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        await self.shutdown()
+
+        from recipes.grpo.report import plot_reward, plot_sync, summarize
+
+        summary = summarize(self.metrics, cfg=cfg.to_dict(), extra={
+            "dropped_stale": rb_stats.get("dropped_stale"),
+            "bit_exact": bit_exact,
+            "status": status,
+            "message": message,
+            "samples_generated": self.samples_generated,
+            "samples_trained": rb_stats.get("sampled"),
+            "buffer_overflow": rb_stats.get("overflow"),
+            "generators": cfg.generators,
+            "generators_alive": sum(self.alive),
+            "generators_lost": self.lost,
+            "trainer_procs": cfg.trainer_procs,
+            "params": t0_info["params"],
+            "lr": cfg.lr,
+            "warm_start": ws,
+            "digests": digests,
+            "store": {"bucket": bucket, "prefix": prefix},
+            "train_s": train_s,
+            "wall_s": time.perf_counter() - t_start,
+        })
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        try:
+            plot_reward(self.metrics, self.run_dir / "reward.png")
+            plot_sync(self.metrics, self.run_dir / "sync.png")
+        except Exception as e:  # noqa: BLE001 - plots are a convenience; the summary is the record
+            self.say(f"(plots skipped: {type(e).__name__}: {e})")
+        return summary
+
+    async def final_check(self) -> tuple[bool, dict[str, Any]]:
+        """Bring every live generator to the newest version and compare bf16 bits with the trainer."""
+        v = self.latest_version
+        trainer_digest = (await self.call(self.trainer.digest.call(), "trainer digest")).item(procs=0)
+        digests: dict[str, Any] = {"version": v, "trainer": trainer_digest}
+        ok = any(self.alive)
+        for i, alive in enumerate(self.alive):
+            if not alive:
+                continue
+            g = self.gens.slice(procs=i)
+            try:
+                st = await self.call(g.update_weights.call_one(v), f"generator {i} final update")
+                self.metrics.write("update", generator=i, final=True, **st)
+                fp = await self.call(g.fingerprint.call_one(), f"generator {i} fingerprint")
+            except Exception as e:  # noqa: BLE001 - a replica lost at the very end
+                self.lose_generator(i, e)
+                continue
+            if "digest" in fp:  # bitwise: sha256 of the bf16 bit patterns, same as the trainer's
+                same = fp["version"] == v and fp["digest"] == trainer_digest
+                digests[f"generator{i}"] = fp["digest"]
+            else:  # engine checksums were checked against version v's manifest (vLLM backend)
+                same = fp["version"] == v and fp.get("checksums_verified") == v
+                digests[f"generator{i}"] = f"checksums verified at version {fp.get('checksums_verified')}"
+            ok = ok and same
+        ok = ok and any(self.alive)
+        self.metrics.write("bit_exact", ok=ok, **digests)
+        return ok, digests
+
+    async def shutdown(self) -> None:
+        for what, fut in (("trainer close", lambda: self.trainer.close.call()),
+                          ("trainer procs stop", lambda: self.trainer_procs.stop()),
+                          ("generator procs stop", lambda: self.gen_procs.stop())):
+            try:
+                await self.call(fut(), what, timeout=60)
+            except Exception as e:  # noqa: BLE001 - best effort; the summary is already complete
+                self.metrics.write("shutdown_error", what=what, error=_first_line(e))
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    print(f"\n== summary ({s['status']}) ==")
+    print(f"steps {s['steps']}, versions published {s['versions_published']}, wall {s['wall_s']:.0f} s "
+          f"(GRPO {s['train_s']:.0f} s, warm start {s['warm_start'].get('seconds', 0):.0f} s)")
+    print(f"reward: first 10% {f(s['reward_first'], '.3f')} -> last 10% {f(s['reward_last'], '.3f')}")
+    print(f"sync: mean density {f(s['mean_density'], '.2%')}, bytes {f(s['bytes_ratio'], '.4f')} of full copies, "
+          f"publish {f(s['mean_publish_ms'], '.1f')} ms, apply {f(s['mean_apply_ms'], '.1f')} ms "
+          f"(whole update {f(s['mean_update_ms'], '.1f')} ms)")
+    print(f"staleness: max policy lag {s['max_policy_lag']} (bound {s['max_staleness']}), dropped stale "
+          f"{s['dropped_stale']}; generators alive {s['generators_alive']}/{s['generators']}")
+    print(f"bit-exact (every live generator vs trainer bf16): {'YES' if s['bit_exact'] else 'NO'}")
+    if s.get("message"):
+        print(f"message: {s['message']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    cfg = config_from_args(ns)
+    # Child processes import the recipe by module name and use one thread each.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("torch._library.opaque_object", "torch._opaque_base", "torch.utils.cpp_extension", "torchrl"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)  # import-time deprecation chatter
+    ctl = Controller(cfg, progress=not ns.no_progress and sys.stderr.isatty(), log_every=ns.log_every)
+    try:
+        summary = asyncio.run(ctl.run())
+    except RunAborted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _print_summary(summary)
+    print(f"outputs: {cfg.run_dir}/metrics.jsonl, summary.json, reward.png, sync.png")
+    return 0 if summary["status"] == "ok" and summary["bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

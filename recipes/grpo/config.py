@@ -1,0 +1,147 @@
+"""The run configuration of the async GRPO recipe: one frozen dataclass, shipped to every actor."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GRPOConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """Everything a run needs. Runtime objects (meshes, models, stores) are never fields.
+
+    The defaults are the README main command: about 0.4M-parameter Qwen3, two generator replicas,
+    one trainer process, finishing in a few minutes on a 2-core CPU.
+    """
+
+    # --- run ---------------------------------------------------------------------------------------
+    run_name: str = "async_grpo"
+    """Folder name under ``runs_dir``; holds metrics, summary, plots, warm start and the default bucket."""
+    runs_dir: str = "runs"
+    """Parent folder of run folders."""
+    bucket: str | None = None
+    """Store path or URI (``s3://...``, ``memory://...``, a folder). ``None``: an embedded local
+    bucket at ``<run>/bucket`` (emptied at the start of each run)."""
+    seed: int = 0
+    """Seeds the warm start, the trainer and (offset by replica) every generator."""
+
+    # --- model and task ----------------------------------------------------------------------------
+    model_path: str | None = None
+    """Local Hugging Face checkpoint (model + tokenizer) to train instead of the built-in Qwen3."""
+    hidden_size: int = 128
+    """Width of the built-in Qwen3 (ignored with ``model_path``)."""
+    num_layers: int = 2
+    """Decoder layers of the built-in Qwen3 (ignored with ``model_path``)."""
+    digits: int = 5
+    """Digits per prompt of the sorting task."""
+
+    # --- supervised warm start ---------------------------------------------------------------------
+    warmstart_steps: int = 400
+    """Adam steps of supervised training before GRPO (cached under ``<run>/warmstart``); 0: none."""
+    warmstart_lr: float = 3e-3
+    """Peak learning rate of the warm start (one-cycle schedule)."""
+    warmstart_noise: float = 0.3
+    """Probability that the demonstrator writes a random digit instead of the right one: the warm
+    start learns the task but samples wrong digits often, which GRPO then fixes."""
+    warmstart_batch: int = 64
+    """Examples per warm-start step."""
+
+    # --- GRPO --------------------------------------------------------------------------------------
+    steps: int = 200
+    """GRPO steps (each consumes ``train_batch`` samples and makes ``minibatches`` optimizer steps)."""
+    lr: float = 1e-5
+    """Adam learning rate of GRPO (RL range, 1e-6 to 1e-5)."""
+    train_batch: int = 64
+    """Samples per GRPO step."""
+    minibatches: int = 2
+    """Optimizer steps per GRPO step; the clipped ratio acts from the second one on."""
+    prompts_per_batch: int = 8
+    """Prompts per generator batch."""
+    group_size: int = 8
+    """Completions per prompt; advantages are normalised within each group."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores tokens at the same temperature."""
+    clip_low: float = 0.2
+    """Clipped ratio range is ``[1 - clip_low, 1 + clip_high]``."""
+    clip_high: float = 0.2
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling: weight each token by ``min(pi_old / pi_gen, tis_cap)``, with
+    ``pi_gen`` the stored generation log-prob. ``None``: no correction."""
+
+    # --- asynchrony and sync -----------------------------------------------------------------------
+    publish_every: int = 1
+    """Publish a version every this many GRPO steps."""
+    max_staleness: int = 2
+    """Samples more than this many versions older than the trainer's are dropped (and counted)."""
+    max_buffered: int | None = None
+    """Fresh samples in the buffer at which rollouts pause (back-pressure). ``None``: ``train_batch``
+    (the next step's batch is ready; more would only age in the buffer)."""
+    buffer_capacity: int = 2048
+    """Slots of the replay buffer storage."""
+    anchor_every: int = 0
+    """Full anchor every this many versions (0: only the first version is an anchor)."""
+    codec: str = "packed"
+    """Delta codec name (``torch_deltasync.codec_names()``): ``"packed"`` (the library default: gaps,
+    value steps, zstd) or ``"raw"`` (int32/int64 index + bf16 value per changed element)."""
+    trainer_procs: int = 1
+    """Trainer processes; more than 1 shards the policy with FSDP2 over gloo."""
+    generators: int = 2
+    """Generator replicas, one process each, each with its own model copy and ``DeltaReceiver``."""
+    generator_backend: str = "hf"
+    """Generator engine: ``"hf"`` (Hugging Face transformers on CPU); ``"vllm"`` is the GPU slot."""
+
+    # --- robustness --------------------------------------------------------------------------------
+    call_timeout_s: float = 300.0
+    """Longest wait for any single actor call before the run reports it and stops (no hang)."""
+    sample_timeout_s: float = 300.0
+    """Longest wait of the trainer for a batch of fresh samples."""
+    kill_generator: int | None = None
+    """Fault injection (tests): SIGKILL this generator replica ..."""
+    kill_at_step: int | None = None
+    """... when the trainer reaches this GRPO step."""
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "train_batch", "minibatches", "prompts_per_batch", "group_size", "publish_every",
+                    "buffer_capacity", "trainer_procs", "generators", "digits", "hidden_size", "num_layers")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(f"GRPOConfig.group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
+        if self.train_batch % (self.minibatches * self.trainer_procs):
+            raise ValueError(f"GRPOConfig.train_batch ({self.train_batch}) must be a multiple of minibatches x "
+                             f"trainer_procs ({self.minibatches} x {self.trainer_procs})")
+        if self.max_staleness < 0:
+            raise ValueError(f"GRPOConfig.max_staleness must be >= 0, got {self.max_staleness}")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"GRPOConfig.lr must be in (0, 1), got {self.lr}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"clip range [1 - {self.clip_low}, 1 + {self.clip_high}] is empty or negative")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if not 0 <= self.warmstart_noise <= 1:
+            raise ValueError(f"GRPOConfig.warmstart_noise must be in [0, 1], got {self.warmstart_noise}")
+        if self.temperature <= 0:
+            raise ValueError(f"GRPOConfig.temperature must be > 0, got {self.temperature}")
+        if self.buffer_capacity < 2 * self.train_batch:
+            raise ValueError(f"GRPOConfig.buffer_capacity must be >= 2 * train_batch, got {self.buffer_capacity}")
+        if self.kill_generator is not None and not 0 <= self.kill_generator < self.generators:
+            raise ValueError(f"--kill-generator {self.kill_generator} is not a replica index in [0, {self.generators})")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run_name
+
+    @property
+    def buffered_limit(self) -> int:
+        return self.max_buffered if self.max_buffered is not None else self.train_batch
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.prompts_per_batch * self.group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

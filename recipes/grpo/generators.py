@@ -1,0 +1,191 @@
+"""Generator backends: the engine a generator replica samples with, behind one small interface.
+
+A backend owns the replica's copy of the policy and how versions reach it. The Monarch generator
+actor (:class:`recipes.grpo.actors.GeneratorActor`) only talks to this interface, so a GPU machine
+swaps the Hugging Face engine for vLLM without touching the actor, the buffer or the controller:
+
+- ``"hf"`` (:class:`HFGenerator`, the default, tested): Hugging Face ``generate`` on CPU; the bf16
+  weights are a plain ``nn.Module`` that a :class:`~torch_deltasync.DeltaReceiver` updates in place.
+- ``"vllm"`` (:class:`VLLMGenerator`, GPU only, **not exercised by this repository's tests**, which
+  run on CPU): an offline ``vllm.LLM`` launched with ``torch_deltasync``'s worker extension; versions
+  are applied by every tensor-parallel worker straight onto vLLM's parameters
+  (:func:`torch_deltasync.integrations.vllm.update_llm`: pause, apply, verify checksums, reset the
+  prefix cache, resume). Needs ``--model PATH`` (vLLM serves a checkpoint).
+
+Add another engine with :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .config import GRPOConfig
+from .policy import build_policy, sample
+from .task import Tokenizer
+
+__all__ = ["GeneratorBackend", "HFGenerator", "VLLMGenerator", "register_backend", "make_backend", "backend_names"]
+
+
+class GeneratorBackend(Protocol):
+    """What a generator replica needs from its engine."""
+
+    version: int | None
+    """The version the engine serves (``None`` before the first update)."""
+
+    def attach(self, store: str, prefix: str) -> None:
+        """Follow the run at ``prefix`` in ``store`` (no weights are applied yet)."""
+
+    def update(self, version: int) -> dict[str, Any]:
+        """Apply versions up to ``version``, bit-exactly, all or nothing. Returns stats with at
+        least ``version`` and, where known, ``apply_ms`` and ``total_ms``."""
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(response_ids [N, T] int64, response_mask [N, T] bool, logprobs [N, T] float32)``: the
+        log-probs are those of the distribution each token was sampled from."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Evidence of the served weights: ``{"digest": sha256 of the bf16 bit patterns}``
+        (:func:`torch_deltasync.testing.state_digest`, compared with the trainer's) or
+        ``{"checksums_verified": version}`` (engine checksums equal the manifest's)."""
+
+
+class HFGenerator:
+    """Hugging Face transformers generation on CPU.
+
+    The replica's model is built from the architecture only (random weights, bf16: the inference
+    dtype the trainer publishes); the first update installs the anchor, so every weight the
+    replica serves has arrived through the store.
+
+    Args:
+        cfg: run configuration.
+        tok: tokenizer.
+        seed: initialisation seed (deliberately different per replica).
+    """
+
+    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> None:
+        self.tok = tok
+        self.model = build_policy(cfg, tok, dtype=torch.bfloat16, seed=seed, load_weights=False)
+        self.receiver = None
+
+    @property
+    def version(self) -> int | None:
+        return None if self.receiver is None else self.receiver.version
+
+    def attach(self, store: str, prefix: str) -> None:
+        from torch_deltasync import DeltaReceiver
+
+        self.receiver = DeltaReceiver(self.model, store, prefix=prefix)
+
+    def update(self, version: int) -> dict[str, Any]:
+        before = self.receiver.version
+        self.receiver.update(version)
+        st = self.receiver.last_stats
+        stats = st.to_dict() if st is not None and before != self.receiver.version else {}
+        return {**stats, "version": self.receiver.version}
+
+    def generate(self, prompt_ids, prompt_mask, *, max_new_tokens, temperature):
+        return sample(self.model, self.tok, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
+                      temperature=temperature)
+
+    def fingerprint(self) -> dict[str, Any]:
+        from torch_deltasync.testing import state_digest
+
+        return {"digest": state_digest(self.model)}
+
+
+class VLLMGenerator:
+    """An offline ``vllm.LLM`` on GPU, updated in place by ``torch_deltasync``'s worker extension.
+
+    Not exercised by this repository's tests (they run on CPU without vLLM); the weight path it
+    uses (:func:`~torch_deltasync.integrations.vllm.attach_llm` /
+    :func:`~torch_deltasync.integrations.vllm.update_llm` with ``VLLMTarget``) is tested against
+    vLLM's own layouts in ``tests/test_vllm_*.py``.
+
+    Args:
+        cfg: run configuration; ``cfg.model_path`` is the checkpoint vLLM loads (its weights are
+            replaced by the run's anchor on the first update).
+        tok: tokenizer (end-of-sequence id).
+        seed: sampling seed.
+
+    Raises:
+        ValueError: no ``--model``.
+        ImportError: vLLM is not installed.
+    """
+
+    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> None:
+        if not cfg.model_path:
+            raise ValueError("the vLLM generator serves a checkpoint: pass --model PATH")
+        from vllm import LLM
+
+        self.tok = tok
+        self.llm = LLM(
+            model=cfg.model_path, dtype="bfloat16", seed=seed, enforce_eager=True,
+            gpu_memory_utilization=min(0.9, 0.8 / cfg.generators),
+            # Sampled-token log-probs of the distribution actually sampled from (after temperature).
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="torch_deltasync.integrations.vllm.DeltaWorkerExtension",
+        )
+        self.version: int | None = None
+
+    def attach(self, store: str, prefix: str) -> None:
+        from torch_deltasync.integrations.vllm import attach_llm
+
+        attach_llm(self.llm, store, prefix)
+
+    def update(self, version: int) -> dict[str, Any]:
+        from torch_deltasync.integrations.vllm import update_llm
+
+        r = update_llm(self.llm, version, mode="wait", verify=True)
+        self.version = r.version
+        return {"version": r.version, "apply_ms": r.update_ms, "total_ms": r.total_ms, "verified": r.verified}
+
+    def generate(self, prompt_ids, prompt_mask, *, max_new_tokens, temperature):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(prompt_ids, prompt_mask)]
+        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_new_tokens, logprobs=0,
+                                stop_token_ids=[self.tok.eos_id])
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        n = len(prompts)
+        ids = torch.full((n, max_new_tokens), self.tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, max_new_tokens), dtype=torch.bool)
+        lp = torch.zeros((n, max_new_tokens), dtype=torch.float32)
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            toks = list(c.token_ids)[:max_new_tokens]
+            ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            mask[i, :len(toks)] = True
+            lp[i, :len(toks)] = torch.tensor([c.logprobs[t][tid].logprob for t, tid in enumerate(toks)])
+        return ids, mask, lp
+
+    def fingerprint(self) -> dict[str, Any]:
+        # update_llm(verify=True) combined every worker's checksums and checked them against the
+        # manifest, i.e. against the trainer's bf16 weights at this version.
+        return {"checksums_verified": self.version}
+
+
+_BACKENDS: dict[str, Callable[..., GeneratorBackend]] = {"hf": HFGenerator, "vllm": VLLMGenerator}
+
+
+def register_backend(name: str, factory: Callable[..., GeneratorBackend]) -> None:
+    """Make ``factory(cfg, tok, seed=...)`` available as ``--generator-backend name``."""
+    _BACKENDS[name] = factory
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def make_backend(name: str, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> GeneratorBackend:
+    """Build the backend ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown generator backend {name!r}; known: {backend_names()}")
+    return _BACKENDS[name](cfg, tok, seed=seed)

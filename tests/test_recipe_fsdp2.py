@@ -1,0 +1,93 @@
+"""``recipes/torchrun_fsdp2.py`` under real ``torchrun`` (2 ranks, gloo, CPU), followed live by
+``deltasync follow``: the follower ends bit-identical to the trainer's gathered bf16 weights."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_deltasync.testing import first_difference
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(600)
+
+
+def _torchrun(bucket: Path, final: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "recipes" / "torchrun_fsdp2.py"), "--bucket", str(bucket), "--steps", "3",
+           "--anchor-every", "2", "--save-final", str(final), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+
+
+def test_recipe_publishes_every_step_and_follow_keeps_up(tmp_path):
+    from safetensors.torch import load_file
+
+    from torch_deltasync.follow import follow
+
+    bucket, final = tmp_path / "bucket", tmp_path / "final.safetensors"
+    box: dict = {}
+    out = io.StringIO()
+
+    def follower():
+        try:
+            box["report"] = follow(str(bucket), idle_timeout_s=120, max_updates=None, poll_s=0.05, out=out,
+                                   until_version=3)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            box["error"] = e
+
+    t = threading.Thread(target=follower)
+    t.start()
+    proc = _torchrun(bucket, final)
+    t.join(300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '"last_version": 3' in proc.stdout
+    assert "error" not in box, box.get("error")
+    report = box["report"]
+    assert report.failures == [] and report.versions[-1] == 3
+    assert report.versions == sorted(report.versions)
+    assert "density" in out.getvalue() and "apply" in out.getvalue()
+    expected = load_file(str(final))
+    got = {n: t for n, t in report.model.items()}
+    assert first_difference(got, expected) is None
+    # every version has one object per rank
+    assert sorted(p.name for p in (bucket / "objects" / f"{1:012d}").iterdir()) == [
+        "delta-r00000-of00002.safetensors", "delta-r00001-of00002.safetensors"]
+
+
+def test_follow_into_an_hf_checkpoint_and_cli(tmp_path):
+    """``follow(..., model=CKPT)``: a differently initialised checkpoint of the same architecture ends
+    up holding the trainer's weights; ``deltasync follow`` prints one line per update."""
+    from safetensors.torch import load_file
+
+    from torch_deltasync.cli import main
+    from torch_deltasync.follow import follow
+    from torch_deltasync.testing import tiny_qwen3
+
+    bucket, final = tmp_path / "bucket", tmp_path / "final.safetensors"
+    proc = _torchrun(bucket, final, "--background")  # uploads overlap training; may coalesce steps
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])["last_version"]
+    assert last >= 2
+    ckpt = tmp_path / "ckpt"
+    tiny_qwen3("tiny", seed=99, dtype=torch.bfloat16).save_pretrained(ckpt)
+    report = follow(str(bucket), model=str(ckpt), idle_timeout_s=0.5, verify=True, out=io.StringIO())
+    assert report.versions == [last] and report.failures == []
+    assert first_difference(report.model.state_dict(), load_file(str(final))) is None
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main(["follow", str(bucket), "--until", str(last), "--metrics", str(tmp_path / "follow.jsonl")])
+    assert rc == 0, buf.getvalue()
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.startswith("version")]
+    assert len(lines) == 1 and f"version {last:>7}" in lines[0] and "path anchor" in lines[0], buf.getvalue()
+    assert "density" in lines[0] and "apply" in lines[0]
+    assert (tmp_path / "follow.jsonl").read_text().count('"event": "follow"') == 1

@@ -1,0 +1,101 @@
+"""The sender changes made for sharded publishing, checked in one process (fast):
+
+* a foreground ``publish()`` first waits for a background one (one publish's collectives at a time);
+* a failure while reading the weights (before anything is uploaded) burns the version, shows no
+  version, and is reported like any other failure: raised at once in the foreground, by the next
+  ``publish()``/``flush()`` in the background; the next publish recovers.
+
+The multi-rank behaviour (every rank failing together, no hang) is in test_fsdp2.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, PublishError
+from torch_deltasync.manifest import list_versions
+from torch_deltasync.testing import first_difference
+
+
+class SlowStore(LocalStore):
+    """Holds every object ``put`` until ``release`` is set (the manifest goes through)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def put(self, key, data):
+        if key.startswith("objects/"):
+            self.entered.set()
+            assert self.release.wait(30)
+        super().put(key, data)
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 7, generator=g) * 0.02, "b": torch.randn(5, generator=g) * 0.02}
+
+
+def _nudge(state, k):
+    with torch.no_grad():
+        state["w"].view(-1)[k::11] += 1e-2
+
+
+def test_foreground_publish_waits_for_background(tmp_path):
+    store = SlowStore(tmp_path)
+    state = _state()
+    sender = DeltaSender(state, store, anchor_every=100)
+    assert sender.publish(background=True) == 0
+    assert store.entered.wait(30)  # version 0 is stuck in its upload
+    _nudge(state, 0)
+    done = []
+    t = threading.Thread(target=lambda: done.append(sender.publish(background=False)))
+    t.start()
+    time.sleep(0.2)
+    assert not done, "the foreground publish must wait for the background one"
+    store.release.set()
+    t.join(30)
+    assert done == [1] and list_versions(store) == [0, 1]
+    # it read the weights only after version 0 was committed, so it is a delta on it
+    assert (sender.last_stats.kind, sender.last_stats.base_version) == ("delta", 0)
+    receiver = DeltaReceiver(_state(seed=1), store)
+    assert receiver.update() == 1
+    assert first_difference(receiver.target.state_dict(), state) is None
+    sender.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_failure_while_reading_weights(tmp_path, background):
+    store = LocalStore(tmp_path)
+    state = _state()
+    sender = DeltaSender(state, store, anchor_every=100)
+    assert sender.publish() == 0
+    _nudge(state, 1)
+    det = sender.detector
+    original = det.detect
+
+    def broken(name, tensor):
+        det.detect = original
+        raise RuntimeError("injected")
+
+    det.detect = broken
+    if background:
+        assert sender.publish(background=True) == 1  # the failure is reported later
+        with pytest.raises(PublishError, match=r"version 1 was not published \(rank 0: RuntimeError: injected\)"):
+            sender.flush()
+    else:
+        with pytest.raises(PublishError, match=r"version 1 was not published \(rank 0: RuntimeError: injected\)"):
+            sender.publish()
+    assert list_versions(store) == [0]
+    _nudge(state, 2)
+    assert sender.publish(background=background) == 2
+    assert sender.flush() == 2
+    assert sender.last_stats.base_version == 0  # relative to what was published, covering both steps
+    receiver = DeltaReceiver(_state(seed=1), store)
+    assert receiver.update() == 2
+    assert first_difference(receiver.target.state_dict(), state) is None

@@ -1,0 +1,163 @@
+"""Sharded publishing: per-rank publish time and bytes vs world size, for the same model.
+
+For every world size in ``--worlds`` (default 1, 2, 3, 4) this starts that many CPU ranks in one gloo
+process group (``torch_deltasync._ranks.run_ranks``), builds the same Qwen3-architecture model
+(``testing.tiny_qwen3(--size)``, same seed), shards it with FSDP2 (``fully_shard`` per decoder layer
+and the root), and runs ``--steps`` real Adam steps at an RL learning rate, publishing after each one
+(foreground; version 0 is the anchor, the rest are deltas). Per rank and version it records:
+
+* ``detect_ms``, ``encode_ms``, ``upload_ms``, ``publish_ms`` (wall, ``PublishStats``);
+* ``cpu_ms``: CPU time of the publish on the rank's thread (``time.thread_time``), which does not
+  grow when more ranks than cores share the machine (wall times do);
+* ``object_nbytes``: the size of the rank's own object, and the snapshot bytes it keeps.
+
+It prints a Markdown table with medians over the delta versions and ratios against world size 1 in
+the same run, and writes every record to ``--metrics`` (JSONL) and a plot next to it (if matplotlib
+is installed).
+
+Run (about a minute on 2 cores)::
+
+    PYTHONPATH=. python tools/bench_fsdp2.py --size small --steps 6 --worlds 1,2,3,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from torch_deltasync._ranks import run_ranks
+
+
+def _rank(rank: int, world: int, size: str, steps: int, lr: float, bucket: str) -> list[dict]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torch_deltasync import DeltaSender, LocalStore
+    from torch_deltasync.manifest import load_manifest
+    from torch_deltasync.testing import adam_step, tiny_qwen3
+
+    model = tiny_qwen3(size, seed=0)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    store = LocalStore(bucket, fsync=False)  # measure our work, not the disk's fsync latency
+    sender = DeltaSender(model, store, anchor_every=1000)
+    gen = torch.Generator().manual_seed(rank)
+    # the same global batch at every world size: 4 sequences split over the ranks (at least one each)
+    batch = max(1, 4 // world)
+    records = []
+    for step in range(steps + 1):
+        if step:
+            adam_step(model, opt, batch=batch, seq=32, generator=gen)
+        dist.barrier()  # every rank starts its publish together
+        cpu0 = time.thread_time()
+        version = sender.publish()
+        cpu_ms = (time.thread_time() - cpu0) * 1e3
+        st = sender.last_stats
+        m = load_manifest(sender.store, version)
+        mine = [o.nbytes for o in m.objects if o.rank == rank]
+        records.append({"world": world, "rank": rank, "version": version, "kind": st.kind,
+                        "detect_ms": st.detect_ms, "encode_ms": st.encode_ms, "upload_ms": st.upload_ms,
+                        "publish_ms": st.publish_ms, "cpu_ms": cpu_ms,
+                        "object_nbytes": mine[0] if mine else 0, "version_nbytes": st.nbytes,
+                        "changed": st.changed, "numel": st.numel,
+                        "snapshot_nbytes": sender.detector.snapshot_nbytes()})
+    sender.close()
+    return records
+
+
+def _summary(records: list[dict]) -> dict[int, dict]:
+    out = {}
+    for w in sorted({r["world"] for r in records}):
+        deltas = [r for r in records if r["world"] == w and r["kind"] == "delta"]
+        anchors = [r for r in records if r["world"] == w and r["kind"] == "anchor"]
+        per_rank = lambda key, rs: max(median(r[key] for r in rs if r["rank"] == k) for k in range(w))  # noqa: E731
+        out[w] = {
+            "cpu_ms": per_rank("cpu_ms", deltas),
+            "publish_ms": per_rank("publish_ms", deltas),
+            "detect_ms": per_rank("detect_ms", deltas),
+            "object_nbytes": per_rank("object_nbytes", deltas),
+            "anchor_object_nbytes": per_rank("object_nbytes", anchors),
+            "version_nbytes": median(r["version_nbytes"] for r in deltas if r["rank"] == 0),
+            "snapshot_nbytes": max(r["snapshot_nbytes"] for r in deltas),
+            "density": median(r["changed"] / r["numel"] for r in deltas if r["rank"] == 0),
+        }
+    return out
+
+
+def _table(summary: dict[int, dict]) -> str:
+    base = summary[min(summary)]
+    rows = ["| ranks | delta publish CPU / rank | ratio | wall / rank | ratio | delta object / rank | ratio "
+            "| anchor object / rank | version bytes (all ranks) | snapshot / rank | density |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for w, s in summary.items():
+        rows.append(
+            f"| {w} | {s['cpu_ms']:.1f} ms | {s['cpu_ms'] / base['cpu_ms']:.2f} | {s['publish_ms']:.1f} ms | "
+            f"{s['publish_ms'] / base['publish_ms']:.2f} | {s['object_nbytes'] / 1024:.1f} KiB | "
+            f"{s['object_nbytes'] / base['object_nbytes']:.2f} | {s['anchor_object_nbytes'] / 2**20:.2f} MiB | "
+            f"{s['version_nbytes'] / 1024:.1f} KiB | {s['snapshot_nbytes'] / 2**20:.2f} MiB | {s['density']:.2%} |")
+    return "\n".join(rows)
+
+
+def _plot(summary: dict[int, dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ws = list(summary)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.plot(ws, [summary[w]["cpu_ms"] for w in ws], "o-", label="CPU / rank")
+    a.plot(ws, [summary[w]["publish_ms"] for w in ws], "s--", label="wall / rank")
+    a.set(xlabel="ranks", ylabel="ms per delta publish (slowest rank)", xticks=ws)
+    a.legend()
+    b.plot(ws, [summary[w]["object_nbytes"] / 1024 for w in ws], "o-", label="delta object / rank")
+    b.plot(ws, [summary[w]["version_nbytes"] / 1024 for w in ws], "s--", label="version (all ranks)")
+    b.set(xlabel="ranks", ylabel="KiB", xticks=ws)
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="small", help="Qwen3 config (torch_deltasync.testing.QWEN3_SIZES)")
+    p.add_argument("--steps", type=int, default=6, help="Adam steps (delta versions) per world size")
+    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--worlds", default="1,2,3,4")
+    p.add_argument("--metrics", default="runs/bench_fsdp2.jsonl")
+    args = p.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    metrics = Path(args.metrics)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    print(f"cores: {os.cpu_count()}, model: Qwen3-{args.size}, {args.steps} delta versions per world size", flush=True)
+    for w in worlds:
+        t = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench-fsdp2-") as bucket:
+            per_rank = run_ranks(_rank, w, args.size, args.steps, args.lr, bucket, timeout_s=1800)
+        recs = [r for rank in per_rank for r in rank]
+        records += recs
+        with open(metrics, "a") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+        print(f"world {w}: done in {time.perf_counter() - t:.1f} s", flush=True)
+    summary = _summary(records)
+    _plot(summary, metrics.with_suffix(".png"))
+    print(_table(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""``deltasync follow STORE``: apply versions as they appear and report what each one cost.
+
+A standalone receiver for a run published by any sender (a single process, or an FSDP2 job under
+``torchrun``: the receiver does not care how many ranks wrote a version). It waits for the first
+version, builds its model, then polls: every time a newer version is visible it updates to the
+newest (skipping intermediate versions when it fell behind: the receiver plans the cheapest path),
+and prints one line per update::
+
+    version      12 delta  path delta   1 applied  density  3.412%    411.2 KiB  lag  153 ms  apply  2.1 ms  total  19.8 ms
+
+* ``density``: changed elements / elements of the model, from the target version's manifest;
+* bytes: what the update downloaded (all ranks' objects of every version applied);
+* ``lag``: from the manifest's ``created_at`` (sender clock) to the end of the update;
+* ``apply``: the in-place writes into the model, the latency a serving engine would see;
+  ``total``: plan + download + decode + verify + apply.
+
+Every update is all or nothing and verified against the manifest's per-tensor checksums; a version
+that fails (e.g. a corrupt object) is reported, not retried, and the model keeps the version it held
+until a newer one appears.
+
+The model is either a state dict of zeros shaped from the first manifest (no download of a model
+needed), or a Hugging Face checkpoint (``--model``, loaded with ``transformers`` in the inference
+dtype, which must have the same tensor names and shapes as the sender's).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+__all__ = ["follow", "FollowReport"]
+
+
+@dataclass
+class FollowReport:
+    """What a :func:`follow` run did.
+
+    Attributes:
+        versions: the versions the model held after each successful update, in order.
+        failures: ``"version N: error"`` for each failed update (the model kept its version).
+        rows: one dict per update: version, kind, path, applied, density, nbytes, lag_ms,
+            apply_ms, total_ms (times in milliseconds, bytes in bytes).
+        model: what the versions were applied to (the state dict or the HF model).
+    """
+
+    versions: list[int] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _build_target(manifest, model: str | None) -> Any:
+    dtype = manifest.inference_dtype
+    if model is None:
+        return {t.name: torch.zeros(t.shape, dtype=dtype) for t in manifest.tensors}
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+
+
+def follow(
+    store: Any,
+    *,
+    prefix: str = "",
+    model: str | None = None,
+    poll_s: float = 0.2,
+    idle_timeout_s: float | None = 60.0,
+    max_updates: int | None = None,
+    until_version: int | None = None,
+    metrics_path: str | Path | None = None,
+    verify: bool = False,
+    out: TextIO | None = None,
+) -> FollowReport:
+    """Follow a run: wait for versions and apply each newest one to a local model.
+
+    Args:
+        store: a :class:`~torch_deltasync.store.Store` or anything ``open_store`` accepts.
+        prefix: the run's prefix inside the store.
+        model: a Hugging Face checkpoint (folder or hub id) to receive into; ``None`` builds a
+            state dict of zeros from the first manifest's shapes, in the inference dtype.
+        poll_s: seconds between polls of the store.
+        idle_timeout_s: stop after this many seconds without a new version (also while waiting for
+            the first one); ``None``: never.
+        max_updates: stop after this many successful updates; ``None``: never.
+        until_version: stop once the model holds this version or a newer one; ``None``: never.
+        metrics_path: append one JSON line per update (the printed numbers plus the receiver's
+            :class:`~torch_deltasync.UpdateStats`).
+        verify: after each update also recompute every checksum from the model (``O(model)``;
+            updates already verify what they change).
+        out: where to print (default: stdout).
+
+    Returns:
+        A :class:`FollowReport`.
+
+    Raises:
+        VersionNotFoundError: no version appeared within ``idle_timeout_s``.
+        IncompatibleTargetError: ``model`` does not match the published tensors.
+    """
+    from .errors import DeltaSyncError, VersionNotFoundError
+    from .manifest import list_versions, load_manifest
+    from .receiver import DeltaReceiver
+    from .store import open_store
+
+    out = out or sys.stdout
+    st = open_store(store).sub(prefix)
+    report = FollowReport()
+    deadline = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
+    while True:
+        versions = list_versions(st)
+        if versions:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            raise VersionNotFoundError(f"{st.describe()}: no version appeared within {idle_timeout_s} s")
+        time.sleep(poll_s)
+    first = load_manifest(st, versions[-1])
+    report.model = _build_target(first, model)
+    receiver = DeltaReceiver(report.model, st, metrics_path=metrics_path)
+    print(f"following {st.describe()}: {len(first.tensors)} tensors, {first.numel:,} elements, "
+          f"{first.inference_dtype}", file=out, flush=True)
+    last_new, last_seen = time.monotonic(), None
+    failed: set[int] = set()
+    while max_updates is None or len(report.versions) < max_updates:
+        if until_version is not None and receiver.version is not None and receiver.version >= until_version:
+            break
+        newest = receiver.newest_version()
+        if newest != last_seen:
+            last_new, last_seen = time.monotonic(), newest
+        if newest is None or newest == receiver.version or newest in failed:
+            if idle_timeout_s is not None and time.monotonic() - last_new > idle_timeout_s:
+                break
+            time.sleep(poll_s)
+            continue
+        try:
+            receiver.update(newest)
+            if verify:
+                receiver.verify()
+        except DeltaSyncError as e:
+            # not retried: the model keeps its version and the next newer version is planned from it
+            failed.add(newest)
+            report.failures.append(f"version {newest}: {type(e).__name__}: {e}")
+            print(f"version {newest:>7} FAILED: {type(e).__name__}: {e} (model still at {receiver.version})",
+                  file=out, flush=True)
+            continue
+        s = receiver.last_stats
+        m = receiver.manifest(receiver.version)
+        row = {"version": s.version, "kind": m.kind, "path": s.path, "applied": s.versions_applied,
+               "density": m.changed / max(m.numel, 1), "nbytes": s.nbytes,
+               "lag_ms": (time.time() - m.created_at) * 1e3 if m.created_at else None,
+               "apply_ms": s.apply_ms, "total_ms": s.total_ms}
+        report.versions.append(s.version)
+        report.rows.append(row)
+        lag = f"{row['lag_ms']:5.0f} ms" if row["lag_ms"] is not None else "    ?   "
+        print(f"version {s.version:>7} {m.kind:<6} path {s.path:<6} {s.versions_applied:>3} applied  "
+              f"density {row['density']:8.3%}  {_fmt_bytes(s.nbytes):>10}  lag {lag}  "
+              f"apply {s.apply_ms:6.1f} ms  total {s.total_ms:7.1f} ms", file=out, flush=True)
+        if metrics_path is not None:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"event": "follow", **row}) + "\n")
+    receiver.close()
+    return report

@@ -1,0 +1,724 @@
+"""The ``packed`` codec: one tensor's change set in about one byte per changed element.
+
+At RL learning rates a changed bf16 element almost always moves by one or two ULPs, and changed
+elements are spread like a Bernoulli process, so (``research/baselines.md`` §3):
+
+* **positions** are coded as gaps ``g = pos[i] - pos[i-1] - 1``, split Golomb-Rice style at a
+  per-tensor shift ``r``: the high part ``g >> r`` as one byte (255 escapes to an unsigned LEB128
+  varint, the integer coding of Protocol Buffers,
+  https://protobuf.dev/programming-guides/encoding/#varints) and the low ``r`` bits bit-packed. ``r``
+  is chosen so that high parts average a few dozen, where zstd's byte-wise Huffman coding gets
+  within a few percent of the entropy of Bernoulli positions, about ``log2(e/p)`` bits at density
+  ``p``;
+* **values** are coded as integer *steps* on the bit pattern, ``new_bits - old_bits`` wrapped to the
+  dtype's width (two's complement), zigzag-mapped to unsigned, packed as ``b``-bit codes (``b`` in
+  2, 4, 8, 16, chosen per tensor) with an escape to a varint stream for larger steps and to the raw
+  new value for the largest ones (sign flips, NaN payloads). Steps are integers, so the receiver
+  rebuilds the new value from the old one it holds exactly (:meth:`TensorDelta.resolve`);
+* every stream is then compressed with zstd (the ``zstandard`` package) when that makes it smaller.
+
+Each blob also carries the checksum of the old values it was computed against (format section 6),
+which :meth:`TensorDelta.resolve` checks before applying steps: relative steps on a drifted base
+would otherwise keep the drift, unseen by the additive per-tensor checksums.
+
+Per tensor the encoder falls back to the dense forms when they are smaller: positions as a bitmap
+of the whole tensor and values as raw bit patterns, so a tensor at 100% density costs a dense copy
+plus a few bytes. ``docs/format.md`` ("Codec packed") is the byte-level specification; this module
+is its reference implementation.
+
+Decoding treats its input as untrusted: every declared length is checked against the element
+count and the tensor size from the manifest *before* anything is decompressed (no decompression
+bombs), zstd frames must declare their exact content size and hold nothing else, every varint,
+code, escape and position is range-checked, and any violation raises
+:class:`~torch_deltasync.errors.CorruptObjectError`. Encode and decode are vectorised (numpy and
+zstd; no Python loop per element).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+import zstandard
+
+from .checksum import checksum
+from .codec import Codec, TensorDelta, check_parts, register_codec
+from .errors import CorruptObjectError
+
+__all__ = ["PackedCodec", "LAYOUT_VERSION", "CODE_BITS"]
+
+#: Version byte of a packed tensor blob (byte 0). Decoders refuse any other value.
+LAYOUT_VERSION = 1
+#: Code widths (bits per changed element) a steps stream may use.
+CODE_BITS = (2, 4, 8, 16)
+
+POS_GAPS, POS_BITMAP = 0, 1
+VAL_RAW, VAL_STEPS = 0, 1
+METHOD_STORED, METHOD_ZSTD = 0, 1
+_STREAMS = ("positions", "pos_ext", "pos_low", "codes", "ext", "raw")
+#: Largest gap shift ``r``: an ``r``-bit field plus its bit offset within a byte fits 64 bits.
+MAX_GAP_SHIFT = 56
+
+# Longest varint this codec reads: 9 bytes carry 63 bits, enough for any gap (< numel <= 2**63)
+# and any escape (< 2**32); a 10th byte could overflow uint64 arithmetic.
+_MAX_VARINT_BYTES = 9
+# Streams shorter than this are always stored (a zstd frame costs ~10 bytes of its own).
+_MIN_ZSTD_BYTES = 24
+
+
+# --- LEB128 varints (vectorised) ---------------------------------------------------------------
+
+
+def _varint_lengths(v: np.ndarray) -> np.ndarray:
+    """Bytes of the unsigned LEB128 encoding of every element of ``v`` (uint64), int64 ``(n,)``."""
+    lens = np.ones(v.shape, dtype=np.int64)
+    for j in range(1, _MAX_VARINT_BYTES + 1):
+        t = v >= np.uint64(1 << (7 * j))
+        if not t.any():
+            break
+        lens += t
+    return lens
+
+
+def _leb128_encode(v: np.ndarray) -> np.ndarray:
+    """Unsigned LEB128 of each element of ``v`` (uint64 ``(n,)``, all ``< 2**63``), concatenated.
+
+    Byte ``j`` of a varint holds bits ``7j .. 7j+6`` of the value; the high bit is set on every
+    byte but the last.
+    """
+    v = np.ascontiguousarray(v, dtype=np.uint64)
+    big = np.flatnonzero(v >= np.uint64(0x80))
+    low = (v & np.uint64(0x7F)).astype(np.uint8)
+    if big.size == 0:
+        return low  # fast path: every value is one byte
+    # Only the multi-byte values (a minority at any useful density) take the slower paths.
+    big_lens = _varint_lengths(v[big])
+    lens = np.ones(v.size, dtype=np.int64)
+    lens[big] = big_lens
+    starts = np.cumsum(lens)
+    starts -= lens
+    out = np.empty(int(starts[-1] + lens[-1]), np.uint8)
+    low[big] |= np.uint8(0x80)
+    out[starts] = low
+    sub_starts, sub_v, sub_lens = starts[big], v[big], big_lens
+    for j in range(1, int(big_lens.max())):
+        keep = sub_lens > j
+        sub_starts, sub_v, sub_lens = sub_starts[keep], sub_v[keep], sub_lens[keep]
+        byte = ((sub_v >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8)
+        byte[sub_lens > j + 1] |= np.uint8(0x80)
+        out[sub_starts + j] = byte
+    return out
+
+
+def _leb128_decode(buf: np.ndarray, n: int, max_value: int, what: str) -> np.ndarray:
+    """Exactly ``n`` unsigned LEB128 varints filling ``buf`` (uint8), each ``<= max_value``.
+
+    Returns:
+        uint64 ``(n,)``.
+
+    Raises:
+        CorruptObjectError: a different number of varints, a varint cut off at the end, one longer
+            than needed for ``max_value`` or overlong (a trailing zero byte), or a value above
+            ``max_value``.
+    """
+    if n == 0:
+        if buf.size:
+            raise CorruptObjectError(f"{what}: {buf.size} bytes where no varint is expected")
+        return np.empty(0, np.uint64)
+    if buf.size == n:  # every varint is one byte
+        if bool((buf >= 0x80).any()):
+            raise CorruptObjectError(f"{what}: varint cut off at the end of the stream")
+        vals = buf.astype(np.uint64)
+    else:
+        ends = np.flatnonzero(buf < 0x80)
+        if ends.size != n or int(ends[-1]) != buf.size - 1:
+            raise CorruptObjectError(
+                f"{what}: expected {n} varints, found {ends.size} complete ones in {buf.size} bytes"
+                + ("" if ends.size == 0 or int(ends[-1]) == buf.size - 1 else " and a cut-off one")
+            )
+        lens = np.diff(ends, prepend=-1)
+        limit = min(_MAX_VARINT_BYTES, max(1, math.ceil(max(max_value, 1).bit_length() / 7)))
+        multi = np.flatnonzero(lens > 1)
+        multi_lens = lens[multi]
+        if int(multi_lens.max()) > limit:
+            raise CorruptObjectError(f"{what}: varint of {int(multi_lens.max())} bytes (at most {limit} allowed)")
+        if bool((buf[ends[multi]] == 0).any()):
+            raise CorruptObjectError(f"{what}: overlong varint (trailing zero byte)")
+        starts = ends - lens + 1
+        vals = (buf[starts] & np.uint8(0x7F)).astype(np.uint64)
+        sub, sub_starts, sub_lens = multi, starts[multi], multi_lens
+        for j in range(1, int(multi_lens.max())):
+            keep = sub_lens > j
+            sub, sub_starts, sub_lens = sub[keep], sub_starts[keep], sub_lens[keep]
+            vals[sub] |= (buf[sub_starts + j] & np.uint8(0x7F)).astype(np.uint64) << np.uint64(7 * j)
+    if int(vals.max()) > max_value:
+        raise CorruptObjectError(f"{what}: value {int(vals.max())} above the limit {max_value}")
+    return vals
+
+
+# --- other stream layouts ----------------------------------------------------------------------
+
+
+def _pack_codes(codes: np.ndarray, b: int) -> np.ndarray:
+    """``b``-bit codes (uint16 ``(n,)``) as bytes: ``8 // b`` codes per byte, least significant bits
+    first, the last byte zero-padded (``b`` < 8); one byte each (``b`` = 8); two byte planes, low
+    bytes first (``b`` = 16)."""
+    if b == 16:
+        return _to_planes(codes.astype(np.uint16))
+    if b == 8:
+        return codes.astype(np.uint8)
+    per = 8 // b
+    c = np.zeros(-(-codes.size // per) * per, np.uint8)
+    c[: codes.size] = codes
+    c = c.reshape(-1, per)
+    out = c[:, 0].copy()
+    for j in range(1, per):
+        out |= c[:, j] << np.uint8(b * j)
+    return out
+
+
+def _unpack_codes(buf: np.ndarray, n: int, b: int, what: str, dtype=np.int64) -> np.ndarray:
+    """Inverse of :func:`_pack_codes`: ``n`` codes as ``dtype`` (``buf`` has the checked length)."""
+    if b == 16:
+        return _from_planes(buf, n, 2).astype(dtype)
+    if b == 8:
+        return buf.astype(dtype)
+    per = 8 // b
+    shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
+    codes = ((buf[:, None] >> shifts) & np.uint8((1 << b) - 1)).reshape(-1)
+    if bool(codes[n:].any()):
+        raise CorruptObjectError(f"{what}: padding bits after the last code are not zero")
+    return codes[:n].astype(dtype)
+
+
+def _to_planes(v: np.ndarray) -> np.ndarray:
+    """Little-endian unsigned integers ``(n,)`` of width ``w`` bytes as ``w`` byte planes:
+    byte 0 of every value, then byte 1 of every value, ... (zstd codes each plane's statistics)."""
+    w = v.dtype.itemsize
+    return np.ascontiguousarray(v.astype(v.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w).T).reshape(-1)
+
+
+def _from_planes(buf: np.ndarray, n: int, w: int) -> np.ndarray:
+    """Inverse of :func:`_to_planes`: ``n`` unsigned little-endian integers of ``w`` bytes."""
+    udt = np.dtype(f"<u{w}")
+    return np.ascontiguousarray(buf.reshape(w, n).T).view(udt).reshape(-1).astype(udt.newbyteorder("="))
+
+
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_pattern(t: torch.Tensor) -> np.ndarray:
+    """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view).
+
+    (Same as ``_dtypes.bits`` but without its per-call dtype probe, which costs more than the
+    encoding of a small tensor.)"""
+    w = t.element_size()
+    return t.view(_SIGNED[w]).numpy().view(f"u{w}")
+
+
+def _pack_bits(v: np.ndarray, r: int) -> np.ndarray:
+    """The low ``r`` bits of every element of ``v`` (uint64 ``(n,)``) as a little-endian bit
+    stream: field ``i`` at bit offset ``i * r``, least significant bit first, the last byte
+    zero-padded. ``ceil(n * r / 8)`` bytes."""
+    if r == 0 or v.size == 0:
+        return np.empty(0, np.uint8)
+    chunk = 1 << 18  # elements per pass (a multiple of 8, so every chunk ends on a byte boundary)
+    out = []
+    for start in range(0, v.size, chunk):
+        part = v[start : start + chunk]
+        bitmat = np.empty((part.size, r), np.uint8)  # one byte per bit, r bytes per field
+        for j in range(r):
+            bitmat[:, j] = (part >> np.uint64(j)) & np.uint64(1)
+        out.append(np.packbits(bitmat.reshape(-1), bitorder="little"))
+    return np.concatenate(out)
+
+
+def _unpack_bits(buf: np.ndarray, n: int, r: int, what: str) -> np.ndarray:
+    """Inverse of :func:`_pack_bits` (``r <= MAX_GAP_SHIFT``; ``buf`` has the checked length):
+    ``n`` fields as uint64. Each field is read from the 8 bytes at its first byte, so the work and
+    memory stay ``O(n)`` whatever ``r`` is."""
+    if r == 0 or n == 0:
+        return np.zeros(n, np.uint64)
+    tail = (n * r) % 8
+    if tail and int(buf[-1]) >> tail:
+        raise CorruptObjectError(f"{what}: padding bits after the last field are not zero")
+    padded = np.zeros(buf.size + 8, np.uint8)
+    padded[: buf.size] = buf
+    bitpos = np.arange(n, dtype=np.uint64) * np.uint64(r)
+    first = (bitpos >> np.uint64(3)).astype(np.int64)
+    word = np.zeros(n, np.uint64)
+    for j in range((r + 7 + 7) // 8):  # bytes touched by an r-bit field at bit offset 0..7
+        word |= padded[first + j].astype(np.uint64) << np.uint64(8 * j)
+    return (word >> (bitpos & np.uint64(7))) & np.uint64((1 << r) - 1)
+
+
+def _zigzag(s: np.ndarray) -> np.ndarray:
+    """Signed -> non-negative: 0, -1, 1, -2, 2, ... -> 0, 1, 2, 3, 4, ... (as in protobuf).
+
+    ``s`` must be a signed integer array at least one bit wider than the values it holds."""
+    return (s << 1) ^ (s >> (8 * s.dtype.itemsize - 1))
+
+
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_zigzag`."""
+    return (z >> 1) ^ -(z & 1)
+
+
+def _huffman_bits(hist: np.ndarray, per_byte: int, table: bool = False) -> float:
+    """Estimated size in bits of a byte stream after zstd's Huffman stage.
+
+    Args:
+        hist: histogram of the symbols (int ``(m,)``); symbols are packed ``per_byte`` to a byte
+            and assumed independent.
+        per_byte: symbols per byte (1, 2 or 4).
+
+    Returns:
+        ``max(entropy, 1 bit per byte) + (p_max + 0.086) bits per byte + 4 bits per symbol``:
+        the order-0 entropy, Huffman's floor of one bit per coded byte, Gallager's redundancy
+        bound (see :meth:`PackedCodec._choose_code_bits`), and roughly what zstd spends to
+        describe the Huffman table (which matters for small tensors).
+    """
+    c = hist[hist > 0].astype(np.float64)
+    total = c.sum()
+    if total == 0:
+        return 0.0
+    nbytes = total / per_byte
+    entropy = float(-(c * np.log2(c / total)).sum())
+    p_max_byte = float(c.max() / total) ** per_byte
+    table_bits = 4 * min(c.size ** per_byte, 256) if table else 0
+    return max(entropy, nbytes) + nbytes * (p_max_byte + 0.086) + table_bits
+
+
+# --- zstd streams -------------------------------------------------------------------------------
+
+
+def _pack_stream(raw: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes, int]:
+    """``(method, payload, raw_len)``: zstd when the frame is smaller, else the bytes themselves."""
+    data = raw.tobytes()
+    if len(data) >= _MIN_ZSTD_BYTES:
+        frame = cctx.compress(data)
+        if len(frame) < len(data):
+            return METHOD_ZSTD, frame, len(data)
+    return METHOD_STORED, data, len(data)
+
+
+def _unpack_stream(method: int, payload: memoryview, raw_len: int, what: str) -> np.ndarray:
+    """Decode one stream whose ``raw_len`` the caller has already bounded."""
+    if method == METHOD_STORED:
+        if len(payload) != raw_len:
+            raise CorruptObjectError(f"{what}: stored stream of {len(payload)} bytes, header says {raw_len}")
+        return np.frombuffer(payload, dtype=np.uint8)
+    if raw_len == 0:
+        raise CorruptObjectError(f"{what}: an empty stream must be stored, not compressed")
+    try:
+        content = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"{what}: not a zstd frame ({e})") from None
+    if content != raw_len:
+        # -1: the frame does not declare its size; anything else disagrees with the header. Either
+        # way we refuse before decompressing, so a frame can never expand beyond the checked size.
+        raise CorruptObjectError(f"{what}: zstd frame declares {content} bytes, header says {raw_len}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"{what}: corrupt zstd frame ({e})") from None
+    if len(out) != raw_len:
+        raise CorruptObjectError(f"{what}: zstd frame holds {len(out)} bytes, header says {raw_len}")
+    return np.frombuffer(out, dtype=np.uint8)
+
+
+# --- header -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Header:
+    pos_mode: int
+    gap_shift: int
+    val_mode: int
+    code_bits: int
+    base_checksum: int
+    streams: tuple[tuple[int, int, int, int], ...]  # (method, raw_len, offset, stored_len) x 6
+
+
+# version, positions mode, gap shift, values mode, code width (1 byte each), base checksum (u64 LE)
+_HEADER_FIXED = 13
+
+
+def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int, base_checksum: int,
+                  streams: list[tuple[int, bytes, int]]) -> bytes:
+    fields = [np.array([LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits], np.uint8),
+              np.frombuffer(base_checksum.to_bytes(8, "little"), np.uint8)]
+    for method, payload, raw_len in streams:
+        fields.append(np.array([method], np.uint8))
+        lens = [raw_len] if method == METHOD_STORED else [raw_len, len(payload)]
+        fields.append(_leb128_encode(np.array(lens, np.uint64)))
+    return np.concatenate(fields).tobytes()
+
+
+def _read_header(data: memoryview, what: str) -> _Header:
+    if len(data) < _HEADER_FIXED:
+        raise CorruptObjectError(f"{what}: {len(data)} bytes is too short for a packed header")
+    version, pos_mode, gap_shift, val_mode, code_bits = (data[i] for i in range(5))
+    base_checksum = int.from_bytes(data[5:13], "little")
+    if version != LAYOUT_VERSION:
+        raise CorruptObjectError(f"{what}: packed layout version {version}, this reader knows {LAYOUT_VERSION}")
+    if pos_mode not in (POS_GAPS, POS_BITMAP):
+        raise CorruptObjectError(f"{what}: unknown positions mode {pos_mode}")
+    if gap_shift > (MAX_GAP_SHIFT if pos_mode == POS_GAPS else 0):
+        raise CorruptObjectError(f"{what}: gap shift {gap_shift} (at most {MAX_GAP_SHIFT}, 0 with a bitmap)")
+    if val_mode == VAL_RAW and code_bits != 0:
+        raise CorruptObjectError(f"{what}: raw values with code width {code_bits} (must be 0)")
+    if val_mode == VAL_STEPS and code_bits not in CODE_BITS:
+        raise CorruptObjectError(f"{what}: code width {code_bits}, expected one of {CODE_BITS}")
+    if val_mode not in (VAL_RAW, VAL_STEPS):
+        raise CorruptObjectError(f"{what}: unknown values mode {val_mode}")
+    at = _HEADER_FIXED
+
+    def varint() -> int:
+        nonlocal at
+        v = 0
+        for j in range(_MAX_VARINT_BYTES):
+            if at >= len(data):
+                raise CorruptObjectError(f"{what}: header cut off")
+            byte = data[at]
+            at += 1
+            v |= (byte & 0x7F) << (7 * j)
+            if byte < 0x80:
+                if j and byte == 0:
+                    raise CorruptObjectError(f"{what}: overlong varint in the header")
+                return v
+        raise CorruptObjectError(f"{what}: header varint longer than {_MAX_VARINT_BYTES} bytes")
+
+    entries = []
+    for name in _STREAMS:
+        if at >= len(data):
+            raise CorruptObjectError(f"{what}: header cut off")
+        method = data[at]
+        at += 1
+        if method not in (METHOD_STORED, METHOD_ZSTD):
+            raise CorruptObjectError(f"{what}: {name} stream has unknown method {method}")
+        raw_len = varint()
+        stored_len = raw_len if method == METHOD_STORED else varint()
+        entries.append([method, raw_len, 0, stored_len])
+    for e in entries:
+        e[2] = at
+        at += e[3]
+    if at != len(data):
+        raise CorruptObjectError(f"{what}: streams add up to {at} bytes, the blob has {len(data)}")
+    return _Header(pos_mode, gap_shift, val_mode, code_bits, base_checksum, tuple(tuple(e) for e in entries))
+
+
+# --- the codec ----------------------------------------------------------------------------------
+
+
+@register_codec
+class PackedCodec(Codec):
+    """Gap-coded positions, step-coded values, zstd; dense fallbacks per tensor.
+
+    Stored in a delta object as one part per changed tensor, ``<name>:packed``, a 1-D uint8
+    tensor holding the blob specified in ``docs/format.md`` ("Codec packed"). About 1 byte per
+    changed bf16 element at RL learning rates (``tools/bench_codec.py``), against 6 for ``raw``.
+
+    Args:
+        level: zstd compression level for encoding (any level decodes with the same reader). The
+            streams are near-random bytes whose gain comes from zstd's Huffman stage, not from
+            matches, so the fastest level 1 is also the smallest here (0.3-0.5% below level 3 on
+            the change sets of ``tools/bench_codec.py``).
+
+    Supported inference dtypes: any of width 1, 2 or 4 bytes (fp8, bf16, fp16, fp32) code steps;
+    8-byte dtypes (fp64) are always shipped as raw values.
+
+    Example:
+        >>> codec = get_codec("packed")
+        >>> parts = codec.encode(pos, new, old, numel=w.numel())  # {"packed": uint8 tensor}
+        >>> d = codec.decode(parts, numel=w.numel(), count=pos.numel(), dtype=torch.bfloat16)
+        >>> torch.equal(bits(d.resolve(old)), bits(new))
+        True
+    """
+
+    name = "packed"
+
+    def __init__(self, level: int = 1) -> None:
+        self.level = level
+
+    # --- encode ---------------------------------------------------------------------------------
+
+    def encode(self, positions, values, old_values, *, numel):
+        """Encode one tensor's changes (see :meth:`Codec.encode`).
+
+        Args:
+            positions: int64 ``(k,)``, strictly increasing, in ``[0, numel)`` (global flat).
+            values: ``(k,)`` new values in the inference dtype (any device).
+            old_values: ``(k,)`` the values at the base version, same dtype.
+            numel: elements of the full tensor.
+
+        Returns:
+            ``{"packed": uint8 (nbytes,)}`` on the CPU.
+
+        Raises:
+            ValueError: positions not strictly increasing or outside ``[0, numel)``, or values and
+                old values of different shape or dtype.
+        """
+        pos = positions.detach().to("cpu", torch.int64).reshape(-1).numpy()
+        new = values.detach().to("cpu").reshape(-1)
+        old = old_values.detach().to("cpu").reshape(-1)
+        k = pos.size
+        if new.numel() != k or old.numel() != k or new.dtype != old.dtype:
+            raise ValueError(
+                f"positions ({k}), values ({new.numel()} {new.dtype}) and old values "
+                f"({old.numel()} {old.dtype}) must have the same length and dtype"
+            )
+        width = new.element_size()
+        cctx = zstandard.ZstdCompressor(level=self.level)
+        empty = (METHOD_STORED, b"", 0)
+        # What the receiver's old values must add up to before it applies relative steps.
+        base = checksum(old, torch.from_numpy(pos)) if k else 0
+
+        # Positions: split gaps, or the bitmap when the gaps are not clearly smaller.
+        gaps = np.diff(pos, prepend=-1) - 1
+        if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
+            raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
+        gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
+        r = self._choose_gap_shift(gaps)
+        high = gaps >> np.uint64(r)
+        pos_streams = [
+            _pack_stream(np.minimum(high, 255).astype(np.uint8), cctx),
+            _pack_stream(_leb128_encode(high[high >= 255] - np.uint64(255)), cctx),
+            _pack_stream(_pack_bits(gaps, r), cctx),
+        ]
+        pos_mode = POS_GAPS
+        bitmap_nbytes = -(-numel // 8)
+        if k and sum(len(x[1]) for x in pos_streams) * 4 > bitmap_nbytes:
+            mask = np.zeros(bitmap_nbytes * 8, np.uint8)
+            mask[pos] = 1
+            bm = _pack_stream(np.packbits(mask, bitorder="little"), cctx)
+            if len(bm[1]) < sum(len(x[1]) for x in pos_streams):
+                pos_mode, r, pos_streams = POS_BITMAP, 0, [bm, empty, empty]
+
+        # Values: raw bit patterns, or steps with the code width that the entropy estimate favours.
+        new_u = _bit_pattern(new)
+        z = b = None
+        if width <= 4:
+            z = self._zigzag_steps(new_u, _bit_pattern(old), width)
+            b = self._choose_code_bits(new_u, z, width)
+        if not b:
+            streams = pos_streams + [empty, empty, _pack_stream(_to_planes(new_u), cctx)]
+            return {"packed": self._blob(pos_mode, r, VAL_RAW, 0, base, streams)}
+        M = (1 << b) - 1
+        # z == 0 (an entry whose bits did not change) has no code: it is sent as a raw escape.
+        codes = np.where(z == 0, M, np.minimum(z - 1, M))
+        esc = codes == M
+        e = z[esc] - M  # >= 1 except for z == 0
+        raw_esc = (e <= 0) | (_varint_lengths(np.maximum(e, 0).astype(np.uint64)) > width)
+        ext = np.where(raw_esc, 0, e).astype(np.uint64)
+        streams = pos_streams + [
+            _pack_stream(_pack_codes(codes, b), cctx),
+            _pack_stream(_leb128_encode(ext), cctx),
+            _pack_stream(_to_planes(new_u[esc][raw_esc]), cctx),
+        ]
+        return {"packed": self._blob(pos_mode, r, VAL_STEPS, b, base, streams)}
+
+    @staticmethod
+    def _blob(pos_mode: int, r: int, val_mode: int, b: int, base: int,
+              streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
+        head = _write_header(pos_mode, r, val_mode, b, base, streams)
+        blob = head + b"".join(s[1] for s in streams)
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _choose_gap_shift(gaps: np.ndarray) -> int:
+        """Shift ``r`` for the split gap coding, by estimated size: the high parts ``g >> r`` as
+        Huffman-coded bytes (255 escapes to a varint, costed 16 bits), the low ``r`` bits as raw
+        bits. The best ``r`` leaves high parts with a mean of a few dozen, where byte-wise Huffman
+        coding is within a few percent of the entropy of geometric gaps."""
+        k = gaps.size
+        if k == 0:
+            return 0
+        r0 = max(0, int(np.log2(max(float(gaps.mean()), 1.0) / 24)))
+        r_lo, r_hi = max(0, r0 - 1), min(MAX_GAP_SHIFT, r0 + 2)
+        # One histogram at the smallest shift serves every candidate: the high part at shift
+        # r_lo + d is the r_lo one divided by 2**d, so its bins are sums of 2**d adjacent bins.
+        span = 255 << (r_hi - r_lo)
+        base = np.bincount(np.minimum(gaps >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
+        best_r, best = 0, float("inf")
+        for r in range(r_lo, r_hi + 1):
+            f = 1 << (r - r_lo)
+            hist = np.empty(256, np.int64)
+            hist[:255] = base[: 255 * f].reshape(255, f).sum(1)
+            hist[255] = k - int(hist[:255].sum())  # escapes: high part >= 255
+            est = _huffman_bits(hist, 1, table=True) + int(hist[255]) * 16 + k * r
+            if est < best:
+                best_r, best = r, est
+        return best_r
+
+    @staticmethod
+    def _zigzag_steps(new_u: np.ndarray, old_u: np.ndarray, width: int) -> np.ndarray:
+        """Zigzag of ``new - old`` wrapped to ``width`` bytes, in ``[0, 2**(8*width))`` (0: no
+        change). int32 for widths up to 2 bytes (half the memory traffic), else int64."""
+        work = np.int32 if width <= 2 else np.int64
+        s = (new_u - old_u).view(f"i{width}").astype(work)  # unsigned subtraction wraps mod 2**(8w)
+        return _zigzag(s)
+
+    @staticmethod
+    def _choose_code_bits(new_u: np.ndarray, z: np.ndarray, width: int) -> int:
+        """Code width for the steps stream, or 0 for raw values, by estimated compressed size.
+
+        Each byte stream is costed as zstd's Huffman literals would code it: its order-0 entropy,
+        at least one bit per byte, plus Gallager's bound on Huffman redundancy, ``p_max + 0.086``
+        bits per byte (R. G. Gallager, "Variations on a theme by Huffman", IEEE Trans. IT 24(6),
+        1978). Packing four 2-bit codes per byte lowers ``p_max`` from ~0.44 to ~0.04, which is why
+        small codes win at RL learning rates.
+        """
+        k = new_u.size
+        if k == 0:
+            return CODE_BITS[0]
+        best_b = 0
+        best = sum(_huffman_bits(np.bincount((new_u >> (8 * j)) & 0xFF, minlength=256), 1) for j in range(width))
+        raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
+        cap = 1 << 12  # steps with z >= cap are costed as raw values
+        hist = np.bincount(np.minimum(z, cap), minlength=cap + 1)
+        n_raw = int(hist[0]) + int(hist[cap])  # no step (z = 0) or a huge one
+        for b in CODE_BITS:
+            if b > 8 * width:
+                break
+            M = (1 << b) - 1
+            if b == 16:
+                if int(hist[256:].sum()) * 64 < k:
+                    continue  # almost every step fits 8 bits: 16-bit codes cannot win
+                c16 = np.where(z == 0, M, np.minimum(z - 1, M))
+                est = _huffman_bits(np.bincount(c16 & 0xFF, minlength=256), 1)
+                est += _huffman_bits(np.bincount(c16 >> 8, minlength=256), 1)
+                est += int((c16 == M).sum()) * raw_cost
+            else:
+                n_esc = int(hist[M + 1 :].sum()) + int(hist[0])
+                code_hist = np.append(hist[1 : M + 1], n_esc)  # code c = z - 1; c = M escapes
+                est = _huffman_bits(code_hist, 8 // b)
+                est += _huffman_bits(hist[M + 1 : cap], 1) + n_raw * raw_cost
+            if est < best:
+                best_b, best = b, est
+        return best_b
+
+    # --- decode ---------------------------------------------------------------------------------
+
+    def decode(self, parts: Mapping[str, torch.Tensor], *, numel: int, count: int, dtype: torch.dtype) -> TensorDelta:
+        """Decode and validate one tensor's blob (see :meth:`Codec.decode` and ``docs/format.md``).
+
+        Returns:
+            A :class:`TensorDelta` with CPU tensors: int64 positions; for step-coded entries
+            ``steps`` (signed, the dtype's width) and ``relative`` marks them; raw entries carry their
+            new value in ``values``. With raw values only, ``steps`` is ``None``. ``base_checksum``
+            is the blob's checksum of the old values, which ``resolve`` verifies.
+
+        Raises:
+            CorruptObjectError: wrong part name, dtype or shape; unknown layout version or mode;
+                a declared length that the count and tensor size do not allow; a zstd frame
+                without or with a different content size, trailing data or corrupt content;
+                malformed varints; padding bits set; positions out of range or not increasing; a
+                count that does not match; a step beyond the dtype's width.
+        """
+        what = "packed codec"
+        check_parts(parts, {"packed"}, what)
+        t = parts["packed"]
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise CorruptObjectError(f"{what}: part must be 1-D uint8, got {t.dtype} {tuple(t.shape)}")
+        if not 0 <= count <= numel < 2**63:
+            raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}] or tensor of {numel} >= 2**63 elements")
+        width = dtype.itemsize
+        data = memoryview(t.contiguous().numpy().tobytes())
+        h = _read_header(data, what)
+
+        def stream(i: int, lo: int, hi: int) -> np.ndarray:
+            method, raw_len, off, stored_len = h.streams[i]
+            name = f"{what}: {_STREAMS[i]} stream"
+            if not lo <= raw_len <= hi:
+                raise CorruptObjectError(
+                    f"{name} declares {raw_len} bytes; {count} changes of a {numel}-element tensor allow {lo}..{hi}"
+                )
+            return _unpack_stream(method, data[off : off + stored_len], raw_len, name)
+
+        # Positions.
+        if h.pos_mode == POS_GAPS:
+            r = h.gap_shift
+            max_gap = max(numel - 1, 0)
+            high_b = stream(0, count, count)
+            esc = high_b == 255
+            n_esc = int(esc.sum())
+            max_ext = (max_gap >> r) - 255  # largest high part the tensor allows, minus 255
+            if n_esc and max_ext < 0:
+                raise CorruptObjectError(f"{what}: gap escapes, but no gap of this tensor needs one")
+            ext_len = max(1, math.ceil(max(max_ext, 0).bit_length() / 7))
+            high = high_b.astype(np.uint64)
+            if n_esc:
+                ext = _leb128_decode(stream(1, n_esc, n_esc * ext_len), n_esc, max_ext, f"{what}: gap escapes")
+                high[esc] += ext
+            else:
+                stream(1, 0, 0)
+            n_low = -(-count * r // 8)
+            gaps = (high << np.uint64(r)) | _unpack_bits(stream(2, n_low, n_low), count, r, f"{what}: gap low bits")
+            if count and int(gaps.max()) > max_gap:
+                raise CorruptObjectError(f"{what}: gap {int(gaps.max())} in a {numel}-element tensor")
+            # Every gap < numel <= 2**63, so the running sum cannot wrap around 2**64 before some
+            # position reaches numel; that position is exact and the max below sees it. (Checking
+            # only the last position would miss a sum that wrapped back into range.)
+            pos = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
+            if count and int(pos.max()) >= numel:
+                raise CorruptObjectError(f"{what}: position {int(pos.max())} outside [0, {numel})")
+            pos = pos.astype(np.int64)
+        else:
+            nbytes = -(-numel // 8)
+            bm = stream(0, nbytes, nbytes)
+            stream(1, 0, 0)
+            stream(2, 0, 0)
+            mask = np.unpackbits(bm, bitorder="little")
+            if bool(mask[numel:].any()):
+                raise CorruptObjectError(f"{what}: bitmap bits set past the end of the tensor")
+            pos = np.flatnonzero(mask).astype(np.int64)
+            if pos.size != count:
+                raise CorruptObjectError(f"{what}: bitmap marks {pos.size} positions, the object declares {count}")
+        positions = torch.from_numpy(pos)
+
+        if h.val_mode == VAL_RAW:
+            for i in (3, 4):
+                stream(i, 0, 0)
+            new_u = _from_planes(stream(5, count * width, count * width), count, width)
+            values = torch.from_numpy(new_u.view(f"i{width}").copy()).view(dtype)
+            return TensorDelta(positions, values, base_checksum=h.base_checksum)
+        if width > 4:
+            raise CorruptObjectError(f"{what}: step-coded values for a {width}-byte dtype")
+
+        b = h.code_bits
+        if b > 8 * width:
+            raise CorruptObjectError(f"{what}: code width {b} exceeds the {8 * width}-bit dtype")
+        M = (1 << b) - 1
+        n_code_bytes = count * b // 8 if b >= 8 else -(-count * b // 8)
+        work = np.int32 if width <= 2 else np.int64  # holds any zigzag step of the width
+        codes = _unpack_codes(stream(3, n_code_bytes, n_code_bytes), count, b, f"{what}: codes", work)
+        esc = codes == M
+        n_esc = int(esc.sum())
+        z_max = (1 << (8 * width)) - 1  # largest zigzag step of the dtype's width
+        e_max = z_max - M
+        e_len = max(1, math.ceil(e_max.bit_length() / 7))
+        ext = _leb128_decode(stream(4, n_esc, n_esc * e_len), n_esc, e_max, f"{what}: escapes").astype(work)
+        raw_esc = ext == 0
+        n_raw = int(raw_esc.sum())
+        raw_u = _from_planes(stream(5, n_raw * width, n_raw * width), n_raw, width)
+
+        z = codes + 1
+        z[esc] = M + ext  # raw escapes get z = M; their step is ignored (relative is False)
+        s = _unzigzag(z)
+        steps = torch.from_numpy(s.astype(f"i{width}"))
+        relative = None
+        values = torch.from_numpy(np.zeros(count, dtype=f"i{width}")).view(dtype)  # placeholders
+        if n_raw:
+            raw_at = np.flatnonzero(esc)[raw_esc]
+            steps[torch.from_numpy(raw_at)] = 0
+            rel = np.ones(count, dtype=bool)
+            rel[raw_at] = False
+            relative = torch.from_numpy(rel)
+            vals_i = np.zeros(count, dtype=f"i{width}")
+            vals_i[raw_at] = raw_u.view(f"i{width}")
+            values = torch.from_numpy(vals_i).view(dtype)
+        return TensorDelta(positions, values, steps, relative, h.base_checksum)
