@@ -572,8 +572,8 @@ def test_stuck_worker_times_out(tmp_path, fork_start):
 
 
 class FakeVLLMWorker:
-    """Stands in for a vLLM worker running ``DeltaWorkerExtension``: same method names and results,
-    applying into a Hugging Face model through a :class:`~torch_deltasync.DeltaReceiver`."""
+    """A tensor-parallel-1 stand-in for a vLLM worker running ``DeltaWorkerExtension``: the same
+    method names and results, applying into a Hugging Face model (no vLLM needed)."""
 
     def __init__(self, rank: int, model: nn.Module) -> None:
         self.rank, self.model, self.receiver = rank, model, None
@@ -588,12 +588,20 @@ class FakeVLLMWorker:
         v = self.receiver.update(version)
         return {"rank": self.rank, "version": v, "stats": self.receiver.last_stats.to_dict()}
 
+    def deltasync_checksums(self):
+        from torch_deltasync.checksum import format_checksum
+
+        m = self.receiver.manifest(self.receiver.version)
+        return {"rank": self.rank, "version": self.receiver.version,
+                "partials": {n: format_checksum(c) for n, c in self.receiver.partial_checksums().items()},
+                "expected": {t.name: format_checksum(t.checksum) for t in m.tensors}}
+
 
 class FakeEngine:
     """``collective_rpc`` over replicas of workers, recording every call; results come back as one
     future per replica, like torchrl's ``AsyncVLLM`` (which returns Ray futures)."""
 
-    def __init__(self, replicas: list[list[FakeVLLMWorker]]) -> None:
+    def __init__(self, replicas: list[list]) -> None:
         self.replicas = replicas
         self.calls: list[tuple] = []
         self.lie = False
@@ -621,11 +629,11 @@ def test_llm_sender_with_fake_engine(tmp_path):
     from torchrl.envs.llm.transforms import PolicyVersion
     from torchrl.trainers import UpdateWeights
 
+    from torch_deltasync import DeltaSyncError
     from torch_deltasync.testing import adam_step, state_bits, tiny_qwen3
 
     trainer = tiny_qwen3("tiny", seed=0)
-    replicas = [[FakeVLLMWorker(r * 2 + k, tiny_qwen3("tiny", seed=10 + r * 2 + k, dtype=torch.bfloat16))
-                 for k in range(2)] for r in range(2)]
+    replicas = [[FakeVLLMWorker(r, tiny_qwen3("tiny", seed=10 + r, dtype=torch.bfloat16))] for r in range(2)]
     engine = FakeEngine(replicas)
     sender = DeltaVLLMWeightSender(str(tmp_path), prefix="grpo", anchor_every=2)
     sender.register_model(trainer)
@@ -644,22 +652,67 @@ def test_llm_sender_with_fake_engine(tmp_path):
             adam_step(trainer, opt, generator=gen)
         hook()  # what GRPOTrainer runs after an optimizer step
         assert sender.version == step == collector.policy_version_tracker.version
+        assert sender.last_update.version == step and sender.last_update.verified
         want = state_bits(trainer, torch.bfloat16)
         for workers in replicas:
             for w in workers:
                 got = state_bits(w.model, torch.bfloat16)
                 assert all(torch.equal(got[n], want[n]) for n in want), f"worker {w.rank} differs at version {step}"
     methods = [c[0] for c in engine.calls]
-    assert methods == ["deltasync_attach"] + ["deltasync_update", "reset_prefix_cache"] * 4
+    assert methods == ["deltasync_attach"] + ["deltasync_update", "reset_prefix_cache", "deltasync_checksums"] * 4
     assert engine.calls[0][1] == (str(tmp_path), "grpo")
     assert [c[1] for c in engine.calls if c[0] == "deltasync_update"] == [(0,), (1,), (2,), (3,)]
-    assert [w.receiver.last_stats.path for ws in replicas for w in ws] == ["delta"] * 4
+    assert [w.receiver.last_stats.path for ws in replicas for w in ws] == ["delta"] * 2
 
     engine.lie = True  # a worker that reports another version is an error, not a silent pass
     adam_step(trainer, opt, generator=gen)
-    with pytest.raises(WorkerError, match="did not report"):
+    with pytest.raises(DeltaSyncError, match="workers report versions"):
         sender.update_weights()
     sender.shutdown()
+    sender.shutdown()
+
+
+def test_llm_sender_drives_vllm_workers(tmp_path):
+    """Real vLLM models built on CPU (2 replicas x TP 2) with ``DeltaWorkerExtension`` mixed in, as
+    vLLM does: after every update each rank equals vLLM's own ``load_weights`` of the trainer's
+    bf16 weights, and the partial checksums are combined per replica."""
+    pytest.importorskip("vllm", reason="the vLLM oracle needs the vllm wheel (tools/setup.sh installs it)")
+    from types import SimpleNamespace
+
+    from torch_deltasync.integrations.vllm import DeltaWorkerExtension
+    from torch_deltasync.testing import adam_step
+    from torch_deltasync.testing_vllm import (TINY_VLLM_CONFIGS, build_vllm_model, hf_model, load_hf_weights,
+                                              vllm_config, vllm_state_bits)
+
+    class Worker(DeltaWorkerExtension):
+        def __init__(self, model, rank):
+            self.model_runner = SimpleNamespace(get_model=lambda: model)
+            self.rank, self.device = rank, torch.device("cpu")
+
+    spec = TINY_VLLM_CONFIGS["qwen2"]
+    trainer = hf_model(spec, seed=11)
+    vc = vllm_config(spec, tmp_path / "cfg")
+    replicas = [[Worker(build_vllm_model(vc, r, 2), r) for r in range(2)] for _ in range(2)]
+    engine = FakeEngine(replicas)
+    sender = DeltaVLLMWeightSender(str(tmp_path / "bucket"), engine, anchor_every=10)
+    sender.register_model(trainer)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        if step:
+            adam_step(trainer, opt, batch=2, seq=16, generator=gen)
+        assert sender.update_weights() == step
+        assert sender.last_update.verified and not sender.last_update.recovered
+        cast = {n: t.detach().to(torch.bfloat16) for n, t in trainer.state_dict().items()}
+        for r in range(2):
+            ref = build_vllm_model(vc, r, 2)
+            load_hf_weights(ref, cast)
+            want = vllm_state_bits(ref)
+            for workers in replicas:
+                got = vllm_state_bits(workers[r]._deltasync_model())
+                bad = [n for n in want if not torch.equal(got[n], want[n])]
+                assert not bad, f"version {step}, rank {r}: {bad[:4]}"
+    assert [w["stats"]["path"] for w in sender.last_update.workers] == ["delta"] * 4
     sender.shutdown()
 
 

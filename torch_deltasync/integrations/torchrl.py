@@ -321,7 +321,8 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
             ``torch.bfloat16`` makes workers serve in bf16 (the policy must accept bf16 weights).
         device: where a worker materialises a policy that arrived without data (default CPU;
             torchrl moves it to the collector's ``policy_device`` afterwards).
-        codec: delta codec name (:func:`~torch_deltasync.codec_names`).
+        codec: delta codec name (:func:`~torch_deltasync.codec_names`); ``None``: the library's
+            default (``DeltaSender``'s).
         snapshot_device: where the sender keeps the last published state (``None``: next to each
             weight; ``"cpu"``: host memory). Costs one element of ``inference_dtype`` per weight.
         background: publish in the background: ``send`` returns once the changes are detected,
@@ -378,7 +379,7 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         inference_dtype: torch.dtype | str = torch.bfloat16,
         receiver_dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
-        codec: str = "raw",
+        codec: str | None = None,
         snapshot_device: torch.device | str | None = None,
         background: bool = False,
         retention: RetentionPolicy | None = None,
@@ -558,8 +559,9 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
             self._weights = weights
         self._sender = DeltaSender(
             self._source(None), self._open_store(), prefix=self.run_prefix, anchor_policy=self.anchor_policy,
-            inference_dtype=self.inference_dtype, snapshot_device=self.snapshot_device, codec=self.codec,
+            inference_dtype=self.inference_dtype, snapshot_device=self.snapshot_device,
             background=self.background, retention=self.retention, metrics_path=self._metrics_path("sender"),
+            **({} if self.codec is None else {"codec": self.codec}),
         )
         v = self._sender.publish(background=False)
         self._published = v
@@ -1040,39 +1042,82 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
 
 # --- torchrl's LLM / GRPO stack -------------------------------------------------------------------
 
-#: Worker-extension methods the vLLM engine must expose (``DeltaWorkerExtension``).
-ATTACH_METHOD = "deltasync_attach"
-UPDATE_METHOD = "deltasync_update"
 
-
-def _resolve_results(result: Any) -> list[Any]:
-    """Flatten what an engine's ``collective_rpc`` returned into per-worker results.
-
-    torchrl's ``AsyncVLLM.collective_rpc`` returns one Ray future per replica, each resolving to the
-    replica's per-worker list; ``vllm.LLM.collective_rpc`` returns the per-worker list itself;
-    ``concurrent.futures.Future`` and awaitables are waited for.
-    """
+def _resolve(result: Any) -> Any:
+    """Wait for one ``collective_rpc`` result: a Ray future, a ``concurrent.futures.Future``, an
+    awaitable, or already a value."""
     if inspect.isawaitable(result):
-        result = asyncio.run(_await(result))
+        return asyncio.run(_await(result))
     if type(result).__name__ == "ObjectRef":  # Ray, imported only when one is seen
         import ray
 
-        result = ray.get(result)
-    if hasattr(result, "result") and callable(result.result) and hasattr(result, "done"):
-        result = result.result()
-    if isinstance(result, (list, tuple)):
-        out: list[Any] = []
-        for r in result:
-            if isinstance(r, dict):
-                out.append(r)
-            else:
-                out.extend(_resolve_results(r))
-        return out
-    return [result]
+        return ray.get(result)
+    if callable(getattr(result, "result", None)) and callable(getattr(result, "done", None)):
+        return result.result()
+    return result
 
 
 async def _await(x: Any) -> Any:
     return await x
+
+
+class _ReplicatedEngine:
+    """The surface :func:`torch_deltasync.integrations.vllm.update_llm` drives, over an engine whose
+    ``collective_rpc`` returns one future per replica: torchrl's ``AsyncVLLM`` (Ray actors, one per
+    replica, ``modules/llm/backends/vllm/vllm_async.py``) or anything shaped like it.
+
+    Each replica is its own tensor-parallel group, so the workers' partial checksums must be
+    combined per replica (:meth:`replicas`), never across replicas. There is no engine-wide pause:
+    vLLM runs ``collective_rpc`` between engine steps, and torchrl's own storage-based path
+    (``VLLMDoubleBufferWeightReceiver``) does not pause either.
+    """
+
+    def __init__(self, engine: Any, timeout: float | None) -> None:
+        self.engine, self.timeout = engine, timeout
+
+    def replicas(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[list[dict[str, Any]]]:
+        """Per-replica, per-worker results of ``method`` on every worker."""
+        call: dict[str, Any] = {"args": tuple(args), "kwargs": dict(kwargs or {})}
+        if self.timeout is not None:
+            call["timeout"] = self.timeout
+        result = _resolve(self.engine.collective_rpc(method, **call))
+        items = list(result) if isinstance(result, (list, tuple)) else [result]
+        if all(isinstance(r, dict) for r in items):
+            return [items]  # one engine: a flat list of its workers' results
+        out = []
+        for r in items:
+            r = _resolve(r)
+            out.append(list(r) if isinstance(r, (list, tuple)) else [r])
+        return out
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [w for rep in self.replicas(method, args, kwargs) for w in rep]
+
+    def sleep(self, level: int = 0, mode: str = "wait") -> None:
+        pass
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        pass
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool | None:
+        # Prefix caches are keyed by prompt content, not by weights: entries computed with the old
+        # weights would be reused. Retried once, as torchrl's double-buffer receiver does.
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        if not callable(reset):
+            return None
+        ok = _resolve(reset())
+        if ok is False:
+            ok = _resolve(reset())
+        if ok is False:
+            torchrl_logger.warning("DeltaVLLMWeightSender: reset_prefix_cache could not clear the prefix cache")
+        return ok
+
+
+def _is_offline_llm(engine: Any) -> bool:
+    """A ``vllm.LLM`` (or its shape): one engine whose ``collective_rpc`` returns the workers'
+    results, with ``sleep``/``wake_up`` to pause scheduling around an update."""
+    return all(callable(getattr(engine, m, None)) for m in ("collective_rpc", "sleep", "wake_up")) and \
+        hasattr(engine, "llm_engine")
 
 
 class DeltaVLLMWeightSender:
@@ -1081,36 +1126,43 @@ class DeltaVLLMWeightSender:
     Duck-typed like torchrl's ``VLLMWeightSender`` / ``VLLMDoubleBufferWeightSender``
     (``weight_update/llm/``): ``GRPOTrainer(weight_sync_sender=sender)`` and
     ``UpdateWeights(sender=sender)`` call :meth:`update_weights` after optimizer steps. The vLLM
-    engine must run ``torch_deltasync.integrations.vllm.DeltaWorkerExtension`` as its worker
+    engine must run :class:`torch_deltasync.integrations.vllm.DeltaWorkerExtension` as its worker
     extension (``AsyncEngineArgs(worker_extension_cls=...)`` then ``AsyncVLLM.launch``, or
-    ``vllm.LLM(worker_extension_cls=...)``).
+    ``vllm.LLM(worker_extension_cls=...)``; torchrl's ``make_async_vllm_engine`` hard-codes its own).
 
     Per :meth:`update_weights`:
 
-    1. publish the trainer's weights (HF names, cast to ``inference_dtype``) as version ``v``;
-    2. ``collective_rpc("deltasync_update", args=(v,))`` on the engine: every TP worker of every
-       replica downloads and applies its share of ``v`` in place (the first call attaches the
-       workers with ``collective_rpc("deltasync_attach", args=(store, prefix))``);
-    3. check that every worker reports version ``v`` (else :class:`~torch_deltasync.WorkerError`);
-    4. ``engine.reset_prefix_cache()`` (cached KV was computed with the old weights);
-    5. set every registered collector's policy version to ``v``.
+    1. publish the trainer's weights (``state_dict`` names = HF names, cast to ``inference_dtype``)
+       as version ``v``;
+    2. run the update protocol of :func:`torch_deltasync.integrations.vllm.update_llm` on the
+       engine: ``collective_rpc("deltasync_update", args=(v,))`` (every TP worker of every replica
+       downloads and applies its share of ``v`` in place; the first call attaches the workers with
+       ``deltasync_attach``), check that every worker reports ``v``, check the workers' partial
+       checksums against the manifest (per replica; ``verify``), reset the prefix cache. A
+       ``vllm.LLM`` is paused around it (``sleep(level=0, mode=pause_mode)`` / ``wake_up``);
+       torchrl's ``AsyncVLLM`` (one Ray future per replica) is not;
+    3. set every registered collector's policy version to ``v``.
 
     Only small JSON-able control messages go through ``collective_rpc``; the weights travel through
     the store, so trainer and engines need no NCCL group and no rendezvous (torchrl's NCCL path
-    deadlocks when the order of joins is wrong, pytorch/rl #3574).
+    deadlocks when ranks join in the wrong order, pytorch/rl #3574).
 
     Args:
         store: where versions go (URI or :class:`~torch_deltasync.Store`).
         engine: the vLLM engine (``AsyncVLLM``, ``vllm.LLM`` or anything with
-            ``collective_rpc(method, args=..., kwargs=...)``); can be given later with
+            ``collective_rpc(method, timeout=, args=, kwargs=)``); can be given later with
             :meth:`register_engine` or ``init_all_workers_group(..., vllm_engine=engine)``.
         prefix: the run's sub-path in the store.
         worker_store: the store URI as the vLLM workers must open it (default: ``store`` if it is
             a string, else its ``describe()``).
-        attach_kwargs: extra keyword arguments for ``deltasync_attach`` (e.g. ``assume_version``).
+        attach_kwargs: extra keyword arguments for ``deltasync_attach`` (``assume_version``: the
+            engine loaded that version's checkpoint, so the first update is a delta; ``strict``, ...).
+        verify: check the workers' combined partial checksums after each update (``O(model)`` per
+            worker on its device); a mismatch is repaired once from an anchor.
+        pause_mode: how a ``vllm.LLM`` pauses (``"wait"``, ``"keep"``, ``"abort"``).
         rpc_timeout_s: timeout for each ``collective_rpc`` (seconds; ``None``: the engine's).
         anchor_every, anchor_policy, inference_dtype, codec, snapshot_device, background, retention,
-            metrics_path: as for :class:`~torch_deltasync.DeltaSender`.
+            metrics_path: as for :class:`~torch_deltasync.DeltaSender` (``codec=None``: its default).
 
     Example:
         >>> sender = DeltaVLLMWeightSender("s3://bucket/grpo", engine, prefix="run1")
@@ -1127,11 +1179,13 @@ class DeltaVLLMWeightSender:
         prefix: str = "",
         worker_store: str | None = None,
         attach_kwargs: dict[str, Any] | None = None,
+        verify: bool = True,
+        pause_mode: Literal["wait", "keep", "abort"] = "wait",
         rpc_timeout_s: float | None = None,
         anchor_every: int | None = 10,
         anchor_policy: AnchorPolicy | None = None,
         inference_dtype: torch.dtype | str = torch.bfloat16,
-        codec: str = "raw",
+        codec: str | None = None,
         snapshot_device: torch.device | str | None = None,
         background: bool = False,
         retention: RetentionPolicy | None = None,
@@ -1141,17 +1195,20 @@ class DeltaVLLMWeightSender:
         self.prefix = prefix
         self.worker_store = worker_store or (store if isinstance(store, str) else self.store.describe())
         self.attach_kwargs = dict(attach_kwargs or {})
+        self.verify = verify
+        self.pause_mode = pause_mode
         self.rpc_timeout_s = rpc_timeout_s
         self._sender_kwargs = dict(anchor_every=anchor_every, anchor_policy=anchor_policy,
-                                   inference_dtype=inference_dtype, codec=codec, snapshot_device=snapshot_device,
-                                   background=background, retention=retention, metrics_path=metrics_path)
+                                   inference_dtype=inference_dtype, snapshot_device=snapshot_device,
+                                   background=background, retention=retention, metrics_path=metrics_path,
+                                   **({} if codec is None else {"codec": codec}))
         self._engine = engine
         self._model_ref: weakref.ReferenceType | None = None
         self._sender: DeltaSender | None = None
         self._attached = False
         self._collectors: list[Any] = []
         self.version: int | None = None
-        self.last_results: list[dict[str, Any]] = []
+        self.last_update = None  # EngineUpdate of the newest update
 
     def register_model(self, model: Any) -> None:
         """The model whose weights are published: an HF ``nn.Module`` (its names are the ones
@@ -1177,12 +1234,6 @@ class DeltaVLLMWeightSender:
         """A collector whose policy version follows the published version after every update."""
         self._collectors.append(collector)
 
-    def _rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        call_kwargs: dict[str, Any] = {"args": args, "kwargs": kwargs or {}}
-        if self.rpc_timeout_s is not None:
-            call_kwargs["timeout"] = self.rpc_timeout_s
-        return _resolve_results(self._engine.collective_rpc(method, **call_kwargs))
-
     def update_weights(self, weights: Any = None) -> int | None:
         """Publish the weights as the next version and apply it on every worker of the engine.
 
@@ -1196,7 +1247,9 @@ class DeltaVLLMWeightSender:
         Raises:
             RuntimeError: no model registered and no ``weights`` given.
             PublishError: the store failed.
-            WorkerError: a worker did not report the published version.
+            DeltaSyncError: a worker reported another version after the update.
+            ChecksumMismatchError: ``verify`` found workers that differ from the version, even
+                after rebuilding them from an anchor.
         """
         # Modules are read through state_dict (HF checkpoint names, persistent tensors only): the
         # names vLLM's load_weights and the worker extension expect.
@@ -1218,18 +1271,7 @@ class DeltaVLLMWeightSender:
         if self._sender.background:
             self._sender.flush()  # the workers read it right away
         if self._engine is not None:
-            if not self._attached:
-                self._rpc(ATTACH_METHOD, (str(self.worker_store), self.prefix), self.attach_kwargs)
-                self._attached = True
-            results = self._rpc(UPDATE_METHOD, (int(v),))
-            bad = [r for r in results if not isinstance(r, dict) or r.get("version") != v]
-            if not results or bad:
-                raise WorkerError(
-                    f"after publishing version {v}, {len(bad) if results else 'no'} vLLM worker(s) did not report "
-                    f"it: {bad[:4] if results else results}"
-                )
-            self.last_results = results
-            self._reset_prefix_cache()
+            self.last_update = self._update_engine(v)
         self.version = v
         for c in self._collectors:
             tracker = _int_tracker(c)
@@ -1242,17 +1284,40 @@ class DeltaVLLMWeightSender:
                 torchrl_logger.warning(f"DeltaVLLMWeightSender: cannot set the version of {type(c).__name__}: {e}")
         return v
 
-    def _reset_prefix_cache(self) -> None:
-        # Prefix caches are keyed by prompt content, not by weights: entries computed with the old
-        # weights would be reused. Retried once, as torchrl's double-buffer receiver does.
-        reset = getattr(self._engine, "reset_prefix_cache", None)
-        if not callable(reset):
-            return
-        ok = reset()
-        if ok is False:
-            ok = reset()
-        if ok is False:
-            torchrl_logger.warning("DeltaVLLMWeightSender: reset_prefix_cache could not clear the prefix cache")
+    def _update_engine(self, version: int):
+        from .vllm import attach_llm, check_worker_checksums, update_llm
+
+        offline = _is_offline_llm(self._engine)
+        llm = self._engine if offline else _ReplicatedEngine(self._engine, self.rpc_timeout_s)
+        # With several replicas the partial checksums add up per replica, so they are checked here
+        # replica by replica instead of by update_llm (which combines all workers it is given).
+        per_replica = not offline and self.verify
+        if not self._attached:
+            attach_llm(llm, str(self.worker_store), self.prefix, verify=self.verify and not per_replica,
+                       timeout=self.rpc_timeout_s, **self.attach_kwargs)
+            self._attached = True
+            if per_replica and self.attach_kwargs.get("assume_version") is not None:
+                for rep in llm.replicas("deltasync_checksums"):
+                    check_worker_checksums(rep)
+        out = update_llm(llm, version, mode=self.pause_mode, verify=self.verify and not per_replica,
+                         timeout=self.rpc_timeout_s)
+        if per_replica:
+            from ..errors import ChecksumMismatchError
+
+            t = time.perf_counter()
+            try:
+                for rep in llm.replicas("deltasync_checksums"):
+                    check_worker_checksums(rep)
+            except ChecksumMismatchError as e:  # repair once from an anchor, as update_llm does
+                torchrl_logger.warning(f"DeltaVLLMWeightSender: {e}; rebuilding the workers from an anchor")
+                llm.replicas("deltasync_reset")
+                out.workers = llm.collective_rpc("deltasync_update", args=(int(version),))
+                for rep in llm.replicas("deltasync_checksums"):
+                    check_worker_checksums(rep)
+                out.recovered = True
+            out.verified = True
+            out.verify_ms = (time.perf_counter() - t) * 1e3
+        return out
 
     def shutdown(self) -> None:
         """Flush a background publish and forget engine and collectors. Idempotent."""
