@@ -6,9 +6,10 @@ weights cast to the inference dtype, or checks a fingerprint of those bit views 
 itself computes while it acts (``weight_digest``, written into every collected frame), so a frame's
 ``policy_version`` tag is checked against the weights that actually produced its action.
 
-Most collector tests start their workers with the ``fork`` start method (a spawn worker imports
-torch and torchrl again, ~30 s each on the shared 2-core machine); ``test_spawn_pickles_to_workers``
-uses torchrl's default ``spawn``, where the scheme really is pickled to the workers.
+Most collector tests start their workers with the ``forkserver`` start method (see ``fork_start``:
+a spawn worker imports torch and torchrl again, ~30 s each on the shared 2-core machine);
+``test_spawn_pickles_to_workers`` uses torchrl's default ``spawn``. Both pickle the scheme into the
+workers.
 """
 
 from __future__ import annotations
@@ -127,9 +128,14 @@ def assert_workers_bitexact(states: list[dict], policy: nn.Module, dtype: torch.
 
 @pytest.fixture
 def fork_start():
-    """Collectors start their workers with ``fork`` (fast); restores the previous start method."""
+    """Collectors start their workers with ``forkserver``: forked (fast) from a server process that
+    imported torch, torchrl and this module once, not from the long-lived pytest process, whose
+    threads and locks (from other tests) a plain ``fork`` would copy. The scheme is still pickled to
+    the workers, as with torchrl's default ``spawn``. Restores the previous start method."""
     previous = mp.get_start_method(allow_none=True)
-    mp.set_start_method("fork", force=True)
+    mp.set_forkserver_preload(["torch", "tensordict", "torchrl.collectors", "torchrl.envs.custom.pendulum",
+                               "torch_deltasync.integrations.torchrl", __name__])
+    mp.set_start_method("forkserver", force=True)
     yield
     mp.set_start_method(previous, force=True)
 
@@ -428,7 +434,7 @@ def test_collector_workers_and_late_joiner(tmp_path, fork_start):
                                   weight_sync_schemes={"policy": scheme}, auto_register_policy_transforms=False)
     opt = torch.optim.Adam(policy.parameters(), 1e-2)
     digests = {0: expected_digest(policy, dtype)}
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
     results = ctx.Queue()
     requests = [ctx.Queue(), ctx.Queue()]
     procs = [ctx.Process(target=_collector_worker, args=(store, 0, results, requests[0], 1))]
@@ -530,8 +536,9 @@ def test_dead_worker(tmp_path, fork_start, mode):
         train_step(policy, opt)
         t = time.monotonic()
         if mode == "raise":
-            with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) exited with code -9"):
+            with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) exited with code -9") as err:
                 collector.update_policy_weights_()
+            assert "worker 0" not in str(err.value)  # fails fast, without waiting for worker 0
         else:
             collector.update_policy_weights_()
             assert scheme.worker_versions()[0] == 2 and scheme.worker_versions()[1] == 1

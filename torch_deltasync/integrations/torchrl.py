@@ -693,8 +693,8 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
                     failures.append((w, f"(pid {proc.pid}) exited with code {proc.exitcode} before applying "
                                         f"version {v}", WorkerError))
                     pending.discard(w)
-            if not pending:
-                break
+            if not pending or (failures and self.on_worker_failure == "raise"):
+                break  # "raise" fails fast: no waiting for the other workers first
             if time.monotonic() >= deadline:
                 for w in sorted(pending):
                     failures.append((w, f"did not confirm version {v} within {wait_s:g} s "
