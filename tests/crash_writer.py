@@ -43,6 +43,9 @@ class KillAt(Store):
     def put(self, key, data):
         return self._op(self.inner.put, key, data)
 
+    def put_new(self, key, data):
+        return self._op(self.inner.put_new, key, data)
+
     def get(self, key, *, start=None, end=None):
         return self._op(self.inner.get, key, start=start, end=end)
 

@@ -20,3 +20,17 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Ge
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     opt.step()
+
+
+def encoded_nbytes(codec: str, prev: dict, cur: dict) -> int:
+    """Bytes of the encoded tensors of the delta ``prev -> cur`` (``{name: int16 bf16 bit view}``), as
+    ``codec`` writes them: what ``AnchorPolicy.max_delta_ratio`` compares with the full bf16 bytes."""
+    from torch_deltasync import get_codec
+
+    c, total = get_codec(codec), 0
+    for n in cur:
+        pos = torch.nonzero((cur[n] != prev[n]).reshape(-1)).squeeze(1)
+        if pos.numel():
+            new, old = cur[n].reshape(-1)[pos].view(torch.bfloat16), prev[n].reshape(-1)[pos].view(torch.bfloat16)
+            total += sum(t.numel() * t.element_size() for t in c.encode(pos, new, old, numel=cur[n].numel()).values())
+    return total

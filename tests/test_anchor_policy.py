@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import math
 
-from torch_deltasync import AnchorPolicy, DeltaSender, LocalStore
+import pytest
+import torch
+
+from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore
 from torch_deltasync.manifest import list_versions, load_manifest
 
+from helpers import encoded_nbytes
 from remote_helpers import StepModel
 
 
@@ -88,7 +92,77 @@ def test_both_rules_whichever_fires_first(tmp_path):
     assert later_gaps and max(later_gaps) < 4  # the ratio cut the chains short
 
 
+@pytest.mark.parametrize("codec, ratio", [("raw", 1.0), ("packed", 0.5)])  # packed: dense steps ~0.8x full
+def test_max_delta_ratio_ships_dense_versions_as_anchors_without_a_delta(tmp_path, codec, ratio):
+    """Per version, after detection: a delta whose encoded size reaches the full bf16 size ships as an
+    anchor with no delta; smaller ones stay deltas. A receiver following every version and one that
+    jumps stay bit-exact through both kinds."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    model = StepModel(seed=13)
+    dense_steps = {3, 4, 7}
+    sender = DeltaSender(model.tensors, store, codec=codec, anchor_policy=AnchorPolicy(every=None, max_delta_ratio=ratio))
+    follower = DeltaReceiver({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in model.shapes.items()}, store)
+    jumper = DeltaReceiver({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in model.shapes.items()}, store)
+    paths, states = {}, {}
+    for step in range(10):
+        model.changes = 10_000 if step in dense_steps else 20  # 10_000 > every tensor's numel
+        model.set_step(step)
+        assert sender.publish() == step
+        follower.update()
+        paths[step] = follower.last_stats.path
+        want = states[step] = model.bits_at(step)  # bits_at reads the current ``changes``
+        assert all(torch.equal(follower.target.tensors[n].view(torch.int16), want[n]) for n in want)
+        if step in (5, 9):
+            jumper.update()
+            assert all(torch.equal(jumper.target.tensors[n].view(torch.int16), want[n]) for n in want)
+    numel = sum(math.prod(s) for s in model.shapes.values())
+    kinds = {}
+    for v in range(10):
+        m = load_manifest(store, v)
+        if codec == "raw" and v:  # the raw codec's size is known in closed form: 4 + 2 bytes per change
+            changed = sum(int((states[v][n] != states[v - 1][n]).sum()) for n in model.shapes)
+            assert encoded_nbytes(codec, states[v - 1], states[v]) == 6 * changed
+        expect_anchor = v == 0 or encoded_nbytes(codec, states[v - 1], states[v]) >= ratio * numel * 2
+        assert (m.kind == "anchor") is expect_anchor, v
+        if expect_anchor:
+            assert m.base_version is None and not m.delta_objects
+        else:
+            assert m.base_version == v - 1 and not m.anchor_objects
+        assert paths[v] == ("anchor" if expect_anchor else "delta")  # no delta to take
+        kinds[v] = m.kind
+    assert all(kinds[v] == "anchor" for v in dense_steps)  # (and the sparse step after each: it reverts them)
+    assert sum(k == "delta" for k in kinds.values()) >= 3
+
+
+def test_cadence_anchor_drops_a_delta_larger_than_the_weights(tmp_path):
+    """An anchor due by cadence carries a delta against the previous version, unless that delta would
+    be at least ``max_delta_ratio`` x the weights (raw: 6 bytes per change vs 2)."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    model = StepModel(seed=14)
+    sender = DeltaSender(model.tensors, store, codec="raw", anchor_policy=AnchorPolicy(every=2, max_delta_ratio=1.0))
+    receiver = DeltaReceiver({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in model.shapes.items()}, store)
+    for step, changes in enumerate([20, 20, 20, 20, 10_000]):  # versions 2 and 4 are anchors by cadence
+        model.changes = changes
+        model.set_step(step)
+        sender.publish()
+        receiver.update()
+        want = model.bits_at(step)
+        assert all(torch.equal(receiver.target.tensors[n].view(torch.int16), want[n]) for n in want)
+    m2, m3, m4 = (load_manifest(store, v) for v in (2, 3, 4))
+    assert (m2.kind, m2.base_version, bool(m2.delta_objects)) == ("anchor", 1, True)  # small delta: carried
+    assert (m3.kind, m3.base_version) == ("delta", 2)
+    assert (m4.kind, m4.base_version, bool(m4.delta_objects)) == ("anchor", None, False)  # dense: dropped
+    assert all(t.changed == t.numel for t in m4.tensors)
+
+
+def test_max_delta_ratio_off_keeps_dense_versions_as_deltas(tmp_path):
+    rows = run(tmp_path, AnchorPolicy(every=None), steps=4, changes=10_000)
+    assert [k for _, k, _ in rows] == ["anchor", "delta", "delta", "delta"]
+
+
 @pytest.mark.parametrize("kwargs, reason", [
+    (dict(max_delta_ratio=0), "a zero ratio would anchor every version; use every=1"),
+    (dict(max_delta_ratio=-1.0), "negative ratio"),
     (dict(every=-1), "negative cadence"),
     (dict(chain_ratio=0), "a zero ratio would anchor every version; use every=1"),
     (dict(chain_ratio=-0.5), "negative ratio"),

@@ -89,3 +89,30 @@ def test_demo_runs_bit_exact(tmp_path, capsys):
     assert "bit-exact: YES (3/3" in out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["event"] == "publish" for r in rows) == 3 and all(r["bit_exact"] for r in rows if r["event"] == "receiver")
+
+
+def test_reading_a_missing_folder_is_an_error_and_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "bucket"
+    for cmd in (["ls", str(missing)], ["verify", str(missing)]):
+        assert main(cmd) == 2
+        assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"\xff" * 64, "not a safetensors file"),
+    (b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a": {"x": 1}}'.ljust(16), "malformed header entry"),
+    (b"\x08\x00\x00\x00\x00\x00\x00\x00" + b"[[[[[[[[", "not JSON"),
+])
+def test_inspect_reports_malformed_objects_in_one_line(tmp_path, capsys, content, match):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(content)
+    assert main(["inspect", str(bad)]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bad_arguments_are_refused_by_the_parser(capsys):
+    for argv in (["demo", "--size", "nope"], ["demo", "--steps", "0"], ["follow", "x", "--poll", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2

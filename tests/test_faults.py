@@ -265,3 +265,107 @@ def test_missing_chain_link_is_a_clear_error(store):
     store.delete(manifest_key(0))  # the anchor is gone
     with pytest.raises(VersionNotFoundError, match="not retained"):
         DeltaReceiver(make_mlp(1, torch.bfloat16), store).update()
+
+
+# --- writers that share a prefix, wiped buckets, stale pointers ----------------------------------------
+
+
+def test_a_second_writer_cannot_replace_a_published_version(store):
+    a, b = make_mlp(0), make_mlp(7)
+    writer_a, writer_b = DeltaSender(a, store), DeltaSender(b, store)  # both start at version 0
+    assert writer_a.publish() == 0
+    manifest_a = store.get(manifest_key(0))
+    with pytest.raises(PublishError, match="another writer already uses version 0"):
+        writer_b.publish()
+    assert store.get(manifest_key(0)) == manifest_a  # immutable
+    assert writer_b.publish() == 1 and writer_b.last_stats.kind == "anchor"  # continues after the newest
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.update(0) == 0 and first_difference(a, replica) is None
+    assert receiver.update() == 1 and first_difference(b, replica) is None
+
+
+def test_receiver_recovers_after_the_bucket_is_wiped_and_a_new_run_starts(store):
+    publish_steps(store, 4)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.update() == 3
+    for key in store.list():
+        store.delete(key)
+    trainer, sender, opt, gen = publish_steps(store, 2)  # versions 0, 1 of another run
+    for _ in range(3):  # the numbers 2..4 now name other weights than the receiver cached
+        train_step(trainer, opt, gen)
+        sender.publish()
+    assert receiver.update() == 4
+    assert first_difference(trainer, replica) is None
+
+
+def test_a_failed_latest_write_does_not_hide_newer_versions(store):
+    fs = FailingStore(store, lambda k: k == "LATEST" or k.startswith("versions/000000000003"))
+    trainer, sender, opt, gen = publish_steps(fs, 3)  # 0, 1, 2 (LATEST = 2)
+    fs.armed = True
+    train_step(trainer, opt, gen)
+    with pytest.raises(PublishError):
+        sender.publish()  # version 3 burned
+    train_step(trainer, opt, gen)
+    assert sender.publish() == 4  # visible, but LATEST could not be written
+    receiver = DeltaReceiver(make_mlp(1, torch.bfloat16), store)
+    assert receiver.newest_version() == 4  # LATEST was removed rather than left at 2
+    fs.armed = False
+    sender.flush()  # writes the pending LATEST
+    assert store.get("LATEST") == b"4"
+
+
+def test_version_numbers_end_cleanly(store):
+    from torch_deltasync.manifest import MAX_VERSION
+
+    store.put(manifest_key(MAX_VERSION), b"{}")  # a stray manifest with the largest number
+    sender = DeltaSender(make_mlp(0), store)
+    with pytest.raises(PublishError, match="new prefix"):
+        sender.publish()
+    assert store.list("objects") == []
+
+
+def test_overlapping_anchor_blocks_are_refused(store):
+    """Two anchor objects (ranks 0 and 1 of 2) that both claim the whole tensor."""
+    from torch_deltasync import Manifest
+    from torch_deltasync.checksum import tensor_checksum
+    from torch_deltasync.format import encode_anchor
+    from torch_deltasync.layout import TensorSlice
+    from torch_deltasync.manifest import ObjectEntry, TensorEntry, object_key
+
+    w = torch.randn(4, 3).to(torch.bfloat16)
+    objects = []
+    for rank in (0, 1):
+        data = encode_anchor({"w": (w, TensorSlice.full(w.shape))}, version=0, dtype=torch.bfloat16, rank=rank, world=2)
+        key = object_key(0, "anchor", rank, 2)
+        store.put(key, data)
+        objects.append(ObjectEntry(key, len(data), sha256_hex(data), rank, 2))
+    m = Manifest(version=0, kind="anchor", base_version=None, anchor_version=0, codec="raw",
+                 inference_dtype=torch.bfloat16, run_id="x", tensors=(TensorEntry("w", (4, 3), tensor_checksum(w), 12),),
+                 objects=tuple(objects))
+    store.put(manifest_key(0), m.to_json())
+    held = {"w": torch.zeros(4, 3, dtype=torch.bfloat16)}
+    with pytest.raises(CorruptObjectError, match="overlap"):
+        DeltaReceiver(held, store).update()
+    assert not held["w"].any()
+
+
+def test_oversized_objects_are_refused_without_reading_them_whole(store, monkeypatch):
+    from torch_deltasync import manifest as manifest_mod
+
+    publish_steps(store, 1)
+    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 1000)
+    store.put(manifest_key(1), b" " * 100_000)
+    reads = []
+    original = store.get
+
+    def counting_get(key, *, start=None, end=None):
+        data = original(key, start=start, end=end)
+        reads.append((key, len(data)))
+        return data
+
+    monkeypatch.setattr(store, "get", counting_get)
+    with pytest.raises(CorruptObjectError, match="above the 1000 limit"):
+        DeltaReceiver(make_mlp(1, torch.bfloat16), store).update(1)
+    assert max(n for k, n in reads if k == manifest_key(1)) == 1001

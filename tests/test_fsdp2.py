@@ -494,7 +494,7 @@ def _flaky_store(root: str):
         fail_on: str | None = None
         crash_on: str | None = None
 
-        def put(self, key: str, data: bytes) -> None:
+        def _inject(self, key: str, data: bytes) -> None:
             if self.crash_on and self.crash_on in key:
                 self._path(key).parent.mkdir(parents=True, exist_ok=True)
                 self._path(key).write_bytes(data[: len(data) // 2])  # a torn object, then the rank dies
@@ -502,7 +502,14 @@ def _flaky_store(root: str):
             if self.fail_on and self.fail_on in key:
                 self.fail_on = None
                 raise StoreError(f"injected failure writing {key!r}")
+
+        def put(self, key: str, data: bytes) -> None:
+            self._inject(key, data)
             super().put(key, data)
+
+        def put_new(self, key: str, data: bytes) -> None:  # manifests
+            self._inject(key, data)
+            super().put_new(key, data)
 
     return FlakyStore(root)
 
@@ -654,7 +661,8 @@ def _crash_then_restart(rank: int, world: int, bucket: str, phase: str, out_file
 
 def test_crashed_rank_then_restarted_job(tmp_path):
     """A rank dies while uploading: no version appears, the torn object is never read, and a
-    restarted job continues after the newest visible version with an anchor."""
+    restarted job continues with an anchor after the newest visible version and after the number
+    the crashed job left objects under (object keys are never reused)."""
     from safetensors.torch import load_file
 
     from torch_deltasync import DeltaReceiver, LocalStore
@@ -667,9 +675,9 @@ def test_crashed_rank_then_restarted_job(tmp_path):
     assert receiver.update() == 0
     out = str(tmp_path / "full.safetensors")
     res = run_ranks(_crash_then_restart, 2, bucket, "restart", out, timeout_s=300)
-    assert res[0]["published"] == [1, 2] and res[0]["kinds"] == ["anchor", "delta"]
-    assert list_versions(LocalStore(bucket)) == [0, 1, 2]
-    assert receiver.update() == 2
+    assert res[0]["published"] == [2, 3] and res[0]["kinds"] == ["anchor", "delta"]
+    assert list_versions(LocalStore(bucket)) == [0, 2, 3]
+    assert receiver.update() == 3
     full = load_file(out)
     full["lm_head.weight"] = full["embed.weight"]
     from torch_deltasync.testing import first_difference
@@ -686,3 +694,65 @@ def test_qwen3_many_versions_in_the_background(world, tmp_path):
     results = run_ranks(_scenario, world, str(tmp_path), "fsdp", steps, True, False, "qwen3", every,
                         timeout_s=1200)
     _result_checks(results, world, "fsdp", steps, every)
+
+
+def _dense_on_one_rank(rank: int, world: int, bucket: str) -> dict:
+    """``AnchorPolicy.max_delta_ratio`` with shards: one rank's dense shard makes the version an
+    anchor (without a delta) on every rank; a rank failing detection with the rule on hangs nobody."""
+    from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore, PublishError
+    from torch_deltasync.manifest import list_versions, load_manifest
+    from torch_deltasync.testing import first_difference
+
+    model = TinyLM(seed=0)
+    _shard(model, "fsdp", world)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    store = LocalStore(bucket, fsync=False)
+    # raw codec: 6 bytes per changed element, so a fully changed shard is 3x its bf16 bytes
+    sender = DeltaSender(model, store, codec="raw", anchor_policy=AnchorPolicy(every=None, max_delta_ratio=1.0))
+    receiver = DeltaReceiver(TinyLM(seed=5), store) if rank == 0 else None
+    gen = torch.Generator().manual_seed(rank)
+
+    def step():
+        ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model(ids).backward()
+        opt.step()
+
+    def follow(expected: int) -> None:
+        full = _full_bf16(model)
+        if rank == 0:
+            assert receiver.update() == expected
+            assert first_difference(receiver.target.state_dict(), full) is None, expected
+
+    assert sender.publish() == 0
+    follow(0)
+    step()
+    assert sender.publish() == 1  # an RL-rate Adam step: sparse everywhere
+    follow(1)
+    if rank == 1:  # every element of rank 1's shards changes; rank 0's do not change at all
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local()
+                local.add_(torch.randn(local.shape, generator=gen) * 0.05)
+    assert sender.publish() == 2
+    follow(2)
+    step()
+    if rank == 0:
+        _fail_detect_once(sender)
+    try:
+        sender.publish()
+        raise AssertionError("publish did not fail")
+    except PublishError as e:
+        error = str(e)
+    assert sender.publish() == 4
+    follow(4)
+    sender.close()
+    return {"kinds": [[v, load_manifest(store, v).kind, load_manifest(store, v).base_version] for v in list_versions(store)],
+            "error": error}
+
+
+def test_max_delta_ratio_agrees_across_ranks(tmp_path):
+    results = run_ranks(_dense_on_one_rank, 2, str(tmp_path), timeout_s=300)
+    for r in results:
+        assert r["kinds"] == [[0, "anchor", None], [1, "delta", 0], [2, "anchor", None], [4, "delta", 2]]
+        assert "version 3" in r["error"] and "rank 0: RuntimeError: injected detection failure" in r["error"]

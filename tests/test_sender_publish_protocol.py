@@ -29,11 +29,18 @@ class SlowStore(LocalStore):
         self.release = threading.Event()
         self.entered = threading.Event()
 
-    def put(self, key, data):
+    def _hold(self, key):
         if key.startswith("objects/"):
             self.entered.set()
             assert self.release.wait(30)
+
+    def put(self, key, data):
+        self._hold(key)
         super().put(key, data)
+
+    def put_new(self, key, data):  # objects and manifests are created, never replaced
+        self._hold(key)
+        super().put_new(key, data)
 
 
 def _state(seed=0):

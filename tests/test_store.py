@@ -76,3 +76,41 @@ def test_open_store_routes(tmp_path):
     assert isinstance(open_store(f"file://{tmp_path}/b"), LocalStore)
     s = open_store(f"file://{tmp_path}/b")
     assert open_store(s) is s
+
+
+def test_readers_do_not_create_folders_and_deletes_prune_empty_ones(tmp_path):
+    s = LocalStore(tmp_path / "s")
+    assert s.list() == [] and not s.exists("a") and not (tmp_path / "s").exists()
+    s.put("objects/000000000001/a.safetensors", b"x")
+    s.delete("objects/000000000001/a.safetensors")
+    assert list((tmp_path / "s").iterdir()) == []
+
+
+def test_put_new_never_replaces(any_store):
+    from torch_deltasync import ObjectExistsError
+
+    any_store.put_new("versions/000000000001.json", b"first")
+    with pytest.raises(ObjectExistsError):
+        any_store.put_new("versions/000000000001.json", b"second")
+    assert any_store.get("versions/000000000001.json") == b"first"
+
+
+def test_sweep_removes_only_old_temporaries(tmp_path):
+    import os
+    import time
+
+    s = LocalStore(tmp_path / "s")
+    s.put("objects/1/a", b"kept")
+    old = tmp_path / "s" / "objects" / "1" / "b.tmp-dead"
+    young = tmp_path / "s" / "objects" / "1" / "c.tmp-live"
+    old.write_bytes(b"x")
+    young.write_bytes(b"y")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert s.sweep_temporaries(older_than_s=3600) == 1
+    assert not old.exists() and young.exists() and s.get("objects/1/a") == b"kept"
+
+
+@pytest.mark.parametrize("uri", ["file://", "file://relative/path", "memory://a/../b", "memory://a//b"])
+def test_malformed_uris_are_refused(uri):
+    with pytest.raises((ValueError, CorruptObjectError)):
+        open_store(uri)

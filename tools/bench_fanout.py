@@ -14,7 +14,7 @@ run. Delta receivers are checked bit-exact at the end.
 
 The weights are synthetic (``--numel`` bf16 elements in 8 tensors); each version changes a random
 ``--density`` fraction of elements, like an RL step (~1% of bf16 weights change per step, see
-``research/anchors.md``). The moto server runs in its own process so it does not share the GIL with
+``docs/research/anchors.md``). The moto server runs in its own process so it does not share the GIL with
 the writer and receivers, which are threads of this process.
 
 Run (about a minute on 2 CPU cores)::

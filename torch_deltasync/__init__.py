@@ -2,7 +2,7 @@
 
 After an optimizer step at RL learning rates about 99% of bf16 weights are bit-identical, so a
 trainer ships only the changed elements (positions + new values) through an object store, and
-rollout replicas apply them in place, bit-exactly. See ``docs/`` and ``DESIGN.md``.
+rollout replicas apply them in place, bit-exactly. See ``docs/`` and ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ from .errors import (
     CorruptObjectError,
     DeltaSyncError,
     IncompatibleTargetError,
+    ObjectExistsError,
     ObjectNotFoundError,
+    EpisodeError,
     PublishError,
+    RolloutServiceError,
+    ServiceClosedError,
     StoreError,
     SyncTimeoutError,
     TransientStoreError,
@@ -39,6 +43,9 @@ from .sender import AnchorPolicy, DeltaSender, PublishStats
 from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
 from .targets import ModuleTarget, Target, VLLMTarget
 
+# LoRA adapters (peft is imported lazily)
+from .lora import AdapterReceiver, AdapterSender, materialize_adapter
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -49,6 +56,10 @@ __all__ = [
     "PublishStats",
     "UpdatePlan",
     "UpdateStats",
+    # LoRA adapters
+    "AdapterSender",
+    "AdapterReceiver",
+    "materialize_adapter",
     # targets
     "Target",
     "ModuleTarget",
@@ -80,8 +91,13 @@ __all__ = [
     "UnsupportedLayoutError",
     "StoreError",
     "ObjectNotFoundError",
+    "ObjectExistsError",
+    "SyncTimeoutError",
     "TransientStoreError",
     "PublishError",
+    "EpisodeError",
+    "RolloutServiceError",
+    "ServiceClosedError",
     "WorkerError",
     "SyncTimeoutError",
 ]

@@ -6,6 +6,7 @@
 ``deltasync gc STORE``       delete old versions under a retention policy (see retention.py)
 ``deltasync follow STORE``   apply versions as they appear; density, bytes, apply latency per update
 ``deltasync demo``           trainer + receiver process through a local bucket (see demo.py)
+``deltasync serve-buffer``   HTTP rollout service: workers POST episodes, the trainer samples
 
 ``STORE`` is anything :func:`torch_deltasync.open_store` accepts (a folder, ``file://``,
 ``memory://``, ``s3://``, ``hf://buckets/...``); ``--prefix`` selects a run inside it.
@@ -14,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +35,30 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
     return deco
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def _open_existing(uri: str, prefix: str):
+    """Open a store for reading; a local folder that does not exist is an error, not an empty store."""
+    from .store import LocalStore, open_store
+
+    store = open_store(uri)
+    if isinstance(store, LocalStore) and not store.root.is_dir():
+        raise FileNotFoundError(f"{store.describe()} does not exist")
+    return store.sub(prefix)
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -52,7 +76,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 @command("inspect", "show an object's or manifest's metadata, tensors and changed counts", _inspect_args)
 def _inspect(args: argparse.Namespace) -> int:
-    from .format import read_header
+    from .errors import CorruptObjectError
+    from .format import _json_meta, read_header
     from .manifest import Manifest
 
     path = Path(args.file)
@@ -73,7 +98,9 @@ def _inspect(args: argparse.Namespace) -> int:
         pass
     numel = {t.name: t.numel for t in manifest.tensors} if manifest else {}
     if meta.get("kind") == "delta":
-        counts = json.loads(meta.get("counts", "{}"))
+        counts = _json_meta(meta, "counts", str(path))
+        if not all(type(c) is int for c in counts.values()):
+            raise CorruptObjectError(f"{path}: metadata 'counts' must map tensor names to integers")
         print(f"  {len(counts)} changed tensors, {sum(counts.values()):,} changed elements")
         for name, c in counts.items():
             dens = f"{c / numel[name]:8.3%}" if name in numel and numel[name] else "       ?"
@@ -81,10 +108,10 @@ def _inspect(args: argparse.Namespace) -> int:
                               if k.rpartition(":")[0] == name)
             print(f"    {name:<60s} {c:>12,} {dens}  [{parts}]")
     else:
-        slices = json.loads(meta.get("slices", "{}"))
+        slices = _json_meta(meta, "slices", str(path))
         print(f"  {len(header)} tensors")
         for name, v in header.items():
-            s = slices.get(name, {})
+            s = slices.get(name) if isinstance(slices.get(name), dict) else {}
             print(f"    {name:<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {s.get('offsets')}")
     return 0
 
@@ -113,9 +140,7 @@ def _store_args(p: argparse.ArgumentParser) -> None:
 @command("ls", "list the versions in a store", _store_args)
 def _ls(args: argparse.Namespace) -> int:
     from .manifest import list_versions, load_manifest
-    from .store import open_store
-
-    store = open_store(args.store).sub(args.prefix)
+    store = _open_existing(args.store, args.prefix)
     versions = list_versions(store)
     if not versions:
         print(f"{store.describe()}: no versions")
@@ -147,9 +172,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     from .manifest import list_versions, load_manifest
     from .receiver import DeltaReceiver
-    from .store import open_store
-
-    store = open_store(args.store).sub(args.prefix)
+    store = _open_existing(args.store, args.prefix)
     versions = list_versions(store)
     if args.from_version is not None:
         versions = [v for v in versions if v >= args.from_version]
@@ -186,9 +209,7 @@ def _gc_args(p: argparse.ArgumentParser) -> None:
 @command("gc", "delete versions no receiver needs (keeps the newest anchor and everything after it)", _gc_args)
 def _gc(args: argparse.Namespace) -> int:
     from .retention import RetentionPolicy, collect_garbage
-    from .store import open_store
-
-    store = open_store(args.store).sub(args.prefix)
+    store = _open_existing(args.store, args.prefix)
     plan = collect_garbage(store, RetentionPolicy(keep_anchors=args.keep_anchors, grace_s=args.grace_s),
                            dry_run=args.dry_run)
     print(plan)
@@ -201,11 +222,13 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=50, help="versions to publish (one Adam step each)")
-    p.add_argument("--size", default="small", help="Qwen3 config: tiny, small, 100m, ...")
+    from .testing import QWEN3_SIZES
+
+    p.add_argument("--steps", type=_positive_int, default=50, help="versions to publish (one Adam step each)")
+    p.add_argument("--size", default="small", choices=sorted(QWEN3_SIZES), help="Qwen3 config")
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--anchor-every", type=int, default=10)
-    p.add_argument("--bucket", default=None, help="local bucket folder (default: a new one under --run-dir)")
+    p.add_argument("--bucket", default=None, help="local bucket folder (default: RUN_DIR/bucket, emptied first)")
     p.add_argument("--codec", default=None, help="delta codec (default: the sender's, packed)")
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
@@ -227,7 +250,7 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
     p.add_argument("--model", default=None,
                    help="HF checkpoint to receive into (default: zeros shaped from the first manifest)")
-    p.add_argument("--poll", type=float, default=0.2, help="seconds between polls")
+    p.add_argument("--poll", type=_positive_float, default=0.2, help="seconds between polls")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="stop after this many seconds without a new version (<= 0: never)")
     p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates")
@@ -245,6 +268,46 @@ def _follow(args: argparse.Namespace) -> int:
                     max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)
     print(f"{len(report.versions)} updates, {len(report.failures)} failed")
     return 1 if report.failures else 0
+
+
+# --- serve-buffer ------------------------------------------------------------------------------
+
+
+def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (plain HTTP: loopback or a private network)")
+    p.add_argument("--port", type=int, default=8088, help="TCP port (0: any free one, see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
+    p.add_argument("--capacity", type=int, default=4096, help="episodes the ring holds")
+    p.add_argument("--max-lag", type=int, default=2, help="drop episodes more than this many versions behind the trainer")
+    p.add_argument("--on-full", choices=("reject", "evict"), default="reject",
+                   help="full ring: 429 + Retry-After (nothing lost) or evict the oldest (counted)")
+    p.add_argument("--vocab-size", type=int, default=None, help="token ids must be below this")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--max-completion-tokens", type=int, default=8192)
+    p.add_argument("--max-episodes-per-post", type=int, default=512)
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--retry-after", type=float, default=1.0, help="seconds a 429 asks producers to wait")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the shared token for write endpoints (else $DELTASYNC_BUFFER_TOKEN; "
+                        "unset: open)")
+    p.add_argument("--log-level", default="info")
+
+
+@command("serve-buffer", "HTTP rollout service: workers POST episodes, the trainer samples (FastAPI)", _serve_buffer_args)
+def _serve_buffer(args: argparse.Namespace) -> int:
+    import os
+
+    from .integrations.rollout_service import RolloutServiceConfig, serve
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("DELTASYNC_BUFFER_TOKEN")
+    config = RolloutServiceConfig(
+        capacity=args.capacity, max_lag=args.max_lag, on_full=args.on_full, vocab_size=args.vocab_size,
+        max_prompt_tokens=args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens,
+        max_episodes_per_post=args.max_episodes_per_post, max_body_bytes=args.max_body_bytes,
+        retry_after_s=args.retry_after, token=token or None,
+    )
+    serve(config, host=args.host, port=args.port, log_level=args.log_level, port_file=args.port_file)
+    return 0
 
 
 # --- entry point -------------------------------------------------------------------------------
@@ -266,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         return args._run(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `deltasync ls ... | head`: the reader left, nothing to report
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # noqa: BLE001 - a CLI prints a one-line error, not a traceback
         from .errors import DeltaSyncError
 

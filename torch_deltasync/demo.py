@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import queue
-import time
+import shutil
 from pathlib import Path
 
 import torch
@@ -51,7 +51,11 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
     from .testing import adam_step, state_digest, tiny_qwen3
 
     run = Path(run_dir)
-    bucket = bucket or str(run / f"bucket-{time.strftime('%Y%m%d-%H%M%S')}")
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").unlink(missing_ok=True)
+    if bucket is None:  # the demo's own bucket: start from an empty one every run
+        bucket = str(run / "bucket")
+        shutil.rmtree(bucket, ignore_errors=True)
     store = LocalStore(bucket)
     model = tiny_qwen3(size, seed=seed, tie_word_embeddings=tie)
     nparams = sum(p.numel() for p in model.parameters())

@@ -5,13 +5,13 @@ element for bf16), on the tensor's device (fastest) or in (pinned) CPU memory. `
 live tensor to the inference dtype chunk by chunk into a reused buffer, compares the integer bit
 views with the snapshot and returns the changed positions and their new values. ``commit`` advances
 the snapshot only once the version carrying those changes is visible, so deltas are always relative
-to what receivers can have (DESIGN invariant 4): a failed or skipped publish is folded into the next.
+to what receivers can have (docs/design.md invariant 4): a failed or skipped publish is folded into the next.
 
 Why bit views: ``-0.0 == 0.0`` and ``NaN != NaN`` make a float comparison lose a sign flip or report
 every NaN as changed forever; comparing ``view(torch.int16)`` sees exactly the bytes a receiver holds.
 
 Why chunks: the naive ``(x.to(bf16).view(i16) != snap).nonzero()`` allocates a cast copy and a mask
-of the whole tensor; reusing 4M-element buffers halves its time on CPU (research/baselines.md §4).
+of the whole tensor; reusing 4M-element buffers halves its time on CPU (docs/research/baselines.md §4).
 """
 
 from __future__ import annotations

@@ -19,7 +19,12 @@ __all__ = [
     "StoreError",
     "PublishError",
     "ObjectNotFoundError",
+    "ObjectExistsError",
+    "SyncTimeoutError",
     "TransientStoreError",
+    "EpisodeError",
+    "RolloutServiceError",
+    "ServiceClosedError",
     "WorkerError",
     "SyncTimeoutError",
 ]
@@ -67,6 +72,14 @@ class ObjectNotFoundError(StoreError, FileNotFoundError):
     """A key does not exist in the store."""
 
 
+class ObjectExistsError(StoreError, FileExistsError):
+    """``Store.put_new`` found the key already taken (e.g. another writer published that version)."""
+
+
+class SyncTimeoutError(DeltaSyncError, TimeoutError):
+    """Waiting for a version (``DeltaReceiver.wait_for``) timed out."""
+
+
 class TransientStoreError(StoreError):
     """A store operation failed in a way that may succeed if retried: a timeout, a dropped or
     refused connection, throttling (HTTP 429, S3 ``SlowDown``) or a server error (HTTP 5xx).
@@ -74,6 +87,22 @@ class TransientStoreError(StoreError):
     Remote stores retry these with exponential backoff (:class:`~torch_deltasync.store.RetryPolicy`)
     and raise this error only once every attempt has failed.
     """
+
+
+class EpisodeError(DeltaSyncError, ValueError):
+    """A rollout episode (or a batch of them) posted to the rollout service is malformed: a missing
+    or unknown field, a wrong type, a token outside the vocabulary, a length over the limit, or
+    log-probs that do not match the completion. The message names the episode index and the field.
+    Nothing of the batch is stored."""
+
+
+class RolloutServiceError(DeltaSyncError, RuntimeError):
+    """The rollout service refused a request or could not be reached; the message has the HTTP status
+    and the service's own explanation."""
+
+
+class ServiceClosedError(RolloutServiceError):
+    """The rollout service was closed by the trainer (HTTP 410): rollout workers should stop."""
 
 
 class WorkerError(DeltaSyncError, RuntimeError):

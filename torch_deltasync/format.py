@@ -95,18 +95,24 @@ def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str
     (n,) = struct.unpack("<Q", data[:8])
     if n > MAX_HEADER_BYTES or 8 + n > len(data):
         raise CorruptObjectError(
-            f"{where}: safetensors header of {n} bytes is larger than the object ({len(data)} bytes) "
-            f"or the {MAX_HEADER_BYTES}-byte limit"
+            f"{where}: not a safetensors file, or a corrupt one: its header length field says {n} bytes, "
+            f"the object has {len(data)} bytes and headers may have at most {MAX_HEADER_BYTES}"
         )
     try:
         header = json.loads(data[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptObjectError(f"{where}: safetensors header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise CorruptObjectError(f"{where}: safetensors header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CorruptObjectError(f"{where}: __metadata__ must map strings to strings")
+    for name, entry in header.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("shape"), list) and all(type(d) is int for d in entry["shape"])
+                and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+                and all(type(o) is int for o in entry["data_offsets"])):
+            raise CorruptObjectError(f"{where}: malformed header entry for tensor {name!r}")
     return header, meta
 
 
@@ -129,7 +135,7 @@ def _load(data: bytes, manifest: Manifest, entry: ObjectEntry, kind: str) -> tup
 def _json_meta(meta: Mapping[str, str], key: str, where: str) -> dict:
     try:
         value = json.loads(meta.get(key, "{}"))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CorruptObjectError(f"{where}: metadata {key!r} is not JSON") from None
     if not isinstance(value, dict):
         raise CorruptObjectError(f"{where}: metadata {key!r} must be a JSON object")

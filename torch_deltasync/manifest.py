@@ -40,6 +40,7 @@ __all__ = [
     "VERSIONS_DIR",
     "parse_manifest_key",
     "list_versions",
+    "next_free_version",
     "load_manifest",
 ]
 
@@ -73,6 +74,17 @@ def list_versions(store) -> list[int]:
     return sorted(v for v in (parse_manifest_key(k) for k in store.list(VERSIONS_DIR)) if v is not None)
 
 
+def next_free_version(store) -> int:
+    """The first version number nothing in ``store`` uses yet: after the newest manifest and after
+    any objects a crashed or concurrent writer left without a manifest."""
+    used = list_versions(store)
+    for key in store.list("objects"):
+        m = _OBJECT_RE.match(key)
+        if m:
+            used.append(int(m.group(1)))
+    return max(used) + 1 if used else 0
+
+
 def load_manifest(store, version: int) -> "Manifest":
     """Read and validate the manifest of ``version`` from ``store`` (a run's prefix).
 
@@ -85,8 +97,8 @@ def load_manifest(store, version: int) -> "Manifest":
 
     if type(version) is not int or not 0 <= version <= MAX_VERSION:
         raise VersionNotFoundError(f"{store.describe()}: invalid version {version!r}")
-    try:
-        data = store.get(manifest_key(version))
+    try:  # read at most one byte past the limit: a huge object is refused without reading it all
+        data = store.get(manifest_key(version), start=0, end=MAX_MANIFEST_BYTES + 1)
     except ObjectNotFoundError:
         raise VersionNotFoundError(f"{store.describe()}: version {version} is not visible") from None
     return Manifest.from_json(data, expected_version=version)
@@ -263,11 +275,11 @@ class Manifest:
         """
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptObjectError(f"manifest is {len(data)} bytes, above the {MAX_MANIFEST_BYTES} limit")
+        where = f"manifest of version {expected_version}" if expected_version is not None else "manifest"
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptObjectError(f"manifest is not valid JSON: {e}") from None
-        where = f"manifest of version {expected_version}" if expected_version is not None else "manifest"
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CorruptObjectError(f"{where} is not valid JSON: {type(e).__name__}: {e}") from None
         try:
             return cls._from_doc(doc, expected_version)
         except CorruptObjectError as e:

@@ -1,7 +1,7 @@
 """The ``packed`` codec: one tensor's change set in about one byte per changed element.
 
 At RL learning rates a changed bf16 element almost always moves by one or two ULPs, and changed
-elements are spread like a Bernoulli process, so (``research/baselines.md`` §3):
+elements are spread like a Bernoulli process, so (``docs/research/baselines.md`` §3):
 
 * **positions** are coded as gaps ``g = pos[i] - pos[i-1] - 1``, split Golomb-Rice style at a
   per-tensor shift ``r``: the high part ``g >> r`` as one byte (255 escapes to an unsigned LEB128

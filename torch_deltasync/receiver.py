@@ -16,7 +16,7 @@ An update from the version a receiver holds to a target version ``T`` (the newes
    mismatch on a delta path falls back to the anchor path once; a mismatch there raises.
 6. **apply** in place (``index_copy_`` for deltas, ``copy_`` for anchors).
 
-So a receiver serves version ``v-1`` or version ``v``, never a mix (DESIGN invariant 2): nothing is
+So a receiver serves version ``v-1`` or version ``v``, never a mix (docs/design.md invariant 2): nothing is
 written before step 6, and step 6 cannot fail on validated input. Should it fail anyway (e.g. out of
 device memory), the receiver marks its state unknown and the next update takes the anchor path.
 """
@@ -37,7 +37,9 @@ from torch import nn
 
 from .checksum import checksum, combine, tensor_checksum
 from .codec import TensorDelta
-from .errors import ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
+from .errors import (
+    ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, SyncTimeoutError, VersionNotFoundError,
+)
 from .format import decode_anchor, decode_delta, verify_bytes
 from .manifest import LATEST_KEY, MAX_VERSION, Manifest, list_versions, load_manifest, manifest_key
 from .store import Store, open_store
@@ -158,6 +160,15 @@ def _concat(parts: list[TensorDelta], what: str) -> TensorDelta:
                        base)
 
 
+def _check_version(version: object) -> int:
+    """A version number from the caller: a non-negative ``int`` (``bool`` is not a version)."""
+    if type(version) is not int:
+        raise TypeError(f"a version is an int, got {type(version).__name__} {version!r}")
+    if not 0 <= version <= MAX_VERSION:
+        raise VersionNotFoundError(f"invalid version {version}: versions are 0 ... {MAX_VERSION}")
+    return version
+
+
 class DeltaReceiver:
     """Follows a run in a store and applies its versions to a model, bit-exactly.
 
@@ -196,22 +207,27 @@ class DeltaReceiver:
         self.last_stats: UpdateStats | None = None
         self._checksums: dict[str, int] = {}  # full checksums of the held state (holds_all targets)
         self._manifests: dict[int, Manifest] = {}
-        self._checked: set[tuple] = set()
+        self._checked: tuple | None = None  # the manifest layout the target was last checked for
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
 
     # --- discovery -------------------------------------------------------------------------------
 
-    def manifest(self, version: int) -> Manifest:
+    def manifest(self, version: int, *, fresh: bool = False) -> Manifest:
         """The validated manifest of ``version`` (cached; manifests are immutable).
+
+        Args:
+            fresh: read it from the store even if cached. If it differs from the cached copy (the
+                bucket was wiped and a new run reused the number), the whole cache is dropped.
 
         Raises:
             VersionNotFoundError: no such version is visible (never published, or not retained).
             CorruptObjectError: the manifest is malformed.
         """
-        m = self._manifests.get(version)
-        if m is not None:
-            return m
+        _check_version(version)
+        cached = self._manifests.get(version)
+        if cached is not None and not fresh:
+            return cached
         for attempt in range(_REREAD_ATTEMPTS):  # a garbled transfer is read again (see _download)
             try:
                 m = load_manifest(self.store, version)
@@ -219,7 +235,11 @@ class DeltaReceiver:
             except CorruptObjectError as e:
                 if attempt + 1 == _REREAD_ATTEMPTS:
                     raise
-                log.warning("%s: %s; reading it again", self.store.describe(), e)
+                log.debug("%s: %s; reading it again", self.store.describe(), e)
+        if cached is not None and cached != m:
+            log.warning("%s: the manifest of version %d changed (a new run on a wiped prefix?); "
+                        "forgetting every cached manifest", self.store.describe(), version)
+            self._manifests.clear()
         if len(self._manifests) >= 512:
             self._manifests.pop(next(iter(self._manifests)))
         self._manifests[version] = m
@@ -241,7 +261,7 @@ class DeltaReceiver:
         """Block until a version ``>= version`` (any version when ``None``) is visible; return the newest.
 
         Raises:
-            TimeoutError: nothing new appeared within ``timeout_s`` seconds.
+            SyncTimeoutError: (a ``TimeoutError``) nothing new appeared within ``timeout_s`` seconds.
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -249,7 +269,7 @@ class DeltaReceiver:
             if newest is not None and (version is None or newest >= version):
                 return newest
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.store.describe()}: no version >= {version} after {timeout_s} s (newest: {newest})")
+                raise SyncTimeoutError(f"{self.store.describe()}: no version >= {version} after {timeout_s} s (newest: {newest})")
             time.sleep(poll_s)
 
     # --- planning --------------------------------------------------------------------------------
@@ -261,11 +281,12 @@ class DeltaReceiver:
             VersionNotFoundError: no version at all, the target version is not visible, or its
                 chain needs a version that is no longer retained.
         """
-        target = self.newest_version() if version is None else version
+        target = self.newest_version() if version is None else _check_version(version)
         if target is None:
             raise VersionNotFoundError(f"{self.store.describe()}: no version has been published yet")
         if target == self.version and not force_anchor:
             return UpdatePlan(self.version, target, "noop", ())
+        self.manifest(target, fresh=True)  # the head of the walk is never a stale cached copy
         chain: list[Manifest] = []
         delta_path: list[Manifest] | None = None
         v = target
@@ -355,9 +376,11 @@ class DeltaReceiver:
             try:
                 stats = self._run(plan)
             except (CorruptObjectError, ObjectNotFoundError) as e:
-                if plan.path != "delta":
-                    raise
-                log.warning("delta path to version %d failed (%s); recovering from the anchor", plan.to_version, e)
+                # Recover once from the anchor, with every cached manifest read again (a cached
+                # chain may belong to an earlier run on a wiped prefix). A second failure is final.
+                log.warning("%s path to version %d failed (%s); recovering from the anchor",
+                            plan.path, plan.to_version, e)
+                self._manifests.clear()
                 plan = self.plan(plan.to_version, force_anchor=True)
                 stats = self._run(plan)
                 recovered = True
@@ -388,7 +411,7 @@ class DeltaReceiver:
                 nothing changes.
         """
         with self._lock:
-            m = self.manifest(version)
+            m = self.manifest(_check_version(version))
             self._check_target(m)
             sums: dict[str, int] = {}
             if self.target.holds_all:
@@ -438,10 +461,13 @@ class DeltaReceiver:
     # --- internals -------------------------------------------------------------------------------
 
     def _check_target(self, m: Manifest) -> None:
+        # Targets keep per-layout state (e.g. which untied aliases to mirror), so check again
+        # whenever the layout differs from the one checked last, not only when it is new.
         key = (tuple((t.name, t.shape) for t in m.tensors), tuple(sorted(m.aliases.items())), m.inference_dtype)
-        if key not in self._checked:
+        if key != self._checked:
+            self._checked = None
             self.target.check({t.name: t.shape for t in m.tensors}, dict(m.aliases), m.inference_dtype)
-            self._checked.add(key)
+            self._checked = key
 
     def _download(self, plan: UpdatePlan) -> dict[str, bytes]:
         entries = [(m, o) for m, step in zip(plan.manifests, plan.steps) for o in step.objects]
@@ -453,14 +479,15 @@ class DeltaReceiver:
             # A truncated or garbled transfer fails the size/sha256 check; read it again before
             # calling the object corrupt (a store that lost bytes once usually delivers them next).
             for attempt in range(_REREAD_ATTEMPTS):
-                data = self.store.get(o.key)
+                # at most one byte more than declared: an oversized object is refused unread
+                data = self.store.get(o.key, start=0, end=o.nbytes + 1)
                 try:
                     verify_bytes(data, o, f"version {m.version}")
                     return o.key, data
                 except CorruptObjectError as e:
                     if attempt + 1 == _REREAD_ATTEMPTS:
                         raise
-                    log.warning("%s: %s; reading it again", self.store.describe(), e)
+                    log.debug("%s: %s; reading it again", self.store.describe(), e)
 
         return dict(self._pool.map(fetch, entries))
 
@@ -584,12 +611,14 @@ class DeltaReceiver:
                 dense[name] = parts[0][1].reshape(shape)
                 continue
             full = torch.empty(shape, dtype=anchor.inference_dtype)
-            cover = torch.zeros(shape, dtype=torch.int8)  # every element exactly once
+            cover = torch.zeros(shape, dtype=torch.bool)  # every element exactly once
             for s, block in parts:
                 idx = tuple(slice(off, off + n) for off, n in zip(s.offsets, s.shape))
+                if bool(cover[idx].any()):
+                    raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap")
                 full[idx] = block
-                cover[idx] += 1
-            if not bool((cover == 1).all()):
+                cover[idx] = True
+            if not bool(cover.all()):
                 raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap or leave gaps")
             dense[name] = full
         for m in plan.manifests[1:]:

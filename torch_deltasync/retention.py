@@ -232,4 +232,6 @@ def collect_garbage(store: Store, policy: RetentionPolicy | None = None, *, dry_
     plan = plan_retention(store, policy, now=now)
     if not dry_run:
         apply_retention(store, plan)
+        # temporary files of crashed writers (local folders only); a live put is far younger
+        store.sweep_temporaries(older_than_s=max(3600.0, (policy or RetentionPolicy()).grace_s))
     return plan

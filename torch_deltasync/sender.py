@@ -11,8 +11,8 @@ A publish of version ``v``:
 4. only once the manifest is visible do the snapshots advance.
 
 If anything fails, no manifest is written, the snapshots stay at the last published state and the
-version number is burned: the next publish is a delta against the last *published* version (DESIGN
-invariant 4), so the chain that receivers follow is never broken. A new sender on a prefix that
+version number is burned: the next publish is a delta against the last *published* version
+(docs/design.md, invariant 4), so the chain that receivers follow is never broken. A new sender on a prefix that
 already holds versions continues after the newest one and starts with an anchor.
 
 With ``background=True`` the detection (which must read the live weights before the next optimizer
@@ -41,10 +41,13 @@ from ._dtypes import as_dtype
 from .checksum import checksum, combine, tensor_checksum
 from .codec import get_codec
 from .detect import Changes, ChangeDetector
-from .errors import PublishError, UnsupportedLayoutError
+from .errors import ObjectExistsError, PublishError, UnsupportedLayoutError
 from .format import encode_anchor, encode_delta, sha256_hex
 from .layout import TensorSlice
-from .manifest import LATEST_KEY, Manifest, ObjectEntry, TensorEntry, list_versions, manifest_key, object_key
+from .manifest import (
+    LATEST_KEY, MAX_VERSION, Manifest, ObjectEntry, TensorEntry, list_versions, manifest_key, next_free_version,
+    object_key,
+)
 from .retention import RetentionPolicy, collect_garbage
 from .store import Store, open_store
 
@@ -72,11 +75,26 @@ class AnchorPolicy:
     ``chain_ratio`` times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
     anchors' worth). ``None``: off."""
 
+    max_delta_ratio: float | None = None
+    """Decided per version, after change detection: publish a full anchor *without* a delta when this
+    version's delta, as the sender's codec encodes it (the bytes of its encoded tensors), would take at
+    least ``max_delta_ratio`` times the bytes of a full copy in the inference dtype (e.g. ``1.0``:
+    never ship a delta larger than the weights; with the ``raw`` codec, 4 + 2 bytes per changed bf16
+    element, that is about 1/3 density). An anchor due by ``every`` / ``chain_ratio`` then drops the
+    delta it would carry, too. The delta is then encoded in ``publish()`` itself (also
+    with ``background=True``; the upload stays in the background). Dense updates are the norm for
+    LoRA adapters (``docs/lora.md``). With several ranks, one rank over the ratio makes the version
+    an anchor on all. ``None``: off."""
+
     def __post_init__(self) -> None:
+        if self.every is not None and (type(self.every) is not int):
+            raise TypeError(f"AnchorPolicy.every must be an int or None, got {self.every!r}")
         if self.every is not None and self.every < 0:
             raise ValueError(f"AnchorPolicy.every must be >= 0 or None, got {self.every}")
         if self.chain_ratio is not None and not self.chain_ratio > 0:
             raise ValueError(f"AnchorPolicy.chain_ratio must be > 0 or None, got {self.chain_ratio}")
+        if self.max_delta_ratio is not None and not self.max_delta_ratio > 0:
+            raise ValueError(f"AnchorPolicy.max_delta_ratio must be > 0 or None, got {self.max_delta_ratio}")
 
     def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
         if self.every and version - last_anchor >= self.every:
@@ -231,6 +249,7 @@ class _Job:
     anchors: dict[str, torch.Tensor] = field(default_factory=dict)
     partials: dict[str, int] = field(default_factory=dict)  # name -> local partial checksum after v
     counts: dict[str, int] = field(default_factory=dict)  # name -> changed elements (local, uploaded)
+    delta_parts: dict[str, dict[str, torch.Tensor]] | None = None  # encoded early (max_delta_ratio)
     stats: PublishStats | None = None
 
 
@@ -301,6 +320,11 @@ class DeltaSender:
         sources, _ = collect_sources(model)
         if not sources:
             raise ValueError("the model has no floating-point tensors to publish")
+        for s in sources:  # the limits of docs/format.md §3, checked before anything is written
+            if not s.name or len(s.name) > 1024 or len(s.slice.global_shape) > 8:
+                raise ValueError(
+                    f"tensor {s.name[:80]!r}: names must be 1-1024 characters and tensors at most 8-D to publish"
+                )
         if group is None and any(s.distributed for s in sources):
             from .dtensor import default_group
 
@@ -317,13 +341,17 @@ class DeltaSender:
             self._layout = {s.name: s.slice for s in sources}
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
-        newest = self.group.broadcast(newest_version(self.store) if self.group.rank == 0 else None)
-        self._next_version = 0 if newest is None else newest + 1
+        # After the newest version, and after objects a crashed writer left without a manifest:
+        # object keys are never reused, so no writer can overwrite objects a manifest names.
+        self._next_version = self.group.broadcast(next_free_version(self.store) if self.group.rank == 0 else None)
         self.version: int | None = None  # last version this sender published
         self._last_anchor: int | None = None
         self._anchor_nbytes = 0
         self._chain_nbytes = 0
         self._partials: dict[str, int] = {}  # name -> local partial checksum of the published state
+        self._shapes: dict[str, TensorSlice] = {}  # name -> block at the last published version
+        self._force_anchor = False  # after another writer took a version number
+        self._latest_pending: int | None = None  # rank 0: LATEST could not be written for this version
         self._coalesced = 0
         self.last_stats: PublishStats | None = None
         self.history: deque[PublishStats] = deque(maxlen=100_000)
@@ -369,13 +397,29 @@ class DeltaSender:
         self._raise_background_error()
         t0 = time.perf_counter()
         version = self._next_version
+        if version > MAX_VERSION:
+            raise PublishError(
+                f"{self.store.describe()}: version {version} exceeds the largest version number "
+                f"{MAX_VERSION}; publish this run under a new prefix"
+            )
         self._next_version += 1  # burned whatever happens
+        job, error = None, None
         try:
             job = self._prepare(version)
         except Exception as e:  # noqa: BLE001 - the other ranks must still hear about it
-            err = self._abort(version, e)
+            error = e
+        if self.policy.max_delta_ratio is not None:
+            # One collective per publish on every rank, also on a rank whose _prepare failed, so the
+            # collectives of _abort / _finish that follow still line up.
+            if self.group.any(job is not None and self._delta_too_large(job)) and job is not None:
+                try:
+                    self._convert_to_anchor(job)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        if error is not None:
+            err = self._abort(version, error)
             if not background:
-                raise err from e
+                raise err from error
             with self._lock:
                 self._error = err  # reported by the next publish()/flush(), as on the other ranks
             return version
@@ -389,13 +433,22 @@ class DeltaSender:
         return job.version
 
     def flush(self) -> int | None:
-        """Wait for a background publish; returns the newest published version.
+        """Wait for a background publish and publish what is still pending; returns the newest
+        published version.
+
+        If the last ``publish(background=True)`` calls were coalesced (returned ``None``), their
+        weights are published now, in the foreground, so that after ``flush()`` (and ``close()``)
+        receivers can reach the weights of the last ``publish()`` call.
 
         Raises:
             PublishError: the background publish failed.
         """
         self._wait_inflight()
         self._raise_background_error()
+        if self._coalesced:
+            self.publish(background=False)
+        if self._latest_pending is not None and self.group.rank == 0:
+            self._write_latest(self._latest_pending)
         return self.version
 
     def close(self) -> None:
@@ -449,7 +502,7 @@ class DeltaSender:
             raise PublishError(f"background publish failed: {err}") from err
 
     def _wants_anchor(self, version: int) -> bool:
-        if self.version is None or self._last_anchor is None:
+        if self.version is None or self._last_anchor is None or self._force_anchor:
             return True
         return self.policy.wants_anchor(version, self._last_anchor, self._chain_nbytes, self._anchor_nbytes)
 
@@ -465,8 +518,9 @@ class DeltaSender:
                     )
                 src.upload = self._uploads[src.name]
         det = self.detector
-        names = {src.name for src in sources}
-        reshaped = set(det.names()) != names  # tensors appeared or vanished: start over with an anchor
+        # Tensors appeared, vanished or changed shape or block: start over with an anchor that
+        # carries no delta (a delta cannot describe a tensor of another shape).
+        reshaped = self._shapes != {src.name: src.slice for src in sources}
         if reshaped:
             for name in det.names():
                 det.drop(name)
@@ -490,13 +544,8 @@ class DeltaSender:
                     job.counts[src.name] = ch.numel
                     changed += ch.numel
                 job.changes[src.name] = ch
-            if kind == "anchor":
-                block = det.cast(src.local)
-                job.anchors[src.name] = block
-                if src.name not in job.partials and src.upload:
-                    job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
-                    job.counts[src.name] = src.slice.numel
-                    changed += src.slice.numel
+        if kind == "anchor":
+            changed += self._cast_anchors(job)
         job.stats = PublishStats(
             version=version, kind=kind, base_version=job.base_version, changed=changed, numel=numel,
             nbytes=0, full_nbytes=numel * torch.empty((), dtype=self.dtype).element_size(),
@@ -504,6 +553,51 @@ class DeltaSender:
         )
         self._coalesced = 0
         return job
+
+    def _cast_anchors(self, job: _Job, *, whole: bool = False) -> int:
+        """Cast every block of ``job`` for an anchor object; returns the elements newly counted as
+        changed: tensors without a detected delta (or all, with ``whole``) count whole."""
+        added = 0
+        for src in job.sources:
+            block = self.detector.cast(src.local)
+            job.anchors[src.name] = block
+            if not src.upload:
+                continue
+            if src.name not in job.partials:
+                job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
+            elif not whole:
+                continue
+            job.counts[src.name] = src.slice.numel
+            added += src.slice.numel
+        return added
+
+    def _delta_too_large(self, job: _Job) -> bool:
+        """Whether this rank's encoded delta of ``job`` (a delta, or an anchor that would carry one)
+        reaches ``max_delta_ratio`` x the bytes of its blocks in the inference dtype. Encodes the
+        delta now (on the caller's thread); the upload reuses it."""
+        if job.base_version is None:
+            return False
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        full = sum(s.slice.numel * itemsize for s in job.sources if s.upload)
+        if not full:
+            return False
+        delta = sum(t.numel() * t.element_size() for parts in self._delta_parts(job).values() for t in parts.values())
+        return delta >= self.policy.max_delta_ratio * full
+
+    def _convert_to_anchor(self, job: _Job) -> None:
+        """Publish ``job`` as an anchor without a delta (``AnchorPolicy.max_delta_ratio``): a delta
+        becomes an anchor, an anchor drops the delta it would carry. The live weights are still
+        those detection read, so the cast blocks are exactly that state, whose checksums the
+        detection already computed (``job.partials`` stays)."""
+        if job.kind == "delta":
+            job.kind, job.anchor_version = "anchor", job.version
+            job.stats.kind = "anchor"
+            self._cast_anchors(job, whole=True)  # every uploaded block counts whole
+        else:
+            job.counts.update({s.name: s.slice.numel for s in job.sources if s.upload})
+        job.base_version, job.changes, job.global_positions, job.delta_parts = None, {}, {}, None
+        job.stats.base_version = None
+        job.stats.changed = sum(job.counts.values())
 
     def _encode(self, job: _Job) -> list[tuple[str, bytes]]:
         """This rank's objects for ``job`` as ``[(kind, bytes)]`` (empty when it uploads nothing)."""
@@ -518,17 +612,20 @@ class DeltaSender:
             out.append(("delta", self._encode_delta(job)))
         return out
 
+    def _delta_parts(self, job: _Job) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's changed tensors of ``job``, encoded by the codec: ``{name: {part: tensor}}``."""
+        if job.delta_parts is None:
+            job.delta_parts = {
+                s.name: self.codec.encode(job.global_positions[s.name], job.changes[s.name].values,
+                                          job.changes[s.name].old_values, numel=s.slice.global_numel)
+                for s in job.sources if s.upload and job.counts.get(s.name)
+            }
+        return job.delta_parts
+
     def _encode_delta(self, job: _Job) -> bytes:
         g = self.group
-        parts, counts = {}, {}
-        for s in job.sources:
-            if not s.upload or not job.counts.get(s.name):
-                continue
-            ch = job.changes[s.name]
-            parts[s.name] = self.codec.encode(
-                job.global_positions[s.name], ch.values, ch.old_values, numel=s.slice.global_numel
-            )
-            counts[s.name] = ch.numel
+        parts = self._delta_parts(job)
+        counts = {name: job.changes[name].numel for name in parts}
         return encode_delta(parts, counts, version=job.version, base_version=job.base_version,
                             codec=self.codec.name, dtype=self.dtype, rank=g.rank, world=g.world)
 
@@ -552,11 +649,13 @@ class DeltaSender:
             local["objects"] = []
             for kind, data in blobs:
                 key = object_key(job.version, kind, g.rank, g.world)
-                self.store.put(key, data)
+                self._put_once(key, data)
                 local["objects"].append(ObjectEntry(key, len(data), sha256_hex(data), g.rank, g.world).to_json())
             stats.upload_ms = (time.perf_counter() - t) * 1e3
             local["partials"] = job.partials
             local["counts"] = job.counts
+        except ObjectExistsError as e:  # another writer uses this version number
+            local = {"ok": False, "taken": True, "error": f"rank {g.rank}: {e}"}
         except Exception as e:  # noqa: BLE001 - every failure is reported through the gather
             local = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
             log.warning("publish of version %d failed on rank %d: %s", job.version, g.rank, e)
@@ -567,6 +666,10 @@ class DeltaSender:
             outcome = self._write_manifest(job, gathered)
         outcome = g.broadcast(outcome)
         if not outcome["ok"]:
+            if "next_version" in outcome:  # another writer took this number: skip past its versions
+                self._next_version = max(self._next_version, outcome["next_version"])
+                self._force_anchor = True
+                raise PublishError(f"version {job.version} was not published: {outcome['error']}")
             raise PublishError(
                 f"version {job.version} was not published ({outcome['error']}); no partial version is "
                 f"visible and the next publish is based on version {self.version}"
@@ -594,6 +697,8 @@ class DeltaSender:
     def _write_manifest(self, job: _Job, gathered: list[dict]) -> dict[str, Any]:
         """Rank 0: combine per-rank metadata, write the manifest last and ``LATEST``."""
         errors = [r["error"] for r in gathered if not r["ok"]]
+        if any(r.get("taken") for r in gathered):
+            return self._taken(job.version)
         if errors:
             return {"ok": False, "error": "; ".join(errors)}
         try:
@@ -619,18 +724,54 @@ class DeltaSender:
                 created_at=time.time(),
             )
             data = manifest.to_json()
-            self.store.put(manifest_key(job.version), data)
+            try:
+                self._put_once(manifest_key(job.version), data)  # manifests are immutable
+            except ObjectExistsError:
+                return self._taken(job.version)
         except Exception as e:  # noqa: BLE001
             return {"ok": False, "error": f"rank 0 manifest: {type(e).__name__}: {e}"}
-        try:
-            self.store.put(LATEST_KEY, str(job.version).encode())
-        except Exception as e:  # noqa: BLE001 - LATEST is advisory; receivers fall back to listing
-            log.warning("could not update LATEST to %d: %s", job.version, e)
+        self._write_latest(job.version)
         return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values()),
                 "anchor_nbytes": manifest.anchor_nbytes, "delta_nbytes": manifest.delta_nbytes}
 
+    def _put_once(self, key: str, data: bytes) -> None:
+        """Create ``key``; never replace an existing object (a retry of our own put that succeeded
+        before its reply was lost finds our own bytes there, which is fine).
+
+        Raises:
+            ObjectExistsError: another writer's object holds the key.
+        """
+        try:
+            self.store.put_new(key, data)
+        except ObjectExistsError:
+            if self.store.get(key) != data:
+                raise
+
+    def _taken(self, version: int) -> dict[str, Any]:
+        """Rank 0: another writer uses ``version``; skip past everything it wrote."""
+        return {"ok": False, "next_version": next_free_version(self.store),
+                "error": f"another writer already uses version {version} on {self.store.describe()}; "
+                         "two writers must not share a prefix. This sender continues after the newest "
+                         "version, with an anchor"}
+
+    def _write_latest(self, version: int) -> None:
+        """Rank 0: point ``LATEST`` at ``version``. It is advisory; if it cannot be written, remove
+        it so that readers list ``versions/`` rather than trust a stale pointer, and try again at
+        the next publish or ``flush()``."""
+        try:
+            self.store.put(LATEST_KEY, str(version).encode())
+            self._latest_pending = None
+        except Exception as e:  # noqa: BLE001 - receivers fall back to listing
+            log.warning("could not update LATEST to %d: %s", version, e)
+            self._latest_pending = version
+            try:
+                self.store.delete(LATEST_KEY)
+            except Exception:  # noqa: BLE001
+                pass
+
     def _commit(self, job: _Job, outcome: dict[str, Any]) -> None:
         """The version is visible: advance snapshots, checksums and the anchor policy state."""
+        self._shapes = {s.name: s.slice for s in job.sources}
         det = self.detector
         for s in job.sources:
             if job.kind == "anchor":
@@ -641,6 +782,7 @@ class DeltaSender:
                 self._partials[s.name] = job.partials[s.name]
         self.version = job.version
         if job.kind == "anchor":
+            self._force_anchor = False
             self._last_anchor = job.version
             self._anchor_nbytes = outcome["anchor_nbytes"]
             self._chain_nbytes = 0

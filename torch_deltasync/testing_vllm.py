@@ -4,7 +4,7 @@ vLLM 0.33 builds its layers with the TP rank and size it reads from
 ``vllm.distributed.parallel_state`` *while constructing* them; afterwards the loaders only use the
 rank stored on each layer. So swapping the process-group globals for small stubs during
 construction builds the exact model a worker of a ``tp``-way engine holds, in one CPU process,
-without ``torch.distributed``, CUDA or ``vllm._C`` (``research/vllm-cpu-oracle.md``). Loading full
+without ``torch.distributed``, CUDA or ``vllm._C`` (``docs/research/vllm-cpu-oracle.md``). Loading full
 HF tensors with the model's own ``load_weights`` then gives the reference per-rank layout.
 
 Needs ``vllm`` installed (``tools/setup.sh`` installs the 0.33.0 wheel with ``--no-deps``), and

@@ -1,7 +1,7 @@
 """vLLM integration: a worker extension that applies versions in place, and the client side of the
 update protocol for an offline ``LLM``, an ``AsyncLLM`` and the OpenAI-compatible HTTP server.
 
-Architecture (no vLLM fork; ``research/vllm-layout.md`` §1, §6)::
+Architecture (no vLLM fork; ``docs/research/vllm-layout.md`` §1, §6)::
 
     trainer ──DeltaSender──▶ store ◀──DeltaReceiver(VLLMTarget)── each vLLM worker (TP rank)
                                         ▲  deltasync_* methods, called through collective_rpc

@@ -85,7 +85,9 @@ def open_store(uri: "str | os.PathLike | Store", **options: Any) -> Store:
         return LocalStore(text, **options)
     protocol, _, rest = text.partition("://")
     if protocol == "file":
-        return LocalStore(rest or "/", **options)
+        if not rest.startswith("/") or not rest.strip("/"):
+            raise ValueError(f"{text!r}: a file URI names an absolute folder, e.g. file:///data/bucket")
+        return LocalStore(rest, **options)
     if protocol == "hf":
         if not rest.startswith("buckets/"):
             raise ValueError(

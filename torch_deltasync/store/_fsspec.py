@@ -128,6 +128,8 @@ class FsspecStore(Store):
             raise ValueError(f"expected protocol://path, got {url!r}")
         if protocol in _S3 and not path.strip("/"):
             raise ValueError(f"{url!r} names no bucket; expected s3://bucket/prefix")
+        if path.strip("/"):
+            check_key(path.strip("/"))  # no '..', '.', empty segments or odd characters in the root
         self.protocol = protocol
         self.url = f"{protocol}://{path.strip('/')}"
         self.retry = retry or RetryPolicy()
@@ -172,18 +174,36 @@ class FsspecStore(Store):
         data = bytes(data)
         self._call("write", key, lambda: self.fs.pipe_file(path, data), len(data))
 
+    def put_new(self, key: str, data: bytes) -> None:
+        if self.protocol not in _S3:
+            return super().put_new(key, data)
+        from ..errors import ObjectExistsError
+
+        path = self._path(key)
+        data = bytes(data)
+
+        def create() -> None:
+            try:  # a conditional PUT (If-None-Match: *): atomic on S3, refused if the key exists
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                raise ObjectExistsError(f"{self.describe()}: {key!r} already exists") from None
+
+        self._call("write", key, create, len(data))
+
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         path = self._path(key)
         if (start is not None and start < 0) or (end is not None and end < 0):
             raise ValueError(f"byte range of {key!r} must be non-negative, got [{start}, {end})")
         if start is not None and end is not None and end <= start:
             return b""
-        if start is None and end is None:
-            return self._get_whole(key, path)
+        if not start and (end is None or end > self.part_nbytes):
+            return self._get_whole(key, path, end)
         n = end - (start or 0) if end is not None else 0
         return self._call("read", key, lambda: bytes(self.fs.cat_file(path, start=start, end=end)), n)
 
-    def _get_whole(self, key: str, path: str) -> bytes:
+    def _get_whole(self, key: str, path: str, end: int | None = None) -> bytes:
+        """The object (or its first ``end`` bytes): one GET when it is small, else ranged parts in
+        parallel, each length-checked and retried on its own."""
         part = self.part_nbytes
 
         def first() -> bytes:
@@ -197,7 +217,7 @@ class FsspecStore(Store):
         head = self._call("read", key, first, part)
         if len(head) < part:
             return head
-        size = self.size(key)
+        size = self.size(key) if end is None else min(self.size(key), end)
         if size <= len(head):
             return head[:size]
         ranges = [(s, min(s + part, size)) for s in range(part, size, part)]

@@ -84,7 +84,7 @@ class HFBucketStore(Store):
     """Objects under a prefix of a Hugging Face Bucket.
 
     A batch commit makes one added file visible whole, so ``put`` has the atomicity the wire format
-    relies on (the manifest is written last, DESIGN invariant 3).
+    relies on (the manifest is written last, docs/design.md invariant 3).
 
     Args:
         uri: ``hf://buckets/<namespace>/<bucket>[/<prefix>]``.

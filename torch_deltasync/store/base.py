@@ -60,6 +60,22 @@ class Store(ABC):
     def put(self, key: str, data: bytes) -> None:
         """Write ``data`` under ``key`` atomically: a reader sees the old object, or all of the new one."""
 
+    def put_new(self, key: str, data: bytes) -> None:
+        """Like :meth:`put`, but only if ``key`` does not exist yet (manifests are immutable).
+
+        Atomic where the backend offers it (:class:`LocalStore`: ``link``; S3: a conditional PUT
+        with ``If-None-Match: *``); elsewhere an existence check followed by a put (a race between
+        two writers can then go unnoticed).
+
+        Raises:
+            ObjectExistsError: the key already exists.
+        """
+        from ..errors import ObjectExistsError
+
+        if self.exists(key):
+            raise ObjectExistsError(f"{self.describe()}: {key!r} already exists")
+        self.put(key, data)
+
     @abstractmethod
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         """Read the object, or the byte range ``[start, end)`` of it.
@@ -94,6 +110,11 @@ class Store(ABC):
         for key in keys:
             self.delete(key)
 
+    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
+        """Delete leftovers of crashed writers older than ``older_than_s`` seconds; returns how
+        many. Object stores have none (a PUT is all or nothing): the default does nothing."""
+        return 0
+
     def sub(self, prefix: str) -> "Store":
         """A view of this store rooted at ``prefix`` (several runs can share one store)."""
         prefix = prefix.strip("/")
@@ -119,6 +140,9 @@ class PrefixStore(Store):
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(self._k(key), data)
 
+    def put_new(self, key: str, data: bytes) -> None:
+        self.inner.put_new(self._k(key), data)
+
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         return self.inner.get(self._k(key), start=start, end=end)
 
@@ -138,6 +162,10 @@ class PrefixStore(Store):
 
     def size(self, key: str) -> int:
         return self.inner.size(self._k(key))
+
+    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
+        full = join_key(self.prefix, prefix) if prefix else self.prefix
+        return self.inner.sweep_temporaries(older_than_s, full)
 
     def sub(self, prefix: str) -> Store:
         prefix = prefix.strip("/")

@@ -6,7 +6,7 @@ import os
 import uuid
 from pathlib import Path
 
-from ..errors import ObjectNotFoundError, StoreError
+from ..errors import ObjectExistsError, ObjectNotFoundError, StoreError
 from .base import Store, check_key
 
 __all__ = ["LocalStore"]
@@ -23,6 +23,9 @@ class LocalStore(Store):
     key (``os.replace``), so a reader sees the old object or the whole new one, never a torn write;
     a writer killed mid-put leaves only an unreferenced ``*.tmp-*`` file.
 
+    The folder is created by the first write, never by readers: a receiver or ``deltasync ls``
+    pointed at a mistyped path sees an empty store instead of creating folders.
+
     Args:
         root: folder path (``str`` or ``Path``); ``~`` is expanded.
         fsync: flush file data (and the directory entry) to disk before returning from ``put``.
@@ -38,7 +41,6 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
         self.root = Path(root).expanduser().resolve()
         self.fsync = fsync
-        self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -50,6 +52,14 @@ class LocalStore(Store):
         return f"LocalStore({str(self.root)!r})"
 
     def put(self, key: str, data: bytes) -> None:
+        self._write(key, data, exclusive=False)
+
+    def put_new(self, key: str, data: bytes) -> None:
+        """Atomic create-if-absent: the complete temporary file is hard-linked to the key, which
+        fails if the key exists (``link`` never replaces), so of two writers exactly one wins."""
+        self._write(key, data, exclusive=True)
+
+    def _write(self, key: str, data: bytes, *, exclusive: bool) -> None:
         path = self._path(key)
         tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex}")
         try:
@@ -59,13 +69,23 @@ class LocalStore(Store):
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if exclusive:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise ObjectExistsError(f"{self.describe()}: {key!r} already exists") from None
+                finally:
+                    tmp.unlink(missing_ok=True)
+            else:
+                os.replace(tmp, path)
             if self.fsync:
                 dfd = os.open(path.parent, os.O_RDONLY)
                 try:
                     os.fsync(dfd)
                 finally:
                     os.close(dfd)
+        except ObjectExistsError:
+            raise
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise StoreError(f"{self.describe()}: cannot write {key!r}: {e}") from e
@@ -106,7 +126,36 @@ class LocalStore(Store):
         return sorted(out)
 
     def delete(self, key: str) -> None:
+        """Remove ``key``, and the folders it leaves empty (up to the root)."""
+        path = self._path(key)
         try:
-            self._path(key).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
         except OSError as e:
             raise StoreError(f"{self.describe()}: cannot delete {key!r}: {e}") from e
+        parent = path.parent
+        while parent != self.root and self.root in parent.parents:
+            try:
+                parent.rmdir()  # only succeeds when empty; a concurrent writer just recreates it
+            except OSError:
+                break
+            parent = parent.parent
+
+    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
+        """Delete temporary files of crashed writers older than ``older_than_s`` seconds (never
+        named by a manifest; a live writer's temporary file is younger). Returns how many."""
+        import time
+
+        base = self.root / check_key(prefix, allow_empty=True) if prefix else self.root
+        if not base.is_dir():
+            return 0
+        cutoff, removed = time.time() - older_than_s, 0
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                p = Path(dirpath, name)
+                try:
+                    if _TMP_MARK in name and p.stat().st_mtime < cutoff:
+                        p.unlink()
+                        removed += 1
+                except OSError:
+                    pass
+        return removed

@@ -314,6 +314,9 @@ class RetryingStore(Store):
     def put(self, key: str, data: bytes) -> None:
         self._call("write", key, lambda: self.inner.put(key, data), len(data))
 
+    def put_new(self, key: str, data: bytes) -> None:
+        self._call("write", key, lambda: self.inner.put_new(key, data), len(data))
+
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         n = (end - (start or 0)) if end is not None else 0
         return self._call("read", key, lambda: self.inner.get(key, start=start, end=end), n)

@@ -11,7 +11,7 @@ dense staging copy of the model, cost proportional to the number of changed elem
 
 The rules are vLLM 0.33.0's weight loaders (``vllm/model_executor/layers/linear.py``,
 ``vocab_parallel_embedding.py``, ``fused_moe/routed_experts.py``; see
-``research/vllm-layout.md`` §3), and the tests check them bit-for-bit against those loaders.
+``docs/research/vllm-layout.md`` §3), and the tests check them bit-for-bit against those loaders.
 
 **The map.** Every supported layout is *separable*: each HF dim ``d`` maps on its own, through a
 lookup table ``T_d`` (HF coordinate -> local coordinate, ``-1`` where this rank holds nothing) or the

@@ -1,0 +1,535 @@
+"""Asynchronous GRPO with LoRA: adapter versions through an object store, episodes through HTTP.
+
+The setup of "asynchronous LoRA-GRPO over HF Jobs" (``../shared/seeds/004``): a trainer and rollout
+workers that never talk NCCL and need not share a network. The trainer publishes every adapter
+version to a store (a local folder here; ``s3://`` or ``hf://buckets/`` in production); the workers
+follow the store and generate with the newest adapter they hold; finished episodes reach the trainer
+through a small HTTP ring buffer that drops stale ones. GRPO clips the importance ratio of the
+rollout policy (the adapter version that generated an episode) to ``[0.8, 1.2]``.
+
+Architecture::
+
+    trainer (this process)                      store (--store)                  rollout workers (N processes)
+    ┌─────────────────────────────┐   adapter/adapter_config.json      ┌──────────────────────────────┐
+    │ Qwen3 + LoRA (peft), Adam   │   objects/<v>/anchor|delta-*.st    │ base + LoRA (peft), CPU       │
+    │ GRPO, ratio clip [0.8, 1.2] │ ─AdapterSender──▶ versions/<v> ──▶ │ AdapterReceiver.update():     │
+    │ publish() every step        │   base/model.safetensors           │   newest version, bit-exact   │
+    └──────────▲──────────────────┘                                    │ sample G completions/prompt,  │
+               │ POST /sample (trainer version, B episodes)            │ reward, group advantage       │
+    ┌──────────┴──────────────────────────────────────────────────┐    └──────────────┬───────────────┘
+    │ rollout service (deltasync serve-buffer; a thread here):      │ ◀── POST /episodes (429 when full)
+    │ torchrl ReplayBuffer ring, drops lag > --max-lag, /stats      │
+    └───────────────────────────────────────────────────────────────┘
+
+The task is verifiable and tiny: the prompt is ``BOS d1 .. dL SEP`` (random digits), the completion
+``L`` tokens, the reward the fraction of positions holding the digits in sorted order (``--task
+sort``) or copied (``--task copy``). The tokenizer is defined below (16 ids). The base model is a
+``tiny_qwen3`` taught to copy digits for a few supervised steps (``--warmup-steps``), so it starts
+competent but not sharp; RL on the adapter then teaches it to sort. The trainer writes the base to
+the store (``base/model.safetensors``), so workers anywhere start from the same weights.
+
+Run everything on this machine (trainer + service thread + 2 worker processes), a few minutes on 2 CPU
+cores::
+
+    python recipes/async_grpo_lora.py --run-dir runs/lora-grpo
+
+Or apart (each line on its own machine; the store and the service must be reachable from all)::
+
+    deltasync serve-buffer --host 0.0.0.0 --port 8088 --token-file tok --vocab-size 16 --max-lag 2
+    python recipes/async_grpo_lora.py trainer --service-url http://HOST:8088 --token-file tok --store s3://bucket/runs
+    python recipes/async_grpo_lora.py worker  --service-url http://HOST:8088 --token-file tok --store s3://bucket/runs --worker-id 0
+
+Output in ``--run-dir``: ``metrics.jsonl`` (one line per trainer step: reward, loss, ratio and clip
+fraction, lag, adapter version, kind and bytes), ``publish.jsonl`` (the sender's per-version stats),
+``worker-<i>.jsonl`` (per rollout batch: version used, update path and bytes, reward), ``summary.json``
+(reward first vs last steps, adapter bytes per version, lag, the service's episode accounting, a
+bit-exact check of the final adapter loaded with PEFT's own loader) and ``metrics.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# --- task and tokenizer ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DigitTokenizer:
+    """Ids: 0 PAD, 1 BOS, 2 SEP, 3 EOS, ``4 + d`` for digit ``d``; 16 ids in all (12..15 unused)."""
+
+    pad: int = 0
+    bos: int = 1
+    sep: int = 2
+    eos: int = 3
+    digit0: int = 4
+    vocab_size: int = 16
+
+    def prompt(self, digits: list[int]) -> list[int]:
+        return [self.bos, *(self.digit0 + d for d in digits), self.sep]
+
+    def decode(self, ids: list[int]) -> str:
+        names = {self.pad: "<pad>", self.bos: "<s>", self.sep: "|", self.eos: "</s>"}
+        return " ".join(names.get(i, str(i - self.digit0) if self.digit0 <= i < self.digit0 + 10 else f"<{i}>") for i in ids)
+
+
+TOK = DigitTokenizer()
+
+
+def target(digits: list[int], task: str) -> list[int]:
+    return sorted(digits) if task == "sort" else list(digits)
+
+
+def reward(completion: list[int], digits: list[int], task: str) -> float:
+    """Fraction of positions holding the right digit (programmatic, verifiable)."""
+    want = [TOK.digit0 + d for d in target(digits, task)]
+    return sum(int(a == b) for a, b in zip(completion, want)) / len(want)
+
+
+# --- models ------------------------------------------------------------------------------------
+
+
+def lora_targets() -> list[str]:
+    return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_base(args) -> torch.nn.Module:
+    """``tiny_qwen3`` over the digit vocabulary, taught to copy for ``--warmup-steps`` (full fine-tune)."""
+    from torch_deltasync.testing import tiny_qwen3
+
+    model = tiny_qwen3("tiny", seed=args.seed, vocab_size=TOK.vocab_size)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.warmup_steps):
+        d = torch.randint(0, 10, (64, args.digits), generator=gen)
+        ids = torch.cat([torch.full((64, 1), TOK.bos), d + TOK.digit0, torch.full((64, 1), TOK.sep), d + TOK.digit0], 1)
+        logits = model(input_ids=ids).logits[:, -args.digits - 1:-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, TOK.vocab_size), ids[:, -args.digits:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def put_base(store, model) -> None:
+    from safetensors.torch import save
+
+    store.put("base/model.safetensors", save({n: t.detach().contiguous() for n, t in model.state_dict().items()}))
+
+
+def load_base(store, timeout_s: float) -> torch.nn.Module:
+    """The trainer's base model from the store (safetensors bytes, never pickle)."""
+    from safetensors.torch import load
+
+    from torch_deltasync.errors import ObjectNotFoundError
+    from torch_deltasync.testing import tiny_qwen3
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            data = store.get("base/model.safetensors")
+            break
+        except ObjectNotFoundError:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the trainer has not written base/model.safetensors") from None
+            time.sleep(0.2)
+    model = tiny_qwen3("tiny", vocab_size=TOK.vocab_size)
+    model.load_state_dict(load(data))
+    return model
+
+
+# --- rollout worker ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(model, prompts: torch.Tensor, n_new: int, gen: torch.Generator, temperature: float):
+    """Sample ``n_new`` tokens per row (no KV cache: sequences are ~10 tokens).
+
+    Returns:
+        ``(completions int64 [N, n_new], logprobs float32 [N, n_new])``: the sampled tokens and their
+        log-probabilities under the sampling distribution (softmax of logits / temperature).
+    """
+    ids, lps = prompts, []
+    for _ in range(n_new):
+        logits = model(input_ids=ids).logits[:, -1].float() / temperature
+        lp = torch.log_softmax(logits, -1)
+        tok = torch.multinomial(lp.exp(), 1, generator=gen)
+        lps.append(lp.gather(1, tok))
+        ids = torch.cat([ids, tok], 1)
+    return ids[:, prompts.shape[1]:], torch.cat(lps, 1)
+
+
+def run_worker(args) -> int:
+    """Follow the adapter run, generate groups, post them until the trainer closes the service."""
+    from peft import get_peft_model
+
+    from torch_deltasync.errors import RolloutServiceError, ServiceClosedError
+    from torch_deltasync.integrations.rollout_service import RolloutClient
+    from torch_deltasync.lora import AdapterReceiver, read_adapter_config
+    from torch_deltasync.store import open_store
+
+    torch.set_num_threads(1)
+    store = open_store(args.store).sub(args.prefix)
+    base = load_base(store, args.startup_timeout)
+    deadline = time.monotonic() + args.startup_timeout
+    while True:  # the adapter structure comes from the run itself
+        try:
+            config = read_adapter_config(store)
+            break
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    model = get_peft_model(base, config).eval()
+    receiver = AdapterReceiver(model, store)
+    receiver.wait_for(timeout_s=args.startup_timeout)
+    client = RolloutClient(args.service_url, token=_token(args))
+    gen = torch.Generator().manual_seed(10_000 + args.worker_id)
+    metrics = open(Path(args.run_dir) / f"worker-{args.worker_id}.jsonl", "a") if args.run_dir else None
+    batch = 0
+    try:
+        while True:
+            before = receiver.version
+            receiver.update()  # the newest version (a no-op when there is none newer)
+            st = receiver.last_stats if receiver.version != before else None
+            version = receiver.version
+            digits = torch.randint(0, 10, (args.prompts, args.digits), generator=gen)
+            prompts = torch.tensor([TOK.prompt(d) for d in digits.tolist()]).repeat_interleave(args.group, 0)
+            comps, lps = generate(model, prompts, args.digits, gen, args.temperature)
+            rewards = torch.tensor([reward(c, d, args.task) for c, d in
+                                    zip(comps.tolist(), digits.repeat_interleave(args.group, 0).tolist())])
+            rg = rewards.view(args.prompts, args.group)
+            adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True) + 1e-4)).view(-1)
+            episodes = [{
+                "prompt": prompts[i].tolist(), "completion": comps[i].tolist(), "logprobs": lps[i].tolist(),
+                "reward": float(rewards[i]), "advantage": float(adv[i]), "policy_version": version,
+                "group": f"w{args.worker_id}-{batch}-{i // args.group}", "worker": f"w{args.worker_id}",
+            } for i in range(prompts.shape[0])]
+            try:
+                res = client.post_episodes(episodes, max_wait_s=args.startup_timeout)
+            except ServiceClosedError:
+                break
+            if metrics:
+                metrics.write(json.dumps({
+                    "batch": batch, "version": version, "reward_mean": float(rewards.mean()),
+                    "stored": res["stored"], "dropped_stale": res["dropped_stale"],
+                    "trainer_version": res["trainer_version"],
+                    "update": None if st is None else {"path": st.path, "nbytes": st.nbytes,
+                                                       "versions_applied": st.versions_applied, "total_ms": st.total_ms},
+                }) + "\n")
+                metrics.flush()
+            batch += 1
+    except RolloutServiceError as e:
+        print(f"worker {args.worker_id}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+        receiver.close()
+        if metrics:
+            metrics.close()
+    print(f"worker {args.worker_id}: {batch} batches, stopped by the trainer", flush=True)
+    return 0
+
+
+# --- trainer -----------------------------------------------------------------------------------
+
+
+def grpo_loss(model, td, clip_low: float, clip_high: float, temperature: float):
+    """Clipped-ratio GRPO loss over completion tokens (token mean).
+
+    ``ratio = exp(logp_new - logp_rollout)`` per token, ``loss = -mean(min(ratio * A,
+    clip(ratio, 1 - clip_low, 1 + clip_high) * A))`` (PPO's clipped surrogate, GRPO's group
+    advantage ``A``; DeepSeekMath, arXiv:2402.03300, eq. 3, without the KL term).
+
+    Returns:
+        ``(loss, stats)``: stats has the mean ratio and the fraction of clipped tokens.
+    """
+    logits = model(input_ids=td["input_ids"], attention_mask=td["attention_mask"].long()).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / temperature, -1).gather(2, td["input_ids"][:, 1:, None]).squeeze(2)
+    mask = td["completion_mask"][:, 1:]
+    old = td["logprobs"][:, 1:]
+    ratio = torch.exp(logp - old)
+    adv = td["advantage"][:, None]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_tok = -torch.min(ratio * adv, clipped * adv)
+    loss = per_tok[mask].mean()
+    with torch.no_grad():
+        r = ratio[mask]
+        frac = ((r < 1 - clip_low) | (r > 1 + clip_high)).float().mean()
+    return loss, {"ratio_mean": float(r.mean()), "clip_frac": float(frac)}
+
+
+def run_trainer(args, service_url: str, token: str | None, workers: list | None = None) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from torch_deltasync.integrations.rollout_service import RolloutClient, collate_episodes
+    from torch_deltasync.lora import AdapterSender, adapter_state_dict, materialize_adapter
+    from torch_deltasync.store import open_store
+
+    torch.manual_seed(args.seed)
+    run_dir = Path(args.run_dir)
+    store = open_store(args.store).sub(args.prefix)
+    base = make_base(args)
+    put_base(store, base)
+    model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=lora_targets(),
+                                            lora_dropout=0.0))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    sender = AdapterSender(model, store, metrics_path=run_dir / "publish.jsonl")
+    client = RolloutClient(service_url, token=token)
+    version = sender.publish()
+    client.set_version(version)
+    versions = [_version_row(sender)]
+    rows = []
+    t_start = time.monotonic()
+    print(f"trainer: adapter {sum(p.numel() for p in adapter_state_dict(model).values()):,} parameters, "
+          f"version {version} published; waiting for episodes", flush=True)
+    try:
+        for step in range(args.steps):
+            t0 = time.monotonic()
+            batch = None
+            while batch is None:
+                batch = client.sample(args.batch, trainer_version=version, wait_s=2.0)
+                if batch is None:
+                    if workers and any(w.poll() is not None for w in workers):
+                        raise RuntimeError("a rollout worker exited; see its log in the run dir")
+                    if time.monotonic() - t0 > args.startup_timeout:
+                        raise TimeoutError(f"no {args.batch} fresh episodes within {args.startup_timeout} s")
+            wait_s = time.monotonic() - t0
+            td = collate_episodes(batch, pad_id=TOK.pad)
+            model.train()
+            loss, st = grpo_loss(model, td, args.clip, args.clip, args.temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            version = sender.publish()
+            client.set_version(version)
+            versions.append(_version_row(sender))
+            lag = td["lag"].float()
+            row = {
+                "step": step, "version": version, "kind": sender.last_stats.kind,
+                "adapter_nbytes": sender.last_stats.nbytes, "adapter_objects_nbytes": versions[-1]["objects_nbytes"],
+                "full_adapter_nbytes": sender.last_stats.full_nbytes,
+                "density": sender.last_stats.density, "reward_mean": float(td["reward"].mean()),
+                "loss": float(loss.detach()), **st, "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
+                "policy_versions": sorted(set(td["policy_version"].tolist())),
+                "wait_s": wait_s, "step_s": time.monotonic() - t0, "elapsed_s": time.monotonic() - t_start,
+            }
+            rows.append(row)
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
+                print(f"step {step:4d}  v{version:<4d} {row['kind']:<6s} {row['adapter_nbytes']:>7,d} B  "
+                      f"reward {row['reward_mean']:.3f}  lag {row['lag_mean']:.2f} (max {row['lag_max']})  "
+                      f"ratio {row['ratio_mean']:.3f} clip {row['clip_frac']:.3f}  wait {wait_s:.2f}s", flush=True)
+        sender.flush()
+        client.close_service()
+        if workers:
+            for w in workers:
+                try:
+                    w.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+        service = client.stats()
+    finally:
+        client.close()
+        sender.close()
+    # the final version, materialised and loaded with PEFT's own loader, is the trainer's adapter
+    out = materialize_adapter(store, run_dir / "final_adapter")
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(load_base(store, 10), str(out))
+    a, b = adapter_state_dict(loaded), adapter_state_dict(model)
+    exact = a.keys() == b.keys() and all(
+        torch.equal(a[n].to(torch.bfloat16).view(torch.int16), b[n].to(torch.bfloat16).view(torch.int16)) for n in a)
+    return _summary(args, rows, versions, service, exact, workers)
+
+
+def _version_row(sender) -> dict:
+    """One published version: ``nbytes`` = its objects + manifest (what a publish uploads),
+    ``objects_nbytes`` = the adapter objects alone, ``full_nbytes`` = the adapter in bf16."""
+    from torch_deltasync.manifest import load_manifest
+
+    st = sender.last_stats
+    return {"version": st.version, "kind": st.kind, "nbytes": st.nbytes,
+            "objects_nbytes": load_manifest(sender.store, st.version).nbytes, "full_nbytes": st.full_nbytes,
+            "density": st.density}
+
+
+def _summary(args, rows, versions, service, exact, workers) -> dict:
+    k = max(1, len(rows) // 5)
+    lags = [r["lag_mean"] for r in rows]
+    by_kind = {}
+    for v in versions:
+        by_kind.setdefault(v["kind"], []).append(v["nbytes"])
+    summary = {
+        "steps": len(rows), "task": args.task, "digits": args.digits,
+        "reward_first": sum(r["reward_mean"] for r in rows[:k]) / k,
+        "reward_last": sum(r["reward_mean"] for r in rows[-k:]) / k,
+        "reward_window_steps": k,
+        "adapter_bytes_per_version": [[v["version"], v["kind"], v["nbytes"]] for v in versions],
+        "adapter_object_bytes_mean": sum(v["objects_nbytes"] for v in versions) / len(versions),
+        "adapter_full_nbytes": versions[0]["full_nbytes"],
+        "adapter_bytes_mean": sum(v["nbytes"] for v in versions) / len(versions),
+        "adapter_bytes_by_kind": {kd: {"versions": len(b), "mean_nbytes": sum(b) / len(b)} for kd, b in by_kind.items()},
+        "lag_mean": sum(lags) / len(lags), "lag_max": max(r["lag_max"] for r in rows), "max_lag_allowed": service["max_lag"],
+        "ratio_mean": sum(r["ratio_mean"] for r in rows) / len(rows),
+        "clip_frac_mean": sum(r["clip_frac"] for r in rows) / len(rows),
+        "episodes": {k2: service[k2] for k2 in ("accepted", "sampled", "dropped_stale", "dropped_stale_on_arrival",
+                                                 "evicted", "size", "unaccounted", "rejected_full")},
+        "lag_sampled": service["lag_sampled"],
+        "final_adapter_bit_exact": exact,
+        "workers_exit_codes": [w.returncode for w in workers] if workers else None,
+        "elapsed_s": rows[-1]["elapsed_s"] if rows else 0.0,
+    }
+    return summary
+
+
+def _plot(run_dir: Path, rows: list[dict], summary: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.6))
+    steps = [r["step"] for r in rows]
+    ax[0].plot(steps, [r["reward_mean"] for r in rows], lw=1)
+    ax[0].set(xlabel="trainer step", ylabel="batch reward", title=f"reward ({summary['task']})")
+    vs = summary["adapter_bytes_per_version"]
+    ax[1].bar([v for v, _, _ in vs], [b for _, _, b in vs], color=["C1" if k == "anchor" else "C0" for _, k, _ in vs])
+    ax[1].axhline(summary["adapter_full_nbytes"], color="k", lw=0.8, ls="--", label="full adapter (bf16)")
+    ax[1].set(xlabel="adapter version", ylabel="bytes published", title="bytes per version (orange: full)")
+    ax[1].legend()
+    ax[2].plot(steps, [r["lag_mean"] for r in rows], lw=1, label="mean")
+    ax[2].plot(steps, [r["lag_max"] for r in rows], lw=1, label="max")
+    ax[2].set(xlabel="trainer step", ylabel="versions behind", title="policy lag of trained episodes")
+    ax[2].legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "metrics.png", dpi=110)
+    plt.close(fig)
+
+
+# --- entry points ------------------------------------------------------------------------------
+
+
+def _token(args) -> str | None:
+    if getattr(args, "token_file", None):
+        return Path(args.token_file).read_text().strip()
+    return os.environ.get("DELTASYNC_BUFFER_TOKEN")
+
+
+def _worker_cmd(args, url: str, i: int) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "worker", "--service-url", url, "--store", args.store,
+            "--prefix", args.prefix, "--worker-id", str(i), "--token-file", args.token_file, "--run-dir", args.run_dir,
+            "--task", args.task, "--digits", str(args.digits), "--prompts", str(args.prompts), "--group",
+            str(args.group), "--temperature", str(args.temperature), "--startup-timeout", str(args.startup_timeout)]
+
+
+def run_all(args) -> dict:
+    """Service thread + trainer here, ``--workers`` rollout worker processes."""
+    from torch_deltasync.integrations.rollout_service import RolloutServiceConfig, start_service
+
+    run_dir = Path(args.run_dir)
+    if args.store is None:
+        args.store = str(run_dir / "bucket")
+    token_file = run_dir / "token"
+    token_file.write_text(secrets.token_urlsafe(24))
+    token_file.chmod(0o600)
+    args.token_file = str(token_file)
+    cfg = RolloutServiceConfig(capacity=args.capacity or 2 * args.batch, max_lag=args.max_lag, vocab_size=TOK.vocab_size,
+                               max_prompt_tokens=64, max_completion_tokens=64, token=_token(args), retry_after_s=0.2)
+    service = start_service(cfg)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    workers = []
+    try:
+        for i in range(args.workers):
+            log = open(run_dir / f"worker-{i}.log", "w")
+            workers.append(subprocess.Popen(_worker_cmd(args, service.url, i), env=env, stdout=log, stderr=subprocess.STDOUT))
+        return run_trainer(args, service.url, cfg.token, workers)
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+        service.stop()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("role", nargs="?", default="run", choices=("run", "trainer", "worker"),
+                   help="run: everything here (default); trainer / worker: one role against --service-url")
+    p.add_argument("--run-dir", default="runs/async-grpo-lora", help="metrics, logs, summary (and the default store)")
+    p.add_argument("--store", default=None, help="adapter store: folder, s3://..., hf://buckets/... (default: RUN_DIR/bucket)")
+    p.add_argument("--prefix", default="lora-grpo", help="run prefix inside the store")
+    p.add_argument("--service-url", default=None, help="rollout service URL (trainer/worker roles)")
+    p.add_argument("--token-file", default=None, help="shared service token (else $DELTASYNC_BUFFER_TOKEN)")
+    p.add_argument("--workers", type=int, default=2, help="rollout worker processes (run role)")
+    p.add_argument("--worker-id", type=int, default=0)
+    p.add_argument("--steps", type=int, default=150, help="trainer steps (one adapter version each)")
+    p.add_argument("--batch", type=int, default=64, help="episodes per trainer step")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
+    p.add_argument("--task", choices=("sort", "copy"), default="sort")
+    p.add_argument("--digits", type=int, default=3, help="digits per prompt (= completion tokens)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollout and loss)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument("--alpha", type=int, default=16, help="LoRA alpha")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=0.2, help="ratio clip: [1 - clip, 1 + clip]")
+    p.add_argument("--max-lag", type=int, default=2, help="staleness threshold of the service (versions)")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="service ring capacity in episodes (default 2 x --batch: workers wait on 429s instead of "
+                        "producing episodes that go stale)")
+    p.add_argument("--warmup-steps", type=int, default=15, help="supervised copy steps of the base model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for peers")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role == "worker":
+        if not args.service_url or not args.store:
+            raise SystemExit("worker: --service-url and --store are required")
+        return run_worker(args)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "publish.jsonl"):
+        (run_dir / name).unlink(missing_ok=True)
+    if args.role == "trainer":
+        if not args.service_url or not args.store:
+            raise SystemExit("trainer: --service-url and --store are required")
+        summary = run_trainer(args, args.service_url, _token(args))
+    else:
+        summary = run_all(args)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(run_dir, rows, summary)
+    e = summary["episodes"]
+    print(f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} (first/last {summary['reward_window_steps']} steps)")
+    print(f"adapter bytes per version: mean {summary['adapter_bytes_mean']:,.0f} published (objects "
+          f"{summary['adapter_object_bytes_mean']:,.0f} + manifest) for a {summary['adapter_full_nbytes']:,}-byte bf16 "
+          f"adapter; by kind: {json.dumps(summary['adapter_bytes_by_kind'])}")
+    print(f"lag: mean {summary['lag_mean']:.2f}, max {summary['lag_max']} (threshold {summary['max_lag_allowed']})")
+    print(f"episodes: {e['accepted']} accepted = {e['sampled']} sampled + {e['dropped_stale']} dropped stale + "
+          f"{e['evicted']} evicted + {e['size']} left (unaccounted {e['unaccounted']}); "
+          f"{e['rejected_full']} refused while full (429)")
+    print(f"final adapter bit-exact after materialise + PeftModel.from_pretrained: {summary['final_adapter_bit_exact']}")
+    print(json.dumps({"summary": str(run_dir / "summary.json")}))
+    ok = summary["final_adapter_bit_exact"] and e["unaccounted"] == 0 and summary["lag_max"] <= summary["max_lag_allowed"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

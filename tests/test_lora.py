@@ -1,0 +1,280 @@
+"""LoRA adapter sync (``torch_deltasync/lora.py``): only the adapter travels, in PEFT's names and
+shapes; versions round-trip bit-exactly into a receiver PEFT model; a materialised version is what
+``PeftModel.from_pretrained`` and vLLM's own LoRA loader read; the adapter config is validated."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from helpers import encoded_nbytes  # noqa: E402
+from torch_deltasync import DeltaSender, LocalStore  # noqa: E402
+from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, VersionNotFoundError  # noqa: E402
+from torch_deltasync.lora import (  # noqa: E402
+    ADAPTER_CONFIG_KEY,
+    AdapterReceiver,
+    AdapterSender,
+    adapter_config_json,
+    adapter_state_dict,
+    materialize_adapter,
+    parse_adapter_config,
+)
+from torch_deltasync.manifest import list_versions, load_manifest  # noqa: E402
+from torch_deltasync.sender import AnchorPolicy  # noqa: E402
+from torch_deltasync.testing import tiny_qwen3  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(seed: int = 0, r: int = 4, alpha: int = 8, trained_b: bool = False):
+    model = get_peft_model(tiny_qwen3("tiny", seed=0), LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS,
+                                                                  lora_dropout=0.0))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n:
+                p.uniform_(-0.1, 0.1)
+            elif "lora_B" in n and trained_b:  # a trained adapter: B is no longer zero
+                p.normal_(0, 0.02)
+    return model
+
+
+def train_step(model, opt, gen):
+    ids = torch.randint(0, 1000, (2, 16), generator=gen)
+    opt.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+
+def bits(sd: dict, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    view = torch.int16 if dtype.itemsize == 2 else torch.int32
+    return {n: t.detach().to(dtype).contiguous().view(view).clone() for n, t in sd.items()}
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("codec", ["packed", "raw"])
+def test_only_the_adapter_travels_in_peft_names_and_round_trips_bit_exactly(tmp_path, codec):
+    """Sparse versions (a trained adapter at an RL learning rate) ship as deltas, a dense one (every
+    factor redrawn) as a full adapter, by size; a receiver PEFT model, a self-holding receiver and a late
+    joiner hold every version bit-exactly (bf16 bit patterns of the trainer's fp32 factors)."""
+    store = LocalStore(tmp_path / "bucket", fsync=False)
+    trainer = lora_model(seed=1, trained_b=True)
+    params = [p for p in trainer.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    sender = AdapterSender(trainer, store, prefix="run", codec=codec)
+    receiver_model = lora_model(seed=2)
+    receiver = AdapterReceiver(receiver_model, store, prefix="run")
+    holder = AdapterReceiver(None, store, prefix="run")
+    saved_names = set(adapter_state_dict(trainer))
+    states = {}
+    for step in range(8):
+        v = sender.publish()
+        states[v] = bits(adapter_state_dict(trainer))
+        assert receiver.update() == v and holder.update() == v
+        assert same_bits(bits(adapter_state_dict(receiver_model)), states[v]), v
+        assert same_bits(bits(holder.tensors), states[v]), v
+        if step == 5:  # every factor redrawn (e.g. the trainer restored another adapter): version 6 is dense
+            with torch.no_grad():
+                for p in params:
+                    p.normal_(0, 0.05)
+        else:
+            train_step(trainer, opt, gen)
+    run = store.sub("run")
+    numel = sum(t.numel() for t in states[0].values())
+    kinds, anchor_nbytes, chain = [], 0, 0
+    for v in list_versions(run):
+        m = load_manifest(run, v)
+        assert {t.name for t in m.tensors} == saved_names  # the adapter only, PEFT's saved names
+        # the default policy's rules, from the bits: a delta (as the sender's codec encodes it) that
+        # reaches a full bf16 copy, or delta bytes since the last anchor reaching that anchor's bytes
+        by_size = v > 0 and encoded_nbytes(sender.codec.name, states[v - 1], states[v]) >= numel * 2
+        assert (m.kind == "anchor") == (v == 0 or by_size or chain >= 2 * anchor_nbytes), v
+        if m.kind == "anchor":
+            assert m.base_version is None or not by_size  # a version anchored by size carries no delta
+            anchor_nbytes, chain = m.anchor_nbytes, 0
+        else:
+            chain += m.delta_nbytes
+        kinds.append(m.kind)
+    assert kinds.count("delta") >= 3
+    if codec == "raw":  # 6 bytes per change: version 6 (every factor redrawn) ships as a full adapter
+        assert kinds[6] == "anchor" and load_manifest(run, 6).base_version is None
+    # (packed compresses even redrawn bf16 values below 2 bytes each: version 6 stays a delta)
+    late = AdapterReceiver(lora_model(seed=3), store, prefix="run")
+    assert late.update() == 7 and same_bits(bits(late.tensors), states[7])
+    # the receiver's base weights were never touched: only adapter tensors are targets
+    base = dict(tiny_qwen3("tiny", seed=0).named_parameters())
+    for n, p in receiver_model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n.replace("base_model.model.", "").replace(".base_layer", "")]), n
+
+
+def test_fp32_inference_dtype_ships_the_fp32_factors_exactly(tmp_path):
+    trainer = lora_model(seed=1)
+    opt = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=1e-3)
+    sender = AdapterSender(trainer, tmp_path, inference_dtype=torch.float32)
+    receiver_model = lora_model(seed=2)
+    receiver = AdapterReceiver(receiver_model, tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        train_step(trainer, opt, gen)
+        sender.publish()
+        receiver.update()
+        assert same_bits(bits(adapter_state_dict(receiver_model), torch.float32),
+                         bits(adapter_state_dict(trainer), torch.float32))
+
+
+def test_materialised_version_loads_with_peft_and_vllm_reads_it(tmp_path):
+    trainer = lora_model(seed=1, trained_b=True)
+    opt = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=1e-3)
+    sender = AdapterSender(trainer, tmp_path / "bucket")
+    gen = torch.Generator().manual_seed(0)
+    states = {}
+    for _ in range(4):
+        states[sender.publish()] = bits(adapter_state_dict(trainer))
+        train_step(trainer, opt, gen)
+    out = materialize_adapter(tmp_path / "bucket", tmp_path / "adapters" / "v2", version=2)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    # the same names and shapes PEFT's own save_pretrained writes
+    trainer.save_pretrained(tmp_path / "peft_own")
+    with safe_open(str(tmp_path / "peft_own" / "adapter_model.safetensors"), "pt") as own, \
+            safe_open(str(out / "adapter_model.safetensors"), "pt") as ours:
+        assert set(own.keys()) == set(ours.keys())
+        assert all(own.get_slice(k).get_shape() == ours.get_slice(k).get_shape() for k in own.keys())
+        assert ours.metadata()["format"] == "pt"
+    # PEFT's own loader; the loaded adapter is version 2's bits
+    loaded = PeftModel.from_pretrained(tiny_qwen3("tiny", seed=0), str(out))
+    assert same_bits(bits(adapter_state_dict(loaded)), states[2])
+    # and it computes what a receiver holding version 2 computes
+    held = lora_model(seed=7)
+    AdapterReceiver(held, tmp_path / "bucket").update(2)
+    ids = torch.randint(0, 1000, (2, 12), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, held(input_ids=ids).logits)
+    # newest by default, replacing an existing folder
+    assert materialize_adapter(tmp_path / "bucket", out) == out
+    assert same_bits(bits(adapter_state_dict(PeftModel.from_pretrained(tiny_qwen3("tiny", seed=0), str(out)))), states[3])
+
+
+def test_vllm_lora_loader_parses_a_materialised_version(tmp_path, monkeypatch):
+    """vLLM's own PEFT config check and LoRA checkpoint loader (CPU) read our folder."""
+    pytest.importorskip("vllm")
+    import vllm.lora.lora_model as vllm_lora_model
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    monkeypatch.setattr(vllm_lora_model, "PIN_MEMORY", False)  # no CUDA driver here
+    trainer = lora_model(seed=1, trained_b=True)
+    AdapterSender(trainer, tmp_path / "bucket").publish()
+    out = materialize_adapter(tmp_path / "bucket", tmp_path / "v0")
+    helper = PEFTHelper.from_local_dir(str(out), max_position_embeddings=4096)
+    helper.validate_legal(LoRAConfig(max_lora_rank=8))
+    lm = vllm_lora_model.LoRAModel.from_local_checkpoint(str(out), set(TARGETS), helper, lora_model_id=1,
+                                                         device="cpu", dtype=torch.bfloat16)
+    want = bits(adapter_state_dict(trainer))
+    assert len(lm.loras) == 2 * len(TARGETS)
+    for name, w in lm.loras.items():
+        stem = f"base_model.model.{name}"
+        assert torch.equal(w.lora_a.view(torch.int16), want[f"{stem}.lora_A.weight"])
+        assert torch.equal(w.lora_b.view(torch.int16), want[f"{stem}.lora_B.weight"])
+        assert w.scaling == 8 / 4  # lora_alpha / r from the config we wrote
+
+
+# --- the adapter config ---------------------------------------------------------------------------
+
+
+def config_doc(**changes) -> bytes:
+    doc = json.loads(adapter_config_json(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)))
+    doc.update(changes)
+    return json.dumps(doc).encode()
+
+
+BAD_CONFIGS = [
+    (b"\xff\xfe", "not UTF-8"),
+    (b"{", "not JSON"),
+    (b"[]", "not an object"),
+    (config_doc(peft_type="PREFIX_TUNING"), "not LoRA"),
+    (config_doc(r=0), "rank 0"),
+    (config_doc(r=4.0), "fractional-typed rank"),
+    (config_doc(r=True), "bool rank"),
+    (config_doc(lora_alpha="8"), "string alpha"),
+    (config_doc(target_modules=[1, 2]), "non-string target modules"),
+    (config_doc(rank_pattern={"q_proj": -2}), "negative rank pattern"),
+    (config_doc(megatron_config={"x": 1}), "would make PEFT import a module"),
+    (config_doc(target_modules=".*q_proj", layers_to_transform=[0]), "PEFT itself rejects the combination"),
+    (b" " * (300 << 10) + b"{}", "over the size limit"),
+]
+
+
+@pytest.mark.parametrize("data, reason", BAD_CONFIGS, ids=[r for _, r in BAD_CONFIGS])
+def test_config_validation_rejects(data, reason):
+    with pytest.raises(CorruptObjectError):
+        parse_adapter_config(data)
+
+
+def test_config_round_trips_and_unknown_keys_are_ignored_with_a_warning():
+    cfg = parse_adapter_config(config_doc())
+    assert (cfg.r, cfg.lora_alpha, set(cfg.target_modules)) == (4, 8, set(TARGETS))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = parse_adapter_config(config_doc(from_the_future=1))
+    assert cfg.r == 4 and any("from_the_future" in str(x.message) for x in w)
+
+
+def test_tampered_or_mismatched_config_changes_nothing(tmp_path):
+    store = LocalStore(tmp_path, fsync=False)
+    trainer = lora_model(seed=1, trained_b=True)
+    AdapterSender(trainer, store).publish()
+    # a receiving model whose adapter is scaled differently: refused before anything is written
+    other = lora_model(seed=2, alpha=16)
+    before = bits(adapter_state_dict(other))
+    with pytest.raises(IncompatibleTargetError, match="lora_alpha"):
+        AdapterReceiver(other, store).update()
+    assert same_bits(bits(adapter_state_dict(other)), before)
+    # a config that lies about the rank: the published tensors do not fit it
+    store.put(ADAPTER_CONFIG_KEY, config_doc(r=8))
+    victim = lora_model(seed=3)
+    before = bits(adapter_state_dict(victim))
+    with pytest.raises(CorruptObjectError, match="rank"):
+        AdapterReceiver(victim, store).update()
+    store.put(ADAPTER_CONFIG_KEY, b'{"peft_type": "LORA", "r": "4"}')
+    with pytest.raises(CorruptObjectError, match="r must be"):
+        AdapterReceiver(victim, store).update()
+    assert same_bits(bits(adapter_state_dict(victim)), before)
+    store.delete(ADAPTER_CONFIG_KEY)
+    with pytest.raises(VersionNotFoundError, match="adapter run"):
+        AdapterReceiver(victim, store).update()
+
+
+def test_non_adapter_tensors_under_an_adapter_config_are_refused(tmp_path):
+    store = LocalStore(tmp_path, fsync=False)
+    store.put(ADAPTER_CONFIG_KEY, config_doc())
+    DeltaSender({"model.layers.0.weight": torch.randn(4, 4)}, store).publish()  # not an adapter
+    with pytest.raises(CorruptObjectError, match="PEFT adapter tensor name"):
+        materialize_adapter(store, tmp_path / "out")
+
+
+def test_sender_refuses_a_prefix_of_another_adapter_and_continues_its_own(tmp_path):
+    AdapterSender(lora_model(seed=1), tmp_path, prefix="run").publish()
+    with pytest.raises(ValueError, match="another adapter.*r: 4 vs 8"):
+        AdapterSender(lora_model(seed=1, r=8), tmp_path, prefix="run")
+    again = AdapterSender(lora_model(seed=1), tmp_path, prefix="run")  # same structure: continues
+    assert again.publish() == 1
+    with pytest.raises(TypeError, match="PeftModel"):
+        AdapterSender(tiny_qwen3("tiny"), tmp_path, prefix="other")
+
+
+def test_default_policy_is_by_size(tmp_path):
+    s = AdapterSender(lora_model(seed=1), tmp_path)
+    assert s.policy == AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)

@@ -1,0 +1,59 @@
+"""``recipes/async_grpo_lora.py`` end to end on CPU: a LoRA GRPO trainer, two rollout worker
+processes, the HTTP rollout service and adapter versions through a local store. The short
+configuration runs in CI; the default one (behind ``slow``) must also learn."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(900)
+
+
+def run_recipe(run_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "async_grpo_lora.py"), "--run-dir", str(run_dir),
+                           *extra], env=env, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + "".join(
+        p.read_text()[-2000:] for p in run_dir.glob("worker-*.log"))
+    return proc, json.loads((run_dir / "summary.json").read_text())
+
+
+def test_short_configuration_reports_reward_bytes_and_lag(tmp_path):
+    steps, max_lag = 10, 2
+    proc, s = run_recipe(tmp_path, "--steps", str(steps), "--batch", "16", "--prompts", "4", "--group", "4",
+                         "--max-lag", str(max_lag))
+    assert "reward" in proc.stdout and "adapter bytes per version" in proc.stdout and "lag: mean" in proc.stdout
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps)) and [r["version"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert 0.0 <= r["reward_mean"] <= 1.0 and 0 <= r["lag_mean"] <= r["lag_max"] <= max_lag
+        assert r["adapter_nbytes"] > r["adapter_objects_nbytes"] > 0 and r["kind"] in ("anchor", "delta")
+    # one row per version (0 .. steps), bytes as published in the store
+    versions = s["adapter_bytes_per_version"]
+    assert [v for v, _, _ in versions] == list(range(steps + 1)) and all(b > 0 for _, _, b in versions)
+    assert s["adapter_full_nbytes"] == 2 * 16384  # rank 8 on 7 projections of 2 layers, bf16
+    assert 0.0 <= s["reward_first"] <= 1.0 and 0.0 <= s["reward_last"] <= 1.0
+    assert 0 <= s["lag_mean"] <= s["lag_max"] <= max_lag
+    e = s["episodes"]
+    assert e["unaccounted"] == 0 and e["sampled"] == 16 * steps
+    assert e["accepted"] == e["sampled"] + e["dropped_stale"] + e["evicted"] + e["size"]
+    assert s["final_adapter_bit_exact"] is True and s["workers_exit_codes"] == [0, 0]
+    for i in range(2):  # each worker followed the adapter versions and posted
+        lines = [json.loads(x) for x in (tmp_path / f"worker-{i}.jsonl").read_text().splitlines()]
+        assert lines and lines[0]["update"]["path"] == "anchor"
+        assert [x["version"] for x in lines] == sorted(x["version"] for x in lines)
+    assert (tmp_path / "metrics.png").stat().st_size > 0
+    assert len((tmp_path / "publish.jsonl").read_text().splitlines()) == steps + 1
+
+
+@pytest.mark.slow
+def test_default_configuration_learns(tmp_path):
+    _, s = run_recipe(tmp_path)
+    assert s["steps"] == 150 and s["reward_last"] > s["reward_first"] + 0.05, s

@@ -1,0 +1,288 @@
+"""vLLM LoRA hot-swap: load every new adapter version into a running engine under its own name.
+
+A rollout worker follows an adapter run (:class:`~torch_deltasync.lora.AdapterReceiver` holding the
+adapter tensors on CPU: deltas or full adapters, whichever is cheaper), writes each new version as
+a PEFT folder (:func:`~torch_deltasync.lora.materialize_adapter`'s format, atomically), and asks
+vLLM to load it as a new LoRA adapter::
+
+    trainer ──AdapterSender──▶ store ──AdapterReceiver (CPU)──▶ <cache_dir>/<name>-v<version>/
+                                                                    │ adapter_model.safetensors
+                                                                    │ adapter_config.json
+    engine.add_lora(LoRARequest("<name>-v<version>", id_offset + version, path))   (offline / AsyncLLM)
+    POST /v1/load_lora_adapter {"lora_name": ..., "lora_path": ...}                  (vllm serve)
+
+Each version gets a **new** name and id (vLLM caches adapters by id and its prefix cache by
+adapter; loading new weights under an old name would serve cached KV of the old weights, as vLLM's
+own warning for in-place reloads says). New requests use :attr:`VLLMAdapterLoader.current`; requests
+already running keep the version they started with, and the rollout records that version for the
+staleness bookkeeping. The oldest versions beyond ``keep`` are unloaded and their folders deleted.
+
+Engines (the calls each makes):
+
+=================  ==========================================  =======================================
+engine             load                                        unload
+=================  ==========================================  =======================================
+offline ``LLM``    ``llm.llm_engine.add_lora(LoRARequest)``    ``llm.llm_engine.remove_lora(id)``
+``AsyncLLM``       ``await engine.add_lora(LoRARequest)``      ``await engine.remove_lora(id)``
+HTTP server        ``POST /v1/load_lora_adapter``              ``POST /v1/unload_lora_adapter``
+=================  ==========================================  =======================================
+
+The engine must run with ``enable_lora=True`` and ``max_lora_rank >= r`` (``--enable-lora
+--max-lora-rank R``; ``max_loras >= keep``); the HTTP routes exist only with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, and ``lora_path`` is read by the server, so the cache
+folder must be on the server's file system. See ``docs/lora.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import DeltaSyncError
+from .vllm import _drive, _drive_async
+
+__all__ = ["LoadedAdapter", "VLLMAdapterLoader", "llm_lora_ops", "async_llm_lora_ops", "server_lora_ops"]
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """One adapter version loaded into the engine.
+
+    Attributes:
+        version: the adapter version.
+        lora_name: the name vLLM knows it by (``"<name>-v<version>"``; the ``model`` of OpenAI requests).
+        lora_int_id: its vLLM adapter id (``id_offset + version``, unique per version, ``>= 1``).
+        path: the materialised PEFT folder vLLM loaded.
+        load_ms: materialise + load time (milliseconds).
+    """
+
+    version: int
+    lora_name: str
+    lora_int_id: int
+    path: str
+    load_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _lora_request_cls():
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest
+
+
+def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dict[str, Callable]:
+    """Load/unload steps for an offline ``vllm.LLM`` (``llm.llm_engine.add_lora`` / ``remove_lora``).
+
+    Args:
+        llm: the engine (started with ``enable_lora=True``).
+        request_cls: builds the request; default ``vllm.lora.request.LoRARequest``.
+    """
+    make = request_cls or _lora_request_cls()
+
+    def load(name: str, lora_id: int, path: str) -> Any:
+        req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        if llm.llm_engine.add_lora(req) is False:
+            raise DeltaSyncError(f"vLLM refused to load LoRA adapter {name!r} from {path}")
+        return req
+
+    def unload(name: str, lora_id: int) -> None:
+        llm.llm_engine.remove_lora(lora_id)
+
+    return {"load": load, "unload": unload, "request": make}
+
+
+def async_llm_lora_ops(engine: Any, request_cls: Callable[..., Any] | None = None) -> dict[str, Callable]:
+    """Load/unload steps for a ``vllm.v1.engine.async_llm.AsyncLLM`` (``await add_lora`` / ``remove_lora``)."""
+    make = request_cls or _lora_request_cls()
+
+    async def load(name: str, lora_id: int, path: str) -> Any:
+        req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        if await engine.add_lora(req) is False:
+            raise DeltaSyncError(f"vLLM refused to load LoRA adapter {name!r} from {path}")
+        return req
+
+    async def unload(name: str, lora_id: int) -> None:
+        await engine.remove_lora(lora_id)
+
+    return {"load": load, "unload": unload, "request": make}
+
+
+def server_lora_ops(base_url: str, *, api_key: str | None = None, timeout: float = 120.0) -> dict[str, Callable]:
+    """Load/unload steps for ``vllm serve`` (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``).
+
+    ``POST {base_url}/v1/load_lora_adapter {"lora_name", "lora_path"}`` and
+    ``POST {base_url}/v1/unload_lora_adapter {"lora_name"}``; the server assigns the integer id.
+
+    Args:
+        base_url: the server's root URL, e.g. ``http://127.0.0.1:8000``.
+        api_key: sent as ``Authorization: Bearer <api_key>`` (the server's ``--api-key``).
+        timeout: seconds per request.
+
+    Raises (from the steps):
+        DeltaSyncError: the server answered with an error; the message has its status and body.
+    """
+    base = base_url.rstrip("/")
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+
+    def post(path: str, body: dict) -> str:
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the caller's server)
+                return resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            hint = " (is VLLM_ALLOW_RUNTIME_LORA_UPDATING=True set?)" if e.code == 404 else ""
+            raise DeltaSyncError(f"{base}{path} answered HTTP {e.code}{hint}: {detail}") from None
+
+    def load(name: str, lora_id: int, path: str) -> str:
+        return post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload(name: str, lora_id: int) -> str:
+        return post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    return {"load": load, "unload": unload}
+
+
+class VLLMAdapterLoader:
+    """Follows an adapter run and loads each new version into a vLLM engine as a new LoRA adapter.
+
+    Args:
+        ops: the engine's steps (``"load"``, ``"unload"``, optionally ``"request"``, the request class):
+            :func:`llm_lora_ops`, :func:`async_llm_lora_ops` (then use :meth:`apoll`) or
+            :func:`server_lora_ops`.
+        store: the run's store (anything :func:`~torch_deltasync.open_store` accepts).
+        prefix: the run's sub-path.
+        cache_dir: where versions are materialised (on the engine's file system).
+        name: adapter name stem; version ``v`` is loaded as ``f"{name}-v{v}"``.
+        id_offset: version ``v`` gets vLLM id ``id_offset + v`` (``>= 1``); give runs sharing one
+            engine disjoint ranges.
+        keep: loaded versions to keep (>= 1); older ones are unloaded and their folders deleted.
+            Keep at least 2 so requests started just before a swap finish on their version.
+        base_model_name_or_path: recorded in each folder's ``adapter_config.json``.
+        receiver_kwargs: passed to the :class:`~torch_deltasync.lora.AdapterReceiver`.
+
+    Attributes:
+        current: the newest loaded version (:class:`LoadedAdapter`), ``None`` before the first.
+        loaded: every loaded version, oldest first.
+
+    Example:
+        >>> llm = LLM(model="Qwen/Qwen3-8B", enable_lora=True, max_lora_rank=16, max_loras=2)
+        >>> loader = VLLMAdapterLoader(llm_lora_ops(llm), "s3://bucket/runs", prefix="grpo-lora-1",
+        ...                            cache_dir="/tmp/adapters")
+        >>> loader.wait()                              # the first version
+        >>> while training:
+        ...     loader.poll()                          # None when nothing new
+        ...     outs = llm.generate(prompts, params, lora_request=loader.lora_request())
+    """
+
+    def __init__(self, ops: dict[str, Callable], store: Any, *, prefix: str = "", cache_dir: str | Path,
+                 name: str = "adapter", id_offset: int = 1, keep: int = 2, base_model_name_or_path: str | None = None,
+                 **receiver_kwargs: Any) -> None:
+        from ..lora import AdapterReceiver
+
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        if id_offset < 1:
+            raise ValueError(f"id_offset must be >= 1 (vLLM ids start at 1), got {id_offset}")
+        if not name or any(c in name for c in "/\\ \n"):
+            raise ValueError(f"invalid adapter name stem {name!r}")
+        self.ops = ops
+        self.receiver = AdapterReceiver(None, store, prefix=prefix, **receiver_kwargs)
+        self.cache_dir = Path(cache_dir)
+        self.name = name
+        self.id_offset = id_offset
+        self.keep = keep
+        self.base_model_name_or_path = base_model_name_or_path
+        self.loaded: list[LoadedAdapter] = []
+
+    @property
+    def current(self) -> LoadedAdapter | None:
+        return self.loaded[-1] if self.loaded else None
+
+    def lora_request(self) -> Any:
+        """A ``LoRARequest`` for the current version (offline ``LLM`` / ``AsyncLLM`` generate calls;
+        over HTTP, pass ``current.lora_name`` as the request's ``model`` instead).
+
+        Raises:
+            DeltaSyncError: nothing loaded yet.
+        """
+        cur = self.current
+        if cur is None:
+            raise DeltaSyncError("no adapter version is loaded yet; call poll() or wait() first")
+        make = self.ops.get("request") or _lora_request_cls()
+        return make(lora_name=cur.lora_name, lora_int_id=cur.lora_int_id, lora_path=cur.path)
+
+    def _fetch_newer(self) -> tuple[int, Path, float] | None:
+        """Apply the newest version if it is newer than the current one and write its folder."""
+        newest = self.receiver.newest_version()
+        if newest is None or (self.current is not None and newest <= self.current.version):
+            return None
+        t0 = time.perf_counter()
+        version = self.receiver.update(newest)
+        path = self.receiver.save(self.cache_dir / f"{self.name}-v{version}",
+                                  base_model_name_or_path=self.base_model_name_or_path)
+        return version, path, t0
+
+    def _load_steps(self, version: int, path: Path, t0: float):
+        """Engine steps (a generator driven by ``_drive``/``_drive_async``): load, then unload the oldest."""
+        name, lora_id = path.name, self.id_offset + version
+        try:
+            yield ("load", name, lora_id, str(path))
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        loaded = LoadedAdapter(version, name, lora_id, str(path), (time.perf_counter() - t0) * 1e3)
+        self.loaded.append(loaded)
+        while len(self.loaded) > self.keep:
+            old = self.loaded.pop(0)
+            yield ("unload", old.lora_name, old.lora_int_id)
+            shutil.rmtree(old.path, ignore_errors=True)
+        return loaded
+
+    def poll(self) -> LoadedAdapter | None:
+        """Load the newest version if it is newer than the current one.
+
+        Returns:
+            The newly loaded version, or ``None`` when there is nothing new.
+
+        Raises:
+            Everything :meth:`AdapterReceiver.update` raises (nothing is loaded then), and
+            ``DeltaSyncError`` when the engine refuses the adapter (its folder is removed; the
+            current version stays).
+        """
+        got = self._fetch_newer()
+        return None if got is None else _drive(self._load_steps(*got), self.ops)
+
+    async def apoll(self) -> LoadedAdapter | None:
+        """:meth:`poll` for ``async`` ops (:func:`async_llm_lora_ops`). The store reads and the
+        folder write run on the event loop's thread (adapters are small)."""
+        got = self._fetch_newer()
+        return None if got is None else await _drive_async(self._load_steps(*got), self.ops)
+
+    def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.5) -> LoadedAdapter:
+        """Block until a first (or newer) version is loaded.
+
+        Raises:
+            TimeoutError: nothing new within ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.poll()
+            if got is not None:
+                return got
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no new adapter version within {timeout_s} s")
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,0 +1,511 @@
+"""LoRA adapter sync: versions of a PEFT adapter as anchors and deltas, in PEFT's own names.
+
+A LoRA run publishes only the adapter, the tensors ``peft.get_peft_model_state_dict`` returns
+(``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``,
+without the adapter name), so any version materialises as the folder PEFT and vLLM load::
+
+    <out_dir>/adapter_model.safetensors   # the adapter tensors of that version (inference dtype)
+    <out_dir>/adapter_config.json         # PEFT's LoraConfig, as LoraConfig.save_pretrained writes it
+
+The adapter's ``LoraConfig`` travels with the run as one JSON object next to the manifests,
+``<prefix>/adapter/adapter_config.json``, written by the sender before its first version (so a
+reader that sees a manifest finds it) and never changed afterwards: a sender on a prefix holding
+another adapter structure refuses to start. Readers validate it as untrusted input (size, JSON
+types, ``peft_type``, ranks against the published shapes) and never unpickle anything.
+
+Adapters change densely: at the learning rates LoRA is trained with, most adapter elements change
+their bf16 bits every step (``lora_B`` starts at zero), and a raw delta costs 6 bytes per changed
+bf16 element with the ``raw`` codec against 2 for a full copy (``packed``, the default codec, stores
+the small Adam steps in far fewer). So :class:`AdapterSender` uses ``AnchorPolicy(max_delta_ratio=1.0)``
+by default: each version ships as a delta when that is smaller than the adapter and as a full adapter
+otherwise; receivers download the cheaper path.
+
+Pieces:
+
+* :class:`AdapterSender` (a :class:`~torch_deltasync.DeltaSender`): publishes a ``PeftModel``'s adapter.
+* :class:`AdapterReceiver` (a :class:`~torch_deltasync.DeltaReceiver`): applies versions in place to
+  a ``PeftModel`` on any device, bit-exactly, or holds the adapter tensors itself (``model=None``).
+* :func:`materialize_adapter`: writes the PEFT folder of one version (atomically).
+* :func:`adapter_state_dict`, :func:`read_adapter_config`, :func:`parse_adapter_config`.
+
+``peft`` is imported lazily (the ``models`` extra). See ``docs/lora.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .errors import CorruptObjectError, IncompatibleTargetError, ObjectNotFoundError, VersionNotFoundError
+from .receiver import DeltaReceiver
+from .sender import AnchorPolicy, DeltaSender
+from .store import Store, open_store
+from .targets.module import ModuleTarget
+
+__all__ = [
+    "ADAPTER_CONFIG_KEY",
+    "AdapterSender",
+    "AdapterReceiver",
+    "AdapterTarget",
+    "adapter_state_dict",
+    "adapter_config_json",
+    "parse_adapter_config",
+    "read_adapter_config",
+    "check_adapter_tensors",
+    "materialize_adapter",
+]
+
+log = logging.getLogger(__name__)
+
+#: Store key of the run's adapter config, relative to the run prefix.
+ADAPTER_CONFIG_KEY = "adapter/adapter_config.json"
+#: Largest adapter config we parse (bytes); PEFT's are ~1-3 KiB.
+MAX_ADAPTER_CONFIG_BYTES = 256 << 10
+#: File names PEFT (``PeftModel.from_pretrained``) and vLLM (``LoRAModel.from_local_checkpoint``) read.
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+
+#: Config fields that change which tensors an adapter has or what they compute. Two configs that
+#: agree on these describe interchangeable adapter weights (``peft_version``, paths, dropout and
+#: ``inference_mode`` may differ).
+STRUCTURAL_FIELDS = (
+    "r", "lora_alpha", "target_modules", "exclude_modules", "use_rslora", "use_dora", "rank_pattern",
+    "alpha_pattern", "fan_in_fan_out", "bias", "modules_to_save", "layers_to_transform", "layers_pattern",
+    "lora_bias", "target_parameters", "trainable_token_indices", "layer_replication",
+)
+
+# A PEFT adapter tensor name: "base_model.model." then a dotted module path.
+_NAME_RE = re.compile(r"^base_model\.model\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+# (suffix, which dim holds the rank)
+_RANK_DIMS = ((".lora_A.weight", 0), (".lora_B.weight", 1), (".lora_embedding_A", 0), (".lora_embedding_B", 1))
+
+
+# --- names and tensors ---------------------------------------------------------------------------
+
+
+def adapter_state_dict(model: Any, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """The live adapter tensors of a PEFT model, in PEFT's saved names.
+
+    Uses ``peft.get_peft_model_state_dict``, so the names and the set of tensors are exactly those
+    ``PeftModel.save_pretrained`` writes (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``,
+    the adapter name removed). The tensors share storage with the model's parameters (no copy), so a
+    sender reads the current weights and a receiver writes into the model.
+
+    Args:
+        model: a ``peft.PeftModel``.
+        adapter_name: which adapter (PEFT's default is ``"default"``).
+
+    Returns:
+        ``{name: tensor}``: ``lora_A.weight`` ``[r, in_features]``, ``lora_B.weight``
+        ``[out_features, r]`` (and whatever else the adapter trains, e.g. ``modules_to_save``).
+
+    Raises:
+        TypeError: ``model`` is not a PEFT model.
+        ValueError: it has no adapter called ``adapter_name``.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping):
+        raise TypeError(f"expected a peft.PeftModel, got {type(model).__name__}; wrap the model with peft.get_peft_model")
+    if adapter_name not in configs:
+        raise ValueError(f"the model has no adapter {adapter_name!r}; it has {sorted(configs)}")
+    sd = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    if not sd:
+        raise ValueError(f"adapter {adapter_name!r} has no tensors")
+    return sd
+
+
+def _lora_config_class():
+    from peft import LoraConfig
+
+    return LoraConfig
+
+
+def _peft_config(model_or_config: Any, adapter_name: str):
+    configs = getattr(model_or_config, "peft_config", None)
+    cfg = configs[adapter_name] if isinstance(configs, Mapping) else model_or_config
+    if not isinstance(cfg, _lora_config_class()):
+        raise TypeError(f"only LoRA adapters are supported, got {type(cfg).__name__}")
+    return cfg
+
+
+def adapter_config_json(model_or_config: Any, adapter_name: str = "default") -> bytes:
+    """The adapter's ``LoraConfig`` as the JSON ``LoraConfig.save_pretrained`` writes (sets as sorted lists).
+
+    Args:
+        model_or_config: a ``peft.PeftModel`` or a ``peft.LoraConfig``.
+        adapter_name: which adapter of a model.
+
+    Raises:
+        TypeError: not a LoRA adapter (only ``peft_type == "LORA"`` is supported).
+    """
+    d = _peft_config(model_or_config, adapter_name).to_dict()
+    for k, v in d.items():
+        if isinstance(v, set):
+            d[k] = sorted(v)
+    return json.dumps(d, indent=2, sort_keys=True, default=str).encode()
+
+
+def _config_error(where: str, msg: str) -> CorruptObjectError:
+    return CorruptObjectError(f"{where}: {msg}")
+
+
+def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
+    """Validate an untrusted adapter config (JSON bytes) and build the ``peft.LoraConfig``.
+
+    Rules: at most :data:`MAX_ADAPTER_CONFIG_BYTES`; a JSON object; ``peft_type == "LORA"``; ``r`` a
+    positive integer, ``lora_alpha`` a finite number, ``target_modules`` a string or a list of
+    strings, ``rank_pattern`` / ``alpha_pattern`` objects of positive integers / numbers; no
+    ``megatron_config`` (PEFT imports the module it names). Keys this PEFT does not know are dropped
+    with a warning, as ``PeftConfig.from_pretrained`` does (a newer PEFT wrote them).
+
+    Args:
+        data: the config bytes.
+        where: what to name in errors (the store key or path).
+
+    Returns:
+        A ``peft.LoraConfig``.
+
+    Raises:
+        CorruptObjectError: any rule broken; the message names the field.
+    """
+    if len(data) > MAX_ADAPTER_CONFIG_BYTES:
+        raise _config_error(where, f"{len(data)} bytes; an adapter config is at most {MAX_ADAPTER_CONFIG_BYTES}")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _config_error(where, f"not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise _config_error(where, "the top level is not a JSON object")
+    if doc.get("peft_type") != "LORA":
+        raise _config_error(where, f"peft_type is {doc.get('peft_type')!r}; only LoRA adapters ('LORA') sync")
+    r = doc.get("r")
+    if type(r) is not int or not 1 <= r <= 1 << 16:
+        raise _config_error(where, f"r must be an integer in [1, 65536], got {r!r}")
+    alpha = doc.get("lora_alpha")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise _config_error(where, f"lora_alpha must be a finite number, got {alpha!r}")
+    tm = doc.get("target_modules")
+    if not (tm is None or isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(x, str) for x in tm))):
+        raise _config_error(where, f"target_modules must be a string or a list of strings, got {tm!r}")
+    for key, kinds in (("rank_pattern", (int,)), ("alpha_pattern", (int, float))):
+        pat = doc.get(key) or {}
+        if not isinstance(pat, dict) or not all(
+            isinstance(k, str) and type(v) in kinds and v > 0 and math.isfinite(v) for k, v in pat.items()
+        ):
+            raise _config_error(where, f"{key} must map module patterns to positive numbers, got {pat!r}")
+    if doc.get("megatron_config") is not None:
+        raise _config_error(where, "megatron_config is set; PEFT would import the module the config names")
+    cls = _lora_config_class()
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        warnings.warn(f"{where}: ignoring config keys this PEFT does not know: {unknown} (written by a newer PEFT?)")
+    kwargs = {k: v for k, v in doc.items() if k in known}
+    kwargs.pop("megatron_core", None)  # only used with megatron_config; keep PEFT's default
+    try:
+        return cls(**cls.check_kwargs(**kwargs))
+    except (TypeError, ValueError) as e:
+        raise _config_error(where, f"PEFT rejects the config: {e}") from None
+
+
+def read_adapter_config(store: Store | str, *, prefix: str = ""):
+    """Read and validate a run's adapter config (``<prefix>/adapter/adapter_config.json``).
+
+    Raises:
+        VersionNotFoundError: the run has no adapter config (not an adapter run, or no sender yet).
+        CorruptObjectError: the config is invalid.
+        StoreError: the store failed.
+    """
+    st = open_store(store).sub(prefix)
+    try:
+        data = st.get(ADAPTER_CONFIG_KEY)
+    except ObjectNotFoundError:
+        raise VersionNotFoundError(
+            f"{st.describe()}: no {ADAPTER_CONFIG_KEY}; is this an adapter run (AdapterSender) and has it started?"
+        ) from None
+    return parse_adapter_config(data, f"{st.describe()}/{ADAPTER_CONFIG_KEY}")
+
+
+def _ranks_allowed(config) -> set[int]:
+    return {int(config.r), *(int(v) for v in (config.rank_pattern or {}).values())}
+
+
+def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: str = "adapter") -> None:
+    """Check published tensor names and shapes against an adapter config.
+
+    Every name must be a PEFT adapter name (``base_model.model.`` and a dotted module path), at
+    least one must be a LoRA factor, and each factor's rank dimension (``lora_A`` dim 0, ``lora_B``
+    dim 1) must be ``config.r`` or a ``rank_pattern`` value.
+
+    Raises:
+        CorruptObjectError: a name or rank that does not belong to this adapter.
+    """
+    ranks = _ranks_allowed(config)
+    factors = 0
+    for name, shape in shapes.items():
+        if not _NAME_RE.match(name):
+            raise CorruptObjectError(f"{where}: {name!r} is not a PEFT adapter tensor name (base_model.model.<module>...)")
+        for suffix, dim in _RANK_DIMS:
+            if name.endswith(suffix):
+                factors += 1
+                if len(shape) != 2 or shape[dim] not in ranks:
+                    raise CorruptObjectError(
+                        f"{where}: {name!r} has shape {tuple(shape)}; a LoRA factor of rank {sorted(ranks)} "
+                        f"is 2-D with the rank in dim {dim}"
+                    )
+    if not factors:
+        raise CorruptObjectError(f"{where}: none of the {len(shapes)} tensors is a LoRA factor (lora_A / lora_B)")
+
+
+def _structure(config) -> dict[str, Any]:
+    d = config.to_dict()
+    out = {}
+    for k in STRUCTURAL_FIELDS:
+        v = d.get(k)
+        out[k] = sorted(v) if isinstance(v, (set, list)) and all(isinstance(x, str) for x in v) else v
+    return out
+
+
+def _structure_diff(a, b) -> list[str]:
+    sa, sb = _structure(a), _structure(b)
+    return [f"{k}: {sa[k]!r} vs {sb[k]!r}" for k in STRUCTURAL_FIELDS if sa[k] != sb[k]]
+
+
+# --- sender ------------------------------------------------------------------------------------
+
+
+class AdapterSender(DeltaSender):
+    """Publishes versions of a PEFT model's LoRA adapter (only the adapter, in PEFT's names).
+
+    A :class:`~torch_deltasync.DeltaSender` whose tensors are :func:`adapter_state_dict` of the
+    model, which first writes the adapter config to ``<prefix>/adapter/adapter_config.json``
+    (rank 0). Everything else (``publish``, ``flush``, background uploads, ``last_stats``,
+    metrics, retention) is the base class's.
+
+    Args:
+        model: a ``peft.PeftModel`` holding a LoRA adapter (trainable fp32 factors, typically).
+        store: a store or anything :func:`~torch_deltasync.open_store` accepts.
+        adapter_name: which adapter to publish.
+        prefix: the run's sub-path in the store.
+        anchor_policy: default ``AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)``:
+            a version is a delta when that is smaller than a full adapter, else a full adapter;
+            and a receiver that joins late never downloads more than about three adapters' worth
+            (a lower ``chain_ratio`` lowers that bound and costs upload bytes: ``docs/lora.md``).
+        kwargs: any other :class:`~torch_deltasync.DeltaSender` argument (``inference_dtype``:
+            bf16 by default; ``torch.float32`` ships the fp32 factors exactly).
+
+    Raises:
+        TypeError: not a PEFT model with a LoRA adapter.
+        ValueError: the prefix already holds a run of an adapter with another structure
+            (:data:`STRUCTURAL_FIELDS`); use a new prefix.
+        CorruptObjectError: the config already in the store is invalid.
+
+    Example:
+        >>> model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+        >>> sender = AdapterSender(model, "s3://bucket/runs", prefix="grpo-lora-1")
+        >>> for step in range(steps):
+        ...     train_step(model)
+        ...     v = sender.publish()
+    """
+
+    def __init__(self, model: Any, store: Store | str, *, adapter_name: str = "default", prefix: str = "",
+                 anchor_policy: AnchorPolicy | None = None, **kwargs: Any) -> None:
+        adapter_state_dict(model, adapter_name)  # fail early with a clear message
+        config = _peft_config(model, adapter_name)
+        self.peft_model = model
+        self.adapter_name = adapter_name
+        policy = anchor_policy or AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)
+        super().__init__(lambda: adapter_state_dict(model, adapter_name), store, prefix=prefix,
+                         anchor_policy=policy, **kwargs)
+        self.adapter_config = config
+        if self.group.rank == 0:
+            self._write_config(config)
+
+    def _write_config(self, config) -> None:
+        data = adapter_config_json(config)
+        try:
+            existing = self.store.get(ADAPTER_CONFIG_KEY)
+        except ObjectNotFoundError:
+            existing = None
+        if existing is None:
+            self.store.put(ADAPTER_CONFIG_KEY, data)
+            return
+        old = parse_adapter_config(existing, f"{self.store.describe()}/{ADAPTER_CONFIG_KEY}")
+        diff = _structure_diff(old, config)
+        if diff:
+            raise ValueError(
+                f"{self.store.describe()} holds a run of another adapter ({'; '.join(diff)}); publish to a new prefix"
+            )
+
+
+# --- receiver ----------------------------------------------------------------------------------
+
+
+class AdapterTarget(ModuleTarget):
+    """Where an :class:`AdapterReceiver` writes: a PEFT model's adapter tensors, or its own.
+
+    Args:
+        tensors: ``{PEFT name: live tensor}`` (:func:`adapter_state_dict`), or ``None`` to hold the
+            adapter itself: tensors of zeros in the inference dtype, shaped from the first manifest
+            it is checked against (a rollout worker that only materialises versions for vLLM needs
+            no model).
+        config: called on :meth:`check` to get the run's validated ``LoraConfig``.
+        local_config: the receiving model's ``LoraConfig``; it must agree with the run's on
+            :data:`STRUCTURAL_FIELDS` (else the same weights would compute something else).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None, config, local_config=None) -> None:
+        super().__init__(dict(tensors or {}), strict=True)
+        self.owns = tensors is None
+        self._config = config
+        self._local_config = local_config
+
+    def check(self, shapes: dict[str, tuple[int, ...]], aliases: dict[str, str], dtype: torch.dtype) -> None:
+        config = self._config()
+        check_adapter_tensors(config, shapes)
+        if self._local_config is not None:
+            diff = _structure_diff(config, self._local_config)
+            if diff:
+                raise IncompatibleTargetError(
+                    f"the run's adapter config differs from the receiving model's: {'; '.join(diff)}"
+                )
+        if self.owns and not self.tensors:
+            # Allocated once, before anything is downloaded; later manifests must fit these shapes.
+            self.tensors = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
+        super().check(shapes, aliases, dtype)
+
+
+class AdapterReceiver(DeltaReceiver):
+    """Follows an adapter run and applies its versions, bit-exactly, to a PEFT model or to itself.
+
+    Args:
+        model: a ``peft.PeftModel`` with the same adapter structure (its adapter tensors are
+            overwritten in place; fp32 factors hold bf16 versions exactly), or ``None``: the
+            receiver holds the adapter tensors (:attr:`tensors`), e.g. to materialise versions.
+        store: a store or anything :func:`~torch_deltasync.open_store` accepts.
+        adapter_name: the model's adapter to write.
+        prefix: the run's sub-path in the store.
+        kwargs: any other :class:`~torch_deltasync.DeltaReceiver` argument.
+
+    Raises:
+        TypeError / ValueError: ``model`` is not a PEFT model with that LoRA adapter.
+
+    Updates raise what :meth:`DeltaReceiver.update` raises, and also
+    ``IncompatibleTargetError`` (the run's adapter structure differs from the model's) and
+    ``CorruptObjectError`` (invalid config, or tensors that do not fit it); nothing changes then.
+
+    Example:
+        >>> receiver = AdapterReceiver(peft_model, "s3://bucket/runs", prefix="grpo-lora-1")
+        >>> receiver.update()                    # newest version, in place
+        >>> receiver.save("adapters/v12")        # adapter_model.safetensors + adapter_config.json
+    """
+
+    def __init__(self, model: Any | None, store: Store | str, *, adapter_name: str = "default", prefix: str = "",
+                 **kwargs: Any) -> None:
+        tensors = local = None
+        if model is not None:
+            tensors = adapter_state_dict(model, adapter_name)
+            local = _peft_config(model, adapter_name)
+        self._adapter_config = None
+        super().__init__(AdapterTarget(tensors, self._load_config, local), store, prefix=prefix, **kwargs)
+
+    def _load_config(self):
+        if self._adapter_config is None:  # immutable for a run: read once
+            self._adapter_config = read_adapter_config(self.store)
+        return self._adapter_config
+
+    @property
+    def config(self):
+        """The run's validated ``peft.LoraConfig`` (read from the store on first use)."""
+        return self._load_config()
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter tensors the receiver writes, ``{PEFT name: tensor}`` (empty before the first update)."""
+        return self.target.tensors
+
+    def save(self, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> Path:
+        """Write the held version as a PEFT adapter folder (see :func:`materialize_adapter`).
+
+        Raises:
+            VersionNotFoundError: nothing is held yet.
+        """
+        if self.version is None:
+            raise VersionNotFoundError("nothing is held yet; call update() first")
+        with self._lock:
+            tensors = {n: t.detach().to(self.manifest(self.version).inference_dtype).contiguous().clone()
+                       for n, t in self.tensors.items()}
+        return _write_adapter_dir(Path(out_dir), tensors, self.config, version=self.version,
+                                  base_model_name_or_path=base_model_name_or_path)
+
+
+def _write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config, *, version: int,
+                       base_model_name_or_path: str | None) -> Path:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into a temporary sibling folder,
+    then rename it to ``out_dir``: readers (vLLM) never see a half-written adapter. An existing
+    ``out_dir`` is replaced."""
+    from safetensors.torch import save_file
+
+    if base_model_name_or_path is not None:
+        config = copy.copy(config)
+        config.base_model_name_or_path = base_model_name_or_path
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt", "deltasync_version": str(version)})
+        (tmp / ADAPTER_CONFIG_NAME).write_bytes(adapter_config_json(config))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version: int | None = None, *,
+                        prefix: str = "", base_model_name_or_path: str | None = None) -> Path:
+    """Write one version of an adapter run as a folder ``PeftModel.from_pretrained`` and vLLM load.
+
+    The version is rebuilt from the store (newest anchor at or before it, then its deltas), checked
+    against the manifest's per-tensor checksums, and written as ``adapter_model.safetensors`` (the
+    tensors in the run's inference dtype, PEFT names, metadata ``format=pt``) and
+    ``adapter_config.json`` (the run's config), atomically (a temporary folder renamed into place).
+
+    Args:
+        store: a store or anything :func:`~torch_deltasync.open_store` accepts.
+        out_dir: the folder to write (replaced if it exists).
+        version: the version; ``None`` = the newest.
+        prefix: the run's sub-path in the store.
+        base_model_name_or_path: recorded in the config (PEFT's field; the trainer's value otherwise).
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        VersionNotFoundError: no such version, or not an adapter run.
+        CorruptObjectError / ChecksumMismatchError: invalid objects or config.
+
+    Example:
+        >>> materialize_adapter("s3://bucket/runs", "adapters/v12", 12, prefix="grpo-lora-1")
+        >>> PeftModel.from_pretrained(base_model, "adapters/v12")
+    """
+    receiver = AdapterReceiver(None, store, prefix=prefix)
+    try:
+        receiver.update(version)
+        return receiver.save(out_dir, base_model_name_or_path=base_model_name_or_path)
+    finally:
+        receiver.close()
