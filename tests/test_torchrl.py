@@ -553,6 +553,38 @@ def test_dead_worker(tmp_path, fork_start, mode):
         assert time.monotonic() - t < 60
 
 
+def _die_holding_the_write_lock(acks, worker: int) -> None:
+    # What a worker's queue feeder thread holds while it writes an acknowledgement; a worker killed
+    # in that moment never releases it.
+    acks.queues[worker]._wlock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _acknowledge(acks, worker: int, version: int) -> None:
+    acks.post(None, {"worker": worker, "version": version, "error": None})
+
+
+@pytest.mark.timeout(120)
+def test_a_dying_worker_cannot_silence_the_others(fork_start):
+    """Regression: with one queue shared by all workers, a worker killed while its feeder thread held
+    the queue's write lock silenced every other worker's acknowledgements for good (the sender then
+    waited out ack_timeout_s). Each worker now has its own queue."""
+    from torch_deltasync.integrations.torchrl import _QueueAcks
+
+    ctx = mp.get_context()
+    acks = _QueueAcks(ctx, 2)
+    dying = ctx.Process(target=_die_holding_the_write_lock, args=(acks, 1))
+    dying.start()
+    dying.join(60)
+    assert dying.exitcode == -signal.SIGKILL
+    alive = ctx.Process(target=_acknowledge, args=(acks, 0, 5))
+    alive.start()
+    alive.join(60)
+    assert alive.exitcode == 0  # its queue's feeder could flush: the process could exit
+    got = acks.poll(None, {0, 1}, 10.0)
+    assert [(m["worker"], m["version"]) for m in got] == [(0, 5)]
+
+
 @pytest.mark.timeout(300)
 def test_stuck_worker_times_out(tmp_path, fork_start):
     """A worker that is alive but does not answer (SIGSTOP) makes ``send`` fail after the timeout."""

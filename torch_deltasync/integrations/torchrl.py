@@ -44,6 +44,7 @@ it through ``collective_rpc`` into ``torch_deltasync.integrations.vllm.DeltaWork
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import queue
@@ -203,31 +204,89 @@ class _DeferredTarget(Target):
         return n
 
 
+class _CallGate:
+    """Keeps writes to the policy's weights out of policy calls, without starving either side.
+
+    Policy calls (forward hooks, :meth:`enter` / :meth:`exit`) never overlap a write
+    (:meth:`exclusive`): a write waits for the call in progress, and a call that starts while a
+    write waits waits for the write. The preference for the waiting write bounds an update's wait
+    to the call in progress even in a rollout loop that calls the policy without pause (a plain
+    lock held across each call is free only between two calls, and Python's locks are not fair).
+    The underlying lock is held only for a few instructions per call.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._calls = 0
+        self._writers = 0
+        self._local = threading.local()
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._writers:
+                self._cond.wait()
+            self._calls += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def exit(self) -> None:
+        if getattr(self._local, "depth", 0) == 0:  # enter() never ran (an earlier pre-hook raised)
+            return
+        self._local.depth -= 1
+        with self._cond:
+            self._calls -= 1
+            if not self._calls:
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """No policy call runs inside this block (calls in progress finish first)."""
+        with self._cond:
+            self._writers += 1
+            try:
+                while self._calls:
+                    self._cond.wait()
+                yield
+            finally:
+                self._writers -= 1
+                self._cond.notify_all()
+
+
 # --- acknowledgements ------------------------------------------------------------------------------
 
 
 class _QueueAcks:
-    """Acknowledgements over one multiprocessing queue (a MultiCollector's workers on this host).
+    """Acknowledgements over multiprocessing queues, one per worker (a MultiCollector's workers).
 
-    The queue is created by the sender with the collector's multiprocessing context and travels to
+    The queues are created by the sender with the collector's multiprocessing context and travel to
     the workers inside the pickled scheme, at process start (the only time multiprocessing allows).
+    One queue per worker, not one shared queue: a queue's writers share a lock that its feeder
+    thread holds while writing, and a worker killed in that moment (right after its last
+    acknowledgement, say) would keep it forever and silence every other worker.
     """
 
-    def __init__(self, ctx: Any) -> None:
-        self.queue = ctx.Queue()
+    def __init__(self, ctx: Any, num_workers: int) -> None:
+        self.queues = [ctx.Queue() for _ in range(num_workers)]
 
     def post(self, store: Store | None, msg: dict[str, Any]) -> None:
-        self.queue.put(msg)
+        worker = msg["worker"]
+        if not 0 <= worker < len(self.queues):
+            raise ValueError(f"worker index {worker} outside the {len(self.queues)} acknowledgement queues")
+        self.queues[worker].put(msg)
 
     def poll(self, store: Store | None, workers: set[int], wait_s: float) -> list[dict[str, Any]]:
-        out = []
-        try:
-            out.append(self.queue.get(timeout=wait_s))
-            while True:
-                out.append(self.queue.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + wait_s
+        while True:
+            for w in sorted(workers):
+                if 0 <= w < len(self.queues):
+                    try:
+                        while True:
+                            out.append(self.queues[w].get_nowait())
+                    except queue.Empty:
+                        pass
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(min(0.005, wait_s))
 
 
 class _StoreAcks:
@@ -440,9 +499,8 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         self._receiver: DeltaReceiver | None = None
         self._deferred: _DeferredTarget | None = None
         self._hooks: list[Any] = []
-        self._fwd_lock = threading.RLock()  # held by a policy call, and by an apply
+        self._gate = _CallGate()  # policy calls vs writes of the weights
         self._update_lock = threading.Lock()  # one update at a time (thread vs explicit receive())
-        self._in_call = threading.local()
         self._published: int | None = None  # sender: newest version this scheme published
         self._applied: int | None = None  # receiver: version the policy's weights hold
         self._acked: dict[int, int] = {}
@@ -457,8 +515,8 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         # Live clients, snapshots, threads, locks, hooks and staged weights stay in this process;
         # the receiving process opens its own store client (torchrl's rule for schemes,
         # weight_sync_schemes.py:1313). The acknowledgement channel travels on purpose.
-        for key in ("_store", "_sender", "_receiver", "_deferred", "_hooks", "_fwd_lock", "_update_lock",
-                    "_in_call", "_published", "_applied", "_acked", "_ack_errors", "_lost", "_failed",
+        for key in ("_store", "_sender", "_receiver", "_deferred", "_hooks", "_gate", "_update_lock",
+                    "_published", "_applied", "_acked", "_ack_errors", "_lost", "_failed",
                     "_last_update", "_is_shutdown", "_weights"):
             state.pop(key, None)
         return state
@@ -509,7 +567,7 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         # A worker's inner collector is attached after connect() applied the first version
         # (collectors/_runner.py:181-191): bring its PolicyVersion tracker to that version.
         if value is not None and self._applied is not None:
-            with self._fwd_lock:
+            with self._gate.exclusive():
                 self._set_tracker(self._applied)
 
     @property
@@ -545,7 +603,7 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         n = num_workers or self.num_workers
         if self.sync and ctx is not None and getattr(context, "num_workers", None):
             n = int(context.num_workers)
-            self._acks = _QueueAcks(ctx)
+            self._acks = _QueueAcks(ctx, n)
         elif self.sync and n:
             self._acks = _StoreAcks(self.model_key)
         else:
@@ -700,7 +758,9 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
                     failures.append((w, f"did not confirm version {v} within {wait_s:g} s "
                                         f"(it holds version {self._acked.get(w)})", SyncTimeoutError))
                 break
-            for msg in self._acks.poll(store, pending, min(self.poll_interval_s, 0.05)):
+            # Every expected worker is read, not just the pending ones: a skipped worker comes back
+            # with its next acknowledgement, and nothing piles up unread.
+            for msg in self._acks.poll(store, set(self._expected), min(self.poll_interval_s, 0.05)):
                 parsed = _parse_ack(msg)
                 if parsed is None:
                     continue
@@ -793,8 +853,8 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
             self._start_background_receiver()
 
     def _install_hooks(self, model: nn.Module) -> None:
-        """Hooks that bracket every policy call: hold the apply lock during the call, and stamp the
-        output with the version of the weights that computed it.
+        """Hooks that bracket every policy call: keep writes out of the call (:class:`_CallGate`), and
+        stamp the output with the version of the weights that computed it.
 
         The hooks hold only a weak reference to the scheme, and are plain closures, so that
         ``copy.deepcopy`` of the policy (torchrl copies it to the policy device) does not copy the
@@ -805,18 +865,16 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         def pre_hook(module, args):
             s = ref()
             if s is not None:
-                s._fwd_lock.acquire()
-                s._in_call.depth = getattr(s._in_call, "depth", 0) + 1
+                s._gate.enter()
 
         def post_hook(module, args, output):
             s = ref()
-            if s is None or getattr(s._in_call, "depth", 0) == 0:
+            if s is None:
                 return None
             try:
                 s._stamp(output)
             finally:
-                s._in_call.depth -= 1
-                s._fwd_lock.release()
+                s._gate.exit()
             return None
 
         self._remove_hooks()
@@ -848,7 +906,7 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
             tracker.version = int(version)
 
     def _retarget(self, old: nn.Module, new: nn.Module) -> None:
-        with self._update_lock, self._fwd_lock:
+        with self._update_lock, self._gate.exclusive():
             _materialize(new, device=self.device or "cpu", dtype=self.receiver_dtype)
             inner = ModuleTarget(named_tensors(new))
             r = self._receiver
@@ -881,7 +939,7 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
             if not ops and v == self._applied:
                 return None
             t1 = time.perf_counter()
-            with self._fwd_lock:  # waits for the policy call in progress, if any
+            with self._gate.exclusive():  # waits for the policy call in progress, if any
                 try:
                     n = self._deferred.replay(ops)
                 except BaseException:
@@ -1011,7 +1069,7 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         Returns:
             ``{"worker", "model_id", "version", "last_update"}`` (+ ``"weights": {name: tensor}``).
         """
-        with self._fwd_lock:
+        with self._gate.exclusive():
             state = {"worker": self._worker_idx, "model_id": self._model_id, "version": self._applied,
                      "last_update": dict(self._last_update) if self._last_update else None}
             if include_weights:
