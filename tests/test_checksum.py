@@ -83,3 +83,14 @@ def test_parse_rejects_malformed(bad):
 def test_format_round_trip():
     for v in (0, 1, M64, 0x0123456789ABCDEF):
         assert parse_checksum(format_checksum(v)) == v
+
+
+def test_checksum_change_equals_the_difference_of_two_checksums():
+    torch.manual_seed(1)
+    pos = torch.randperm(1000)[:100]
+    old = torch.randn(100).to(torch.bfloat16)
+    new = torch.randn(100).to(torch.bfloat16)
+    from torch_deltasync.checksum import checksum_change
+
+    assert checksum_change(pos, old, new) == (checksum(new, pos) - checksum(old, pos)) & M64
+    assert checksum_change(pos[:0], old[:0], new[:0]) == 0

@@ -7,9 +7,12 @@ random tokens) it measures, in one run on the same machine:
 * **detection**: time to find the changed elements of every tensor (``ChangeDetector.detect``)
   / time of a plain memory copy of the bytes detection must read (the fp32 weights and the bf16
   snapshot: 6 bytes per element) into preallocated buffers;
-* **publish**: delta publish time / full-snapshot publish time (an anchor every version);
-* **apply**: receiver ``update()`` of one delta (download, sha256, decode, verify, apply) / loading
-  the full model from a full snapshot through the same store (read, safetensors load, ``copy_``);
+* **publish**: delta publish time / full-snapshot publish time (cast to bf16, ``safetensors``
+  save, sha256, put: :class:`FullSnapshotSync`);
+* **update**: receiver ``update()`` of one delta (download, sha256, decode, verify, apply) / loading
+  the full model from the full snapshot through the same store (get, sha256, safetensors load,
+  ``copy_``); **apply** is the in-place write alone over the same baseline, and **sync** is
+  publish + update over the baseline's publish + update;
 * **memory**: extra peak RSS of ``publish()`` and of ``update()`` / model bytes in bf16, for the
   anchor and for steady-state deltas (peak RSS reset through ``/proc/self/clear_refs``).
 
@@ -23,6 +26,7 @@ Results are printed as a table and written as JSON; ``docs/benchmarks.md`` quote
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import statistics
@@ -34,6 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safetensors.torch import load as st_load  # noqa: E402
+from safetensors.torch import save as st_save  # noqa: E402
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore  # noqa: E402
 from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3  # noqa: E402
@@ -97,6 +104,32 @@ def synthetic_step(model: torch.nn.Module, lr: float, gen: torch.Generator) -> N
             p.add_(noise.sign_().mul_(lr))
 
 
+class FullSnapshotSync:
+    """The baseline a delta must beat: every version ships the whole model in bf16 as one
+    safetensors object through the same store; the receiver reads it, checks its sha256, parses
+    it and copies every tensor into its parameters."""
+
+    def __init__(self, model: torch.nn.Module, store: LocalStore) -> None:
+        self.model, self.store, self.sha = model, store, None
+
+    def publish(self) -> float:
+        t = time.perf_counter()
+        data = st_save({n: p.detach().to(torch.bfloat16).contiguous().cpu() for n, p in self.model.state_dict().items()})
+        self.sha = hashlib.sha256(data).hexdigest()
+        self.store.put("full.safetensors", data)
+        return (time.perf_counter() - t) * 1e3
+
+    def update(self, replica: torch.nn.Module) -> float:
+        t = time.perf_counter()
+        data = self.store.get("full.safetensors")
+        assert hashlib.sha256(data).hexdigest() == self.sha
+        tensors = st_load(data)
+        with torch.no_grad():
+            for n, p in replica.state_dict().items():
+                p.copy_(tensors[n])
+        return (time.perf_counter() - t) * 1e3
+
+
 def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "cpu", synthetic: bool = False) -> dict:
     model = tiny_qwen3(size, seed=0, device=device)
     numel = sum(p.numel() for p in model.parameters())
@@ -118,20 +151,18 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
     store = LocalStore(workdir / f"{size}-delta", fsync=False)
     full_store = LocalStore(workdir / f"{size}-full", fsync=False)
     sender = DeltaSender(model, store, anchor_every=1000)
-    full_sender = DeltaSender(model, full_store, anchor_every=1)  # the full-snapshot baseline
+    full_sync = FullSnapshotSync(model, full_store)  # the baseline: a full bf16 copy per version
     replica = tiny_qwen3(size, seed=1, dtype=torch.bfloat16, device=device)
     receiver = DeltaReceiver(replica, store)
     full_replica = tiny_qwen3(size, seed=2, dtype=torch.bfloat16, device=device)
-    full_receiver = DeltaReceiver(full_replica, full_store)
+
 
     with Peak() as m:
         sender.publish()
     anchor_pub_mem = m.extra
-    full_sender.publish()
     with Peak() as m:
         receiver.update()
     anchor_upd_mem = m.extra
-    full_receiver.update()
 
     # memory-copy baseline: read the fp32 weights and the bf16 snapshot into preallocated buffers
     params = [p.detach() for p in model.parameters()]
@@ -158,30 +189,29 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
         with Peak() as mp:
             sender.publish()
         st = sender.last_stats
-        full_sender.publish()
-        fst = full_sender.last_stats
+        full_publish_ms = full_sync.publish()
         with Peak() as mu:
             receiver.update()
         ust = receiver.last_stats
-        full_receiver.update()
-        fust = full_receiver.last_stats
+        full_update_ms = full_sync.update(full_replica)
         assert first_difference(model, replica) is None and first_difference(model, full_replica) is None
         row = {
             "version": st.version, "changed": st.changed, "density": st.density,
             "delta_nbytes": st.nbytes, "full_nbytes": st.full_nbytes, "bytes_ratio": st.nbytes / model_nbytes,
             "detect_s": detect_s, "memcpy_s": copy_s, "detect_over_memcpy": detect_s / copy_s,
-            "publish_ms": st.publish_ms, "full_publish_ms": fst.publish_ms,
-            "publish_ratio": st.publish_ms / fst.publish_ms,
-            "update_ms": ust.total_ms, "apply_ms": ust.apply_ms, "full_update_ms": fust.total_ms,
-            "update_ratio": ust.total_ms / fust.total_ms, "apply_over_full_load": ust.apply_ms / fust.total_ms,
+            "publish_ms": st.publish_ms, "full_publish_ms": full_publish_ms,
+            "publish_ratio": st.publish_ms / full_publish_ms,
+            "update_ms": ust.total_ms, "apply_ms": ust.apply_ms, "full_update_ms": full_update_ms,
+            "update_ratio": ust.total_ms / full_update_ms, "apply_over_full_load": ust.apply_ms / full_update_ms,
+            "sync_ratio": (st.publish_ms + ust.total_ms) / (full_publish_ms + full_update_ms),
             "publish_peak_extra_over_model": mp.extra / model_nbytes,
             "update_peak_extra_over_model": mu.extra / model_nbytes,
         }
         rows.append(row)
         print(f"  v{st.version}: density {st.density:.2%}, bytes {row['bytes_ratio']:.4f} of full, "
               f"detect {detect_s * 1e3:.0f} ms = {row['detect_over_memcpy']:.2f}x memcpy, "
-              f"publish {st.publish_ms:.0f} ms vs full {fst.publish_ms:.0f} ms, "
-              f"update {ust.total_ms:.0f} ms (apply {ust.apply_ms:.1f}) vs full {fust.total_ms:.0f} ms, "
+              f"publish {st.publish_ms:.0f} ms vs full {full_publish_ms:.0f} ms, "
+              f"update {ust.total_ms:.0f} ms (apply {ust.apply_ms:.1f}) vs full {full_update_ms:.0f} ms, "
               f"peak +{row['publish_peak_extra_over_model']:.2f}x / +{row['update_peak_extra_over_model']:.2f}x model",
               flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
@@ -219,11 +249,11 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     print("\nmedians over delta versions:")
     print(f"{'size':>6} {'params':>8} {'density':>8} {'bytes/full':>10} {'detect/memcpy':>13} {'publish/full':>12} "
-          f"{'update/full':>11} {'apply/full':>10} {'pub mem':>8} {'upd mem':>8} {'anchor pub mem':>14} {'anchor upd mem':>14}")
+          f"{'update/full':>11} {'sync/full':>9} {'apply/full':>10} {'pub mem':>8} {'upd mem':>8} {'anchor pub mem':>14} {'anchor upd mem':>14}")
     for r in results["sizes"]:
         m = r["median"]
         print(f"{r['size']:>6} {r['numel'] / 1e6:>7.0f}M {m['density']:>8.2%} {m['bytes_ratio']:>10.4f} "
-              f"{m['detect_over_memcpy']:>13.2f} {m['publish_ratio']:>12.3f} {m['update_ratio']:>11.3f} "
+              f"{m['detect_over_memcpy']:>13.2f} {m['publish_ratio']:>12.3f} {m['update_ratio']:>11.3f} {m['sync_ratio']:>9.3f} "
               f"{m['apply_over_full_load']:>10.4f} {m['publish_peak_extra_over_model']:>8.2f} "
               f"{m['update_peak_extra_over_model']:>8.2f} {r['anchor_publish_peak_extra_over_model']:>14.2f} "
               f"{r['anchor_update_peak_extra_over_model']:>14.2f}")

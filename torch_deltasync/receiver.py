@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .checksum import checksum, combine, tensor_checksum
+from .checksum import checksum_change, combine, tensor_checksum
 from .codec import TensorDelta
 from .errors import (
     ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, SyncTimeoutError, VersionNotFoundError,
@@ -49,7 +49,6 @@ __all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "UpdateStats"]
 
 log = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 #: Reads of one object before a size/sha256 mismatch counts as corruption (not a bad transfer).
 _REREAD_ATTEMPTS = 3
 #: Plans of one ``update()`` toward the newest version when retention removes the chain meanwhile.
@@ -644,7 +643,7 @@ class DeltaReceiver:
                 if entry.name in staged:
                     pos, val = staged[entry.name]
                     old = self.target.read(entry.name, pos, final.inference_dtype)
-                    c = combine(c, -checksum(old, pos) & _MASK64, checksum(val, pos))
+                    c = combine(c, checksum_change(pos, old, val))
             if c != entry.checksum:
                 bad.append(entry.name)
             new[entry.name] = c

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ._dtypes import as_dtype
-from .checksum import checksum, combine, tensor_checksum
+from .checksum import checksum_change, combine, tensor_checksum
 from .codec import get_codec
 from .detect import Changes, ChangeDetector
 from .errors import ObjectExistsError, PublishError, UnsupportedLayoutError
@@ -537,9 +537,7 @@ class DeltaSender:
                 if src.upload:
                     gpos = src.slice.to_global(ch.positions)
                     old = self._partials[src.name]
-                    job.partials[src.name] = combine(
-                        old, -checksum(ch.old_values, gpos) % (1 << 64), checksum(ch.values, gpos)
-                    )
+                    job.partials[src.name] = combine(old, checksum_change(gpos, ch.old_values, ch.values))
                     job.global_positions[src.name] = gpos
                     job.counts[src.name] = ch.numel
                     changed += ch.numel
