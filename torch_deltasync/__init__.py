@@ -24,6 +24,7 @@ from .errors import (
     TransientStoreError,
     UnsupportedLayoutError,
     VersionNotFoundError,
+    WorkerError,
 )
 
 # Stores
@@ -97,6 +98,8 @@ __all__ = [
     "EpisodeError",
     "RolloutServiceError",
     "ServiceClosedError",
+    "WorkerError",
+    "SyncTimeoutError",
 ]
 
 for _name in __all__:

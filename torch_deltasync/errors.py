@@ -25,6 +25,8 @@ __all__ = [
     "EpisodeError",
     "RolloutServiceError",
     "ServiceClosedError",
+    "WorkerError",
+    "SyncTimeoutError",
 ]
 
 
@@ -101,3 +103,13 @@ class RolloutServiceError(DeltaSyncError, RuntimeError):
 
 class ServiceClosedError(RolloutServiceError):
     """The rollout service was closed by the trainer (HTTP 410): rollout workers should stop."""
+
+
+class WorkerError(DeltaSyncError, RuntimeError):
+    """A receiver worker died, or reported that it could not apply a version (its message is
+    included; the worker keeps serving the version it held before)."""
+
+
+class SyncTimeoutError(DeltaSyncError, TimeoutError):
+    """Receivers did not confirm a version within the configured timeout (they may still be
+    downloading, be stuck, or have been started with another store or prefix)."""

@@ -1,0 +1,807 @@
+"""torchrl integration: ``DeltaWeightSyncScheme`` with real collectors on ``PendulumEnv``, and the LLM
+stack sender against a fake vLLM engine.
+
+Every correctness check compares integer bit views of the workers' weights with the trainer's
+weights cast to the inference dtype, or checks a fingerprint of those bit views that the policy
+itself computes while it acts (``weight_digest``, written into every collected frame), so a frame's
+``policy_version`` tag is checked against the weights that actually produced its action.
+
+Most collector tests start their workers with the ``forkserver`` start method (see ``fork_start``:
+a spawn worker imports torch and torchrl again, ~30 s each on the shared 2-core machine);
+``test_spawn_pickles_to_workers`` uses torchrl's default ``spawn``. Both pickle the scheme into the
+workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.data.replay_buffers.samplers import StalenessAwareSampler
+from torchrl.envs.custom.pendulum import PendulumEnv
+from torchrl.weight_update import WeightSyncScheme
+
+from torch_deltasync import LocalStore, SyncTimeoutError, WorkerError
+from torch_deltasync.integrations.torchrl import DeltaVLLMWeightSender, DeltaWeightSyncScheme
+from torch_deltasync.store.base import Store
+
+REPO = Path(__file__).resolve().parents[1]
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+# --- a policy that fingerprints the weights it acts with --------------------------------------------
+
+
+def weight_digest(module: nn.Module) -> torch.Tensor:
+    """int64 fingerprint of every tensor's bit pattern (position-weighted sum, wraps mod 2^64)."""
+    acc = torch.zeros((), dtype=torch.int64)
+    for i, (_, t) in enumerate(sorted(module.state_dict().items())):
+        b = t.detach().contiguous().view(INT_VIEW[t.dtype]).reshape(-1).to(torch.int64)
+        acc = acc + (b * (torch.arange(1, b.numel() + 1) * 1000003 + (i + 1) * 7919)).sum()
+    return acc
+
+
+class PendulumNet(nn.Module):
+    """Tiny actor for ``PendulumEnv`` (observations ``th``, ``thdot``); runs in its weights' dtype and
+    returns the action and the fingerprint of the weights that computed it."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(2, hidden)
+        self.l2 = nn.Linear(hidden, 1)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor):
+        x = torch.stack([th, thdot], -1).to(self.l1.weight.dtype)
+        action = self.l2(torch.tanh(self.l1(x))).float().clamp(-2.0, 2.0)
+        return action, weight_digest(self)
+
+
+def make_policy(seed: int = 0) -> TensorDictModule:
+    torch.manual_seed(seed)
+    return TensorDictModule(PendulumNet(), in_keys=["th", "thdot"], out_keys=["action", "weight_digest"])
+
+
+def make_env() -> PendulumEnv:
+    return PendulumEnv()
+
+
+def train_step(policy: TensorDictModule, opt: torch.optim.Optimizer) -> None:
+    net = policy.module
+    loss = (net(torch.randn(16), torch.randn(16))[0] - 1.0).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def cast_bits(policy: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The trainer's weights cast to ``dtype``, as integer bit views (the expected worker state)."""
+    return {n: t.detach().to(dtype).contiguous().view(INT_VIEW[dtype]) for n, t in policy.state_dict().items()}
+
+
+def expected_digest(policy: TensorDictModule, dtype: torch.dtype) -> int:
+    return int(weight_digest(copy.deepcopy(policy.module).to(dtype)))
+
+
+def assert_frames_match(data: TensorDict, digests: dict[int, int]) -> set[int]:
+    """Every frame's weight fingerprint equals the trainer's cast at the version the frame is tagged
+    with; returns the tags seen."""
+    tags = data["policy_version"].reshape(-1).tolist()
+    got = data["weight_digest"].reshape(-1).tolist()
+    for i, (v, g) in enumerate(zip(tags, got)):
+        assert v in digests, f"frame {i} tagged with version {v}, which was never published ({sorted(digests)})"
+        assert g == digests[v], f"frame {i} tagged version {v} was produced by other weights"
+    return set(tags)
+
+
+def assert_workers_bitexact(states: list[dict], policy: nn.Module, dtype: torch.dtype, version: int,
+                            stored: torch.dtype | None = None) -> None:
+    """Workers hold the trainer's weights cast to ``dtype``, bit for bit. With ``stored=float32`` the
+    workers keep bf16 values in fp32 tensors: each must be exactly representable and equal."""
+    want = cast_bits(policy, dtype)
+    for s in states:
+        assert s["version"] == version, f"worker {s['worker']} holds version {s['version']}, expected {version}"
+        assert set(s["weights"]) == set(want)
+        for n, b in want.items():
+            got = s["weights"][n]
+            if stored is not None and stored != dtype:
+                wide = got.view(stored)
+                assert torch.equal(wide.to(dtype).to(stored).view(got.dtype), got), f"{n}: not a {dtype} value"
+                got = wide.to(dtype).view(INT_VIEW[dtype])
+            assert got.dtype == b.dtype, (n, got.dtype)
+            assert torch.equal(got, b), f"worker {s['worker']}: {n} differs from the trainer's cast"
+
+
+@pytest.fixture
+def fork_start():
+    """Collectors start their workers with ``forkserver``: forked (fast) from a server process that
+    imported torch, torchrl and this module once, not from the long-lived pytest process, whose
+    threads and locks (from other tests) a plain ``fork`` would copy. The scheme is still pickled to
+    the workers, as with torchrl's default ``spawn``. Restores the previous start method."""
+    previous = mp.get_start_method(allow_none=True)
+    mp.set_forkserver_preload(["torch", "tensordict", "torchrl.collectors", "torchrl.envs.custom.pendulum",
+                               "torch_deltasync.integrations.torchrl", __name__])
+    mp.set_start_method("forkserver", force=True)
+    yield
+    mp.set_start_method(previous, force=True)
+
+
+def worker_states(collector, n: int) -> list[dict]:
+    return collector.map_fn("_receiver_schemes['policy'].receiver_state",
+                            list_of_kwargs=[{"include_weights": True}] * n)
+
+
+# --- the scheme object ------------------------------------------------------------------------------
+
+
+def test_backend_registered():
+    s = WeightSyncScheme.from_backend("delta", store="unused", anchor_every=5)
+    assert isinstance(s, DeltaWeightSyncScheme)
+    assert s.anchor_policy.every == 5
+    with pytest.raises(ValueError, match="on_worker_failure"):
+        DeltaWeightSyncScheme("x", on_worker_failure="ignore")
+
+
+def test_pickles_without_live_state(tmp_path):
+    big = TensorDictModule(nn.Linear(256, 256), in_keys=["x"], out_keys=["y"])  # 66k weights
+    s = DeltaWeightSyncScheme(str(tmp_path), sync=False)
+    s.init_on_sender(model_id="policy", model=big)
+    s.connect()
+    assert s.version == 0 and s._sender is not None
+    blob = pickle.dumps(s)
+    assert len(blob) < 8_000  # the sender's 131 kB bf16 snapshot stays behind
+    copy_ = pickle.loads(blob)
+    for key in ("_sender", "_store", "_receiver", "_background_thread", "_stop_event"):
+        assert getattr(copy_, key, None) is None, key
+    assert not copy_.initialized_on_sender and not copy_.synchronized_on_sender
+    assert copy_.version is None
+
+    recv = TensorDictModule(nn.Linear(256, 256), in_keys=["x"], out_keys=["y"])
+    copy_.init_on_receiver(model_id="policy", model=recv, worker_idx=3)
+    copy_.connect(worker_idx=3)
+    assert copy_._background_thread.is_alive()
+    again = pickle.loads(pickle.dumps(copy_))  # a receiver with a running thread pickles too
+    assert again._receiver is None and again._background_thread is None
+    s.shutdown()
+    copy_.shutdown()
+    copy_.shutdown()  # idempotent
+    s.shutdown()
+    assert copy_._background_thread is None
+    with pytest.raises(RuntimeError, match="initialized on sender"):
+        again.send()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_standalone_sender_receiver(tmp_path, dtype):
+    """One process, no collector: ``send`` returns once the receiver applied (store acknowledgements),
+    a meta-device policy is materialised in the receiver dtype, policy calls are stamped."""
+    trainer = make_policy(0)
+    opt = torch.optim.Adam(trainer.parameters(), 1e-2)
+    sender = DeltaWeightSyncScheme(str(tmp_path), inference_dtype=dtype, num_workers=1, ack_timeout_s=30,
+                                   anchor_every=3)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+
+    with torch.device("meta"):
+        worker = make_policy(1)  # no data, as torchrl ships policies to workers
+    receiver = DeltaWeightSyncScheme(str(tmp_path), inference_dtype=dtype, receiver_dtype=dtype, num_workers=1)
+    receiver.init_on_receiver(model_id="policy", model=worker, worker_idx=0)
+    receiver.connect(worker_idx=0)
+    try:
+        assert worker.module.l1.weight.device.type == "cpu" and worker.module.l1.weight.dtype == dtype
+        for step in range(5):
+            if step:
+                train_step(trainer, opt)
+                sender.send()  # waits for worker 0's acknowledgement
+            assert receiver.version == sender.version == step
+            state = receiver.receiver_state(include_weights=True)
+            assert_workers_bitexact([state], trainer, dtype, step)
+            td = TensorDict({"th": torch.tensor(0.3), "thdot": torch.tensor(-1.0),
+                             "policy_version": torch.tensor(-7)}, [])
+            out = worker(td)
+            assert out["policy_version"].item() == step  # the version of the weights that acted
+            assert out["weight_digest"].item() == expected_digest(trainer, dtype)
+        assert sender.worker_versions() == {0: 4}
+        assert receiver.receiver_state()["last_update"]["path"] == "delta"
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_manual_receive(tmp_path):
+    trainer = make_policy(0)
+    sender = DeltaWeightSyncScheme(str(tmp_path), sync=False)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    worker = make_policy(1)
+    receiver = DeltaWeightSyncScheme(str(tmp_path), background_receive=False)
+    receiver.init_on_receiver(model_id="policy", model=worker)
+    receiver.connect()
+    try:
+        assert receiver._background_thread is None
+        assert receiver.receive(timeout=0) is None  # nothing new: one cheap look, no wait
+        train_step(trainer, torch.optim.SGD(trainer.parameters(), 0.1))
+        sender.send()
+        weights = receiver.receive(timeout=5)
+        assert weights is not None and receiver.version == 1
+        assert torch.equal(weights["module", "l1", "weight"].view(torch.int32),
+                           worker.module.l1.weight.detach().view(torch.int32))  # live weights, not a copy
+        assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, 1,
+                                stored=torch.float32)  # bf16 values kept in the policy's fp32 tensors
+        t = time.monotonic()
+        assert receiver.receive(timeout=0.3) is None
+        assert 0.25 < time.monotonic() - t < 5
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_receiver_without_sender_times_out(tmp_path):
+    """A worker whose sender never connects (or that uses another prefix) fails with a clear error."""
+    receiver = DeltaWeightSyncScheme(str(tmp_path), prefix="nobody-publishes-here", connect_timeout_s=0.3)
+    policy = make_policy(0)
+    receiver.init_on_receiver(model_id="policy", model=policy)
+    t = time.monotonic()
+    with pytest.raises(SyncTimeoutError, match="no version of 'policy' appeared in .*nobody-publishes-here within 0 s; "
+                                               "is the sender connected"):
+        receiver.connect()
+    assert time.monotonic() - t < 10
+    assert not receiver.synchronized_on_receiver
+    receiver.shutdown()
+
+
+class _GarbleDeltas(Store):
+    """Serves every delta object of the given versions with one byte flipped (a corrupt upload)."""
+
+    def __init__(self, inner: Store, versions: set[int]) -> None:
+        self.inner, self.versions = inner, versions
+
+    def _bad(self, key: str) -> bool:
+        parts = key.split("/")
+        return (len(parts) >= 3 and parts[-3] == "objects" and parts[-1].startswith("delta")
+                and int(parts[-2]) in self.versions)
+
+    def get(self, key, *, start=None, end=None):
+        data = self.inner.get(key, start=start, end=end)
+        if self._bad(key):
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        return data
+
+    def put(self, key, data):
+        self.inner.put(key, data)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def size(self, key):
+        return self.inner.size(key)
+
+    def describe(self):
+        return f"garbled({self.inner.describe()})"
+
+
+def test_worker_error_reaches_the_sender(tmp_path):
+    """A receiver that cannot apply a version keeps the previous one and the sender raises with its reason."""
+    trainer = make_policy(0)
+    opt = torch.optim.Adam(trainer.parameters(), 1e-2)
+    sender = DeltaWeightSyncScheme(LocalStore(tmp_path), num_workers=1, anchor_every=100, ack_timeout_s=30)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    worker = make_policy(1)
+    receiver = DeltaWeightSyncScheme(_GarbleDeltas(LocalStore(tmp_path), {2}), num_workers=1)
+    receiver.init_on_receiver(model_id="policy", model=worker)
+    receiver.connect()
+    try:
+        train_step(trainer, opt)
+        sender.send()
+        before = receiver.receiver_state(include_weights=True)
+        assert_workers_bitexact([before], trainer, torch.bfloat16, 1, stored=torch.float32)
+        train_step(trainer, opt)
+        with pytest.raises(WorkerError, match=r"worker 0 could not apply version 2: CorruptObjectError"):
+            sender.send()
+        after = receiver.receiver_state(include_weights=True)
+        assert after["version"] == 1
+        for n, b in before["weights"].items():
+            assert torch.equal(after["weights"][n], b), n
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+# --- collectors with worker processes ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_multisync_bf16(tmp_path, fork_start):
+    """MultiSyncCollector, 2 workers serving in bf16: after every update both workers are bit-identical
+    to the trainer's bf16 cast, and every frame of the next batch is tagged (and produced) by it."""
+    dtype = torch.bfloat16
+    policy = make_policy(0)
+    scheme = DeltaWeightSyncScheme(str(tmp_path), inference_dtype=dtype, receiver_dtype=dtype, anchor_every=3,
+                                   ack_timeout_s=60)
+    collector = MultiSyncCollector([make_env, make_env], policy, frames_per_batch=64, total_frames=64 * 6,
+                                   track_policy_version=True, weight_sync_schemes={"policy": scheme})
+    opt = torch.optim.Adam(policy.parameters(), 1e-2)
+    digests = {0: expected_digest(policy, dtype)}
+    kinds = []
+    try:
+        assert_workers_bitexact(worker_states(collector, 2), policy, dtype, 0)
+        for i, data in enumerate(collector):
+            # workers are idle between batches, so every frame of batch i comes from version i
+            assert assert_frames_match(data, digests) == {i}
+            train_step(policy, opt)
+            collector.update_policy_weights_()
+            v = scheme.version
+            assert v == i + 1
+            digests[v] = expected_digest(policy, dtype)
+            kinds.append(scheme.last_publish.kind)
+            assert scheme.worker_versions() == {0: v, 1: v}
+            assert_workers_bitexact(worker_states(collector, 2), policy, dtype, v)
+        assert kinds == ["delta", "delta", "anchor", "delta", "delta", "anchor"]
+        assert collector.policy_version == scheme.version  # the parent's tracker follows too
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_multiasync_fp32_and_staleness(tmp_path, fork_start):
+    """MultiAsyncCollector, 2 workers in fp32 (lossless: int32 views): frames straddle updates, each
+    tagged with the version whose weights produced it; the staleness-aware sampler bounds the lag."""
+    dtype = torch.float32
+    policy = make_policy(0)
+    scheme = DeltaWeightSyncScheme(str(tmp_path), inference_dtype=dtype, anchor_every=4, ack_timeout_s=60)
+    collector = MultiAsyncCollector([make_env, make_env], policy, frames_per_batch=32, total_frames=32 * 8,
+                                     track_policy_version=True, weight_sync_schemes={"policy": scheme})
+    sampler = StalenessAwareSampler(max_staleness=1)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10_000), sampler=sampler, batch_size=64)
+    opt = torch.optim.Adam(policy.parameters(), 1e-2)
+    digests = {0: expected_digest(policy, dtype)}
+    seen: set[int] = set()
+    try:
+        for data in collector:
+            seen |= assert_frames_match(data, digests)
+            rb.extend(data.reshape(-1))
+            train_step(policy, opt)
+            collector.update_policy_weights_()  # waits until both workers applied it
+            digests[scheme.version] = expected_digest(policy, dtype)
+            assert scheme.worker_versions() == {0: scheme.version, 1: scheme.version}
+            sampler.consumer_version = scheme.version
+            if (rb[:]["policy_version"] >= scheme.version - 1).any():
+                sample = rb.sample()
+                assert (sample["policy_version"] >= scheme.version - 1).all()
+        assert len(seen) >= 3  # the data really came from several versions
+        # Workers are idle once the collector is exhausted: read their weights back.
+        assert_workers_bitexact(worker_states(collector, 2), policy, dtype, scheme.version)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+def _collector_worker(store: str, idx: int, results, requests, seed: int) -> None:
+    """A standalone rollout process: a plain ``Collector`` that follows the store."""
+    torch.set_num_threads(1)
+    scheme = DeltaWeightSyncScheme(store, num_workers=2, inference_dtype=torch.bfloat16, receiver_dtype=torch.bfloat16)
+    collector = Collector(make_env, make_policy(seed), frames_per_batch=16, total_frames=-1, track_policy_version=True,
+                          weight_recv_schemes={"policy": scheme}, worker_idx=idx, auto_register_policy_transforms=False)
+    try:
+        first = scheme.receiver_state()
+        results.put(("joined", idx, (first["version"], first["last_update"]["path"])))
+        for data in collector:
+            results.put(("batch", idx, (data["policy_version"].tolist(), data["weight_digest"].tolist())))
+            try:
+                req = requests.get(timeout=0.05)
+            except Exception:
+                continue
+            if req == "stop":
+                break
+            results.put(("state", idx, scheme.receiver_state(include_weights=True)))
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+        results.put(("exit", idx, None))
+
+
+@pytest.mark.timeout(300)
+def test_collector_workers_and_late_joiner(tmp_path, fork_start):
+    """Trainer-side ``Collector`` publishing; two worker processes each running a ``Collector`` with
+    ``weight_recv_schemes``. Worker 1 starts after 7 versions and catches up from the newest anchor."""
+    dtype = torch.bfloat16
+    store = str(tmp_path / "bucket")
+    policy = make_policy(0)
+    scheme = DeltaWeightSyncScheme(store, num_workers=2, inference_dtype=dtype, anchor_every=3, ack_timeout_s=120)
+    trainer_collector = Collector(make_env, policy, frames_per_batch=16, total_frames=-1, track_policy_version=True,
+                                  weight_sync_schemes={"policy": scheme}, auto_register_policy_transforms=False)
+    opt = torch.optim.Adam(policy.parameters(), 1e-2)
+    digests = {0: expected_digest(policy, dtype)}
+    ctx = mp.get_context("forkserver")
+    results = ctx.Queue()
+    requests = [ctx.Queue(), ctx.Queue()]
+    procs = [ctx.Process(target=_collector_worker, args=(store, 0, results, requests[0], 1))]
+    procs[0].start()
+    seen: dict[tuple[str, int], list] = {}
+
+    def pump(kind: str, idx: int, timeout: float = 120.0):
+        """Read worker messages (keeping them all) until one of ``kind`` from worker ``idx`` arrives."""
+        deadline = time.monotonic() + timeout
+        while not seen.get((kind, idx)):
+            assert time.monotonic() < deadline, f"worker {idx} sent no {kind!r} in time"
+            msg = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            seen.setdefault((msg[0], msg[1]), []).append(msg[2])
+        return seen[(kind, idx)].pop(0)
+
+    try:
+        assert pump("joined", 0) == (0, "anchor")
+        for step in range(1, 8):  # only worker 0 runs: wait for it alone
+            train_step(policy, opt)
+            trainer_collector.update_policy_weights_(worker_ids=[0])
+            digests[step] = expected_digest(policy, dtype)
+            assert scheme.version == step == trainer_collector.policy_version
+        procs.append(ctx.Process(target=_collector_worker, args=(store, 1, results, requests[1], 2)))
+        procs[1].start()
+        assert pump("joined", 1) == (7, "anchor")  # the newest anchor (6) plus the delta to 7
+        for step in range(8, 11):
+            train_step(policy, opt)
+            trainer_collector.update_policy_weights_()  # both workers now
+            digests[step] = expected_digest(policy, dtype)
+            assert scheme.worker_versions() == {0: step, 1: step}
+            for q in requests:
+                q.put("state")
+            assert_workers_bitexact([pump("state", 0), pump("state", 1)], policy, dtype, step)
+        for q in requests:
+            q.put("stop")
+        pump("exit", 0)
+        pump("exit", 1)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        for idx in (0, 1):
+            batches = seen.get(("batch", idx), [])
+            assert batches, f"worker {idx} collected nothing"
+            for tags, got in batches:
+                for v, g in zip(tags, got):
+                    assert g == digests[v], f"worker {idx}: frame tagged {v} was produced by other weights"
+        assert min(v for tags, _ in seen[("batch", 1)] for v in tags) >= 7
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        trainer_collector.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(400)
+def test_spawn_pickles_to_workers(tmp_path):
+    """torchrl's default ``spawn`` start: the scheme is pickled into the worker processes."""
+    dtype = torch.float32
+    policy = make_policy(0)
+    scheme = DeltaWeightSyncScheme(str(tmp_path), inference_dtype=dtype, ack_timeout_s=120)
+    collector = MultiSyncCollector([make_env, make_env], policy, frames_per_batch=32, total_frames=32 * 2,
+                                   track_policy_version=True, weight_sync_schemes={"policy": scheme})
+    opt = torch.optim.Adam(policy.parameters(), 1e-2)
+    digests = {0: expected_digest(policy, dtype)}
+    try:
+        for i, data in enumerate(collector):
+            assert assert_frames_match(data, digests) == {i}
+            train_step(policy, opt)
+            collector.update_policy_weights_()
+            digests[scheme.version] = expected_digest(policy, dtype)
+            assert_workers_bitexact(worker_states(collector, 2), policy, dtype, scheme.version)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+# --- failures: no hang ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_dead_worker(tmp_path, fork_start, mode):
+    """A worker killed mid-run: ``update_policy_weights_`` raises a clear error (or carries on with the
+    other worker) within seconds, and shutdown completes."""
+    policy = make_policy(0)
+    scheme = DeltaWeightSyncScheme(str(tmp_path), ack_timeout_s=120, on_worker_failure=mode)
+    collector = MultiAsyncCollector([make_env, make_env], policy, frames_per_batch=32, total_frames=-1,
+                                    track_policy_version=True, weight_sync_schemes={"policy": scheme})
+    opt = torch.optim.Adam(policy.parameters(), 1e-2)
+    try:
+        it = iter(collector)
+        next(it)
+        train_step(policy, opt)
+        collector.update_policy_weights_()
+        assert scheme.worker_versions() == {0: 1, 1: 1}
+        os.kill(collector.procs[1].pid, signal.SIGKILL)
+        collector.procs[1].join(30)
+        train_step(policy, opt)
+        t = time.monotonic()
+        if mode == "raise":
+            with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) exited with code -9") as err:
+                collector.update_policy_weights_()
+            assert "worker 0" not in str(err.value)  # fails fast, without waiting for worker 0
+        else:
+            collector.update_policy_weights_()
+            assert scheme.worker_versions()[0] == 2 and scheme.worker_versions()[1] == 1
+            train_step(policy, opt)
+            collector.update_policy_weights_()  # the lost worker is not waited for again
+            assert scheme.worker_versions()[0] == 3
+        assert time.monotonic() - t < 30  # far below ack_timeout_s: the death was noticed
+    finally:
+        t = time.monotonic()
+        collector.shutdown()
+        scheme.shutdown()
+        assert time.monotonic() - t < 60
+
+
+def _die_holding_the_write_lock(acks, worker: int) -> None:
+    # What a worker's queue feeder thread holds while it writes an acknowledgement; a worker killed
+    # in that moment never releases it.
+    acks.queues[worker]._wlock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _acknowledge(acks, worker: int, version: int) -> None:
+    acks.post(None, {"worker": worker, "version": version, "error": None})
+
+
+@pytest.mark.timeout(120)
+def test_a_dying_worker_cannot_silence_the_others(fork_start):
+    """Regression: with one queue shared by all workers, a worker killed while its feeder thread held
+    the queue's write lock silenced every other worker's acknowledgements for good (the sender then
+    waited out ack_timeout_s). Each worker now has its own queue."""
+    from torch_deltasync.integrations.torchrl import _QueueAcks
+
+    ctx = mp.get_context()
+    acks = _QueueAcks(ctx, 2)
+    dying = ctx.Process(target=_die_holding_the_write_lock, args=(acks, 1))
+    dying.start()
+    dying.join(60)
+    assert dying.exitcode == -signal.SIGKILL
+    alive = ctx.Process(target=_acknowledge, args=(acks, 0, 5))
+    alive.start()
+    alive.join(60)
+    assert alive.exitcode == 0  # its queue's feeder could flush: the process could exit
+    got = acks.poll(None, {0, 1}, 10.0)
+    assert [(m["worker"], m["version"]) for m in got] == [(0, 5)]
+
+
+@pytest.mark.timeout(300)
+def test_stuck_worker_times_out(tmp_path, fork_start):
+    """A worker that is alive but does not answer (SIGSTOP) makes ``send`` fail after the timeout."""
+    policy = make_policy(0)
+    scheme = DeltaWeightSyncScheme(str(tmp_path), ack_timeout_s=2.0)
+    collector = MultiSyncCollector([make_env, make_env], policy, frames_per_batch=32, total_frames=-1,
+                                   weight_sync_schemes={"policy": scheme})
+    pid = collector.procs[0].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        train_step(policy, torch.optim.SGD(policy.parameters(), 0.1))
+        t = time.monotonic()
+        with pytest.raises(SyncTimeoutError, match=r"worker 0 did not confirm version 1 within 2 s"):
+            collector.update_policy_weights_()
+        assert 1.9 < time.monotonic() - t < 20
+        assert scheme.worker_versions().get(1) == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        collector.shutdown()
+        scheme.shutdown()
+
+
+# --- the LLM stack sender ---------------------------------------------------------------------------
+
+
+class FakeVLLMWorker:
+    """A tensor-parallel-1 stand-in for a vLLM worker running ``DeltaWorkerExtension``: the same
+    method names and results, applying into a Hugging Face model (no vLLM needed)."""
+
+    def __init__(self, rank: int, model: nn.Module) -> None:
+        self.rank, self.model, self.receiver = rank, model, None
+
+    def deltasync_attach(self, store, prefix="", **kwargs):
+        from torch_deltasync import DeltaReceiver
+
+        self.receiver = DeltaReceiver(self.model, store, prefix=prefix)
+        return {"rank": self.rank, "version": None}
+
+    def deltasync_update(self, version=None):
+        v = self.receiver.update(version)
+        return {"rank": self.rank, "version": v, "stats": self.receiver.last_stats.to_dict()}
+
+    def deltasync_checksums(self):
+        from torch_deltasync.checksum import format_checksum
+
+        m = self.receiver.manifest(self.receiver.version)
+        return {"rank": self.rank, "version": self.receiver.version,
+                "partials": {n: format_checksum(c) for n, c in self.receiver.partial_checksums().items()},
+                "expected": {t.name: format_checksum(t.checksum) for t in m.tensors}}
+
+
+class FakeEngine:
+    """``collective_rpc`` over replicas of workers, recording every call; results come back as one
+    future per replica, like torchrl's ``AsyncVLLM`` (which returns Ray futures)."""
+
+    def __init__(self, replicas: list[list]) -> None:
+        self.replicas = replicas
+        self.calls: list[tuple] = []
+        self.lie = False
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        from concurrent.futures import Future
+
+        self.calls.append((method, tuple(args), dict(kwargs or {})))
+        futures = []
+        for workers in self.replicas:
+            f = Future()
+            res = [getattr(w, method)(*args, **(kwargs or {})) for w in workers]
+            if self.lie and method == "deltasync_update":
+                res[-1] = {**res[-1], "version": res[-1]["version"] - 1}
+            f.set_result(res)
+            futures.append(f)
+        return futures
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+def test_llm_sender_with_fake_engine(tmp_path):
+    from torchrl.envs.llm.transforms import PolicyVersion
+    from torchrl.trainers import UpdateWeights
+
+    from torch_deltasync import DeltaSyncError
+    from torch_deltasync.testing import adam_step, state_bits, tiny_qwen3
+
+    trainer = tiny_qwen3("tiny", seed=0)
+    replicas = [[FakeVLLMWorker(r, tiny_qwen3("tiny", seed=10 + r, dtype=torch.bfloat16))] for r in range(2)]
+    engine = FakeEngine(replicas)
+    sender = DeltaVLLMWeightSender(str(tmp_path), prefix="grpo", anchor_every=2)
+    sender.register_model(trainer)
+    sender.init_all_workers_group({}, vllm_engine=engine)  # torchrl's wiring call
+
+    class _Collector:  # what register_collector needs from an LLMCollector
+        policy_version_tracker = PolicyVersion()
+
+    collector = _Collector()
+    sender.register_collector(collector)
+    hook = UpdateWeights(sender=sender, update_weights_interval=1)
+    opt = torch.optim.Adam(trainer.parameters(), 1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step:
+            adam_step(trainer, opt, generator=gen)
+        hook()  # what GRPOTrainer runs after an optimizer step
+        assert sender.version == step == collector.policy_version_tracker.version
+        assert sender.last_update.version == step and sender.last_update.verified
+        want = state_bits(trainer, torch.bfloat16)
+        for workers in replicas:
+            for w in workers:
+                got = state_bits(w.model, torch.bfloat16)
+                assert all(torch.equal(got[n], want[n]) for n in want), f"worker {w.rank} differs at version {step}"
+    methods = [c[0] for c in engine.calls]
+    assert methods == ["deltasync_attach"] + ["deltasync_update", "reset_prefix_cache", "deltasync_checksums"] * 4
+    assert engine.calls[0][1] == (str(tmp_path), "grpo")
+    assert [c[1] for c in engine.calls if c[0] == "deltasync_update"] == [(0,), (1,), (2,), (3,)]
+    assert [w.receiver.last_stats.path for ws in replicas for w in ws] == ["delta"] * 2
+
+    engine.lie = True  # a worker that reports another version is an error, not a silent pass
+    adam_step(trainer, opt, generator=gen)
+    with pytest.raises(DeltaSyncError, match="workers report versions"):
+        sender.update_weights()
+    sender.shutdown()
+    sender.shutdown()
+
+
+def test_llm_sender_drives_vllm_workers(tmp_path):
+    """Real vLLM models built on CPU (2 replicas x TP 2) with ``DeltaWorkerExtension`` mixed in, as
+    vLLM does: after every update each rank equals vLLM's own ``load_weights`` of the trainer's
+    bf16 weights, and the partial checksums are combined per replica."""
+    pytest.importorskip("vllm", reason="the vLLM oracle needs the vllm wheel (tools/setup.sh installs it)")
+    from types import SimpleNamespace
+
+    from torch_deltasync.integrations.vllm import DeltaWorkerExtension
+    from torch_deltasync.testing import adam_step
+    from torch_deltasync.testing_vllm import (TINY_VLLM_CONFIGS, build_vllm_model, hf_model, load_hf_weights,
+                                              vllm_config, vllm_state_bits)
+
+    class Worker(DeltaWorkerExtension):
+        def __init__(self, model, rank):
+            self.model_runner = SimpleNamespace(get_model=lambda: model)
+            self.rank, self.device = rank, torch.device("cpu")
+
+    spec = TINY_VLLM_CONFIGS["qwen2"]
+    trainer = hf_model(spec, seed=11)
+    vc = vllm_config(spec, tmp_path / "cfg")
+    replicas = [[Worker(build_vllm_model(vc, r, 2), r) for r in range(2)] for _ in range(2)]
+    engine = FakeEngine(replicas)
+    sender = DeltaVLLMWeightSender(str(tmp_path / "bucket"), engine, anchor_every=10)
+    sender.register_model(trainer)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        if step:
+            adam_step(trainer, opt, batch=2, seq=16, generator=gen)
+        assert sender.update_weights() == step
+        assert sender.last_update.verified and not sender.last_update.recovered
+        cast = {n: t.detach().to(torch.bfloat16) for n, t in trainer.state_dict().items()}
+        for r in range(2):
+            ref = build_vllm_model(vc, r, 2)
+            load_hf_weights(ref, cast)
+            want = vllm_state_bits(ref)
+            for workers in replicas:
+                got = vllm_state_bits(workers[r]._deltasync_model())
+                bad = [n for n in want if not torch.equal(got[n], want[n])]
+                assert not bad, f"version {step}, rank {r}: {bad[:4]}"
+    assert [w["stats"]["path"] for w in sender.last_update.workers] == ["delta"] * 4
+    sender.shutdown()
+
+
+# --- the recipe -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(400)
+def test_recipe_runs(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "recipes" / "torchrl_collector.py"), "--out", str(out), "--iters", "3",
+           "--workers", "2", "--frames-per-batch", "64", "--start-method", "fork"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    iters = [r for r in rows if r["event"] == "iteration"]
+    assert [r["version"] for r in iters] == [1, 2, 3]
+    assert all(r["workers_at_version"] for r in iters)
+    assert rows[-1] == {"event": "verify", "version": 3, "workers_bitexact": True, "workers": [3, 3]}
+
+
+@pytest.mark.parametrize("same_weights", [True, False], ids=["copy", "other"])
+def test_policy_relocated_after_connect(tmp_path, same_weights):
+    """torchrl may copy the worker's policy to its device after connect and repoint the scheme
+    (``collectors/_runner.py``): the scheme follows the new module, which must end up bit-exact."""
+    trainer = make_policy(0)
+    sender = DeltaWeightSyncScheme(str(tmp_path), num_workers=1, ack_timeout_s=30)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    old = make_policy(1)
+    receiver = DeltaWeightSyncScheme(str(tmp_path), num_workers=1)
+    receiver.init_on_receiver(model_id="policy", model=old)
+    receiver.connect()
+    try:
+        new = copy.deepcopy(old) if same_weights else make_policy(2)
+        receiver.model = new
+        assert receiver.model is new
+        assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, 0,
+                                stored=torch.float32)
+        frozen = {n: t.clone() for n, t in old.state_dict().items()}
+        train_step(trainer, torch.optim.Adam(trainer.parameters(), 1e-2))
+        sender.send()
+        assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, 1,
+                                stored=torch.float32)
+        assert all(torch.equal(frozen[n], t) for n, t in old.state_dict().items())  # the old module is left alone
+        td = new(TensorDict({"th": torch.tensor(0.1), "thdot": torch.tensor(0.2), "policy_version": torch.tensor(0)}, []))
+        assert td["policy_version"].item() == 1  # hooks moved to the new module
+        assert not old._forward_hooks and not old._forward_pre_hooks
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
