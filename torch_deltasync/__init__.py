@@ -99,7 +99,6 @@ __all__ = [
     "RolloutServiceError",
     "ServiceClosedError",
     "WorkerError",
-    "SyncTimeoutError",
 ]
 
 for _name in __all__:

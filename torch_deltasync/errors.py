@@ -26,7 +26,6 @@ __all__ = [
     "RolloutServiceError",
     "ServiceClosedError",
     "WorkerError",
-    "SyncTimeoutError",
 ]
 
 
@@ -76,10 +75,6 @@ class ObjectExistsError(StoreError, FileExistsError):
     """``Store.put_new`` found the key already taken (e.g. another writer published that version)."""
 
 
-class SyncTimeoutError(DeltaSyncError, TimeoutError):
-    """Waiting for a version (``DeltaReceiver.wait_for``) timed out."""
-
-
 class TransientStoreError(StoreError):
     """A store operation failed in a way that may succeed if retried: a timeout, a dropped or
     refused connection, throttling (HTTP 429, S3 ``SlowDown``) or a server error (HTTP 5xx).
@@ -111,5 +106,6 @@ class WorkerError(DeltaSyncError, RuntimeError):
 
 
 class SyncTimeoutError(DeltaSyncError, TimeoutError):
-    """Receivers did not confirm a version within the configured timeout (they may still be
-    downloading, be stuck, or have been started with another store or prefix)."""
+    """Waiting timed out: for a version to appear (``DeltaReceiver.wait_for``), or for receivers to
+    confirm a version (they may still be downloading, be stuck, or have been started with another
+    store or prefix)."""
