@@ -185,7 +185,10 @@ def decode_anchor(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[s
     for name, block in tensors.items():
         if name not in specs:
             raise CorruptObjectError(f"{where}: tensor {name!r} is not in the manifest")
-        s = TensorSlice.from_json(slices[name], specs[name].shape)
+        try:
+            s = TensorSlice.from_json(slices[name], specs[name].shape)
+        except CorruptObjectError as e:
+            raise CorruptObjectError(f"{where}: tensor {name!r}: {e}") from None
         if block.dtype != manifest.inference_dtype or tuple(block.shape) != s.shape:
             raise CorruptObjectError(
                 f"{where}: tensor {name!r} is {block.dtype} {tuple(block.shape)}, expected "

@@ -293,10 +293,12 @@ class Manifest:
             raise CorruptObjectError("top level is not an object")
         if doc.get("format") != FORMAT:
             raise CorruptObjectError(f"unknown format {doc.get('format')!r} (expected {FORMAT!r})")
-        if doc.get("format_version") != FORMAT_VERSION:
+        fv = doc.get("format_version")
+        if fv != FORMAT_VERSION:
+            newer = type(fv) is int and fv > FORMAT_VERSION
             raise CorruptObjectError(
-                f"unsupported format_version {doc.get('format_version')!r}; this torch_deltasync "
-                f"reads format {FORMAT_VERSION}. Upgrade torch_deltasync to read newer runs."
+                f"unsupported format_version {fv!r}; this torch_deltasync reads format {FORMAT_VERSION}"
+                + (". Upgrade torch_deltasync to read newer runs." if newer else " (the field is malformed)")
             )
         version = _int(doc["version"], "version", 0, MAX_VERSION)
         if expected_version is not None and version != expected_version:

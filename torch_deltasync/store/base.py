@@ -117,6 +117,8 @@ class Store(ABC):
 
     def sub(self, prefix: str) -> "Store":
         """A view of this store rooted at ``prefix`` (several runs can share one store)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"a store prefix is a string, got {type(prefix).__name__} {prefix!r}")
         prefix = prefix.strip("/")
         if not prefix:
             return self
