@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 STAMP=.venv/.torch_deltasync-setup
-INPUTS=$(cat pyproject.toml tools/setup.sh tools/requirements-vllm-oracle.txt | sha256sum | cut -d' ' -f1)
+INPUTS=$(cat pyproject.toml tools/setup.sh tools/constraints.txt tools/requirements-vllm-oracle.txt | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$INPUTS" ] \
     && .venv/bin/python -c "import torch_deltasync, vllm" 2>/dev/null; then
     echo "tools/setup.sh: .venv is up to date"
@@ -16,7 +16,11 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --upgrade pip
+"${PIP[@]}" install "pip==26.3"
+# Every install below runs under tools/constraints.txt, the pinned versions of a working .venv: pip
+# resolves nothing itself, so a fresh machine gets exactly the tested set, all as wheels. (Left free,
+# the resolver on a fresh CI machine backtracked for minutes and ended in a failing source build.)
+PIP+=(-c tools/constraints.txt)
 # torch first and on every line after it, so pip never swaps it for another build.
 "${PIP[@]}" install "torch==2.14.1"
 "${PIP[@]}" install -e ".[test]" "torch==2.14.1"
