@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_deltasync.store.base import Store
+
 
 def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A small two-layer model (~5k parameters) with std-0.02 weights."""
@@ -34,3 +36,31 @@ def encoded_nbytes(codec: str, prev: dict, cur: dict) -> int:
             new, old = cur[n].reshape(-1)[pos].view(torch.bfloat16), prev[n].reshape(-1)[pos].view(torch.bfloat16)
             total += sum(t.numel() * t.element_size() for t in c.encode(pos, new, old, numel=cur[n].numel()).values())
     return total
+
+
+class PassThroughStore(Store):
+    """Forwards every call to ``inner``; test stores subclass it and override the calls they fake."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    def put(self, key, data):
+        self.inner.put(key, data)
+
+    def get(self, key, *, start=None, end=None):
+        return self.inner.get(key, start=start, end=end)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def size(self, key):
+        return self.inner.size(key)
+
+    def describe(self):
+        return self.inner.describe()

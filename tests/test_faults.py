@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from helpers import make_mlp, train_step
+from helpers import PassThroughStore, make_mlp, train_step
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -17,7 +17,6 @@ from torch_deltasync import (
 )
 from torch_deltasync.format import read_header, sha256_hex
 from torch_deltasync.manifest import manifest_key
-from torch_deltasync.store.base import Store
 from torch_deltasync.testing import first_difference, state_bits
 
 
@@ -171,28 +170,17 @@ def test_receiver_drift_is_repaired_from_the_anchor(store, codec):
         receiver.verify()
 
 
-class FailingStore(Store):
+class FailingStore(PassThroughStore):
     """Wraps a store; raises on puts whose key matches ``fail_on`` while ``armed``."""
 
     def __init__(self, inner, fail_on):
-        self.inner, self.fail_on, self.armed = inner, fail_on, False
+        super().__init__(inner)
+        self.fail_on, self.armed = fail_on, False
 
     def put(self, key, data):
         if self.armed and self.fail_on(key):
             raise StoreError(f"injected failure writing {key}")
         self.inner.put(key, data)
-
-    def get(self, key, *, start=None, end=None):
-        return self.inner.get(key, start=start, end=end)
-
-    def exists(self, key):
-        return self.inner.exists(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
 
 
 @pytest.mark.parametrize("fail_on,what", [

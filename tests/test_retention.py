@@ -17,14 +17,15 @@ from torch_deltasync.manifest import list_versions, load_manifest, manifest_key
 from torch_deltasync.retention import apply_retention, plan_retention
 from torch_deltasync.store.base import Store
 
+from helpers import PassThroughStore
 from remote_helpers import StepModel, assert_holds, empty_target
 
 
-class Recording(Store):
+class Recording(PassThroughStore):
     """Passes through to ``inner``; logs deletes; ``on_put``/``on_get`` hooks may fail or act."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.deleted: list[str] = []
         self.on_put = None
         self.on_get = None
@@ -39,18 +40,9 @@ class Recording(Store):
             self.on_get(key)
         return self.inner.get(key, start=start, end=end)
 
-    def exists(self, key):
-        return self.inner.exists(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
     def delete(self, key):
         self.deleted.append(key)
         self.inner.delete(key)
-
-    def describe(self):
-        return self.inner.describe()
 
 
 def publish(store, steps, *, anchor_every=5, model=None, **kw):

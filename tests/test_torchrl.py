@@ -39,6 +39,7 @@ from torchrl.weight_update import WeightSyncScheme
 from torch_deltasync import LocalStore, SyncTimeoutError, WorkerError
 from torch_deltasync.integrations.torchrl import DeltaVLLMWeightSender, DeltaWeightSyncScheme
 from torch_deltasync.store.base import Store
+from helpers import PassThroughStore
 
 REPO = Path(__file__).resolve().parents[1]
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -264,11 +265,12 @@ def test_receiver_without_sender_times_out(tmp_path):
     receiver.shutdown()
 
 
-class _GarbleDeltas(Store):
+class _GarbleDeltas(PassThroughStore):
     """Serves every delta object of the given versions with one byte flipped (a corrupt upload)."""
 
     def __init__(self, inner: Store, versions: set[int]) -> None:
-        self.inner, self.versions = inner, versions
+        super().__init__(inner)
+        self.versions = versions
 
     def _bad(self, key: str) -> bool:
         parts = key.split("/")
@@ -280,21 +282,6 @@ class _GarbleDeltas(Store):
         if self._bad(key):
             data = data[:-1] + bytes([data[-1] ^ 0xFF])
         return data
-
-    def put(self, key, data):
-        self.inner.put(key, data)
-
-    def exists(self, key):
-        return self.inner.exists(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
-
-    def size(self, key):
-        return self.inner.size(key)
 
     def describe(self):
         return f"garbled({self.inner.describe()})"
