@@ -111,14 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(ns: argparse.Namespace) -> GRPOConfig:
+def config_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> GRPOConfig:
+    """The run's :class:`GRPOConfig`; an invalid option exits with a usage error (``parser.error``)."""
+    parser = parser or build_parser()
     fields = set(GRPOConfig.__dataclass_fields__)
     kw = {k: v for k, v in vars(ns).items() if k in fields}
-    if kw.get("tis_cap") is not None and kw["tis_cap"] <= 0:
-        kw["tis_cap"] = None
+    if kw.get("tis_cap") is not None:
+        if kw["tis_cap"] < 0:
+            parser.error(f"--tis-cap must be >= 0 (0 turns the correction off), got {kw['tis_cap']}")
+        if kw["tis_cap"] == 0:
+            kw["tis_cap"] = None
     if (kw.get("kill_generator") is None) != (kw.get("kill_at_step") is None):
-        raise SystemExit("error: --kill-generator and --kill-at-step go together")
-    return GRPOConfig(**kw)
+        parser.error("--kill-generator and --kill-at-step go together")
+    try:
+        return GRPOConfig(**kw)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 # --- the controller --------------------------------------------------------------------------------
@@ -522,8 +530,9 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    cfg = config_from_args(ns)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    cfg = config_from_args(ns, parser)
     # Child processes import the recipe by module name and use one thread each.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -101,3 +101,20 @@ def test_losing_every_generator_stops_with_a_message(tmp_path):
     assert proc.returncode == 1
     assert "all 1 generator replicas are lost" in proc.stdout
     assert s["status"] == "aborted" and s["bit_exact"] is False and s["steps"] < 200
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--steps", "0"], "steps must be >= 1"),
+    (["--tis-cap", "-1"], "--tis-cap must be >= 0"),
+    (["--model", "/nonexistent/ckpt"], "not a local Hugging Face checkpoint"),
+    (["--codec", "zip"], "codec must be one of"),
+    (["--call-timeout", "0"], "call_timeout_s must be > 0"),
+    (["--kill-generator", "0"], "go together"),
+])
+def test_bad_options_are_usage_errors(argv, match, capsys):
+    from recipes.async_grpo import build_parser, config_from_args
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as e:
+        config_from_args(parser.parse_args(argv), parser)
+    assert e.value.code == 2 and match in capsys.readouterr().err

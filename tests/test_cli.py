@@ -75,6 +75,27 @@ def test_verify_ok_and_tampered(run, capsys):
     assert "version        4: FAILED: ChecksumMismatchError" in out and "4/5 versions verified" in out
 
 
+def test_verify_reports_every_version_past_an_unreadable_newest_manifest(run, capsys):
+    store, _ = run
+    store.put(f"versions/{4:012d}.json", b"{not json")
+    assert main(["verify", str(store.root)]) == 1
+    out = capsys.readouterr().out
+    assert "version        3: ok" in out and "version        4: FAILED: CorruptObjectError" in out
+    assert "4/5 versions verified" in out
+
+
+@pytest.mark.parametrize("command", [["verify"], ["follow", "--idle-timeout", "2"]])
+def test_untrusted_shapes_are_checked_before_allocating(run, capsys, command):
+    store, _ = run
+    key = f"versions/{4:012d}.json"
+    m = json.loads(store.get(key))
+    m["tensors"][0]["shape"] = [2**24, 2**24]  # 2**48 elements: far beyond any machine's memory
+    store.put(key, json.dumps(m).encode())
+    assert main([command[0], str(store.root), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "declares" in err and "bytes of memory" in err and "Traceback" not in err
+
+
 def test_errors_are_one_line(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "missing.safetensors")]) == 2
     assert "error" in capsys.readouterr().err
@@ -112,7 +133,8 @@ def test_inspect_reports_malformed_objects_in_one_line(tmp_path, capsys, content
 
 
 def test_bad_arguments_are_refused_by_the_parser(capsys):
-    for argv in (["demo", "--size", "nope"], ["demo", "--steps", "0"], ["follow", "x", "--poll", "-1"]):
+    for argv in (["demo", "--size", "nope"], ["demo", "--steps", "0"], ["follow", "x", "--poll", "-1"],
+                 ["serve-buffer", "--port", "-1"], ["serve-buffer", "--port", "70000"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

@@ -75,6 +75,14 @@ BAD = [
     (mutate(["tensors", 0, "changed"], 13), "changed of w"),
     (mutate(["aliases"], {"x": "missing"}), "aliases"),
     (mutate(["tensors"], KeyError), "malformed"),
+    (mutate(["tensors", 0, "checksum"], "0x00000000000001"), "checksum"),
+    (mutate(["tensors", 0, "checksum"], " 000000000000001"), "checksum"),
+    (mutate(["tensors", 0, "checksum"], "0000_00000000001"), "checksum"),
+    (mutate(["created_at"], 10**400), "created_at"),  # float() would overflow
+    (mutate(["created_at"], -1), "created_at"),
+    (mutate(["created_at"], True), "created_at"),
+    (mutate(["created_at"], "yesterday"), "created_at"),
+    (mutate(["objects", 0, "key"], "objects/000000000007/delta-r00000-of00002.safetensors\n"), "invalid store key"),
 ]
 
 
@@ -118,4 +126,6 @@ def test_keys():
     assert manifest_key(12) == "versions/000000000012.json"
     assert parse_manifest_key("versions/000000000012.json") == 12
     assert parse_manifest_key("versions/000000000012.json.tmp-1") is None
+    assert parse_manifest_key("versions/000000000012.json\n") is None  # `$` would match before the newline
+    assert parse_manifest_key("versions/\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661\u0662.json") is None
     assert object_key(3, "delta", 1, 4) == "objects/000000000003/delta-r00001-of00004.safetensors"

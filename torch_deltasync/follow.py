@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
 
 __all__ = ["follow", "FollowReport"]
 
@@ -66,7 +65,7 @@ def _fmt_bytes(n: float) -> str:
 def _build_target(manifest, model: str | None) -> Any:
     dtype = manifest.inference_dtype
     if model is None:
-        return {t.name: torch.zeros(t.shape, dtype=dtype) for t in manifest.tensors}
+        return manifest.zeros()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)

@@ -86,7 +86,7 @@ STRUCTURAL_FIELDS = (
 )
 
 # A PEFT adapter tensor name: "base_model.model." then a dotted module path.
-_NAME_RE = re.compile(r"^base_model\.model\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+_NAME_RE = re.compile(r"base_model\.model\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 # (suffix, which dim holds the rank)
 _RANK_DIMS = ((".lora_A.weight", 0), (".lora_B.weight", 1), (".lora_embedding_A", 0), (".lora_embedding_B", 1))
 
@@ -256,7 +256,7 @@ def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: 
     ranks = _ranks_allowed(config)
     factors = 0
     for name, shape in shapes.items():
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise CorruptObjectError(f"{where}: {name!r} is not a PEFT adapter tensor name (base_model.model.<module>...)")
         for suffix, dim in _RANK_DIMS:
             if name.endswith(suffix):
@@ -309,7 +309,7 @@ class AdapterSender(DeltaSender):
 
     Raises:
         TypeError: not a PEFT model with a LoRA adapter.
-        ValueError: the prefix already holds a run of an adapter with another structure
+        IncompatibleTargetError: the prefix already holds a run of an adapter with another structure
             (:data:`STRUCTURAL_FIELDS`); use a new prefix.
         CorruptObjectError: the config already in the store is invalid.
 
@@ -346,7 +346,7 @@ class AdapterSender(DeltaSender):
         old = parse_adapter_config(existing, f"{self.store.describe()}/{ADAPTER_CONFIG_KEY}")
         diff = _structure_diff(old, config)
         if diff:
-            raise ValueError(
+            raise IncompatibleTargetError(
                 f"{self.store.describe()} holds a run of another adapter ({'; '.join(diff)}); publish to a new prefix"
             )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -55,8 +56,8 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_VERSION = 10**12 - 1
 
 Kind = Literal["anchor", "delta"]
-_MANIFEST_RE = re.compile(r"^versions/(\d{12})\.json$")
-_OBJECT_RE = re.compile(r"^objects/(\d{12})/(anchor|delta)-r(\d{5})-of(\d{5})\.safetensors$")
+_MANIFEST_RE = re.compile(r"versions/([0-9]{12})\.json")
+_OBJECT_RE = re.compile(r"objects/([0-9]{12})/(anchor|delta)-r([0-9]{5})-of([0-9]{5})\.safetensors")
 
 
 def object_key(version: int, kind: Kind, rank: int = 0, world: int = 1) -> str:
@@ -79,7 +80,7 @@ def next_free_version(store) -> int:
     any objects a crashed or concurrent writer left without a manifest."""
     used = list_versions(store)
     for key in store.list("objects"):
-        m = _OBJECT_RE.match(key)
+        m = _OBJECT_RE.fullmatch(key)
         if m:
             used.append(int(m.group(1)))
     return max(used) + 1 if used else 0
@@ -106,7 +107,7 @@ def load_manifest(store, version: int) -> "Manifest":
 
 def parse_manifest_key(key: str) -> int | None:
     """The version named by a manifest key, or ``None`` for any other key."""
-    m = _MANIFEST_RE.match(key)
+    m = _MANIFEST_RE.fullmatch(key)
     return int(m.group(1)) if m else None
 
 
@@ -239,6 +240,26 @@ class Manifest:
     def tensor_map(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
 
+    def zeros(self) -> dict[str, torch.Tensor]:
+        """A CPU state dict of zeros with this version's names and shapes, in its inference dtype: a
+        receiver target when no model is at hand (``deltasync verify`` and ``follow``).
+
+        Shapes come from the store, so they are untrusted: the total is checked against this
+        machine's physical memory before anything is allocated.
+
+        Raises:
+            IncompatibleTargetError: the tensors need more bytes than this machine's memory.
+        """
+        from .errors import IncompatibleTargetError
+
+        need = self.numel * self.inference_dtype.itemsize
+        have = _physical_memory()
+        if have is not None and need > have:
+            raise IncompatibleTargetError(
+                f"version {self.version} declares {need:,} bytes of tensors ({len(self.tensors)} tensors), "
+                f"more than this machine's {have:,} bytes of memory")
+        return {t.name: torch.zeros(t.shape, dtype=self.inference_dtype) for t in self.tensors}
+
     # --- wire form -------------------------------------------------------------------------------
 
     def to_json(self) -> bytes:
@@ -284,7 +305,7 @@ class Manifest:
             return cls._from_doc(doc, expected_version)
         except CorruptObjectError as e:
             raise CorruptObjectError(f"{where}: {e}") from None
-        except (TypeError, KeyError, ValueError, AttributeError) as e:
+        except (TypeError, KeyError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptObjectError(f"{where}: malformed field ({type(e).__name__}: {e})") from None
 
     @classmethod
@@ -325,7 +346,7 @@ class Manifest:
         seen_keys = set()
         for o in _list(doc["objects"], "objects"):
             key = check_key(o["key"])
-            m = _OBJECT_RE.match(key)
+            m = _OBJECT_RE.fullmatch(key)
             if not m or int(m.group(1)) != version or (m.group(2) == "anchor" and kind != "anchor") or (
                 m.group(2) == "delta" and base is None
             ):
@@ -365,14 +386,24 @@ class Manifest:
         ):
             raise CorruptObjectError("aliases must map unshipped names to shipped tensor names")
         stats = doc.get("stats", {})
-        created = doc.get("created_at", 0.0)
+        created = doc.get("created_at", 0.0)  # informational (Unix seconds); checked, never trusted
+        if type(created) not in (int, float) or not 0 <= created < 1e11:
+            raise CorruptObjectError(f"created_at must be Unix seconds in [0, 1e11), got {created!r:.40}")
         return cls(
             version=version, kind=kind, base_version=base, anchor_version=anchor_version,
             codec=codec, inference_dtype=dtype, run_id=run_id, tensors=tuple(tensors),
             objects=tuple(objects), aliases=dict(aliases),
             stats=stats if isinstance(stats, dict) else {},
-            created_at=float(created) if isinstance(created, (int, float)) else 0.0,
+            created_at=float(created),
         )
+
+
+def _physical_memory() -> int | None:
+    """Bytes of physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _int(v: Any, what: str, lo: int, hi: int) -> int:

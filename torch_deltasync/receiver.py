@@ -371,6 +371,9 @@ class DeltaReceiver:
             if plan.path == "noop":
                 return self.version  # type: ignore[return-value]
             plan_ms = (time.perf_counter() - t0) * 1e3
+            # A target that cannot hold the version (shapes, dtype, a LoRA config) fails the same way
+            # on every path: check it here, outside the anchor recovery below.
+            self._check_target(plan.manifests[-1])
             recovered = False
             try:
                 stats = self._run(plan)

@@ -44,7 +44,7 @@ __all__ = ["RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retentio
 
 log = logging.getLogger(__name__)
 
-_OBJECT_DIR_RE = re.compile(r"^objects/(\d{12})/[^/]+$")
+_OBJECT_DIR_RE = re.compile(r"objects/([0-9]{12})/[^/]+")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,7 +185,7 @@ def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: 
     object_keys: list[str] = []
     folders: dict[int, list[str]] = {}
     for key in store.list("objects"):
-        mo = _OBJECT_DIR_RE.match(key)
+        mo = _OBJECT_DIR_RE.fullmatch(key)
         if mo:
             folders.setdefault(int(mo.group(1)), []).append(key)
     orphans = tuple(sorted(v for v in folders if v not in visible and v < cut))

@@ -128,6 +128,21 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.temperature must be > 0, got {self.temperature}")
         if self.buffer_capacity < 2 * self.train_batch:
             raise ValueError(f"GRPOConfig.buffer_capacity must be >= 2 * train_batch, got {self.buffer_capacity}")
+        if not self.call_timeout_s > 0:
+            raise ValueError(f"GRPOConfig.call_timeout_s must be > 0, got {self.call_timeout_s}")
+        if self.anchor_every < 0:
+            raise ValueError(f"GRPOConfig.anchor_every must be >= 0 (0: first version only), got {self.anchor_every}")
+        if self.warmstart_steps < 0:
+            raise ValueError(f"GRPOConfig.warmstart_steps must be >= 0, got {self.warmstart_steps}")
+        if self.max_buffered is not None and self.max_buffered < 1:
+            raise ValueError(f"GRPOConfig.max_buffered must be >= 1, got {self.max_buffered}")
+        from torch_deltasync import codec_names
+
+        if self.codec not in codec_names():
+            raise ValueError(f"GRPOConfig.codec must be one of {sorted(codec_names())}, got {self.codec!r}")
+        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"--model {self.model_path!r} is not a local Hugging Face checkpoint folder "
+                             "(no config.json there; nothing is downloaded)")
         if self.kill_generator is not None and not 0 <= self.kill_generator < self.generators:
             raise ValueError(f"--kill-generator {self.kill_generator} is not a replica index in [0, {self.generators})")
 

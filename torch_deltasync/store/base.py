@@ -15,7 +15,7 @@ from ..errors import CorruptObjectError
 
 __all__ = ["Store", "PrefixStore", "check_key", "join_key"]
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+_SEGMENT = re.compile(r"[A-Za-z0-9._=+@,-]+")
 
 
 def check_key(key: object, *, allow_empty: bool = False) -> str:
@@ -32,7 +32,7 @@ def check_key(key: object, *, allow_empty: bool = False) -> str:
     if not key or len(key) > 1024 or key.startswith("/") or key.endswith("/"):
         raise CorruptObjectError(f"invalid store key {key!r}: must be a non-empty relative path")
     for seg in key.split("/"):
-        if seg in ("", ".", "..") or not _SEGMENT.match(seg):
+        if seg in ("", ".", "..") or not _SEGMENT.fullmatch(seg):
             raise CorruptObjectError(
                 f"invalid store key {key!r}: segment {seg!r} is not allowed (no '..', '.', empty "
                 "segments, absolute paths or special characters)"
