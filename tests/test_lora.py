@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 
-peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
@@ -169,7 +168,6 @@ def test_materialised_version_loads_with_peft_and_vllm_reads_it(tmp_path):
 
 def test_vllm_lora_loader_parses_a_materialised_version(tmp_path, monkeypatch):
     """vLLM's own PEFT config check and LoRA checkpoint loader (CPU) read our folder."""
-    pytest.importorskip("vllm")
     import vllm.lora.lora_model as vllm_lora_model
     from vllm.config.lora import LoRAConfig
     from vllm.lora.peft_helper import PEFTHelper

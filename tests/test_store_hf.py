@@ -17,8 +17,7 @@ from torch_deltasync.store._hf import parse_bucket_uri
 
 from remote_helpers import StepModel, assert_holds, empty_target
 
-huggingface_hub = pytest.importorskip("huggingface_hub")
-httpx2 = pytest.importorskip("httpx2")
+import httpx2  # noqa: E402
 from huggingface_hub import errors as hf_errors  # noqa: E402
 from huggingface_hub._buckets import BucketFile  # noqa: E402
 

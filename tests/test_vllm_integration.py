@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vLLM oracle needs the vllm wheel (tools/setup.sh installs it)")
+import vllm  # noqa: F401  the CPU oracle; tools/setup.sh installs it, so a missing wheel fails here
 
 from torch_deltasync import ChecksumMismatchError, DeltaSender, LocalStore, VersionNotFoundError  # noqa: E402
 from torch_deltasync.integrations.vllm import (  # noqa: E402

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from torch_deltasync.errors import DeltaSyncError  # noqa: E402
@@ -209,7 +208,6 @@ def test_http_server_routes(tmp_path):
 
 def test_real_lora_request_class(tmp_path):
     """The default request class is vLLM's own ``LoRARequest`` (needs vllm importable)."""
-    pytest.importorskip("vllm")
     from vllm.lora.request import LoRARequest
 
     trainer = Trainer(tmp_path / "bucket")
