@@ -121,8 +121,6 @@ def config_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | N
             parser.error(f"--tis-cap must be >= 0 (0 turns the correction off), got {kw['tis_cap']}")
         if kw["tis_cap"] == 0:
             kw["tis_cap"] = None
-    if (kw.get("kill_generator") is None) != (kw.get("kill_at_step") is None):
-        parser.error("--kill-generator and --kill-at-step go together")
     try:
         return GRPOConfig(**kw)
     except ValueError as e:
@@ -347,9 +345,6 @@ class Controller:
         self.sample_event = asyncio.Event()
         self.space_event = asyncio.Event()
 
-        if cfg.bucket is not None and str(cfg.bucket).startswith("memory://"):
-            raise RunAborted("--bucket memory://... lives inside one process, but the trainer and the generators run in "
-                             "separate processes; use a folder, file://, s3:// or hf://buckets/...")
         if cfg.bucket is None:
             bucket_path = self.run_dir / "bucket"
             shutil.rmtree(bucket_path, ignore_errors=True)  # ours: a fresh chain per run
@@ -365,14 +360,14 @@ class Controller:
         from monarch.actor import this_host, this_proc
 
         from recipes.grpo.actors import GeneratorActor, ReplayBufferActor, TrainerActor
-        from recipes.grpo.policy import build_tokenizer, warm_start
+        from recipes.grpo.policy import build_tokenizer, warm_start, warm_start_path
 
         ma.unhandled_fault_hook = self._fault_hook
         # Spawn first: the processes boot (imports) while the warm start runs here.
         t0 = time.perf_counter()
         self.trainer_procs = this_host().spawn_procs(per_host={"procs": cfg.trainer_procs}, name="trainer")
         self.gen_procs = this_host().spawn_procs(per_host={"procs": cfg.generators}, name="generators")
-        warm_path = cfg.run_dir / "warmstart" / "model.safetensors"
+        warm_path = warm_start_path(cfg)
         self.trainer = self.trainer_procs.spawn("trainer", TrainerActor, cfg, str(warm_path.resolve()), bucket,
                                                 prefix, _free_port())
         self.gens = self.gen_procs.spawn("generator", GeneratorActor, cfg, bucket, prefix)

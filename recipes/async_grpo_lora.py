@@ -347,9 +347,9 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
     from peft import PeftModel
 
     loaded = PeftModel.from_pretrained(load_base(store, 10), str(out))
-    a, b = adapter_state_dict(loaded), adapter_state_dict(model)
-    exact = a.keys() == b.keys() and all(
-        torch.equal(a[n].to(torch.bfloat16).view(torch.int16), b[n].to(torch.bfloat16).view(torch.int16)) for n in a)
+    from torch_deltasync.testing import bitwise_equal
+
+    exact = bitwise_equal(adapter_state_dict(loaded), adapter_state_dict(model))
     return _summary(args, rows, versions, service, exact, workers)
 
 
@@ -423,9 +423,9 @@ def _plot(run_dir: Path, rows: list[dict], summary: dict) -> None:
 
 
 def _token(args) -> str | None:
-    if getattr(args, "token_file", None):
-        return Path(args.token_file).read_text().strip()
-    return os.environ.get("DELTASYNC_BUFFER_TOKEN")
+    from torch_deltasync.integrations.rollout_service import read_token
+
+    return read_token(getattr(args, "token_file", None))
 
 
 def _worker_cmd(args, url: str, i: int) -> list[str]:
@@ -442,12 +442,12 @@ def run_all(args) -> dict:
     run_dir = Path(args.run_dir)
     if args.store is None:
         args.store = str(run_dir / "bucket")
-    token_file = run_dir / "token"
-    token_file.write_text(secrets.token_urlsafe(24))
+    token, token_file = secrets.token_urlsafe(24), run_dir / "token"
+    token_file.write_text(token)
     token_file.chmod(0o600)
-    args.token_file = str(token_file)
+    args.token_file = str(token_file)  # the workers read it from there
     cfg = RolloutServiceConfig(capacity=args.capacity or 2 * args.batch, max_lag=args.max_lag, vocab_size=TOK.vocab_size,
-                               max_prompt_tokens=64, max_completion_tokens=64, token=_token(args), retry_after_s=0.2)
+                               max_prompt_tokens=64, max_completion_tokens=64, token=token, retry_after_s=0.2)
     service = start_service(cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     from torchrl.objectives.value import GAE
 
     from torch_deltasync.integrations.torchrl import DeltaWeightSyncScheme
+    from torch_deltasync.testing import state_bits
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,9 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['publish_kind']:6s} {row['publish_nbytes']:>8,d} B of {row['full_nbytes']:,d}  "
                   f"update {update_ms:6.1f} ms", flush=True)
         # The collector is exhausted and its workers idle: read their weights back and compare bitwise.
-        int_view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[serve]
-        want = {n: t.detach().to(serve).view(int_view) for n, t in actor.state_dict().items()
-                if t.is_floating_point()}
+        want = state_bits(actor, serve)
         states = collector.map_fn("_receiver_schemes['policy'].receiver_state",
                                   list_of_kwargs=[{"include_weights": True}] * args.workers)
         exact = all(s["version"] == scheme.version and all(torch.equal(s["weights"][n], b) for n, b in want.items())

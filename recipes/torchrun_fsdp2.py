@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from torch_deltasync import DeltaSender
-    from torch_deltasync.testing import tiny_qwen3
+    from torch_deltasync.testing import adam_step, tiny_qwen3
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -84,7 +84,6 @@ def main(argv: list[str] | None = None) -> None:
               f"{sender.store.describe()}", flush=True)
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data
-    vocab = model.config.vocab_size
 
     def report(stats) -> None:
         if rank == 0 and stats is not None:
@@ -94,23 +93,16 @@ def main(argv: list[str] | None = None) -> None:
 
     for step in range(args.steps + 1):
         if step:  # version 0 is the initial weights
-            ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
+            loss = adam_step(model, opt, batch=args.batch, seq=args.seq, generator=gen)
             if rank == 0:
-                print(f"[rank 0] step {step:>5} loss {loss.item():.4f}", flush=True)
+                print(f"[rank 0] step {step:>5} loss {loss:.4f}", flush=True)
         version = sender.publish()
         if not args.background:
             report(sender.last_stats)
         elif rank == 0:  # stats of background publishes are printed at the end (and go to --metrics)
             print(f"[rank 0] step {step:>5}: " + (f"version {version} uploading" if version is not None else
                   "previous upload still in flight, coalesced into the next version"), flush=True)
-    last = sender.flush()
-    if version is None:  # the last step was coalesced: publish the final weights now
-        last = sender.publish(background=False)
-        report(sender.last_stats)
+    last = sender.flush()  # also publishes the weights of a coalesced last step
     sender.close()
     if args.background:
         for stats in sender.history:

@@ -29,3 +29,12 @@ def store(tmp_path):
 def mlp_pair():
     """(trainer model fp32, receiver model bf16 with other weights)."""
     return make_mlp(0), make_mlp(1, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """Endpoint URL of a local S3 server (moto, loopback) for the tests of one module."""
+    from s3_server import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint

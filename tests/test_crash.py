@@ -28,18 +28,12 @@ from torch_deltasync import DeltaReceiver, DeltaSender, VersionNotFoundError, op
 from torch_deltasync.manifest import list_versions, load_manifest
 
 from remote_helpers import StepModel, assert_holds, bits_of, empty_target, same_bits
-from s3_server import S3_ENV, make_bucket, s3_server
+from s3_server import S3_ENV, make_bucket
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 STEPS = 12
 OPS_PER_RUN = 1 + 3 * STEPS  # the initial listing, then object, manifest and LATEST per publish
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as endpoint:
-        yield endpoint
 
 
 def crash_trial(endpoint: str, trial: int) -> dict:

@@ -4,21 +4,14 @@ existing prefix continues after the newest version and receivers follow it with 
 
 from __future__ import annotations
 
-import pytest
 
 from torch_deltasync import DeltaReceiver, DeltaSender, RetentionPolicy, RetryPolicy, open_store
 from torch_deltasync.manifest import list_versions, load_manifest
 
 from remote_helpers import StepModel, assert_holds, empty_target
-from s3_server import make_bucket, s3_server
+from s3_server import make_bucket
 
 RETRY = RetryPolicy(attempts=4, base_delay_s=0.01, timeout_s=30)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as endpoint:
-        yield endpoint
 
 
 def test_100_versions_bit_exact_through_s3(s3):

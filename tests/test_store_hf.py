@@ -12,7 +12,7 @@ import pytest
 
 from torch_deltasync import (DeltaReceiver, DeltaSender, ObjectNotFoundError, StoreError,
                              TransientStoreError, open_store)
-from torch_deltasync.store import HFBucketStore, RetryPolicy
+from torch_deltasync.store import RetryPolicy
 from torch_deltasync.store._hf import parse_bucket_uri
 
 from remote_helpers import StepModel, assert_holds, empty_target

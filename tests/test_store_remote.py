@@ -16,15 +16,9 @@ from torch_deltasync.store import RetryingStore, RetryPolicy
 from torch_deltasync.store.faults import FaultyStore
 from torch_deltasync.store.retry import call_with_retry, classify_error
 
-from s3_server import make_bucket, s3_env, s3_server
+from s3_server import make_bucket, s3_env
 
 FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.002, jitter=0.0, timeout_s=5.0)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as endpoint:
-        yield endpoint
 
 
 @pytest.fixture(params=["local", "memory", "s3"])

@@ -74,6 +74,10 @@ class Counting(Store):
         self.inner.put(key, data)
         self._wire(len(data))
 
+    def put_new(self, key, data):  # the sender's path: a conditional PUT, not exists + put
+        self.inner.put_new(key, data)
+        self._wire(len(data))
+
     def exists(self, key):
         with self._lock:
             self.calls += 1

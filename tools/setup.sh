@@ -20,7 +20,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # Every install below runs under tools/constraints.txt, the pinned versions of a working .venv: pip
 # resolves nothing itself, so a fresh machine gets exactly the tested set, all as wheels. (Left free,
 # the resolver on a fresh CI machine backtracked for minutes and ended in a failing source build.)
-INSTALL=(.venv/bin/python -m pip --disable-pip-version-check -q install -c tools/constraints.txt)
+INSTALL=("${PIP[@]}" install -c tools/constraints.txt)
 # torch first and on every line after it, so pip never swaps it for another build.
 "${INSTALL[@]}" "torch==2.14.1"
 "${INSTALL[@]}" -e ".[test]" "torch==2.14.1"

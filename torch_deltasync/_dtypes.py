@@ -67,7 +67,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
     """The signed integer dtype with the same width as ``dtype`` (bf16/fp16 -> int16, fp32 -> int32)."""
-    return _INT_VIEW[torch.empty((), dtype=dtype).element_size()]
+    return _INT_VIEW[dtype.itemsize]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,11 @@ from typing import Any, Callable
 __all__ = ["run_ranks"]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tuple, threads: int) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # the ranks share the CPU cores
     out = Path(folder) / f"rank{rank}.json"
     try:
         dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
@@ -50,8 +50,10 @@ _PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torc
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0,
-              threads: int = 1, allow_exit: tuple[int, ...] = (), start_method: str = "forkserver") -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes in one gloo process group.
+              allow_exit: tuple[int, ...] = ()) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes (one torch thread each) in one gloo
+    process group. A forkserver that imported torch once forks every rank (~0.1 s instead of
+    seconds of imports per rank on a loaded machine; nothing has run there, so no threads exist).
 
     Args:
         fn: a module-level function (spawned processes import it by name); its return value must be
@@ -59,11 +61,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         world: number of processes (ranks ``0 .. world-1``).
         args: extra arguments, picklable.
         timeout_s: deadline for the whole run (seconds); then every process still alive is killed.
-        threads: ``torch.set_num_threads`` per rank (CPU cores are shared by all ranks).
         allow_exit: ranks that may end without a result (a test that kills a rank on purpose); their
             entry in the returned list is ``None``.
-        start_method: ``"forkserver"`` (default: a server process that imported torch forks every
-            rank) or ``"spawn"`` (a fresh interpreter per rank, like ``torchrun``).
 
     Returns:
         ``[result of rank 0, ..., result of rank world-1]``.
@@ -74,13 +73,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        # The server imports torch once; every rank is then a fork of it (~0.1 s instead of seconds
-        # of imports per rank on a loaded machine). Nothing has run yet there, so no threads exist.
-        ctx.set_forkserver_preload(_PRELOAD)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="deltasync-ranks-") as folder:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, folder, args, threads), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, folder, args), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ._units import format_bytes
+
 __all__ = ["main", "command"]
 
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
@@ -66,14 +68,6 @@ def _open_existing(uri: str, prefix: str):
     return store.sub(prefix)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 # --- inspect -----------------------------------------------------------------------------------
 
 
@@ -94,7 +88,7 @@ def _inspect(args: argparse.Namespace) -> int:
         _print_manifest(m)
         return 0
     header, meta = read_header(data, str(path))
-    print(f"{path} ({_fmt_bytes(len(data))})")
+    print(f"{path} ({format_bytes(len(data))})")
     for k, v in meta.items():
         if k not in ("counts", "slices"):
             print(f"  {k}: {v}")
@@ -126,7 +120,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _print_manifest(m) -> None:
     print(f"version {m.version} ({m.kind}, base {m.base_version}, anchor {m.anchor_version}), codec {m.codec}, "
           f"{m.inference_dtype}, run {m.run_id}")
-    print(f"  {len(m.objects)} objects, {_fmt_bytes(m.nbytes)}; {m.changed:,} of {m.numel:,} elements changed "
+    print(f"  {len(m.objects)} objects, {format_bytes(m.nbytes)}; {m.changed:,} of {m.numel:,} elements changed "
           f"({m.changed / max(m.numel, 1):.3%})")
     for o in m.objects:
         print(f"    {o.key}  {o.nbytes:,} B  sha256 {o.sha256[:16]}...")
@@ -186,19 +180,19 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"{store.describe()}: no versions to verify")
         return 1
     # The target is shaped by the newest manifest that parses; an unreadable one still gets its line.
-    shapes = None
+    shapes, unreadable = None, {}
     for v in reversed(versions):
         try:
             shapes = load_manifest(store, v)
             break
-        except DeltaSyncError:
-            continue
+        except DeltaSyncError as e:
+            unreadable[v] = e
     receiver = DeltaReceiver(shapes.zeros(), store) if shapes is not None else None
     failures = 0
     for v in versions:
         try:
             if receiver is None:
-                load_manifest(store, v)  # raises: no manifest of this store parses
+                raise unreadable[v]  # no manifest of this store parses
             receiver.update(v)
             st = receiver.last_stats
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B)")
@@ -309,16 +303,13 @@ def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
 
 @command("serve-buffer", "HTTP rollout service: workers POST episodes, the trainer samples (FastAPI)", _serve_buffer_args)
 def _serve_buffer(args: argparse.Namespace) -> int:
-    import os
+    from .integrations.rollout_service import RolloutServiceConfig, read_token, serve
 
-    from .integrations.rollout_service import RolloutServiceConfig, serve
-
-    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("DELTASYNC_BUFFER_TOKEN")
     config = RolloutServiceConfig(
         capacity=args.capacity, max_lag=args.max_lag, on_full=args.on_full, vocab_size=args.vocab_size,
         max_prompt_tokens=args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens,
         max_episodes_per_post=args.max_episodes_per_post, max_body_bytes=args.max_body_bytes,
-        retry_after_s=args.retry_after, token=token or None,
+        retry_after_s=args.retry_after, token=read_token(args.token_file),
     )
     serve(config, host=args.host, port=args.port, log_level=args.log_level, port_file=args.port_file)
     return 0

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ._units import format_bytes
 
 __all__ = ["follow", "FollowReport"]
 
@@ -52,14 +53,6 @@ class FollowReport:
     failures: list[str] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
     model: Any = None
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _build_target(manifest, model: str | None) -> Any:
@@ -164,7 +157,7 @@ def follow(
         report.rows.append(row)
         lag = f"{row['lag_ms']:5.0f} ms" if row["lag_ms"] is not None else "    ?   "
         print(f"version {s.version:>7} {m.kind:<6} path {s.path:<6} {s.versions_applied:>3} applied  "
-              f"density {row['density']:8.3%}  {_fmt_bytes(s.nbytes):>10}  lag {lag}  "
+              f"density {row['density']:8.3%}  {format_bytes(s.nbytes):>10}  lag {lag}  "
               f"apply {s.apply_ms:6.1f} ms  total {s.total_ms:7.1f} ms", file=out, flush=True)
         if metrics_path is not None:
             with open(metrics_path, "a") as f:

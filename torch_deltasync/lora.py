@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import math
 import os
 import re
@@ -66,7 +65,6 @@ __all__ = [
     "materialize_adapter",
 ]
 
-log = logging.getLogger(__name__)
 
 #: Store key of the run's adapter config, relative to the run prefix.
 ADAPTER_CONFIG_KEY = "adapter/adapter_config.json"
@@ -445,9 +443,9 @@ class AdapterReceiver(DeltaReceiver):
         """
         if self.version is None:
             raise VersionNotFoundError("nothing is held yet; call update() first")
+        dtype = self.manifest(self.version).inference_dtype
         with self._lock:
-            tensors = {n: t.detach().to(self.manifest(self.version).inference_dtype).contiguous().clone()
-                       for n, t in self.tensors.items()}
+            tensors = {n: self.target.values(n, dtype).contiguous().clone() for n in self.tensors}
         return _write_adapter_dir(Path(out_dir), tensors, self.config, version=self.version,
                                   base_model_name_or_path=base_model_name_or_path)
 

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import zstandard
 
+from ._dtypes import bits
 from .checksum import checksum
 from .codec import Codec, TensorDelta, check_parts, register_codec
 from .errors import CorruptObjectError
@@ -207,16 +208,9 @@ def _from_planes(buf: np.ndarray, n: int, w: int) -> np.ndarray:
     return np.ascontiguousarray(buf.reshape(w, n).T).view(udt).reshape(-1).astype(udt.newbyteorder("="))
 
 
-_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
-    """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view).
-
-    (Same as ``_dtypes.bits`` but without its per-call dtype probe, which costs more than the
-    encoding of a small tensor.)"""
-    w = t.element_size()
-    return t.view(_SIGNED[w]).numpy().view(f"u{w}")
+    """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view)."""
+    return bits(t).numpy().view(f"u{t.element_size()}")
 
 
 def _pack_bits(v: np.ndarray, r: int) -> np.ndarray:

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from .targets import ModuleTarget, Target
 __all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "UpdateStats"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Reads of one object before a size/sha256 mismatch counts as corruption (not a bad transfer).
 _REREAD_ATTEMPTS = 3
@@ -227,14 +228,7 @@ class DeltaReceiver:
         cached = self._manifests.get(version)
         if cached is not None and not fresh:
             return cached
-        for attempt in range(_REREAD_ATTEMPTS):  # a garbled transfer is read again (see _download)
-            try:
-                m = load_manifest(self.store, version)
-                break
-            except CorruptObjectError as e:
-                if attempt + 1 == _REREAD_ATTEMPTS:
-                    raise
-                log.debug("%s: %s; reading it again", self.store.describe(), e)
+        m = self._reread(lambda: load_manifest(self.store, version))
         if cached is not None and cached != m:
             log.warning("%s: the manifest of version %d changed (a new run on a wiped prefix?); "
                         "forgetting every cached manifest", self.store.describe(), version)
@@ -384,6 +378,7 @@ class DeltaReceiver:
                             plan.path, plan.to_version, e)
                 self._manifests.clear()
                 plan = self.plan(plan.to_version, force_anchor=True)
+                self._check_target(plan.manifests[-1])
                 stats = self._run(plan)
                 recovered = True
             stats.plan_ms = plan_ms
@@ -413,7 +408,7 @@ class DeltaReceiver:
                 nothing changes.
         """
         with self._lock:
-            m = self.manifest(_check_version(version))
+            m = self.manifest(version)  # validates the version number
             self._check_target(m)
             sums: dict[str, int] = {}
             if self.target.holds_all:
@@ -476,24 +471,29 @@ class DeltaReceiver:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
 
-        def fetch(mo):
-            m, o = mo
-            # A truncated or garbled transfer fails the size/sha256 check; read it again before
-            # calling the object corrupt (a store that lost bytes once usually delivers them next).
-            for attempt in range(_REREAD_ATTEMPTS):
-                # at most one byte more than declared: an oversized object is refused unread
-                data = self.store.get(o.key, start=0, end=o.nbytes + 1)
-                try:
-                    verify_bytes(data, o, f"version {m.version}")
-                    return o.key, data
-                except CorruptObjectError as e:
-                    if attempt + 1 == _REREAD_ATTEMPTS:
-                        raise
-                    log.debug("%s: %s; reading it again", self.store.describe(), e)
+        def read(m, o):
+            # at most one byte more than declared: an oversized object is refused unread
+            data = self.store.get(o.key, start=0, end=o.nbytes + 1)
+            verify_bytes(data, o, f"version {m.version}")
+            return o.key, data
 
-        return dict(self._pool.map(fetch, entries))
+        return dict(self._pool.map(lambda mo: self._reread(lambda: read(*mo)), entries))
+
+    def _reread(self, read: Callable[[], T]) -> T:
+        """``read()``, called again (up to ``_REREAD_ATTEMPTS`` times in all) while it raises
+        :class:`CorruptObjectError`: a truncated or garbled transfer fails the size/sha256 or JSON
+        check, and a store that lost bytes once usually delivers them next time."""
+        for attempt in range(_REREAD_ATTEMPTS):
+            try:
+                return read()
+            except CorruptObjectError as e:
+                if attempt + 1 == _REREAD_ATTEMPTS:
+                    raise
+                log.debug("%s: %s; reading it again", self.store.describe(), e)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _run(self, plan: UpdatePlan) -> UpdateStats:
+        """Download, decode, verify and apply ``plan``; the caller has checked the target."""
         final = plan.manifests[-1]
         shapes = {t.name: t.shape for t in final.tensors}
         for m in plan.manifests:
@@ -501,7 +501,6 @@ class DeltaReceiver:
                 raise CorruptObjectError(
                     f"version {m.version} lists other tensors or dtype than version {final.version} on the same chain"
                 )
-        self._check_target(final)
         dtype = final.inference_dtype
 
         t = time.perf_counter()

@@ -74,7 +74,6 @@ class RetentionPlan:
         keep: every version whose manifest stays, ascending.
         delete: versions whose manifest and objects go, ascending.
         orphans: object folders without a manifest that go (crashed publishes below the cut).
-        manifest_keys: manifest keys to delete (first).
         object_keys: object keys to delete (after the manifests).
         reason: one line on how the cut was chosen.
     """
@@ -84,9 +83,13 @@ class RetentionPlan:
     keep: tuple[int, ...]
     delete: tuple[int, ...]
     orphans: tuple[int, ...]
-    manifest_keys: tuple[str, ...] = ()
     object_keys: tuple[str, ...] = ()
     reason: str = ""
+
+    @property
+    def manifest_keys(self) -> tuple[str, ...]:
+        """Manifest keys to delete (first, before :attr:`object_keys`): those of :attr:`delete`."""
+        return tuple(manifest_key(v) for v in self.delete)
 
     @property
     def empty(self) -> bool:
@@ -194,7 +197,7 @@ def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: 
         object_keys += folders.get(v, [])
     return RetentionPlan(
         newest=newest, cut=cut, keep=tuple(sorted(keep)), delete=delete, orphans=orphans,
-        manifest_keys=tuple(manifest_key(v) for v in delete), object_keys=tuple(object_keys),
+        object_keys=tuple(object_keys),
         reason=reason,
     )
 

@@ -45,13 +45,13 @@ from .errors import ObjectExistsError, PublishError, UnsupportedLayoutError
 from .format import encode_anchor, encode_delta, sha256_hex
 from .layout import TensorSlice
 from .manifest import (
-    LATEST_KEY, MAX_VERSION, Manifest, ObjectEntry, TensorEntry, list_versions, manifest_key, next_free_version,
+    LATEST_KEY, MAX_VERSION, Manifest, ObjectEntry, TensorEntry, manifest_key, next_free_version,
     object_key,
 )
 from .retention import RetentionPolicy, collect_garbage
 from .store import Store, open_store
 
-__all__ = ["DeltaSender", "AnchorPolicy", "PublishStats", "newest_version"]
+__all__ = ["DeltaSender", "AnchorPolicy", "PublishStats"]
 
 log = logging.getLogger(__name__)
 
@@ -223,12 +223,6 @@ def collect_sources(model: Any) -> tuple[list[_Source], dict[str, str]]:
         seen[key] = name
         sources.append(src)
     return sources, aliases
-
-
-def newest_version(store: Store) -> int | None:
-    """The newest version whose manifest is visible in ``store`` (a run's prefix), or ``None``."""
-    versions = list_versions(store)
-    return versions[-1] if versions else None
 
 
 # --- the sender --------------------------------------------------------------------------------
@@ -403,15 +397,16 @@ class DeltaSender:
                 f"{MAX_VERSION}; publish this run under a new prefix"
             )
         self._next_version += 1  # burned whatever happens
-        job, error = None, None
+        job, error, too_large = None, None, False
         try:
             job = self._prepare(version)
+            too_large = self.policy.max_delta_ratio is not None and self._delta_too_large(job)
         except Exception as e:  # noqa: BLE001 - the other ranks must still hear about it
             error = e
         if self.policy.max_delta_ratio is not None:
             # One collective per publish on every rank, also on a rank whose _prepare failed, so the
             # collectives of _abort / _finish that follow still line up.
-            if self.group.any(job is not None and self._delta_too_large(job)) and job is not None:
+            if self.group.any(too_large) and job is not None:
                 try:
                     self._convert_to_anchor(job)
                 except Exception as e:  # noqa: BLE001
@@ -546,7 +541,7 @@ class DeltaSender:
             changed += self._cast_anchors(job)
         job.stats = PublishStats(
             version=version, kind=kind, base_version=job.base_version, changed=changed, numel=numel,
-            nbytes=0, full_nbytes=numel * torch.empty((), dtype=self.dtype).element_size(),
+            nbytes=0, full_nbytes=numel * self.dtype.itemsize,
             coalesced=self._coalesced,
         )
         self._coalesced = 0
@@ -575,8 +570,7 @@ class DeltaSender:
         delta now (on the caller's thread); the upload reuses it."""
         if job.base_version is None:
             return False
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        full = sum(s.slice.numel * itemsize for s in job.sources if s.upload)
+        full = sum(s.slice.numel * self.dtype.itemsize for s in job.sources if s.upload)
         if not full:
             return False
         delta = sum(t.numel() * t.element_size() for parts in self._delta_parts(job).values() for t in parts.values())

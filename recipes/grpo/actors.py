@@ -29,8 +29,7 @@ from .config import GRPOConfig
 __all__ = ["TrainerActor", "GeneratorActor", "ReplayBufferActor", "to_tensordict", "from_tensordict"]
 
 # Keys of a rollout batch that the trainer reads.
-TRAIN_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "gen_logprobs", "advantage",
-              "policy_version")
+TRAIN_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "gen_logprobs", "advantage")
 
 
 def to_tensordict(batch: dict[str, torch.Tensor]):
@@ -87,7 +86,6 @@ class TrainerActor(Actor):
         times = {"import_s": time.perf_counter() - t0}
         self.rank = current_rank().rank
         self.world = cfg.trainer_procs
-        torch.manual_seed(cfg.seed + 7919 * self.rank)
         tok = build_tokenizer(cfg)
         model = build_policy(cfg, tok, dtype=torch.float32, seed=cfg.seed)
         load_warm_start(model, self.warm_path)
@@ -211,10 +209,10 @@ class GeneratorActor(Actor):
 
         cfg = self.cfg
         self.index = current_rank().rank
-        torch.manual_seed(cfg.seed * 1000 + 101 * (self.index + 1))
         self.tok = build_tokenizer(cfg)
         self.task = SortTask(digits=cfg.digits)
         self.max_new_tokens = max_new_tokens(cfg, self.tok)
+        # the backend seeds torch with this: it is also the replica's sampling seed
         self.backend = make_backend(cfg.generator_backend, cfg, self.tok, seed=cfg.seed + 1000 + self.index)
         self.backend.attach(self.bucket, self.prefix)
         return {"pid": os.getpid(), "index": self.index}
@@ -283,23 +281,24 @@ class ReplayBufferActor(Actor):
         self.cfg = cfg
         self.buffer = VersionedReplayBuffer(cfg.buffer_capacity, max_staleness=cfg.max_staleness,
                                             group_size=cfg.group_size, seed=cfg.seed)
-        self.consumer_version = 0
+
+    def _stats(self) -> dict[str, int]:
+        """The buffer stats and ``fresh`` (usable samples for the last consumer version)."""
+        return {**self.buffer.stats(), "fresh": self.buffer.num_fresh()}
 
     @endpoint
     async def extend(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
         """Add a generator batch; returns the buffer stats including ``fresh`` (usable samples)."""
         self.buffer.extend(to_tensordict(batch))
-        return {**self.buffer.stats(), "fresh": self.buffer.num_fresh(self.consumer_version)}
+        return self._stats()
 
     @endpoint
     async def sample(self, batch_size: int, consumer_version: int) -> dict[str, Any]:
         """``{"batch", "stats"}``: ``batch_size`` fresh samples for a trainer at ``consumer_version``
         (``None`` while too few are fresh) and the buffer stats after sampling."""
-        self.consumer_version = consumer_version
         td = self.buffer.sample(batch_size, consumer_version)
-        return {"batch": None if td is None else from_tensordict(td),
-                "stats": {**self.buffer.stats(), "fresh": self.buffer.num_fresh(consumer_version)}}
+        return {"batch": None if td is None else from_tensordict(td), "stats": self._stats()}
 
     @endpoint
     async def stats(self) -> dict[str, int]:
-        return {**self.buffer.stats(), "fresh": self.buffer.num_fresh(self.consumer_version)}
+        return self._stats()

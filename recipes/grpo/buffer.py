@@ -4,7 +4,7 @@ Every sample carries the ``policy_version`` of the weights that generated it. Th
 with its own version ``v`` (the newest it published); a sample with ``v - policy_version >
 max_staleness`` is never trained on: it is dropped and counted (``dropped_stale``). Each sample is
 used at most once (torchrl ``ConsumingSampler``: consumed slots are rewritten first). Both come from
-:class:`torch_deltasync.integrations.replay.StalenessGatedSampler` (re-exported here), the sampler
+:class:`torch_deltasync.integrations.replay.StalenessGatedSampler`, the sampler
 the rollout service uses too; this buffer reads the versions from its ``LazyTensorStorage`` and
 breaks ties among equal versions at random (seeded). ``MCAdvantage`` (torchrl's GRPO transform)
 turns each complete group of ``group_size`` completions of one prompt into group-normalised
@@ -20,7 +20,7 @@ from torchrl.objectives.llm import MCAdvantage
 
 from torch_deltasync.integrations.replay import StalenessGatedSampler
 
-__all__ = ["StalenessGatedSampler", "VersionedReplayBuffer"]
+__all__ = ["VersionedReplayBuffer"]
 
 VERSION_KEY = "policy_version"
 
@@ -54,7 +54,6 @@ class VersionedReplayBuffer:
             transform=MCAdvantage(grpo_size=group_size, prompt_key="group_id", trajectory_return="sum"),
             generator=gen,
         )
-        self.capacity = capacity
         self.added = 0
         self.sampled = 0
         self.overflow = 0
@@ -79,7 +78,7 @@ class VersionedReplayBuffer:
         Raises:
             KeyError: a required key is missing.
         """
-        missing = [k for k in ("policy_version", "group_id", ("next", "reward"), ("next", "done")) if k not in batch.keys(True)]
+        missing = [k for k in (VERSION_KEY, "group_id", ("next", "reward"), ("next", "done")) if k not in batch.keys(True)]
         if missing:
             raise KeyError(f"rollout batch lacks {missing}")
         live_before = self.sampler.live_index(self.rb.storage).numel() if len(self.rb) else 0
@@ -98,7 +97,7 @@ class VersionedReplayBuffer:
         """
         if self.num_fresh(consumer_version) < batch_size:
             return None
-        batch = self.rb.sample(batch_size).clone()
+        batch = self.rb.sample(batch_size)  # LazyTensorStorage indexing returns a copy
         lag = consumer_version - batch.get(VERSION_KEY).reshape(-1)
         assert int(lag.max()) <= self.sampler.max_staleness, "staleness gate let a stale sample through"
         batch.set("lag", lag)
@@ -108,5 +107,4 @@ class VersionedReplayBuffer:
 
     def stats(self) -> dict[str, int]:
         return {"added": self.added, "sampled": self.sampled, "dropped_stale": self.dropped_stale,
-                "overflow": self.overflow, "max_lag": self.max_lag,
-                "live": int(self.sampler.live_index(self.rb.storage).numel()) if len(self.rb) else 0}
+                "overflow": self.overflow, "max_lag": self.max_lag}

@@ -23,7 +23,8 @@ class GRPOConfig:
     runs_dir: str = "runs"
     """Parent folder of run folders."""
     bucket: str | None = None
-    """Store path or URI (``s3://...``, ``memory://...``, a folder). ``None``: an embedded local
+    """Store path or URI (a folder, ``file://``, ``s3://...``, ``hf://buckets/...``; not ``memory://``, which
+    lives inside one process). ``None``: an embedded local
     bucket at ``<run>/bucket`` (emptied at the start of each run)."""
     seed: int = 0
     """Seeds the warm start, the trainer and (offset by replica) every generator."""
@@ -104,7 +105,7 @@ class GRPOConfig:
     """... when the trainer reaches this GRPO step."""
 
     def __post_init__(self) -> None:
-        positive = ("steps", "train_batch", "minibatches", "prompts_per_batch", "group_size", "publish_every",
+        positive = ("steps", "train_batch", "minibatches", "prompts_per_batch", "publish_every",
                     "buffer_capacity", "trainer_procs", "generators", "digits", "hidden_size", "num_layers")
         for name in positive:
             if getattr(self, name) < 1:
@@ -143,6 +144,11 @@ class GRPOConfig:
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"--model {self.model_path!r} is not a local Hugging Face checkpoint folder "
                              "(no config.json there; nothing is downloaded)")
+        if self.bucket is not None and str(self.bucket).startswith("memory://"):
+            raise ValueError("--bucket memory://... lives inside one process, but the trainer and the generators run "
+                             "in separate processes; use a folder, file://, s3:// or hf://buckets/...")
+        if (self.kill_generator is None) != (self.kill_at_step is None):
+            raise ValueError("--kill-generator and --kill-at-step go together")
         if self.kill_generator is not None and not 0 <= self.kill_generator < self.generators:
             raise ValueError(f"--kill-generator {self.kill_generator} is not a replica index in [0, {self.generators})")
 
@@ -153,10 +159,6 @@ class GRPOConfig:
     @property
     def buffered_limit(self) -> int:
         return self.max_buffered if self.max_buffered is not None else self.train_batch
-
-    @property
-    def samples_per_rollout(self) -> int:
-        return self.prompts_per_batch * self.group_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -22,7 +22,7 @@ from .config import GRPOConfig
 from .task import CharTokenizer, HFTokenizer, SortTask, Tokenizer
 
 __all__ = [
-    "build_tokenizer", "build_policy", "encode_prompts", "sample", "response_logprobs", "warm_start",
+    "build_tokenizer", "build_policy", "encode_prompts", "sample", "response_logprobs", "warm_start", "warm_start_path",
     "policy_key", "load_warm_start", "max_new_tokens", "evaluate",
 ]
 
@@ -190,6 +190,11 @@ def max_new_tokens(cfg: GRPOConfig, tok: Tokenizer) -> int:
     return _max_new_tokens(SortTask(digits=cfg.digits), tok)
 
 
+def warm_start_path(cfg: GRPOConfig) -> Path:
+    """Where :func:`warm_start` caches the warm-started weights: ``<run>/warmstart/model.safetensors``."""
+    return cfg.run_dir / "warmstart" / "model.safetensors"
+
+
 def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True) -> tuple[Path, dict]:
     """Supervised warm start on a noisy demonstrator, cached under ``<run>/warmstart``.
 
@@ -204,8 +209,8 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True) -> tup
     """
     from safetensors.torch import save_model
 
-    folder = cfg.run_dir / "warmstart"
-    path, meta_path = folder / "model.safetensors", folder / "meta.json"
+    path = warm_start_path(cfg)
+    folder, meta_path = path.parent, path.parent / "meta.json"
     key = policy_key(cfg)
     if path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())

@@ -211,8 +211,6 @@ class StalenessGatedSampler(ConsumingSampler):
         if len(storage) == 0:
             return torch.zeros(0, dtype=torch.long)
         self._ensure_state(storage)
-        if self._live_mask is None:
-            return torch.zeros(0, dtype=torch.long)
         return torch.nonzero(self._live_mask[: self._known_storage_len], as_tuple=False).flatten()
 
     def versions_of(self, storage, index: torch.Tensor) -> torch.Tensor:
@@ -235,7 +233,8 @@ class StalenessGatedSampler(ConsumingSampler):
                     f"StalenessGatedSampler reads {self.version_key!r} column-wise from a TensorStorage; "
                     f"got {type(storage).__name__}. Keep the versions yourself and pass versions=..."
                 )
-            got = storage.get(index).get(self.version_key)
+            # the whole storage as views, then one column: a row gather would copy every key (tokens)
+            got = storage.get(slice(None)).get(self.version_key)[index]
         elif callable(self.versions):
             got = self.versions(index)
         else:

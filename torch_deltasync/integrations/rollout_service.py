@@ -58,11 +58,13 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import socket
 import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import torch
@@ -71,6 +73,7 @@ from ..errors import EpisodeError, RolloutServiceError, ServiceClosedError
 
 __all__ = [
     "RolloutServiceConfig",
+    "read_token",
     "EpisodeBuffer",
     "BufferFull",
     "AddResult",
@@ -393,12 +396,13 @@ class EpisodeBuffer:
                 evicted = victims.numel()
                 self.counts["evicted"] += evicted
             if fresh:
-                free_before = set(range(cap)) - set(self._live().tolist())
-                index = self.rb.extend([self._to_td(ep) for ep in fresh])
-                written = index.reshape(-1).tolist()
-                # torchrl writes consumed slots first, then its cursor; both must be free here.
-                assert set(written) <= free_before and len(set(written)) == len(written), "overwrote a live episode"
-                self._versions[index] = torch.tensor([ep["policy_version"] for ep in fresh], dtype=torch.int64)
+                n_live = self._live().numel()  # after any eviction above
+                index = self.rb.extend([self._to_td(ep) for ep in fresh]).reshape(-1)
+                # torchrl writes consumed slots first, then its cursor; both must be free here: then
+                # every written slot is distinct and adds one live episode.
+                assert index.unique().numel() == index.numel() and self._live().numel() == n_live + len(fresh), \
+                    "overwrote a live episode"
+                self._versions[index] = versions[~stale]
             n_stale = len(episodes) - len(fresh)
             self.counts["accepted"] += len(episodes)
             self.counts["stored"] += len(fresh)
@@ -642,11 +646,18 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(config: RolloutServiceConfig, log_level: str, buffer: EpisodeBuffer | None = None):
+def _server(config: RolloutServiceConfig, log_level: str):
     import uvicorn
 
-    app = create_app(config, buffer)
+    app = create_app(config)
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off")), app
+
+
+def read_token(token_file: str | os.PathLike | None = None) -> str | None:
+    """The shared token for write endpoints: the stripped contents of ``token_file``, else
+    ``$DELTASYNC_BUFFER_TOKEN``; ``None`` when neither is set (the service is then open)."""
+    token = Path(token_file).read_text().strip() if token_file else os.environ.get("DELTASYNC_BUFFER_TOKEN")
+    return token or None
 
 
 def start_service(config: RolloutServiceConfig, *, host: str = "127.0.0.1", port: int = 0,

@@ -1372,6 +1372,9 @@ class DeltaVLLMWeightSender:
                 out.workers = llm.collective_rpc("deltasync_update", args=(int(version),))
                 for rep in llm.replicas("deltasync_checksums"):
                     check_worker_checksums(rep)
+                # update_llm reset the prefix caches before this check: entries computed since with
+                # the bad weights must go too
+                out.cache_reset = llm.reset_prefix_cache(reset_running_requests=True)
                 out.recovered = True
             out.verified = True
             out.verify_ms = (time.perf_counter() - t) * 1e3

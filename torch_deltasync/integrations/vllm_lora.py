@@ -228,7 +228,7 @@ class VLLMAdapterLoader:
         if newest is None or (self.current is not None and newest <= self.current.version):
             return None
         t0 = time.perf_counter()
-        version = self.receiver.update(newest)
+        version = self.receiver.update()  # the newest (>= newest), re-planned if retention moves on
         path = self.receiver.save(self.cache_dir / f"{self.name}-v{version}",
                                   base_model_name_or_path=self.base_model_name_or_path)
         return version, path, t0

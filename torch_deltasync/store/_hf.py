@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
 from .base import Store, check_key
-from .retry import RetryPolicy, Verdict, call_with_retry, classify_error
+from .retry import RetryPolicy, Verdict, _http_status, call_with_retry, classify_error
 
 __all__ = ["HFBucketStore", "parse_bucket_uri"]
 
@@ -72,7 +72,7 @@ def classify_hf_error(e: BaseException) -> Verdict:
         return "fatal"
     if isinstance(e, hf_errors.EntryNotFoundError):
         return "missing"
-    status = getattr(getattr(e, "response", None), "status_code", None)
+    status = _http_status(e)
     if status == 404:
         return "missing"
     if status in (401, 403):

@@ -180,9 +180,14 @@ class ModuleTarget(Target):
             stored = self._stored_bits(t)
             stored.copy_(self._codec(n, full.dtype).to_storage_bits(full).reshape(t.shape))
 
+    def values(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The held tensor ``name`` in ``dtype``, bit-exactly (bf16 held in fp32 comes back with its
+        exact bit patterns, NaN payloads included; a float cast could rewrite those). Shares memory
+        with the target where ``dtype`` is the storage dtype; copy before keeping it."""
+        return self._codec(name, dtype).from_storage_bits(self._stored_bits(self.tensors[name]))
+
     def checksum(self, name: str, dtype: torch.dtype) -> int:
-        t = self.tensors[name]
-        return tensor_checksum(self._codec(name, dtype).from_storage_bits(self._stored_bits(t)))
+        return tensor_checksum(self.values(name, dtype))
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.tensors)
