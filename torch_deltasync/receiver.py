@@ -16,6 +16,12 @@ An update from the version a receiver holds to a target version ``T`` (the newes
    mismatch on a delta path falls back to the anchor path once; a mismatch there raises.
 6. **apply** in place (``index_copy_`` for deltas, ``copy_`` for anchors).
 
+Steps 1-5 are :meth:`DeltaReceiver.prepare`: it reads the live weights (old values, for checksums
+and relative steps) and writes none, so it can run while an engine keeps generating and returns a
+:class:`StagedUpdate`. Step 6 is :meth:`DeltaReceiver.commit`, the only part that has to happen
+inside an engine's pause; it refuses a staged update whose base is no longer what the target holds
+(:class:`~torch_deltasync.errors.StaleUpdateError`). :meth:`DeltaReceiver.update` is both.
+
 So a receiver serves version ``v-1`` or version ``v``, never a mix (docs/design.md invariant 2): nothing is
 written before step 6, and step 6 cannot fail on validated input. Should it fail anyway (e.g. out of
 device memory), the receiver marks its state unknown and the next update takes the anchor path.
@@ -38,14 +44,15 @@ from torch import nn
 from .checksum import checksum_change, combine, tensor_checksum
 from .codec import TensorDelta
 from .errors import (
-    ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, SyncTimeoutError, VersionNotFoundError,
+    ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, StaleUpdateError, SyncTimeoutError,
+    VersionNotFoundError,
 )
 from .format import decode_anchor, decode_delta, verify_bytes
 from .manifest import LATEST_KEY, MAX_VERSION, Manifest, list_versions, load_manifest, manifest_key
 from .store import Store, open_store
 from .targets import ModuleTarget, Target
 
-__all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "UpdateStats"]
+__all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "StagedUpdate", "UpdateStats"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,12 +121,52 @@ class UpdateStats:
     download_ms: float = 0.0
     decode_ms: float = 0.0
     verify_ms: float = 0.0
-    apply_ms: float = 0.0
+    apply_ms: float = 0.0  # commit: every write, plus the target's finish (e.g. a vLLM re-pack)
     total_ms: float = 0.0
     recovered: bool = False  # a delta path failed verification and the anchor path was used
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(eq=False)
+class StagedUpdate:
+    """A version downloaded, decoded, validated and checked against the published checksums, not yet
+    written: the result of :meth:`DeltaReceiver.prepare`, the input of :meth:`DeltaReceiver.commit`.
+
+    Attributes:
+        plan: how it was reached (``plan.path == "noop"``: nothing to write).
+        base_version: the version the target held when it was staged (``None``: nothing).
+        version: the version a commit makes the target hold.
+        stats: times so far (plan, download, decode, verify; ms); ``commit`` adds the apply time.
+        written: HF names of the tensors a commit writes.
+        nbytes_staged: bytes of staged positions and values held in memory (host).
+    """
+
+    plan: UpdatePlan
+    base_version: int | None
+    stats: UpdateStats | None
+    _dense: dict[str, torch.Tensor] | None = None
+    _sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    _checksums: dict[str, int] | None = None
+    _generation: int = -1
+
+    @property
+    def version(self) -> int:
+        return self.plan.to_version
+
+    @property
+    def written(self) -> frozenset[str]:
+        if self._dense is not None:
+            return frozenset(self._dense)
+        return frozenset(n for n, (pos, _) in (self._sparse or {}).items() if pos.numel())
+
+    @property
+    def nbytes_staged(self) -> int:
+        if self._dense is not None:
+            return sum(t.numel() * t.element_size() for t in self._dense.values())
+        return sum(p.numel() * p.element_size() + v.numel() * v.element_size()
+                   for p, v in (self._sparse or {}).values())
 
 
 def _merge(pos_a: torch.Tensor, val_a: torch.Tensor, pos_b: torch.Tensor, val_b: torch.Tensor):
@@ -203,13 +250,25 @@ class DeltaReceiver:
         self.store = open_store(store).sub(prefix)
         self.max_workers = max_workers
         self.metrics_path = Path(metrics_path) if metrics_path else None
-        self.version: int | None = None
+        self._generation = 0  # bumped whenever the held state changes; a staged update records it
+        self._version: int | None = None
         self.last_stats: UpdateStats | None = None
         self._checksums: dict[str, int] = {}  # full checksums of the held state (holds_all targets)
         self._manifests: dict[int, Manifest] = {}
         self._checked: tuple | None = None  # the manifest layout the target was last checked for
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def version(self) -> int | None:
+        """The version the target holds (``None``: nothing, or unknown after a failed write)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int | None) -> None:
+        # Setting it (e.g. to None to force an anchor rebuild) invalidates every staged update.
+        self._version = value
+        self._generation += 1
 
     # --- discovery -------------------------------------------------------------------------------
 
@@ -328,7 +387,8 @@ class DeltaReceiver:
     # --- update ----------------------------------------------------------------------------------
 
     def update(self, version: int | None = None) -> int:
-        """Bring the target to ``version`` (the newest visible one when ``None``), all or nothing.
+        """Bring the target to ``version`` (the newest visible one when ``None``), all or nothing:
+        :meth:`prepare`, then :meth:`commit`.
 
         Returns:
             The version now held.
@@ -342,6 +402,27 @@ class DeltaReceiver:
             IncompatibleTargetError: the published tensors do not fit the target. Target unchanged.
             StoreError: the store failed. Target unchanged.
         """
+        with self._lock:  # nothing may commit between this prepare and its commit
+            return self.commit(self.prepare(version))
+
+    def prepare(self, version: int | None = None) -> StagedUpdate:
+        """Download, decode, validate and verify ``version`` (the newest visible when ``None``)
+        against the state the target holds now, writing nothing.
+
+        Reads live weights (old values at changed positions, for relative steps and checksums), so
+        it may run in a background thread while an engine generates; only :meth:`commit` writes.
+        Verification costs ``O(changed elements)`` on a delta path. A delta path that fails
+        (corrupt object, checksum mismatch) is retried once from the anchor.
+
+        Returns:
+            A :class:`StagedUpdate` (``plan.path == "noop"`` when the target already holds
+            ``version``). Staged positions and values stay in host memory until committed or
+            dropped: about 10 bytes per changed element on a delta path, the whole model on an
+            anchor path.
+
+        Raises:
+            The same errors as :meth:`update`; nothing is written in any case.
+        """
         # Following the newest version, the chain being planned or downloaded can vanish under us:
         # a new anchor appears and retention deletes the older chain. The newest version's chain is
         # always retained, so plan again from it (a receiver behind the retained range thus
@@ -349,7 +430,7 @@ class DeltaReceiver:
         attempts = 1 if version is not None else _REPLAN_ATTEMPTS
         for attempt in range(attempts):
             try:
-                return self._update(version)
+                return self._prepare(version)
             except (VersionNotFoundError, ObjectNotFoundError) as e:
                 if attempt + 1 == attempts or self.newest_version() is None:
                     raise
@@ -357,39 +438,91 @@ class DeltaReceiver:
                          "from the newest version", self.store.describe(), e)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _update(self, version: int | None) -> int:
-        """One planning and applying pass of :meth:`update`."""
+    def commit(self, staged: StagedUpdate) -> int:
+        """Write a :meth:`prepare`'d version into the target: ``index_copy_`` of the staged
+        positions (delta path) or ``copy_`` of whole tensors (anchor path), then the target's
+        :meth:`~torch_deltasync.targets.Target.finish` (e.g. re-packing changed vLLM modules).
+
+        Returns:
+            The version now held.
+
+        Raises:
+            StaleUpdateError: the target no longer holds ``staged.base_version`` (another update,
+                :meth:`assume` or a failure came in between); nothing is written. Prepare again.
+            Exception: whatever a write raises (e.g. out of memory); the held state is then
+                unknown (``version`` is ``None``) and the next update takes the anchor path.
+        """
         with self._lock:
-            t0 = time.perf_counter()
-            plan = self.plan(version)
-            if plan.path == "noop":
+            if staged._generation != self._generation:
+                raise StaleUpdateError(
+                    f"{self.store.describe()}: version {staged.version} was staged on version "
+                    f"{staged.base_version}, but the target now holds {self.version}; prepare it again"
+                )
+            if staged.plan.path == "noop":
                 return self.version  # type: ignore[return-value]
-            plan_ms = (time.perf_counter() - t0) * 1e3
-            # A target that cannot hold the version (shapes, dtype, a LoRA config) fails the same way
-            # on every path: check it here, outside the anchor recovery below.
-            self._check_target(plan.manifests[-1])
-            recovered = False
-            try:
-                stats = self._run(plan)
-            except (CorruptObjectError, ObjectNotFoundError) as e:
-                # Recover once from the anchor, with every cached manifest read again (a cached
-                # chain may belong to an earlier run on a wiped prefix). A second failure is final.
-                log.warning("%s path to version %d failed (%s); recovering from the anchor",
-                            plan.path, plan.to_version, e)
-                self._manifests.clear()
-                plan = self.plan(plan.to_version, force_anchor=True)
-                self._check_target(plan.manifests[-1])
-                stats = self._run(plan)
-                recovered = True
-            stats.plan_ms = plan_ms
-            stats.recovered = recovered
-            stats.total_ms = (time.perf_counter() - t0) * 1e3
+            t = time.perf_counter()
+            self.version = None  # unknown until every write landed (and stages nothing else)
+            changed = 0
+            if staged._dense is not None:
+                for name, full in staged._dense.items():
+                    self.target.assign(name, full)
+                    changed += full.numel()
+            else:
+                for name, (pos, val) in staged._sparse.items():  # type: ignore[union-attr]
+                    if pos.numel():
+                        self.target.write(name, pos, val)
+                        changed += pos.numel()
+            self.target.finish(staged.written)
+            self._checksums = staged._checksums or {}
+            self.version = staged.version
+            stats = staged.stats
+            assert stats is not None
+            stats.changed = changed
+            stats.apply_ms = (time.perf_counter() - t) * 1e3
+            stats.total_ms += stats.apply_ms
             self.last_stats = stats
             if self.metrics_path is not None:
                 self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.metrics_path, "a") as f:
                     f.write(json.dumps({"event": "update", **stats.to_dict()}) + "\n")
-            return self.version  # type: ignore[return-value]
+            return self.version
+
+    def _prepare(self, version: int | None) -> StagedUpdate:
+        """One planning and staging pass of :meth:`prepare`."""
+        t0 = time.perf_counter()
+        with self._lock:  # a consistent base: what the target holds, its checksums, the plan from it
+            generation, checksums = self._generation, dict(self._checksums)
+            plan = self.plan(version)
+        if plan.path == "noop":
+            return StagedUpdate(plan, plan.from_version, None, _generation=generation)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        # A target that cannot hold the version (shapes, dtype, a LoRA config) fails the same way
+        # on every path: check it here, outside the anchor recovery below.
+        self._check_target(plan.manifests[-1])
+        recovered = False
+        try:
+            staged = self._stage(plan, checksums)
+        except (CorruptObjectError, ObjectNotFoundError) as e:
+            if generation != self._generation:
+                # A commit landed while this was staged (a background prepare racing an update):
+                # the old values it read may be the new ones. Not a reason to rebuild from an anchor.
+                raise StaleUpdateError(f"{self.store.describe()}: the target changed while version "
+                                       f"{plan.to_version} was being staged; prepare it again") from e
+            # Recover once from the anchor, with every cached manifest read again (a cached
+            # chain may belong to an earlier run on a wiped prefix). A second failure is final.
+            log.warning("%s path to version %d failed (%s); recovering from the anchor",
+                        plan.path, plan.to_version, e)
+            self._manifests.clear()
+            plan = self.plan(plan.to_version, force_anchor=True)
+            self._check_target(plan.manifests[-1])
+            staged = self._stage(plan, checksums)
+            recovered = True
+        staged._generation = generation
+        assert staged.stats is not None
+        staged.stats.plan_ms = plan_ms
+        staged.stats.recovered = recovered
+        staged.stats.total_ms = (time.perf_counter() - t0) * 1e3
+        return staged
 
     def assume(self, version: int) -> None:
         """Declare that the target already holds ``version`` bit-exactly, so the next update takes
@@ -492,8 +625,9 @@ class DeltaReceiver:
                 log.debug("%s: %s; reading it again", self.store.describe(), e)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _run(self, plan: UpdatePlan) -> UpdateStats:
-        """Download, decode, verify and apply ``plan``; the caller has checked the target."""
+    def _stage(self, plan: UpdatePlan, checksums: dict[str, int]) -> StagedUpdate:
+        """Download, decode and verify ``plan`` on top of the held state whose checksums are
+        ``checksums``; the caller has checked the target. Writes nothing."""
         final = plan.manifests[-1]
         shapes = {t.name: t.shape for t in final.tensors}
         for m in plan.manifests:
@@ -510,35 +644,19 @@ class DeltaReceiver:
         t = time.perf_counter()
         if plan.path == "anchor":
             dense = self._stage_anchor(plan, blobs, shapes)
-            staged = None
+            sparse = None
         else:
-            staged = self._stage_deltas(plan.manifests, blobs, dtype)
+            sparse = self._stage_deltas(plan.manifests, blobs, dtype)
             dense = None
         del blobs
         decode_ms = (time.perf_counter() - t) * 1e3
 
         t = time.perf_counter()
-        new_checksums = self._verify(final, dense, staged)
+        new_checksums = self._verify(final, dense, sparse, checksums)
         verify_ms = (time.perf_counter() - t) * 1e3
-
-        t = time.perf_counter()
-        previous = self.version
-        self.version = None  # unknown until every write landed
-        changed = 0
-        if dense is not None:
-            for name, full in dense.items():
-                self.target.assign(name, full)
-                changed += full.numel()
-        else:
-            for name, (pos, val) in staged.items():
-                if pos.numel():
-                    self.target.write(name, pos, val)
-                    changed += pos.numel()
-        self._checksums = new_checksums
-        self.version = final.version
-        apply_ms = (time.perf_counter() - t) * 1e3
-        return UpdateStats(final.version, previous, plan.path, len(plan.manifests), plan.nbytes, changed,
-                           download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms, apply_ms=apply_ms)
+        stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
+                            download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms)
+        return StagedUpdate(plan, plan.from_version, stats, dense, sparse, new_checksums)
 
     def _decode_version(self, m: Manifest, blobs: dict[str, bytes]) -> dict[str, TensorDelta]:
         """Decode every delta object of ``m`` and check the counts against the manifest."""
@@ -629,8 +747,9 @@ class DeltaReceiver:
                 flat.index_copy_(0, d.positions, new)
         return dense
 
-    def _verify(self, final: Manifest, dense, staged) -> dict[str, int]:
-        """Checksums of the staged state; raise if they differ from ``final``'s manifest."""
+    def _verify(self, final: Manifest, dense, staged, checksums: dict[str, int]) -> dict[str, int]:
+        """Checksums of the staged state, from the held state's ``checksums`` and the changes;
+        raise if they differ from ``final``'s manifest."""
         if not self.target.holds_all:
             return {}  # partial holders cannot see whole tensors; sha256 protected the bytes
         new: dict[str, int] = {}
@@ -639,7 +758,7 @@ class DeltaReceiver:
             if dense is not None:
                 c = tensor_checksum(dense[entry.name])
             else:
-                c = self._checksums.get(entry.name)
+                c = checksums.get(entry.name)
                 if c is None:
                     raise CorruptObjectError(f"no checksum held for {entry.name!r}")
                 if entry.name in staged:

@@ -18,7 +18,7 @@ class Target(ABC):
     """Live tensors a :class:`~torch_deltasync.DeltaReceiver` updates in place.
 
     Receivers call :meth:`check` once per manifest, then, only after everything was downloaded,
-    decoded and verified, :meth:`write` (deltas) or :meth:`assign` (anchors). Implementations must
+    decoded and verified, :meth:`write` (deltas) or :meth:`assign` (anchors), then :meth:`finish`. Implementations must
     write in place into the existing storage (CUDA graphs and engines keep pointers to it) and must
     not change anything in :meth:`check`, :meth:`read` or :meth:`checksum`.
     """
@@ -54,6 +54,12 @@ class Target(ABC):
     @abstractmethod
     def assign(self, name: str, full: torch.Tensor) -> None:
         """Overwrite the whole tensor with ``full`` (full HF shape, inference dtype), in place."""
+
+    def finish(self, written: frozenset[str]) -> None:
+        """Called once after the writes of one commit (``written``: the HF names written), before
+        the receiver reports the new version. Targets whose live weights are derived copies of
+        what :meth:`write` updates (e.g. vLLM modules re-packed for a kernel) rebuild them here.
+        A raise leaves the receiver's state unknown (the next update takes an anchor path)."""
 
     @abstractmethod
     def checksum(self, name: str, dtype: torch.dtype) -> int:

@@ -1,0 +1,119 @@
+"""Live check of the ``deltasync`` backend on an offline ``vllm.LLM`` (CPU build).
+
+A trainer publishes versions of a tiny Qwen3; engine A follows them through vLLM's weight-transfer
+calls (anchor assumed, a chain of deltas, a single delta, a corrupted version and a missing one
+refused, recovery through the next anchor); a late engine C starts from the original checkpoint
+without ``assume_version`` and catches up through the anchor path. The oracle for every checked
+version is a fresh engine started from the trainer's weights (``save_pretrained``): greedy tokens,
+top-20 log-probs and vLLM's own weight checksums must be identical. (vLLM's own
+``reload_weights`` from disk is not used as an oracle: on the CPU build its outputs differ from a
+fresh engine's.)
+Usage: ``offline.py WORKDIR [TP]``.
+"""
+
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import engine, outputs, perturb, report, save, tiny_qwen3  # noqa: E402
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    from torch_deltasync import DeltaSender, LocalStore
+
+    model = tiny_qwen3()
+    bucket = str(work / "bucket")
+    sender = DeltaSender(model, LocalStore(bucket), anchor_every=5)  # v0 and v5 are anchors
+    v0 = sender.publish()
+    d0 = save(model, work / "v0")
+    res = {"tp": tp, "checks": []}
+
+    a = engine(d0, tp=tp)
+    a.init_weight_transfer_engine({"init_info": {"store": bucket, "assume_version": v0}})
+
+    def commit(llm, v):
+        t = time.perf_counter()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": v}})
+        llm.finish_weight_update(weight_version=str(v))
+        llm.reset_prefix_cache()
+        return (time.perf_counter() - t) * 1e3
+
+    oracles = {}
+
+    def oracle(v):
+        """Outputs and vLLM checksums of a fresh engine on the trainer's weights at ``v``."""
+        if v not in oracles:
+            d = save(model, work / f"v{v}")
+            fresh = engine(d, backend=False, tp=tp)
+            oracles[v] = (outputs(fresh), fresh.collective_rpc("compute_weight_checksums"))
+            del fresh
+            gc.collect()
+        return oracles[v]
+
+    def compare(tag, v):
+        oa, ca = outputs(a), a.collective_rpc("compute_weight_checksums")
+        ob, cb = oracle(v)
+        res["checks"].append({"tag": tag, "version": v, "outputs_equal": oa == ob, "checksums_equal": ca == cb,
+                              "weight_version": a.get_weight_version(), "tokens": oa[0]["tokens"]})
+
+    compare("assumed", v0)
+    perturb(model, seed=1)
+    sender.publish()
+    perturb(model, seed=2)
+    v2 = sender.publish()
+    res["chain_ms"] = commit(a, v2)
+    compare("chain", v2)
+    res["oracle_v0_differs_from_v2"] = oracle(v0)[0] != oracle(v2)[0]
+    perturb(model, seed=3)
+    v3 = sender.publish()
+    oracle(v3)  # before the model moves on
+    res["delta_ms"] = commit(a, v3)
+    compare("delta", v3)
+
+    # A corrupted version: one byte of its delta object flipped; refused, engine keeps v3.
+    perturb(model, seed=4)
+    v4 = sender.publish()
+    obj = next((work / "bucket" / "objects" / f"{v4:012d}").glob("delta-*"))
+    raw = bytearray(obj.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    obj.write_bytes(bytes(raw))
+    try:
+        a.start_weight_update()
+        a.update_weights({"update_info": {"version": v4}})
+        res["corrupt_error"] = None
+    except Exception as e:  # noqa: BLE001
+        res["corrupt_error"] = f"{type(e).__name__}: {e}"[:2000]
+    compare("after_corrupt", v3)
+    res["version_after_corrupt"] = a.get_weight_version()
+
+    # Bad update_info: a version never published.
+    try:
+        a.start_weight_update()
+        a.update_weights({"update_info": {"version": 999}})
+        res["missing_error"] = None
+    except Exception as e:  # noqa: BLE001
+        res["missing_error"] = f"{type(e).__name__}: {e}"[:2000]
+    compare("after_missing", v3)
+
+    # v5 is an anchor (anchor_every=5): the way past the unreadable v4.
+    perturb(model, seed=5)
+    v5 = sender.publish()
+    res["recover_ms"] = commit(a, v5)
+    compare("recovered", v5)
+
+    # A late engine: starts from v0's checkpoint, no assume_version -> anchor path to the newest.
+    c = engine(d0, tp=tp)
+    c.init_weight_transfer_engine({"init_info": {"store": bucket}})
+    commit(c, v5)
+    res["late_equal"] = outputs(c) == oracle(v5)[0]
+    res["late_version"] = c.get_weight_version()
+    report(res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""The ``deltasync`` backend of vLLM's weight-transfer API (vLLM 0.28+): worker and trainer side.
+
+vLLM lets an out-of-tree backend plug into its RL weight-sync calls
+(``vllm/distributed/weight_transfer/base.py``): a worker-side :class:`WeightTransferEngine` and a
+trainer-side :class:`TrainerWeightTransferEngine`, registered by name in
+``WeightTransferEngineFactory`` / ``WeightTransferTrainerFactory`` and chosen with
+``weight_transfer_config={"backend": "deltasync"}``. This package registers both from the
+``vllm.general_plugins`` entry point ``deltasync`` (``pyproject.toml``), so every vLLM process
+(engine core and workers) knows the backend without an extra flag.
+
+Data path::
+
+    trainer ─ DeltaSender.publish() ─▶ store ◀─ each vLLM worker: DeltaReceiver(VLLMEngineTarget)
+                                                  background: prepare(newest)  (engine generates)
+    driver: [pause] ─ start_weight_update ─ update_weights({"version": v}) ─ finish_weight_update(str(v)) ─ [resume]
+                                                  in the RPC: commit(staged v)  (the only stall)
+
+* ``init_weight_transfer_engine({"init_info": {"store": URI, "prefix": "", ...}})`` builds the
+  worker's receiver (:class:`DeltaSyncInitInfo`); nothing is installed unless it succeeds. From then
+  on a background thread on every worker stages the newest visible version (download, decode,
+  validate, checksum check in ``O(changed elements)``) while the engine keeps generating.
+* ``update_weights({"update_info": {"version": v}})`` commits version ``v``: the staged update when
+  it is ready, else it is prepared inside the call (counted in the stall, reported in the stats).
+  Only writes happen here: ``index_copy_`` into in-place parameters and a layerwise reload of the
+  vLLM modules whose live weights are derived copies (:mod:`torch_deltasync.targets.vllm_engine`).
+* ``finish_weight_update(weight_version=str(v))`` lets ``get_weight_version`` / ``/weight_info``
+  report it. Pausing (``pause_generation(mode=..., clear_cache=True)``, which also drops every
+  cached KV block of the old weights) and resuming stay the caller's, as for every vLLM backend;
+  :mod:`torch_deltasync.integrations.vllm` has helpers that do the whole round.
+
+A failure anywhere (bad object, unknown version, bad config) raises with the reason; the worker
+keeps serving the version it had, and vLLM resets its weight-update session.
+
+Readiness: with ``status_dir`` set, every worker keeps ``<status_dir>/rank-<r>.json`` =
+``{"held": int|null, "staged": int|null, "newest": int|null, "error": str|null}`` current
+(written atomically), so a driver on the same host can pause only once every worker has staged the
+version (:func:`torch_deltasync.integrations.vllm.wait_staged`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..errors import DeltaSyncError, StaleUpdateError
+
+__all__ = [
+    "BACKEND",
+    "DeltaSyncInitInfo",
+    "DeltaSyncUpdateInfo",
+    "DeltaSyncWeightTransferEngine",
+    "DeltaSyncTrainerInitInfo",
+    "DeltaSyncTrainerWeightTransferEngine",
+    "register",
+]
+
+log = logging.getLogger(__name__)
+
+#: The backend name: ``weight_transfer_config={"backend": BACKEND}``.
+BACKEND = "deltasync"
+
+
+def register() -> None:
+    """Register the ``deltasync`` worker and trainer engines with vLLM (idempotent). Called by vLLM
+    in every process through the ``vllm.general_plugins`` entry point."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DeltaSyncWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, __name__, "DeltaSyncTrainerWeightTransferEngine")
+
+
+# --- worker side -------------------------------------------------------------------------------------
+
+@dataclass
+class DeltaSyncInitInfo(WeightTransferInitInfo):
+    """``init_info`` of the ``deltasync`` backend (JSON-able; every worker gets the same).
+
+    Attributes:
+        store: the run's store, any :func:`torch_deltasync.open_store` URI or path (as the sender's).
+        prefix: the run's sub-path in the store.
+        assume_version: the engine already serves this version (it loaded the checkpoint the
+            trainer published as that version): the host copy is built from the store without
+            touching the engine, and later versions are applied as deltas. The claim is trusted;
+            check it with outputs (or ``/weight_checker`` where weights are not re-packed).
+        in_place: ``"auto"`` (write in place where the live layout is the loader's, reload the
+            rest) or ``"never"`` (reload every changed module).
+        stage_ahead: stage the newest version in the background (``False``: prepare inside
+            ``update_weights``).
+        poll_s: seconds between looks at the store for a newer version (background stager).
+        max_workers: parallel downloads per worker.
+        status_dir: directory for per-worker readiness files (module doc); ``None``: none.
+        metrics_path: append one JSON line per commit (``{rank}`` is replaced by the worker rank).
+    """
+
+    store: str
+    prefix: str = ""
+    assume_version: int | None = None
+    in_place: str = "auto"
+    stage_ahead: bool = True
+    poll_s: float = 0.05
+    max_workers: int = 8
+    status_dir: str | None = None
+    metrics_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not self.store:
+            raise ValueError(f"init_info 'store' must be a non-empty store URI or path, got {self.store!r}")
+        if not isinstance(self.prefix, str):
+            raise ValueError(f"init_info 'prefix' must be a string, got {self.prefix!r}")
+        if self.assume_version is not None and (type(self.assume_version) is not int or self.assume_version < 0):
+            raise ValueError(f"init_info 'assume_version' must be a version (int >= 0) or null, got {self.assume_version!r}")
+        if self.in_place not in ("auto", "never"):
+            raise ValueError(f"init_info 'in_place' must be 'auto' or 'never', got {self.in_place!r}")
+        if not isinstance(self.poll_s, (int, float)) or not 0 < self.poll_s <= 60:
+            raise ValueError(f"init_info 'poll_s' must be in (0, 60] seconds, got {self.poll_s!r}")
+        if type(self.max_workers) is not int or not 1 <= self.max_workers <= 256:
+            raise ValueError(f"init_info 'max_workers' must be an int in [1, 256], got {self.max_workers!r}")
+
+
+@dataclass
+class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of the ``deltasync`` backend: the version to commit (published in the store)."""
+
+    version: int
+
+    def __post_init__(self) -> None:
+        if type(self.version) is not int or self.version < 0:
+            raise ValueError(f"update_info 'version' must be a published version (int >= 0), got {self.version!r}")
+
+
+class _Stager(threading.Thread):
+    """Stages the newest visible version of a run while the engine generates (daemon thread).
+
+    Holds at most one :class:`~torch_deltasync.receiver.StagedUpdate`; :meth:`take` hands it to the
+    committing RPC (waiting if that very version is being staged right now).
+    """
+
+    def __init__(self, receiver: Any, poll_s: float, status: _Status) -> None:
+        super().__init__(name="deltasync-stager", daemon=True)
+        self.receiver, self.poll_s, self.status = receiver, poll_s, status
+        self._cond = threading.Condition()
+        self._staged: Any = None
+        self._busy: int | None = None
+        self._failed: int | None = None  # a version whose staging failed: not retried by itself
+        self._halt = False
+        self._wake = threading.Event()
+
+    def run(self) -> None:
+        backoff = self.poll_s
+        while not self._halt:
+            try:
+                newest = self.receiver.newest_version()
+                self.status.update(newest=newest)
+                held = self.receiver.version
+                with self._cond:
+                    have = self._staged.version if self._staged is not None else None
+                    todo = (newest is not None and newest not in (held, have, self._failed)
+                            and (held is None or newest > held))
+                    if todo:
+                        self._busy = newest
+                if todo:
+                    try:
+                        staged = self.receiver.prepare(newest)
+                    except StaleUpdateError:
+                        staged = None  # a commit came in between: look again
+                    except Exception:
+                        self._failed = newest  # the commit RPC tries again and reports the reason
+                        raise
+                    finally:
+                        with self._cond:
+                            self._busy = None
+                            self._cond.notify_all()
+                    if staged is not None:
+                        with self._cond:
+                            self._staged = staged
+                            self._cond.notify_all()
+                        self.status.update(staged=staged.version, error=None)
+                backoff = self.poll_s
+            except Exception as e:  # noqa: BLE001 (reported; the commit path raises it to the caller)
+                log.warning("deltasync stager: %s", e)
+                self.status.update(error=f"{type(e).__name__}: {e}")
+                backoff = min(backoff * 2, 5.0)
+            self._wake.wait(backoff)
+            self._wake.clear()
+
+    def take(self, version: int) -> Any:
+        """The staged update of ``version`` (waiting while it is being staged), or ``None``."""
+        with self._cond:
+            while self._busy == version:
+                self._cond.wait()
+            staged, self._staged = self._staged, None
+        if staged is not None and staged.version == version:
+            return staged
+        return None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._halt = True
+        self._wake.set()
+
+
+class _Status:
+    """This worker's readiness file (``<dir>/rank-<r>.json``), rewritten atomically on change."""
+
+    def __init__(self, directory: str | None, rank: int) -> None:
+        self.path = Path(directory) / f"rank-{rank}.json" if directory else None
+        self.state: dict[str, Any] = {"held": None, "staged": None, "newest": None, "error": None}
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write()
+
+    def update(self, **kw: Any) -> None:
+        with self._lock:
+            if all(self.state.get(k) == v for k, v in kw.items()):
+                return
+            self.state.update(kw)
+            if self.path is not None:
+                self._write()
+
+    def _write(self) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".rank-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({**self.state, "time": time.time()}, f)
+        os.replace(tmp, self.path)
+
+
+class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
+    """Worker side of the ``deltasync`` backend: one per vLLM worker (TP rank); see the module doc.
+
+    vLLM calls :meth:`init_transfer_engine` (``init_weight_transfer_engine``),
+    :meth:`start_weight_update`, :meth:`receive_weights` (``update_weights``) and
+    :meth:`finish_weight_update` from the worker's RPC loop, between forward passes.
+
+    Attributes:
+        last_commit: stats of the last commit (``UpdateStats`` as a dict, times in ms, plus
+            ``staged_ahead``: whether it had been staged before the call, and ``reload``: the
+            modules re-packed and their time).
+    """
+
+    init_info_cls = DeltaSyncInitInfo
+    update_info_cls = DeltaSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receiver: Any = None
+        self.last_commit: dict[str, Any] | None = None
+        self._stager: _Stager | None = None
+        self._status: _Status | None = None
+        self._metrics: Path | None = None
+
+    def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        """Follow the run ``init_info.store`` / ``prefix``: build the receiver (and, with
+        ``assume_version``, the host copy of that version), then start staging in the background.
+        On any error nothing is installed and a receiver from an earlier init stays.
+
+        Raises:
+            ValueError: bad ``init_info``.
+            DeltaSyncError: the store, a version or the model does not fit (the message says which).
+        """
+        from ..receiver import DeltaReceiver
+        from ..targets.vllm_engine import VLLMEngineTarget
+
+        rank = _worker_rank()
+        target = VLLMEngineTarget(self.model, self.model_config, in_place=init_info.in_place)  # type: ignore[arg-type]
+        receiver = DeltaReceiver(target, init_info.store, prefix=init_info.prefix, max_workers=init_info.max_workers)
+        try:
+            if init_info.assume_version is not None:
+                target.engine_writes = False  # the engine serves it already: build the host copy only
+                try:
+                    receiver.update(init_info.assume_version)
+                finally:
+                    target.engine_writes = True
+            else:
+                receiver.newest_version()  # the store answers (a bad URI or bucket fails here)
+        except BaseException:
+            receiver.close()
+            raise
+        self.shutdown()
+        self.receiver = receiver
+        self._status = _Status(init_info.status_dir, rank)
+        self._status.update(held=receiver.version)
+        self._metrics = Path(init_info.metrics_path.replace("{rank}", str(rank))) if init_info.metrics_path else None
+        if init_info.stage_ahead:
+            self._stager = _Stager(receiver, init_info.poll_s, self._status)
+            self._stager.start()
+
+    def start_weight_update(self) -> None:
+        """Nothing to set up (writes are in place or per-module reloads inside the update)."""
+        self._require()
+
+    @torch.no_grad()
+    def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
+        """Commit ``update_info.version``: the staged update if ready, else prepare it now.
+
+        Raises:
+            VersionNotFoundError, CorruptObjectError, ChecksumMismatchError, IncompatibleTargetError,
+            StoreError: nothing was written; the engine serves the version it had.
+        """
+        receiver = self._require()
+        t0 = time.perf_counter()
+        v = update_info.version
+        staged = self._stager.take(v) if self._stager is not None else None
+        staged_ahead = staged is not None
+        if staged is None:
+            staged = receiver.prepare(v)
+        try:
+            receiver.commit(staged)
+        except StaleUpdateError:
+            staged_ahead = False
+            receiver.commit(receiver.prepare(v))
+        if receiver.version != v:
+            raise DeltaSyncError(f"asked for version {v}, the receiver holds {receiver.version}")
+        stats = receiver.last_stats.to_dict() if receiver.last_stats is not None else {}
+        stats.update(staged_ahead=staged_ahead, rpc_ms=(time.perf_counter() - t0) * 1e3,
+                     reload=dict(receiver.target.last_reload))
+        self.last_commit = stats
+        if self._status is not None:
+            self._status.update(held=v)
+        if self._metrics is not None:
+            self._metrics.parent.mkdir(parents=True, exist_ok=True)
+            with open(self._metrics, "a") as f:
+                f.write(json.dumps({"event": "commit", **stats}) + "\n")
+
+    def finish_weight_update(self) -> None:
+        """Wake the stager: the next version may already be visible."""
+        self._require()
+        if self._stager is not None:
+            self._stager.wake()
+
+    def shutdown(self) -> None:
+        """Stop staging and close the receiver (the weights stay as they are)."""
+        if self._stager is not None:
+            self._stager.stop()
+            self._stager.join(timeout=60)
+            self._stager = None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    def _require(self) -> Any:
+        if self.receiver is None:
+            raise DeltaSyncError(
+                "the deltasync backend is not initialised on this worker: call "
+                "init_weight_transfer_engine({'init_info': {'store': ..., 'prefix': ...}}) first")
+        return self.receiver
+
+
+def _worker_rank() -> int:
+    """This worker's global rank (``0`` when torch.distributed is not initialised)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0
+
+
+# --- trainer side ------------------------------------------------------------------------------------
+
+@dataclass
+class DeltaSyncTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of the ``deltasync`` backend.
+
+    Attributes:
+        store, prefix: where the trainer publishes (workers follow the same run).
+        anchor_every: publish an anchor every N versions (``DeltaSender``'s ``anchor_every``).
+        worker_init: extra :class:`DeltaSyncInitInfo` fields sent to the workers (``store`` and
+            ``prefix`` are filled in; give ``worker_store`` there if workers reach the store under
+            another URI).
+        rank: this trainer process's rank (rank 0 drives the engines).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    store: str = ""
+    prefix: str = ""
+    anchor_every: int | None = 50
+    worker_init: dict[str, Any] | None = None
+
+
+class DeltaSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInfo]):
+    """Trainer side of the ``deltasync`` backend: :meth:`send_weights` publishes a version (a delta
+    of the changed elements, or an anchor) and drives ``start_weight_update`` →
+    ``update_weights({"version": v})`` → ``finish_weight_update(str(v))`` on the engines.
+
+    Code written against vLLM's stateful trainer API switches to deltas by backend name::
+
+        engine = WeightTransferTrainerFactory.create(  # or DeltaSyncTrainerWeightTransferEngine.trainer_init
+            DeltaSyncTrainerInitInfo(store="s3://bucket/runs", prefix="grpo-7", rank=0),
+            client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"), source=ModuleSource(model))
+        engine.send_weights()
+
+    ``source`` may be vLLM's ``ModuleSource`` (its module is tracked) or an ``nn.Module``; FSDP2
+    modules are detected and published shard by shard (every rank calls :meth:`send_weights`).
+    """
+
+    init_info_cls = DeltaSyncTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True, sender: Any = None) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.sender = sender
+        self.last_version: int | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: DeltaSyncTrainerInitInfo, *, client: Any, source: Any = None):
+        """Build the :class:`~torch_deltasync.DeltaSender` over ``source``'s module and, on rank 0,
+        initialise the workers' backend through ``client``.
+
+        Raises:
+            TypeError: ``source`` is neither a ``ModuleSource`` nor an ``nn.Module``.
+            ValueError: no ``store`` in ``init_info``.
+        """
+        from ..sender import DeltaSender
+
+        if not init_info.store:
+            raise ValueError("DeltaSyncTrainerInitInfo needs store= (the URI or path workers follow)")
+        module = getattr(source, "_module", source)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"source must be vLLM's ModuleSource or an nn.Module, got {type(source).__name__}")
+        sender = DeltaSender(module, init_info.store, prefix=init_info.prefix, anchor_every=init_info.anchor_every)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender)
+        if engine.is_sender:
+            worker = {"store": init_info.store, "prefix": init_info.prefix, **(init_info.worker_init or {})}
+            client.init_weight_transfer_engine(worker)
+        return engine
+
+    def send_weights(self) -> int:
+        """Publish the current weights as a new version and commit it on every engine.
+
+        Returns:
+            The version published (and, on rank 0, committed).
+        """
+        v = self.sender.publish()
+        if self.is_sender:
+            self.client.start_weight_update()
+            self.client.update_weights({"version": int(v)})
+            self.client.finish_weight_update(weight_version=str(v))
+        self.last_version = int(v)
+        return int(v)
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
