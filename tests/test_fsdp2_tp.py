@@ -8,8 +8,8 @@ process (a different process from every rank).
   ``full_tensor()`` (bf16) after every version; the test process follows version by version and
   from scratch at every version, bit-exactly, across anchors, and a single-process sender fed the
   same full weights writes the same manifests.
-* ``test_layouts_publish_the_same_versions``: one Qwen3-MoE and one change set (synthetic, set
-  through ``distribute_tensor``), published under plain FSDP2, FSDP2 x TP, HSDP, expert parallel
+* ``test_layouts_publish_the_same_versions``: one Qwen3-MoE and one change set (synthetic, written
+  into every layout's shards through ``distribute_tensor``), published under plain FSDP2, FSDP2 x TP, HSDP, expert parallel
   (experts split over 2 ranks, then over dp) and a non-box ``_StridedShard`` layout. Every layout
   gives the same manifests and the same payload bytes (raw codec: exactly 2 bytes per anchor element
   and 6 per change) as plain FSDP2, keeps exactly one snapshot of every element across its ranks,
@@ -184,16 +184,15 @@ def _moe_spec() -> dict:
 
 
 def _weights(v: int) -> dict[str, torch.Tensor]:
-    """The full fp32 weights of version ``v``: the seed-0 Qwen3-MoE, then at every version ~3% of
-    the elements of every tensor moved by a small random amount (the same on every process)."""
+    """The full fp32 weights of version ``v``: the seed-0 Qwen3-MoE after ``v`` synthetic steps
+    (``testing.synthetic_step``: ~5% of every tensor's elements move a few bf16 ULPs), the same on
+    every process."""
+    from torch_deltasync.testing import synthetic_step
     from torch_deltasync.testing_vllm import hf_model
 
     state = {n: t.detach().clone() for n, t in hf_model(_moe_spec(), seed=0).state_dict().items()}
     for step in range(1, v + 1):
-        for i, (name, w) in enumerate(sorted(state.items())):
-            g = torch.Generator().manual_seed(1000 * step + i)
-            mask = torch.rand(w.shape, generator=g) < 0.03
-            w.add_(mask * torch.randn(w.shape, generator=g) * 0.02)
+        synthetic_step(state, step)
     return state
 
 
@@ -229,25 +228,12 @@ def _shard(layout: str, world: int):
     return model
 
 
-@torch.no_grad()
-def _set_weights(model, weights: dict[str, torch.Tensor]) -> None:
-    """Write the full ``weights`` into every rank's shards, cut by DTensor itself."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    items = model.items() if isinstance(model, dict) else model.state_dict(keep_vars=True).items()
-    for n, t in items:
-        if isinstance(t, DTensor):
-            mine = distribute_tensor(weights[n], t.device_mesh, t.placements, src_data_rank=None).to_local()
-            t.to_local().copy_(mine)
-        else:
-            t.copy_(weights[n])
-
-
 def _layouts(rank: int, world: int, bucket: str) -> dict:
     from test_fsdp2 import _NoGather
     from torch_deltasync import DeltaSender, LocalStore
     from torch_deltasync.dtensor import plan_uploads
     from torch_deltasync.sender import collect_sources
+    from torch_deltasync.testing import set_full_weights
 
     weights = [_weights(v) for v in range(VERSIONS)]
     out = {}
@@ -255,7 +241,7 @@ def _layouts(rank: int, world: int, bucket: str) -> dict:
         model = _shard(layout, world)
         sender = DeltaSender(model, LocalStore(os.path.join(bucket, layout)), anchor_every=EVERY, codec="raw")
         for v in range(VERSIONS):
-            _set_weights(model, weights[v])
+            set_full_weights(model, weights[v])
             with _NoGather():
                 assert sender.publish() == v
         again = plan_uploads(sender.group, collect_sources(model)[0])  # the decision is deterministic
