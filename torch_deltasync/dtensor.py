@@ -394,6 +394,10 @@ def _decide_uploads(gathered: list[dict[str, Any]]) -> dict[str, Any]:
                              "(exactly once after removing replicas)"}
         shipped = [(k, v) for k, v in blocks.items() if v[0]] or list(blocks.items())[:1]  # 0 elements: one empty block
         items += [(numel, i, key, name, holders) for key, (numel, holders) in shipped]
+    if len(gathered) * slots > 99999:  # object keys hold 5-digit ranks (docs/format.md section 2)
+        return {"error": f"{len(gathered)} ranks x {slots} boxes per block need {len(gathered) * slots} object "
+                         "slots, more than the 99999 object keys allow; redistribute the tensors whose blocks "
+                         "are not boxes (e.g. to plain Shard placements) before publishing"}
     load = [0] * len(gathered)
     owners: dict[str, dict[str, int]] = {name: {} for name in names}
     for numel, _, key, name, holders in sorted(items, key=lambda x: (-x[0], x[1], x[2])):
