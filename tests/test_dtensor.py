@@ -184,17 +184,20 @@ def test_uneven_fsdp_x_tp_is_placed_right_or_refused():
     """FSDP2 over a TP-sharded dim describes its shards with _StridedShard. For every row count up
     to 100 on dp 2-4 x tp 2-4, either the placements give every rank exactly the rows fully_shard
     stores there, or some rank's local shape disagrees (the sender then refuses the tensor on every
-    rank): never rows that merely have the right count but sit elsewhere. Over dp = 2 they always agree."""
+    rank): never rows that merely have the right count but sit elsewhere. Over dp = 2 they always agree,
+    and where they agree every block is a box (one anchor object per rank)."""
     for n_rows, dp, tp in itertools.product(range(1, 101), (2, 3, 4), (2, 3, 4)):
-        agree, shapes_agree = True, True
+        agree, shapes_agree, boxes = True, True, True
         for d, t in itertools.product(range(dp), range(tp)):
             stored = _fsdp2_storage(n_rows, dp, tp, d, t)
             b = block_of("w", (n_rows,), (dp, tp), (d, t), [SS(0, tp), Shard(0)])
             described = b.to_global(torch.arange(b.numel)).tolist()
             agree &= stored == described
             shapes_agree &= len(stored) == len(described)
+            boxes &= b.box is not None
         assert agree or not shapes_agree, (n_rows, dp, tp)
         assert agree or dp > 2, (n_rows, dp, tp)
+        assert boxes or not agree, (n_rows, dp, tp)
 
 
 REFUSED = [
