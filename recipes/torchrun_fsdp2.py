@@ -1,4 +1,5 @@
-"""FSDP2 trainer under torchrun that publishes every optimizer step as a sparse, lossless delta.
+"""FSDP2 (optionally x tensor parallel, HSDP) trainer under torchrun that publishes every optimizer
+step as a sparse, lossless delta.
 
 Architecture::
 
@@ -22,6 +23,16 @@ Launch (toy size on CPU with gloo; ``--standalone`` picks a free port)::
 
 On GPUs the same command uses NCCL for training (the sender's own collectives always use gloo).
 ``--bucket`` takes anything ``open_store`` accepts (a folder, ``s3://...``, ``hf://buckets/...``).
+
+2D and 3D, torchtitan's layout (:func:`parallelize`): ``--tp T`` splits the ranks into a
+``(dp_shard, tp)`` mesh, applies tensor parallelism inside each tp group (column-parallel q/k/v,
+gate/up and LM head, row-parallel o/down, vocab-parallel embedding) and then ``fully_shard`` over
+dp_shard, so column-parallel weights end up ``[_StridedShard(0, sf=T), Shard(0)]``;
+``--dp-replicate R`` adds an HSDP replicate dim in front (``(R, dp_shard, tp)``). The follower is
+the same: receivers never see how the trainer was sharded::
+
+    torchrun --standalone --nproc-per-node 4 recipes/torchrun_fsdp2.py --bucket runs/2d/bucket --tp 2 --steps 20
+    deltasync follow runs/2d/bucket --idle-timeout 10
 """
 
 from __future__ import annotations
@@ -47,19 +58,80 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchor-every", type=int, default=10, help="a full anchor every N versions")
     p.add_argument("--background", action="store_true",
                    help="upload while the next step trains (coalesces when uploads fall behind)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a divisor of the world size)")
+    p.add_argument("--dp-replicate", type=int, default=1,
+                   help="HSDP replicas (a divisor of world / tp); the rest of the ranks shard (dp_shard)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", default=None, help="JSONL of PublishStats (rank 0)")
     p.add_argument("--save-final", default=None,
                    help="after training, gather the full bf16 weights once and save them (safetensors) "
                         "on rank 0, to check receivers against; off by default")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("tp", "dp_replicate"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    return args
+
+
+def tp_plan(model) -> dict:
+    """torchtitan's tensor-parallel plan for a ``Qwen3ForCausalLM`` (``parallelize_module`` style;
+    no sequence parallelism): vocab-parallel embedding (weight ``Shard(0)``), column-parallel q/k/v,
+    gate/up (``Shard(0)``) and LM head, row-parallel o/down (``Shard(1)``). Norms and MoE experts stay
+    unsplit (FSDP shards them over dp only, so every tp rank holds the same block)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}"
+        plan.update({f"{pre}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
+        plan[f"{pre}.self_attn.o_proj"] = RowwiseParallel()
+        if hasattr(layer.mlp, "gate_proj"):  # dense MLP (MoE layers keep their experts unsplit)
+            plan.update({f"{pre}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+            plan[f"{pre}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def parallelize(model, world: int, *, tp: int = 1, dp_replicate: int = 1, device_type: str = "cpu") -> int:
+    """Shard ``model`` (a transformers Qwen3) in place the torchtitan way; returns the rank's data-
+    parallel index (ranks of one tp group must train on the same batch).
+
+    Mesh ``(dp_replicate, dp_shard, tp)`` with size-1 dims left out, ``dp_shard = world / (dp_replicate
+    * tp)``. First ``parallelize_module`` over ``tp`` (:func:`tp_plan`), then ``fully_shard`` per
+    decoder layer and the root over ``dp_shard`` (HSDP over ``(dp_replicate, dp_shard)``). Resulting
+    placements, e.g. for ``q_proj.weight`` on ``(dp_shard=2, tp=2)``: ``[_StridedShard(0, sf=2),
+    Shard(0)]``; ``o_proj.weight``: ``[Shard(0), Shard(1)]``; a norm: ``[Shard(0)]`` on the dp_shard
+    sub-mesh (held by every tp rank).
+
+    Raises:
+        ValueError: ``tp * dp_replicate`` does not divide ``world``, or ``tp`` does not divide the
+            attention heads.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if world % (tp * dp_replicate):
+        raise ValueError(f"--tp {tp} x --dp-replicate {dp_replicate} must divide the world size {world}")
+    cfg = model.config
+    if tp > 1 and (cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp):
+        raise ValueError(f"--tp {tp} must divide the attention heads ({cfg.num_attention_heads} query, "
+                         f"{cfg.num_key_value_heads} key/value)")
+    dims = [("dp_replicate", dp_replicate), ("dp_shard", world // (tp * dp_replicate)), ("tp", tp)]
+    dims = [(n, k) for n, k in dims if k > 1 or n == "dp_shard"]
+    mesh = init_device_mesh(device_type, tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return dist.get_rank() // tp  # ranks are laid out row-major: the tp group is the innermost dim
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     from torch_deltasync import DeltaSender
     from torch_deltasync.testing import adam_step, tiny_qwen3
 
@@ -71,19 +143,16 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
 
     model = tiny_qwen3(args.size, seed=args.seed).to(device)  # same init on every rank
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    dp_rank = parallelize(model, world, tp=args.tp, dp_replicate=args.dp_replicate, device_type=device.type)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     sender = DeltaSender(model, args.bucket, prefix=args.prefix, anchor_every=args.anchor_every,
                          background=args.background, metrics_path=args.metrics)
     nparams = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"[rank 0] Qwen3-{args.size}: {nparams:,} parameters over {world} ranks, publishing to "
-              f"{sender.store.describe()}", flush=True)
+        print(f"[rank 0] Qwen3-{args.size}: {nparams:,} parameters over {world} ranks (tp {args.tp}, dp_replicate "
+              f"{args.dp_replicate}), publishing to {sender.store.describe()}", flush=True)
 
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data
+    gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)  # each dp rank its own data; tp ranks share it
 
     def report(stats) -> None:
         if rank == 0 and stats is not None:

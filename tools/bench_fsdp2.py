@@ -18,6 +18,17 @@ is installed).
 Run (about a minute on 2 cores)::
 
     PYTHONPATH=. python tools/bench_fsdp2.py --size small --steps 6 --worlds 1,2,3,4
+
+``--layouts fsdp,fsdp_tp,hsdp`` instead compares sharding layouts on one process group of
+``--layout-world`` ranks (default 4): plain FSDP2 over all ranks, torchtitan's FSDP2 x TP
+(dp_shard x tp 2) and HSDP (2 replicas x dp_shard), built by ``recipes/torchrun_fsdp2.py:parallelize``.
+All layouts publish the *same* model and change set: version 0, then ``--steps`` synthetic steps
+(``testing.synthetic_step``, written into each layout's shards with ``testing.set_full_weights``), so
+bytes are comparable to the byte (real Adam steps would differ between layouts in the last bits).
+Per layout it prints the slowest rank's publish CPU, the largest and the mean per-rank object, the
+version's bytes and the largest snapshot, with ratios against plain FSDP2 in the same run::
+
+    PYTHONPATH=. python tools/bench_fsdp2.py --layouts fsdp,fsdp_tp,hsdp --size small --steps 6
 """
 
 from __future__ import annotations
@@ -74,6 +85,71 @@ def _rank(rank: int, world: int, size: str, steps: int, lr: float, bucket: str) 
                         "snapshot_nbytes": sender.detector.snapshot_nbytes()})
     sender.close()
     return records
+
+
+def _rank_layouts(rank: int, world: int, layouts: list[str], size: str, steps: int, bucket: str,
+                  codec: str) -> list[dict]:
+    import torch.distributed as dist
+
+    from recipes.torchrun_fsdp2 import parallelize
+    from torch_deltasync import DeltaSender, LocalStore
+    from torch_deltasync.manifest import load_manifest
+    from torch_deltasync.testing import set_full_weights, synthetic_step, tiny_qwen3
+
+    records = []
+    for layout in layouts:
+        model = tiny_qwen3(size, seed=0)
+        weights = {n: t.detach().clone() for n, t in model.state_dict().items()}  # full, evolves identically
+        parallelize(model, world, tp=2 if layout == "fsdp_tp" else 1, dp_replicate=2 if layout == "hsdp" else 1)
+        store = LocalStore(os.path.join(bucket, layout), fsync=False)
+        sender = DeltaSender(model, store, anchor_every=1000, codec=codec)
+        for step in range(steps + 1):
+            if step:  # the same change set for every layout (seeded by step), outside the timing
+                synthetic_step(weights, step)
+            set_full_weights(model, weights)
+            dist.barrier()  # every rank starts its publish together
+            cpu0 = time.thread_time()
+            version = sender.publish()
+            cpu_ms = (time.thread_time() - cpu0) * 1e3
+            st = sender.last_stats
+            m = load_manifest(sender.store, version)
+            records.append({"layout": layout, "world": world, "rank": rank, "version": version, "kind": st.kind,
+                            "cpu_ms": cpu_ms, "publish_ms": st.publish_ms,
+                            "object_nbytes": sum(o.nbytes for o in m.objects if o.rank // sender._slots == rank),
+                            "version_nbytes": st.nbytes, "changed": st.changed, "numel": st.numel,
+                            "snapshot_nbytes": sender.detector.snapshot_nbytes()})
+        sender.close()
+    return records
+
+
+def _layout_table(records: list[dict]) -> str:
+    rows = ["| layout | delta publish CPU, slowest rank | ratio | delta object, largest rank | ratio "
+            "| delta object, mean rank | version bytes (all ranks) | ratio | anchor object, largest rank "
+            "| snapshot, largest rank | ratio | density |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = {}
+    for layout in dict.fromkeys(r["layout"] for r in records):
+        rs = [r for r in records if r["layout"] == layout]
+        w = rs[0]["world"]
+        deltas = [r for r in rs if r["kind"] == "delta"]
+        per_rank = lambda key, sel: [median(r[key] for r in sel if r["rank"] == k) for k in range(w)]  # noqa: E731
+        out[layout] = {
+            "cpu": max(per_rank("cpu_ms", deltas)),
+            "obj_max": max(per_rank("object_nbytes", deltas)),
+            "obj_mean": sum(per_rank("object_nbytes", deltas)) / w,
+            "version": median(r["version_nbytes"] for r in deltas if r["rank"] == 0),
+            "anchor": max(r["object_nbytes"] for r in rs if r["kind"] == "anchor"),
+            "snapshot": max(r["snapshot_nbytes"] for r in deltas),
+            "density": median(r["changed"] / r["numel"] for r in deltas if r["rank"] == 0),
+        }
+    b = out[next(iter(out))]
+    for layout, s in out.items():
+        rows.append(
+            f"| {layout} | {s['cpu']:.1f} ms | {s['cpu'] / b['cpu']:.2f} | {s['obj_max'] / 1024:.1f} KiB | "
+            f"{s['obj_max'] / b['obj_max']:.2f} | {s['obj_mean'] / 1024:.1f} KiB | {s['version'] / 1024:.1f} KiB | "
+            f"{s['version'] / b['version']:.3f} | {s['anchor'] / 2**20:.2f} MiB | {s['snapshot'] / 2**20:.2f} MiB | "
+            f"{s['snapshot'] / b['snapshot']:.2f} | {s['density']:.2%} |")
+    return "\n".join(rows)
 
 
 def _summary(records: list[dict]) -> dict[int, dict]:
@@ -138,7 +214,31 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--worlds", default="1,2,3,4")
     p.add_argument("--metrics", default="runs/bench_fsdp2.jsonl")
+    p.add_argument("--layouts", default=None,
+                   help="compare layouts instead of world sizes: a comma list of fsdp, fsdp_tp, hsdp")
+    p.add_argument("--layout-world", type=int, default=4, help="ranks for --layouts (a multiple of 2)")
+    p.add_argument("--codec", default="packed", help="delta codec for --layouts (raw: 6 bytes per change)")
     args = p.parse_args()
+    if args.layouts:
+        layouts = args.layouts.split(",")
+        bad = [x for x in layouts if x not in ("fsdp", "fsdp_tp", "hsdp")]
+        if bad or args.layout_world % 2:
+            p.error(f"--layouts takes fsdp, fsdp_tp, hsdp (got {bad}) on an even --layout-world")
+        metrics = Path(args.metrics)
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        print(f"cores: {os.cpu_count()}, model: Qwen3-{args.size}, {args.layout_world} ranks, {args.steps} "
+              f"synthetic delta versions per layout, codec {args.codec}", flush=True)
+        t = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench-layouts-") as bucket:
+            per_rank = run_ranks(_rank_layouts, args.layout_world, layouts, args.size, args.steps, bucket,
+                                 args.codec, timeout_s=3600)
+        recs = [r for rank in per_rank for r in rank]
+        with open(metrics, "a") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+        print(f"done in {time.perf_counter() - t:.1f} s", flush=True)
+        print(_layout_table(recs))
+        return
     worlds = [int(w) for w in args.worlds.split(",")]
     metrics = Path(args.metrics)
     metrics.parent.mkdir(parents=True, exist_ok=True)

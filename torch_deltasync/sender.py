@@ -43,7 +43,7 @@ from .codec import get_codec
 from .detect import Changes, ChangeDetector
 from .errors import ObjectExistsError, PublishError, UnsupportedLayoutError
 from .format import encode_anchor, encode_delta, sha256_hex
-from .layout import TensorSlice
+from .layout import TensorBlock
 from .manifest import (
     LATEST_KEY, MAX_VERSION, Manifest, ObjectEntry, TensorEntry, manifest_key, next_free_version,
     object_key,
@@ -144,9 +144,10 @@ class _Source:
 
     name: str
     local: torch.Tensor
-    slice: TensorSlice
-    upload: bool = True  # False on replicas of a replicated mesh dim (another rank uploads)
+    slice: TensorBlock
+    upload: bool = True  # False where another rank holding the same block uploads it (plan_uploads)
     distributed: bool = False  # a DTensor: the sender needs torch.distributed collectives
+    problem: str | None = None  # why the block cannot be placed (refused on every rank; see dtensor.py)
 
 
 class _Group(Protocol):
@@ -193,7 +194,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
 def collect_sources(model: Any) -> tuple[list[_Source], dict[str, str]]:
     """The floating tensors of ``model`` as sources, and tied aliases ``{alias: canonical}``.
 
-    Plain tensors are whole (:meth:`TensorSlice.full`); ``DTensor`` parameters (FSDP2) are
+    Plain tensors are whole (:meth:`TensorBlock.full`); ``DTensor`` parameters (FSDP2) are
     described by :func:`torch_deltasync.dtensor.local_source`. Non-floating entries (integer
     buffers) are not synced.
     """
@@ -215,7 +216,7 @@ def collect_sources(model: Any) -> tuple[list[_Source], dict[str, str]]:
         else:
             if t.is_sparse or t.layout != torch.strided:
                 raise UnsupportedLayoutError(f"tensor {name!r} has layout {t.layout}; only strided tensors sync")
-            src = _Source(name, t, TensorSlice.full(t.shape))
+            src = _Source(name, t, TensorBlock.full(t.shape))
             key = _storage_key(t)
         if key in seen:
             aliases[name] = seen[key]
@@ -327,11 +328,13 @@ class DeltaSender:
         # Several ranks: decide once which rank ships which block (replicas outside a DTensor's mesh
         # and plain tensors are held by several ranks; exactly one of them uploads each block).
         self._uploads: dict[str, bool] | None = None
-        self._layout: dict[str, TensorSlice] = {}
+        self._layout: dict[str, TensorBlock] = {}
+        self._slots = 1  # object slots per rank (dtensor.UploadPlan.slots)
         if self.group.world > 1:
             from .dtensor import plan_uploads
 
-            self._uploads = plan_uploads(self.group, sources)
+            plan = plan_uploads(self.group, sources)
+            self._uploads, self._slots = plan.uploads, plan.slots
             self._layout = {s.name: s.slice for s in sources}
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
@@ -343,7 +346,7 @@ class DeltaSender:
         self._anchor_nbytes = 0
         self._chain_nbytes = 0
         self._partials: dict[str, int] = {}  # name -> local partial checksum of the published state
-        self._shapes: dict[str, TensorSlice] = {}  # name -> block at the last published version
+        self._shapes: dict[str, TensorBlock] = {}  # name -> block at the last published version
         self._force_anchor = False  # after another writer took a version number
         self._latest_pending: int | None = None  # rank 0: LATEST could not be written for this version
         self._coalesced = 0
@@ -504,6 +507,9 @@ class DeltaSender:
     def _prepare(self, version: int) -> _Job:
         """Read the live weights: detect changes (and cast anchors). Runs on the caller's thread."""
         sources, aliases = collect_sources(self.model)
+        for src in sources:
+            if src.problem:
+                raise UnsupportedLayoutError(src.problem)
         if self._uploads is not None:
             for src in sources:
                 if self._layout.get(src.name) != src.slice:
@@ -552,10 +558,10 @@ class DeltaSender:
         changed: tensors without a detected delta (or all, with ``whole``) count whole."""
         added = 0
         for src in job.sources:
+            if not src.upload:  # another rank ships this block; no snapshot here either
+                continue
             block = self.detector.cast(src.local)
             job.anchors[src.name] = block
-            if not src.upload:
-                continue
             if src.name not in job.partials:
                 job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
             elif not whole:
@@ -591,17 +597,26 @@ class DeltaSender:
         job.stats.base_version = None
         job.stats.changed = sum(job.counts.values())
 
-    def _encode(self, job: _Job) -> list[tuple[str, bytes]]:
-        """This rank's objects for ``job`` as ``[(kind, bytes)]`` (empty when it uploads nothing)."""
-        g = self.group
+    def _slot(self, part: int = 0) -> tuple[int, int]:
+        """``(rank, world)`` of this rank's object ``part`` (``dtensor.UploadPlan.slots``)."""
+        return self.group.rank * self._slots + part, self.group.world * self._slots
+
+    def _encode(self, job: _Job) -> list[tuple[str, int, int, bytes]]:
+        """This rank's objects for ``job`` as ``[(kind, rank, world, bytes)]`` (empty when it
+        uploads nothing); ``rank`` and ``world`` name the object (``_slot``)."""
+        from .dtensor import anchor_parts
+
         if not any(s.upload for s in job.sources):
             return []
         out = []
         if job.kind == "anchor":
             blocks = {s.name: (job.anchors[s.name], s.slice) for s in job.sources if s.upload}
-            out.append(("anchor", encode_anchor(blocks, version=job.version, dtype=self.dtype, rank=g.rank, world=g.world)))
+            for part, boxes in enumerate(anchor_parts(blocks)):
+                rank, world = self._slot(part)
+                out.append(("anchor", rank, world,
+                            encode_anchor(boxes, version=job.version, dtype=self.dtype, rank=rank, world=world)))
         if job.base_version is not None:
-            out.append(("delta", self._encode_delta(job)))
+            out.append(("delta", *self._slot(), self._encode_delta(job)))
         return out
 
     def _delta_parts(self, job: _Job) -> dict[str, dict[str, torch.Tensor]]:
@@ -615,11 +630,11 @@ class DeltaSender:
         return job.delta_parts
 
     def _encode_delta(self, job: _Job) -> bytes:
-        g = self.group
         parts = self._delta_parts(job)
         counts = {name: job.changes[name].numel for name in parts}
+        rank, world = self._slot()
         return encode_delta(parts, counts, version=job.version, base_version=job.base_version,
-                            codec=self.codec.name, dtype=self.dtype, rank=g.rank, world=g.world)
+                            codec=self.codec.name, dtype=self.dtype, rank=rank, world=world)
 
     def _finish_background(self, job: _Job, t0: float) -> None:
         try:
@@ -639,10 +654,10 @@ class DeltaSender:
             stats.encode_ms = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             local["objects"] = []
-            for kind, data in blobs:
-                key = object_key(job.version, kind, g.rank, g.world)
+            for kind, rank, world, data in blobs:
+                key = object_key(job.version, kind, rank, world)
                 self._put_once(key, data)
-                local["objects"].append(ObjectEntry(key, len(data), sha256_hex(data), g.rank, g.world).to_json())
+                local["objects"].append(ObjectEntry(key, len(data), sha256_hex(data), rank, world).to_json())
             stats.upload_ms = (time.perf_counter() - t) * 1e3
             local["partials"] = job.partials
             local["counts"] = job.counts
@@ -766,7 +781,9 @@ class DeltaSender:
         self._shapes = {s.name: s.slice for s in job.sources}
         det = self.detector
         for s in job.sources:
-            if job.kind == "anchor":
+            if not s.upload:
+                pass  # another rank ships this block and keeps its snapshot
+            elif job.kind == "anchor":
                 det.reset(s.name, cast=job.anchors[s.name])
             else:
                 det.commit(s.name, job.changes[s.name])

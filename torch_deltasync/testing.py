@@ -14,7 +14,8 @@ from torch import nn
 
 from ._dtypes import bits
 
-__all__ = ["QWEN3_SIZES", "tiny_qwen3", "adam_step", "bitwise_equal", "state_bits", "state_digest", "first_difference"]
+__all__ = ["QWEN3_SIZES", "tiny_qwen3", "adam_step", "bitwise_equal", "state_bits", "state_digest", "first_difference",
+           "synthetic_step", "set_full_weights"]
 
 #: Named Qwen3 configs: ~0.2M (tests), ~3M (demo), ~100M and ~500M (benchmarks), ~1B / ~7B-sized (GPU).
 QWEN3_SIZES: dict[str, dict[str, int]] = {
@@ -105,3 +106,45 @@ def state_digest(model: nn.Module | dict, dtype: torch.dtype = torch.bfloat16) -
         h.update(name.encode())
         h.update(b.numpy().tobytes())
     return h.hexdigest()
+
+
+@torch.no_grad()
+def synthetic_step(state: dict[str, torch.Tensor], step: int, *, density: float = 0.05, scale: float = 0.01) -> None:
+    """A synthetic optimizer step, identical on every process: in place, about ``density`` of the
+    elements of every tensor of ``state`` are multiplied by ``1 + scale * randn`` (a few bf16 ULPs at
+    the default ``scale``, as an RL-rate Adam step moves them). The random draws are seeded by ``step``
+    and the tensor's position in sorted name order, so every rank (and a test process) computes the
+    same full weights without communication, whatever the model is sharded like.
+
+    Args:
+        state: ``{name: full fp32 tensor}``, modified in place.
+        step: which step (>= 1); the same ``step`` gives the same change set.
+        density: fraction of elements changed (0..1).
+        scale: relative size of a change.
+    """
+    for i, (name, w) in enumerate(sorted(state.items())):
+        g = torch.Generator().manual_seed(1000 * step + i)
+        mask = torch.rand(w.shape, generator=g) < density
+        w.mul_(1 + mask * torch.randn(w.shape, generator=g) * scale)
+
+
+@torch.no_grad()
+def set_full_weights(model: nn.Module | dict, weights: dict[str, torch.Tensor]) -> None:
+    """Write full tensors into a (possibly sharded) model: every ``DTensor`` entry's local shard
+    receives its part of ``weights[name]`` as DTensor itself cuts it
+    (``distribute_tensor(..., src_data_rank=None)``: a local split, no communication); plain tensors
+    are copied whole. Every rank passes the same ``weights``.
+
+    Args:
+        model: an ``nn.Module`` (its ``state_dict(keep_vars=True)``) or a dict of tensors / DTensors.
+        weights: ``{name: full tensor}`` in HF layout for every floating entry of ``model``.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    items = model.items() if isinstance(model, dict) else model.state_dict(keep_vars=True).items()
+    for n, t in items:
+        if isinstance(t, DTensor):
+            mine = distribute_tensor(weights[n].to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+            t.to_local().copy_(mine.to_local())
+        elif isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.copy_(weights[n])
