@@ -33,16 +33,18 @@ def run_live(script: str, *args: str, timeout: int = 900) -> dict:
     return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("tp", [1])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_offline_llm_follows_versions_bit_exact(tmp_path, tp):
     res = run_live("offline.py", str(tmp_path), str(tp))
     checks = {c["tag"]: c for c in res["checks"]}
-    assert list(checks) == ["assumed", "chain", "delta", "after_corrupt", "after_missing", "recovered"]
+    assert list(checks) == ["assumed", "chain", "delta", "after_corrupt", "after_missing", "recovered",
+                            "trainer_engine"]
     for tag, c in checks.items():
         # greedy tokens and top-20 log-probs (exact float bits) of a fresh engine on the same weights
         assert c["outputs_equal"], f"{tag}: outputs differ from a fresh engine at version {c['version']}"
         assert c["checksums_equal"], f"{tag}: vLLM's weight checksums differ from a fresh engine's"
-    assert [checks[t]["weight_version"] for t in ("chain", "delta", "recovered")] == ["2", "3", "5"]
+    assert [checks[t]["weight_version"] for t in ("chain", "delta", "recovered", "trainer_engine")] == \
+        ["2", "3", "5", "6"]
     # the comparison can fail: a fresh engine's outputs at version 2 differ from those at version 0
     assert res["oracle_v0_differs_from_v2"]
     # a corrupted object and a missing version are refused, with the reason, and change nothing

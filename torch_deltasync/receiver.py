@@ -438,6 +438,11 @@ class DeltaReceiver:
                          "from the newest version", self.store.describe(), e)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def is_current(self, staged: StagedUpdate) -> bool:
+        """Whether ``staged`` was prepared on the state the target holds now (so :meth:`commit`
+        would accept it)."""
+        return staged._generation == self._generation
+
     def commit(self, staged: StagedUpdate) -> int:
         """Write a :meth:`prepare`'d version into the target: ``index_copy_`` of the staged
         positions (delta path) or ``copy_`` of whole tensors (anchor path), then the target's
@@ -453,7 +458,7 @@ class DeltaReceiver:
                 unknown (``version`` is ``None``) and the next update takes the anchor path.
         """
         with self._lock:
-            if staged._generation != self._generation:
+            if not self.is_current(staged):
                 raise StaleUpdateError(
                     f"{self.store.describe()}: version {staged.version} was staged on version "
                     f"{staged.base_version}, but the target now holds {self.version}; prepare it again"

@@ -112,6 +112,34 @@ def main() -> None:
     commit(c, v5)
     res["late_equal"] = outputs(c) == oracle(v5)[0]
     res["late_version"] = c.get_weight_version()
+
+    # vLLM's stateful trainer API, backend "deltasync": send_weights() publishes and commits.
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from torch_deltasync.integrations.vllm_transfer import DeltaSyncTrainerInitInfo
+
+    class Client:  # vLLM's VLLMWeightSyncClient protocol over the offline LLM
+        def init_weight_transfer_engine(self, init_info):
+            a.init_weight_transfer_engine({"init_info": init_info})
+
+        def start_weight_update(self):
+            a.start_weight_update()
+
+        def update_weights(self, update_info):
+            a.update_weights({"update_info": update_info})
+
+        def finish_weight_update(self, weight_version=None):
+            a.finish_weight_update(weight_version=weight_version)
+            a.reset_prefix_cache()
+
+    sender.close()  # the trainer engine publishes from here on, as the next versions of the run
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        DeltaSyncTrainerInitInfo(store=bucket, anchor_every=5, rank=0), client=Client(), source=ModuleSource(model))
+    perturb(model, seed=6)
+    v6 = trainer.send_weights()
+    compare("trainer_engine", v6)
+    trainer.shutdown()
     report(res)
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -270,6 +271,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._stager: _Stager | None = None
         self._status: _Status | None = None
         self._metrics: Path | None = None
+        self._worker: Any = None  # weakref to the vLLM worker that owns this engine
 
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """Follow the run ``init_info.store`` / ``prefix``: build the receiver (and, with
@@ -284,20 +286,29 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         from ..targets.vllm_engine import VLLMEngineTarget
 
         rank = _worker_rank()
-        target = VLLMEngineTarget(self.model, self.model_config, in_place=init_info.in_place)  # type: ignore[arg-type]
-        receiver = DeltaReceiver(target, init_info.store, prefix=init_info.prefix, max_workers=init_info.max_workers)
-        try:
-            if init_info.assume_version is not None:
-                target.engine_writes = False  # the engine serves it already: build the host copy only
-                try:
-                    receiver.update(init_info.assume_version)
-                finally:
-                    target.engine_writes = True
-            else:
-                receiver.newest_version()  # the store answers (a bad URI or bucket fails here)
-        except BaseException:
-            receiver.close()
-            raise
+
+        def build():
+            target = VLLMEngineTarget(self.model, self.model_config, in_place=init_info.in_place)  # type: ignore[arg-type]
+            receiver = DeltaReceiver(target, init_info.store, prefix=init_info.prefix,
+                                     max_workers=init_info.max_workers)
+            try:
+                if init_info.assume_version is not None:
+                    target.engine_writes = False  # the engine serves it already: build the host copy only
+                    try:
+                        receiver.update(init_info.assume_version)
+                    finally:
+                        target.engine_writes = True
+                else:
+                    receiver.newest_version()  # the store answers (a bad URI or bucket fails here)
+            except BaseException:
+                receiver.close()
+                raise
+            return receiver
+
+        self._worker = _calling_worker(self)
+        receiver = _on_every_worker(build, "init_weight_transfer_engine")
+        if receiver is None:
+            return  # another worker failed and raised for the engine: nothing is installed anywhere
         self.shutdown()
         self.receiver = receiver
         self._status = _Status(init_info.status_dir, rank)
@@ -324,15 +335,28 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         v = update_info.version
         staged = self._stager.take(v) if self._stager is not None else None
         staged_ahead = staged is not None
-        if staged is None:
-            staged = receiver.prepare(v)
-        try:
-            receiver.commit(staged)
-        except StaleUpdateError:
-            staged_ahead = False
-            receiver.commit(receiver.prepare(v))
-        if receiver.version != v:
-            raise DeltaSyncError(f"asked for version {v}, the receiver holds {receiver.version}")
+
+        def stage():
+            if staged is not None and receiver.is_current(staged):
+                return staged
+            return receiver.prepare(v)
+
+        # Every worker stages first; only if all succeeded does any of them write (all or nothing
+        # across the engine's workers).
+        ready = _on_every_worker(stage, f"update_weights (version {v})")
+        if ready is None:
+            self._end_session()
+            return
+        staged_ahead = staged_ahead and ready is staged
+
+        def commit():
+            receiver.commit(ready)
+            if receiver.version != v:
+                raise DeltaSyncError(f"asked for version {v}, the receiver holds {receiver.version}")
+
+        if _on_every_worker(commit, f"update_weights (version {v}, commit)", result=True) is None:
+            self._end_session()
+            return
         stats = receiver.last_stats.to_dict() if receiver.last_stats is not None else {}
         stats.update(staged_ahead=staged_ahead, rpc_ms=(time.perf_counter() - t0) * 1e3,
                      reload=dict(receiver.target.last_reload))
@@ -360,12 +384,82 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self.receiver.close()
             self.receiver = None
 
+    def _end_session(self) -> None:
+        """End the worker's weight-update session after a failure another worker reported, as vLLM
+        does itself on the worker that raises (``Worker.update_weights``), so the next
+        ``start_weight_update`` is accepted on every worker."""
+        worker = self._worker() if self._worker is not None else None
+        if worker is not None and getattr(worker, "_weight_update_active", False):
+            worker._weight_update_active = False
+
     def _require(self) -> Any:
         if self.receiver is None:
             raise DeltaSyncError(
                 "the deltasync backend is not initialised on this worker: call "
                 "init_weight_transfer_engine({'init_info': {'store': ..., 'prefix': ...}}) first")
         return self.receiver
+
+
+def _world() -> tuple[Any, int, int]:
+    """vLLM's world group of this engine's workers: ``(cpu group or None, rank, size)``."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        g = get_world_group()
+        return g.cpu_group, int(g.rank_in_group), int(g.world_size)
+    except Exception:  # noqa: BLE001 (not initialised: a single worker, or a test without vLLM's groups)
+        return None, 0, 1
+
+
+def _on_every_worker(fn: Any, what: str, *, result: bool = False) -> Any:
+    """Run ``fn`` on this worker and agree with the engine's other workers on the outcome.
+
+    vLLM's multiprocessing executor returns the first failing worker's error from a
+    ``collective_rpc`` and leaves the other workers' answers queued, so when every worker raises,
+    the next RPC receives a stale error (vLLM 0.32, ``MultiprocExecutor.collective_rpc``). So the
+    workers exchange their outcome over vLLM's CPU world group (the RPC runs on all of them in
+    lockstep) and only the last worker raises, with every worker's reason; the others return
+    ``None`` and the caller does nothing more. One worker: ``fn()`` as is.
+
+    Returns:
+        ``fn()``'s value (``True`` when ``result`` and ``fn`` returned ``None``), or ``None`` when
+        some worker failed and this one is not the one to raise.
+    """
+    group, rank, size = _world()
+    if group is None or size == 1:
+        out = fn()
+        return True if result and out is None else out
+    out, err = None, None
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 (reported below by the last worker)
+        err = f"{type(e).__name__}: {e}"
+    errors: list[Any] = [None] * size
+    torch.distributed.all_gather_object(errors, err, group=group)
+    failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+    if not failed:
+        return True if result and out is None else out
+    if rank == size - 1:
+        raise DeltaSyncError(f"{what} failed on {len(failed)} of {size} workers; nothing was changed on any: "
+                             + "; ".join(f"worker {r}: {m}" for r, m in failed))
+    return None
+
+
+def _calling_worker(engine: Any) -> Any:
+    """A weak reference to the vLLM worker whose ``weight_transfer_engine`` is ``engine``, found on
+    the call stack of ``init_weight_transfer_engine`` (vLLM gives an engine no reference to its
+    worker), or ``None``."""
+    import weakref
+
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if owner is not None and getattr(owner, "weight_transfer_engine", None) is engine:
+            return weakref.ref(owner)
+        frame = frame.f_back
+    return None
 
 
 def _worker_rank() -> int:
@@ -405,7 +499,7 @@ class DeltaSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaSync
 
     Code written against vLLM's stateful trainer API switches to deltas by backend name::
 
-        engine = WeightTransferTrainerFactory.create(  # or DeltaSyncTrainerWeightTransferEngine.trainer_init
+        engine = WeightTransferTrainerFactory.trainer_init(  # picks the engine by init_info.backend
             DeltaSyncTrainerInitInfo(store="s3://bucket/runs", prefix="grpo-7", rank=0),
             client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"), source=ModuleSource(model))
         engine.send_weights()

@@ -1,0 +1,169 @@
+"""Stall per sync on a live vLLM engine (CPU build, ``.venv-vllm``): the ``deltasync`` backend vs
+vLLM's own full reload and vLLM's own sparse apply, on the same engine and the same change sets.
+
+Run (about 3-5 minutes on 2 cores)::
+
+    .venv-vllm/bin/python tools/bench_vllm_stall.py --out runs/bench_vllm_stall
+
+For each density (changed fraction of every tensor, steps of 1-2 bf16 ULPs) and repetition:
+
+* ``publish``: the trainer publishes the version (``DeltaSender``, local bucket);
+* ``stage``: until every worker's readiness file reports it staged (background: download, decode,
+  validate, checksum check; the engine could keep generating meanwhile);
+* ``stall``: ``start_weight_update`` → ``update_weights`` → ``finish_weight_update`` (all the engine
+  loop is blocked for), split by the worker into host-copy writes and the re-pack (layerwise reload
+  of the changed modules);
+* ``time_to_version``: publish start → the engine serves the version.
+
+Baselines in the same run, on the same engine: vLLM's ``reload_weights`` from a ``save_pretrained``
+folder in the page cache (its full reload), a layerwise reload of every module from host memory (the
+re-pack alone: the floor of any sync on this build, where every linear weight is re-packed), and
+vLLM's sparse apply ``load_checkpoint_weight_patches`` of the same change set (what its
+``sparse_nccl`` engine runs; it needs the loader layout and fails on re-packed modules). Results:
+``<out>/metrics.jsonl`` (one line per measurement) and ``<out>/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the baselines run callables in the worker
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_live"))
+
+from common import engine, perturb, save, tiny_qwen3  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def _repack_all(worker) -> float:
+    """Layerwise reload of every reloadable module from the backend's host copy (ms)."""
+    target = worker.weight_transfer_engine.receiver.target
+    target._dirty = set(target.reloaded_modules)
+    t = time.perf_counter()
+    target.finish(frozenset())
+    return (time.perf_counter() - t) * 1e3
+
+
+def _sparse_apply(worker, patches) -> dict:
+    """vLLM's own sparse apply of ``patches`` ((name, shape, indices, values)) in ms, or its error."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch, load_checkpoint_weight_patches,
+    )
+
+    model = worker.model_runner.get_model()
+    ps = [CheckpointWeightPatch(n, tuple(s), v.dtype, v, i) for n, s, i, v in patches]
+    t = time.perf_counter()
+    try:
+        load_checkpoint_weight_patches(model, ps)
+    except Exception as e:  # noqa: BLE001 (reported)
+        return {"ms": None, "error": f"{type(e).__name__}: {e}"[:300]}
+    return {"ms": (time.perf_counter() - t) * 1e3, "error": None}
+
+
+def _wait_staged(status_dir: Path, version: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [json.loads(p.read_text()) for p in status_dir.glob("rank-*.json")]
+        if states and all(s.get("staged") == version or s.get("held") == version for s in states):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"version {version} not staged after {timeout_s} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", default="runs/bench_vllm_stall")
+    ap.add_argument("--densities", default="0.01,0.05")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-stall-"))
+    from torch_deltasync import DeltaSender, LocalStore
+
+    model = tiny_qwen3(hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=12, kv_heads=4, head_dim=64)
+    nparams = sum(p.numel() for p in model.parameters())
+    sender = DeltaSender(model, LocalStore(work / "bucket"), anchor_every=1000)
+    v0 = sender.publish()
+    d0 = save(model, work / "ckpt")
+    status = work / "status"
+    metrics = work / "commits.jsonl"
+    llm = engine(d0)
+    llm.init_weight_transfer_engine({"init_info": {"store": str(work / "bucket"), "assume_version": v0,
+                                                   "status_dir": str(status), "metrics_path": str(metrics)}})
+    rows = []
+    seed = 10
+    for density in [float(x) for x in args.densities.split(",")]:
+        for rep in range(args.reps):
+            seed += 1
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            perturb(model, frac=density, seed=seed)
+            t0 = time.perf_counter()
+            v = sender.publish()
+            t1 = time.perf_counter()
+            _wait_staged(status, v)
+            t2 = time.perf_counter()
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": v}})
+            llm.finish_weight_update(weight_version=str(v))
+            t3 = time.perf_counter()
+            commit = json.loads(metrics.read_text().splitlines()[-1])
+            # the same change set as vLLM sparse patches (HF names, flat indices, new values)
+            patches = []
+            for n, p in model.named_parameters():
+                cur, old = p.detach().reshape(-1), before[n].reshape(-1)
+                idx = torch.nonzero(cur.view(torch.int16) != old.view(torch.int16)).squeeze(1)
+                if idx.numel():
+                    patches.append((n, tuple(p.shape), idx, cur[idx].clone()))
+            changed = sum(int(i.numel()) for _, _, i, _ in patches)
+            d = save(model, work / "reload")
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})  # warm
+            t4 = time.perf_counter()
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
+            t5 = time.perf_counter()
+            repack_ms = llm.collective_rpc(_repack_all)[0]
+            sparse = llm.collective_rpc(_sparse_apply, args=(patches,))[0]
+            row = {
+                "density": density, "rep": rep, "version": v, "changed": changed, "numel": nparams,
+                "publish_ms": (t1 - t0) * 1e3, "stage_wait_ms": (t2 - t1) * 1e3, "stall_ms": (t3 - t2) * 1e3,
+                "time_to_version_ms": (t3 - t0) * 1e3, "staged_ahead": commit["staged_ahead"],
+                "stage_download_ms": commit["download_ms"], "stage_decode_ms": commit["decode_ms"],
+                "stage_verify_ms": commit["verify_ms"], "commit_apply_ms": commit["apply_ms"],
+                "commit_repack_ms": commit["reload"]["ms"], "repacked_modules": commit["reload"]["modules"],
+                "vllm_full_reload_ms": (t5 - t4) * 1e3, "repack_all_ms": repack_ms,
+                "vllm_sparse_apply_ms": sparse["ms"], "vllm_sparse_apply_error": sparse["error"],
+            }
+            rows.append(row)
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"density {density:.2%} rep {rep}: stall {row['stall_ms']:.1f} ms (re-pack {row['commit_repack_ms']:.1f}"
+                  f" ms) | vLLM full reload {row['vllm_full_reload_ms']:.1f} ms | re-pack all {repack_ms:.1f} ms | "
+                  f"sparse apply {sparse['ms'] if sparse['ms'] is not None else sparse['error']}", flush=True)
+    summary = {"params": nparams, "rows": len(rows)}
+    for density in sorted({r["density"] for r in rows}):
+        rs = [r for r in rows if r["density"] == density]
+        med = {k: statistics.median(r[k] for r in rs) for k in
+               ("stall_ms", "commit_repack_ms", "commit_apply_ms", "vllm_full_reload_ms", "repack_all_ms",
+                "time_to_version_ms", "publish_ms", "stage_wait_ms")}
+        med["stall_over_full_reload"] = med["stall_ms"] / med["vllm_full_reload_ms"]
+        med["stall_over_repack_all"] = med["stall_ms"] / med["repack_all_ms"]
+        med["staged_ahead"] = all(r["staged_ahead"] for r in rs)
+        med["sparse_apply"] = rs[0]["vllm_sparse_apply_error"] or statistics.median(r["vllm_sparse_apply_ms"] for r in rs)
+        summary[f"{density:g}"] = med
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
