@@ -11,6 +11,7 @@ from helpers import make_mlp, train_step
 from torch_deltasync import DeltaSender
 from torch_deltasync.cli import main
 from torch_deltasync.format import sha256_hex
+from torch_deltasync.manifest import seal_manifest
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_verify_ok_and_tampered(run, capsys):
     for o in m["objects"]:
         if o["key"] == key:
             o.update(nbytes=len(data), sha256=sha256_hex(data))
-    store.put(f"versions/{4:012d}.json", json.dumps(m).encode())
+    store.put(f"versions/{4:012d}.json", seal_manifest(m))
     assert main(["verify", str(store.root)]) == 1
     out = capsys.readouterr().out
     assert "version        4: FAILED: ChecksumMismatchError" in out and "4/5 versions verified" in out
@@ -90,7 +91,7 @@ def test_untrusted_shapes_are_checked_before_allocating(run, capsys, command):
     key = f"versions/{4:012d}.json"
     m = json.loads(store.get(key))
     m["tensors"][0]["shape"] = [2**24, 2**24]  # 2**48 elements: far beyond any machine's memory
-    store.put(key, json.dumps(m).encode())
+    store.put(key, seal_manifest(m))
     assert main([command[0], str(store.root), *command[1:]]) == 2
     err = capsys.readouterr().err
     assert "declares" in err and "bytes of memory" in err and "Traceback" not in err

@@ -13,7 +13,7 @@ import pytest
 from torch_deltasync import (DeltaReceiver, DeltaSender, LocalStore, PublishError, RetentionPolicy, StoreError,
                              VersionNotFoundError, collect_garbage)
 from torch_deltasync.cli import main as cli_main
-from torch_deltasync.manifest import list_versions, load_manifest, manifest_key
+from torch_deltasync.manifest import list_versions, load_manifest, manifest_key, seal_manifest
 from torch_deltasync.retention import apply_retention, plan_retention
 from torch_deltasync.store.base import Store
 
@@ -65,7 +65,7 @@ def folders(store) -> list[int]:
 def set_created_at(store, version, t):
     doc = json.loads(store.get(manifest_key(version)))
     doc["created_at"] = t
-    store.put(manifest_key(version), json.dumps(doc).encode())
+    store.put(manifest_key(version), seal_manifest(doc))
 
 
 @pytest.fixture

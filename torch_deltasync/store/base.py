@@ -128,6 +128,23 @@ class Store(ABC):
         """Short human-readable name used in error messages (e.g. ``file:///data/bucket``)."""
         return repr(self)
 
+    def absent(self) -> str | None:
+        """Why this store holds nothing at all, when its root itself is missing (``"the folder
+        /data/bucket does not exist"``), else ``None``. Readers that find no version add it to
+        their message, so a mistyped path reads differently from a run that has not started.
+
+        The default is ``None``; stores whose every call fails when the root is missing (an S3
+        bucket: :class:`~torch_deltasync.errors.StoreNotFoundError`) need not override it.
+        """
+        return None
+
+    #: Whether :func:`~torch_deltasync.open_store` must wrap this store in a
+    #: :class:`~torch_deltasync.store.retry.DeadlineStore` so that no call can block forever. The
+    #: built-in stores set it to ``False``: remote ones run every call under a
+    #: :class:`~torch_deltasync.store.RetryPolicy` deadline, and ``LocalStore`` makes plain file
+    #: system calls (give it one with ``open_store(path, timeout_s=...)``).
+    needs_deadline: bool = True
+
 
 class PrefixStore(Store):
     """Every key of ``inner`` under ``prefix/``, seen as a store of its own."""
@@ -175,6 +192,13 @@ class PrefixStore(Store):
 
     def describe(self) -> str:
         return f"{self.inner.describe().rstrip('/')}/{self.prefix}"
+
+    def absent(self) -> str | None:
+        return self.inner.absent()
+
+    @property
+    def needs_deadline(self) -> bool:  # type: ignore[override]
+        return self.inner.needs_deadline
 
     def __repr__(self) -> str:
         return f"PrefixStore({self.inner!r}, {self.prefix!r})"
