@@ -29,8 +29,14 @@ def check_key(key: object, *, allow_empty: bool = False) -> str:
         raise CorruptObjectError(f"store key must be a string, got {type(key).__name__}")
     if key == "" and allow_empty:
         return key
-    if not key or len(key) > 1024 or key.startswith("/") or key.endswith("/"):
-        raise CorruptObjectError(f"invalid store key {key!r}: must be a non-empty relative path")
+    if not key:
+        raise CorruptObjectError("invalid store key '': empty (keys are non-empty relative paths)")
+    if len(key) > 1024:
+        raise CorruptObjectError(f"invalid store key {key[:40]!r}...: {len(key)} characters, at most 1024")
+    if key.startswith("/"):
+        raise CorruptObjectError(f"invalid store key {key!r}: absolute (keys are relative to the store root)")
+    if key.endswith("/"):
+        raise CorruptObjectError(f"invalid store key {key!r}: ends with '/' (keys name objects, not folders)")
     for seg in key.split("/"):
         if seg in ("", ".", "..") or not _SEGMENT.fullmatch(seg):
             raise CorruptObjectError(

@@ -114,6 +114,10 @@ class RetryPolicy:
         return self.timeout_s + max(0, nbytes) / self.min_bytes_per_s
 
 
+#: The backoff sleep of :func:`call_with_retry` (a seam: tests record the delays instead of waiting).
+_sleep = time.sleep
+
+
 class _DeadlineExceeded(Exception):
     pass
 
@@ -310,7 +314,7 @@ def call_with_retry(
         delay = policy.delay_s(attempt)
         log.debug("%s: %s %r failed (%s); retry %d/%d in %.2f s", store, op, key, cause,
                   attempt + 1, policy.attempts - 1, delay)
-        time.sleep(delay)
+        _sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
