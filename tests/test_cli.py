@@ -253,7 +253,7 @@ def test_help_shows_defaults(capsys, command, shown):
 def test_inspect_reads_from_a_store(capsys):
     import uuid
 
-    from torch_deltasync import LocalStore, open_store
+    from torch_deltasync import open_store
 
     uri = f"memory://inspect-{uuid.uuid4().hex[:8]}/runs"
     store = open_store(uri)
@@ -279,7 +279,6 @@ def test_inspect_reads_from_a_store(capsys):
     assert "size and sha256 DO NOT match the manifest of version 1" in capsys.readouterr().out
     assert main(["inspect", f"{uri}/grpo/something-else"]) == 2
     assert "give the store and the key" in capsys.readouterr().err
-    del LocalStore
 
 
 def _qwen3_parameters(c: dict) -> int:

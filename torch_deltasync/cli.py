@@ -145,8 +145,9 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         data, where = store.get(key), f"{store.describe()}/{key}"
         version = parse_manifest_key(key)
-        if version is None:
-            version = int(key.split("/")[1]) if key.startswith("objects/") else None
+        obj = re.fullmatch(r"objects/([0-9]{12})/[^/]+", key)
+        if obj is not None:
+            version = int(obj.group(1))
     if key.endswith(".json"):
         _print_manifest(Manifest.from_json(data, expected_version=version, where=where))
         return 0

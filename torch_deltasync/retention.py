@@ -16,7 +16,7 @@ The cut anchor is the only way in for a receiver that holds none of the kept ver
 anything below it is deleted its anchor objects are read back and checked against the manifest
 (size and sha256; :attr:`RetentionPolicy.verify_cut`). An anchor that fails is passed over: the
 next older anchor that checks out becomes the cut, so the versions after the bad anchor stay
-reachable through its delta part; with no such anchor nothing is deleted.
+reachable through its delta part (when it has one); with no such anchor nothing is deleted.
 
 Order of deletion: first the manifests of every deleted version, then their objects (and orphan
 object folders below the cut: leftovers of crashed or failed publishes). A reader that still sees a
