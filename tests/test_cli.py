@@ -11,6 +11,7 @@ from helpers import make_mlp, train_step
 from torch_deltasync import DeltaSender
 from torch_deltasync.cli import main
 from torch_deltasync.format import sha256_hex
+from torch_deltasync.manifest import seal_manifest
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_verify_ok_and_tampered(run, capsys):
     for o in m["objects"]:
         if o["key"] == key:
             o.update(nbytes=len(data), sha256=sha256_hex(data))
-    store.put(f"versions/{4:012d}.json", json.dumps(m).encode())
+    store.put(f"versions/{4:012d}.json", seal_manifest(m))
     assert main(["verify", str(store.root)]) == 1
     out = capsys.readouterr().out
     assert "version        4: FAILED: ChecksumMismatchError" in out and "4/5 versions verified" in out
@@ -90,7 +91,7 @@ def test_untrusted_shapes_are_checked_before_allocating(run, capsys, command):
     key = f"versions/{4:012d}.json"
     m = json.loads(store.get(key))
     m["tensors"][0]["shape"] = [2**24, 2**24]  # 2**48 elements: far beyond any machine's memory
-    store.put(key, json.dumps(m).encode())
+    store.put(key, seal_manifest(m))
     assert main([command[0], str(store.root), *command[1:]]) == 2
     err = capsys.readouterr().err
     assert "declares" in err and "bytes of memory" in err and "Traceback" not in err
@@ -138,3 +139,180 @@ def test_bad_arguments_are_refused_by_the_parser(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
+
+
+# --- verify and gc: every object of every version, and never the last sound way in ----------------
+
+
+@pytest.fixture
+def anchored(tmp_path):
+    """15 versions, anchors 0, 5, 10 (5 and 10 also carry a delta from the version before)."""
+    from remote_helpers import StepModel
+
+    from torch_deltasync import LocalStore
+    from torch_deltasync.manifest import load_manifest
+
+    store = LocalStore(tmp_path / "bucket", fsync=False)
+    model = StepModel(seed=11)
+    sender = DeltaSender(model.tensors, store, anchor_every=5)
+    for step in range(15):
+        model.set_step(step)
+        sender.publish()
+    m = load_manifest(store, 10)
+    assert m.kind == "anchor" and m.base_version == 9 and m.delta_objects and m.anchor_objects
+    return store, model
+
+
+def _flip(store, key, at=-100):
+    data = bytearray(store.get(key))
+    data[at] ^= 0x01
+    store.put(key, bytes(data))
+
+
+def test_verify_checks_an_anchor_reached_through_its_delta_part(anchored, capsys):
+    """A byte flipped in anchor 10's anchor object: the replay reaches 10 through its delta part
+    and never read the anchor; verify used to report 15/15."""
+    from torch_deltasync.manifest import load_manifest
+
+    store, _ = anchored
+    assert main(["verify", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    assert "15/15 versions verified" in out
+    assert f"anchor objects rebuilt and checked, {load_manifest(store, 10).anchor_nbytes:,} B" in out
+    _flip(store, load_manifest(store, 10).anchor_objects[0].key)
+    assert main(["verify", str(store.root)]) == 1
+    out = capsys.readouterr().out
+    lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
+    assert "FAILED: CorruptObjectError" in lines[10] and "anchor-r00000-of00001.safetensors has sha256" in lines[10]
+    assert all(": ok (" in lines[v] for v in range(15) if v != 10)  # 11..14 still replay through the delta part
+    assert "14/15 versions verified" in out
+
+
+def test_verify_checks_the_delta_part_of_an_anchor_reached_through_the_anchor(anchored, capsys):
+    from torch_deltasync.manifest import load_manifest
+
+    store, _ = anchored
+    _flip(store, load_manifest(store, 10).delta_objects[0].key)
+    assert main(["verify", str(store.root), "--from-version", "10"]) == 1  # 10 first: the anchor path
+    out = capsys.readouterr().out
+    assert "version       10: FAILED: CorruptObjectError" in out and "delta-r00000-of00001.safetensors has sha256" in out
+    assert "4/5 versions verified" in out
+
+
+def test_gc_keeps_the_versions_below_an_anchor_that_fails_its_check(anchored, capsys):
+    from remote_helpers import assert_holds, empty_target
+
+    from torch_deltasync import DeltaReceiver
+    from torch_deltasync.manifest import load_manifest
+    from torch_deltasync.manifest import list_versions
+
+    store, model = anchored
+    _flip(store, load_manifest(store, 10).anchor_objects[0].key)
+    assert main(["gc", str(store.root), "--grace-s", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "passed over anchor 10:" in out and "has sha256" in out and "cut anchor 5" in out
+    assert list_versions(store) == list(range(5, 15))  # 0..4 went; 5..14 stay
+    # the newest version is still reachable without the bad anchor: anchor 5, then deltas through 10's delta part
+    target = empty_target()
+    receiver = DeltaReceiver(target, store)
+    receiver.update(5)
+    receiver.update(9)
+    assert receiver.update() == 14 and receiver.last_stats.path == "delta"
+    assert_holds(target, model, 14)
+
+
+def test_gc_right_after_a_run_says_there_is_nothing_to_delete(run, capsys):
+    store, _ = run
+    assert main(["gc", str(store.root)]) == 0  # default grace: 60 s, every anchor is younger
+    out = capsys.readouterr().out
+    assert "none" not in out and "no cut anchor: anchor 0 is only" in out
+    assert "keep     5 versions (0..4)" in out and "delete   nothing" in out and "nothing to delete" in out
+
+
+# --- help, inspect from a store, demo memory and bytes ------------------------------------------------
+
+
+@pytest.mark.parametrize("command, shown", [
+    ("follow", ["--poll POLL           seconds between polls (default: 0.2)", "(default: 60.0)", "(default: 120.0)"]),
+    ("gc", ["(default: 60.0)", "(default: 0)"]),
+    ("demo", ["(default: 50)", "(default: small)", "(default: 3e-06)", "(default: runs/demo)"]),
+    ("ls", ["(default: 120.0)"]),
+    ("verify", ["(default: 120.0)"]),
+    ("serve-buffer", ["(default: 8088)", "(default: 4096)", "(default: reject)"]),
+])
+def test_help_shows_defaults(capsys, command, shown):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for text in shown:
+        assert " ".join(text.split()) in out, text
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_inspect_reads_from_a_store(capsys):
+    import uuid
+
+    from torch_deltasync import open_store
+
+    uri = f"memory://inspect-{uuid.uuid4().hex[:8]}/runs"
+    store = open_store(uri)
+    w = {"w": torch.zeros(64)}
+    sender = DeltaSender(w, store, prefix="grpo", codec="raw")
+    sender.publish()
+    w["w"][:3] = 1.0
+    sender.publish()
+    key = "objects/000000000001/delta-r00000-of00001.safetensors"
+    assert main(["inspect", f"{uri}/grpo/{key}"]) == 0
+    out = capsys.readouterr().out
+    assert "1 changed tensors, 3 changed elements" in out and "4.688%" in out  # 3 of 64
+    assert "size and sha256 match the manifest of version 1" in out
+    assert main(["inspect", uri, "--prefix", "grpo", "--version", "1"]) == 0
+    assert "version 1 (delta, base 0, anchor 0)" in capsys.readouterr().out
+    assert main(["inspect", uri, "versions/000000000001.json", "--prefix", "grpo"]) == 0
+    assert "version 1 (delta, base 0, anchor 0)" in capsys.readouterr().out
+    sub = store.sub("grpo")
+    data = bytearray(sub.get(key))
+    data[-1] ^= 0x01
+    sub.put(key, bytes(data))
+    assert main(["inspect", f"{uri}/grpo/{key}"]) == 1
+    assert "size and sha256 DO NOT match the manifest of version 1" in capsys.readouterr().out
+    assert main(["inspect", f"{uri}/grpo/something-else"]) == 2
+    assert "give the store and the key" in capsys.readouterr().err
+
+
+def _qwen3_parameters(c: dict) -> int:
+    """Parameters of a Qwen3ForCausalLM config, counted from its shapes (untied head, no biases)."""
+    h, hd = c["hidden_size"], c["head_dim"]
+    attn = h * c["num_attention_heads"] * hd * 2 + h * c["num_key_value_heads"] * hd * 2 + 2 * hd
+    layer = attn + 3 * h * c["intermediate_size"] + 2 * h
+    return 2 * c["vocab_size"] * h + c["num_hidden_layers"] * layer + h
+
+
+def test_demo_7b_is_refused_with_a_memory_estimate(tmp_path, capsys):
+    from torch_deltasync.testing import QWEN3_SIZES
+
+    n = _qwen3_parameters(QWEN3_SIZES["7b"])
+    assert main(["demo", "--size", "7b", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    need = 28 * n + 2 * (1 << 30)  # 28 B a parameter (trainer 20, sender 4, receiver 4), 1 GiB a process
+    assert f"({n / 1e9:.2f}B parameters) needs about {need / 2**30:.1f} GiB" in err
+    assert "available. Pick a smaller --size" in err
+    assert not (tmp_path / "run").exists()  # refused before anything was built
+
+
+def test_demo_byte_counts_are_the_stored_objects(tmp_path, capsys):
+    from torch_deltasync import LocalStore
+
+    assert main(["demo", "--steps", "3", "--size", "tiny", "--run-dir", str(tmp_path), "--anchor-every", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory: about ")
+    store = LocalStore(tmp_path / "bucket")
+    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == [0, 1, 2]
+    for r in rows:
+        on_disk = sum(p.stat().st_size for p in (store.root / "objects" / f"{int(r[0]):012d}").iterdir())
+        assert int(r[4].replace(",", "")) == on_disk
+    assert main(["ls", str(store.root)]) == 0
+    listed = capsys.readouterr().out.splitlines()[1:]  # version, kind, base (blank for 0), bytes, ...
+    assert [int(line[23:35].replace(",", "")) for line in listed] == [int(r[4].replace(",", "")) for r in rows]

@@ -16,7 +16,7 @@ from torch_deltasync import (
     PublishError, StoreError, VersionNotFoundError,
 )
 from torch_deltasync.format import read_header, sha256_hex
-from torch_deltasync.manifest import manifest_key
+from torch_deltasync.manifest import manifest_key, seal_manifest
 from torch_deltasync.testing import first_difference, state_bits
 
 
@@ -58,7 +58,7 @@ def rewrite(store, version, *, tensors=None, meta=None, raw=None, manifest=None,
         mdoc["objects"][0]["sha256"] = sha256_hex(data)
     if manifest is not None:
         manifest(mdoc)
-    store.put(manifest_key(version), json.dumps(mdoc).encode())
+    store.put(manifest_key(version), seal_manifest(mdoc))
 
 
 def first_changed(ts):
@@ -354,6 +354,6 @@ def test_oversized_objects_are_refused_without_reading_them_whole(store, monkeyp
         return data
 
     monkeypatch.setattr(store, "get", counting_get)
-    with pytest.raises(CorruptObjectError, match="above the 1000 limit"):
+    with pytest.raises(CorruptObjectError, match=r"\(manifest of version 1\) is 100,000 bytes, above the 1,000-byte limit"):
         DeltaReceiver(make_mlp(1, torch.bfloat16), store).update(1)
     assert max(n for k, n in reads if k == manifest_key(1)) == 1001

@@ -1,5 +1,6 @@
 """``torch_deltasync.follow`` (``deltasync follow``) in one process: updates, reporting, stopping
-rules, and a corrupt version that is reported once while the model keeps what it held."""
+rules, a corrupt version that is reported once while the model keeps what it held, and store
+outages that are ridden out."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import io
 import pytest
 import torch
 
-from torch_deltasync import DeltaSender, LocalStore, VersionNotFoundError
+from helpers import PassThroughStore
+
+from torch_deltasync import DeltaSender, LocalStore, TransientStoreError, VersionNotFoundError
 from torch_deltasync.cli import main
 from torch_deltasync.follow import follow
 from torch_deltasync.manifest import load_manifest
@@ -74,4 +77,77 @@ def test_corrupt_version_is_reported_once_and_skipped(tmp_path, capsys):
     sender.publish()  # 2: anchor, so the corrupt delta is not needed any more
     report = follow(store, idle_timeout_s=0.3, poll_s=0.01, out=io.StringIO())
     assert report.versions == [2] and report.failures == []
+    assert first_difference(report.model, {n: t.to(torch.bfloat16) for n, t in w.items()}) is None
+
+
+class _Outages(PassThroughStore):
+    """A store that answers HTTP 503 (as a :class:`TransientStoreError`, the store's retries spent)
+    to its next ``left`` calls; ``hook(key)`` runs before every ``get`` and may start an outage."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.left = 0
+        self.refused = 0
+        self.hook = None
+
+    def _gate(self, key):
+        if self.left > 0:
+            self.left -= 1
+            self.refused += 1
+            raise TransientStoreError(f"{self.describe()}: cannot read {key!r}: HTTP 503 SlowDown "
+                                      "(gave up after 6 attempts)")
+
+    def get(self, key, *, start=None, end=None):
+        if self.hook is not None:
+            self.hook(key)
+        self._gate(key)
+        return super().get(key, start=start, end=end)
+
+    def exists(self, key):
+        self._gate(key)
+        return super().exists(key)
+
+    def list(self, prefix=""):
+        self._gate(prefix)
+        return super().list(prefix)
+
+    def size(self, key):
+        self._gate(key)
+        return super().size(key)
+
+
+def test_follow_rides_out_store_outages(tmp_path):
+    """Bursts of 503s longer than the store's retries (``newest_version()`` used to be called
+    outside any ``try``, so the first burst ended ``deltasync follow`` with exit 2): while waiting
+    for the first version, between updates, and in the middle of downloading one."""
+    inner = LocalStore(tmp_path)
+    w = _weights()
+    sender = DeltaSender(w, inner, anchor_every=100)
+    sender.publish()  # 0
+    _step(w, 1)
+    sender.publish()  # 1
+    store = _Outages(inner)
+    store.left = 25  # 1. the store is down when the follower starts
+    stage = []
+
+    def hook(key):
+        if key.startswith("objects/000000000001/") and not stage:
+            stage.append("holding 1")
+        elif key == "LATEST" and stage == ["holding 1"]:  # 2. down between updates, as version 2 lands
+            stage.append("between")
+            _step(w, 2)
+            sender.publish()
+            store.left = 30
+        elif key.startswith("objects/000000000002/") and stage == ["holding 1", "between"]:
+            stage.append("mid-update")  # 3. down while version 2's objects are read
+            store.left = 10
+
+    store.hook = hook
+    out = io.StringIO()
+    report = follow(store, idle_timeout_s=None, poll_s=0.0, until_version=2, out=out)
+    assert stage == ["holding 1", "between", "mid-update"] and store.refused == 65
+    assert report.versions == [1, 2] and report.failures == [] and report.outages == 3
+    printed = out.getvalue()
+    assert printed.count("store unavailable (TransientStoreError:") == 3 and "HTTP 503 SlowDown" in printed
+    assert printed.count("store available again") == 3
     assert first_difference(report.model, {n: t.to(torch.bfloat16) for n, t in w.items()}) is None

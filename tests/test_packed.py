@@ -24,7 +24,7 @@ from torch_deltasync import (
 )
 from torch_deltasync._dtypes import bits
 from torch_deltasync.codec import TensorDelta
-from torch_deltasync.manifest import load_manifest
+from torch_deltasync.manifest import load_manifest, seal_manifest
 from torch_deltasync.packed import PackedCodec, _leb128_decode, _leb128_encode
 from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3
 
@@ -705,7 +705,7 @@ def test_receiver_refuses_a_tampered_packed_object(tmp_path, tamper):
     store.put(key, bad)
     doc = json.loads(store.get(manifest_key(v)))
     doc["objects"][0].update(nbytes=len(bad), sha256=sha256_hex(bad))
-    store.put(manifest_key(v), json.dumps(doc).encode())
+    store.put(manifest_key(v), seal_manifest(doc))
 
     with pytest.raises(CorruptObjectError):
         receiver.update()

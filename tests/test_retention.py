@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 import pytest
 
 from torch_deltasync import (DeltaReceiver, DeltaSender, LocalStore, PublishError, RetentionPolicy, StoreError,
                              VersionNotFoundError, collect_garbage)
 from torch_deltasync.cli import main as cli_main
-from torch_deltasync.manifest import list_versions, load_manifest, manifest_key
+from torch_deltasync.manifest import list_versions, load_manifest, manifest_key, seal_manifest
 from torch_deltasync.retention import apply_retention, plan_retention
 from torch_deltasync.store.base import Store
 
@@ -65,7 +64,7 @@ def folders(store) -> list[int]:
 def set_created_at(store, version, t):
     doc = json.loads(store.get(manifest_key(version)))
     doc["created_at"] = t
-    store.put(manifest_key(version), json.dumps(doc).encode())
+    store.put(manifest_key(version), seal_manifest(doc))
 
 
 @pytest.fixture
@@ -190,6 +189,55 @@ def test_unreadable_manifests(store, caplog):
     assert "unreadable" in caplog.text
 
 
+def _corrupt(store, version, kind="anchor"):
+    key = next(o.key for o in load_manifest(store, version).objects if o.kind == kind)
+    data = bytearray(store.get(key))
+    data[len(data) // 2] ^= 0x10
+    store.put(key, bytes(data))
+    return key
+
+
+def test_the_cut_anchor_is_checked_before_anything_below_it_goes(store):
+    """A corrupt cut anchor would be the only way in for new receivers once the versions below it
+    are gone: the cut moves to the next older anchor whose objects check out."""
+    _, model = publish(store, range(22))  # anchors 0, 5, 10, 15, 20
+    key = _corrupt(store, 20)
+    trusting = plan_retention(store, RetentionPolicy(verify_cut=False))
+    assert trusting.cut == 20  # what retention did before: 0..19 would go
+    plan = collect_garbage(store)
+    assert (plan.cut, plan.keep, plan.delete) == (15, tuple(range(15, 22)), tuple(range(15)))
+    assert len(plan.rejected) == 1 and plan.rejected[0].startswith(f"anchor 20: version 20: {key} has sha256 ")
+    assert "passed over anchor 20: version 20:" in str(plan) and "cut anchor 15" in str(plan)
+    target = empty_target()  # a new receiver: anchor 15, then the deltas, through 20's delta part
+    receiver = DeltaReceiver(target, store)
+    receiver.update(19)
+    assert receiver.update() == 21
+    assert_holds(target, model, 21)
+
+
+def test_a_missing_anchor_object_and_no_sound_anchor_delete_nothing(store):
+    publish(store, range(12))  # anchors 0, 5, 10
+    store.delete(load_manifest(store, 10).anchor_objects[0].key)
+    _corrupt(store, 5)
+    plan = collect_garbage(store)
+    assert plan.cut == 0 and plan.delete == () and plan.empty  # anchor 0 has nothing below it: not read
+    assert [r.split(":")[0] for r in plan.rejected] == ["anchor 10", "anchor 5"]
+    assert "no object 'objects/000000000010/anchor-r00000-of00001.safetensors'" in plan.rejected[0]
+    assert list_versions(store) == list(range(12))
+
+
+def test_the_cut_anchor_is_read_only_when_something_would_go(store):
+    publish(store, range(12))
+    rec = Recording(store)
+    reads = []
+    rec.on_get = reads.append
+    collect_garbage(rec)
+    anchor_key = load_manifest(store, 10).anchor_objects[0].key
+    assert reads.count(anchor_key) >= 1 and list_versions(store) == [10, 11]
+    reads.clear()
+    assert collect_garbage(rec).empty and anchor_key not in reads  # nothing below the cut: no read
+
+
 def test_dry_run_and_cli(store, capsys):
     publish(store, range(12))
     plan = collect_garbage(store, dry_run=True)
@@ -272,7 +320,8 @@ def test_chain_deleted_during_an_update_is_replanned(store):
 
     rec.on_get = race
     assert receiver.update() == 21
-    assert fired and fired[0].startswith("objects/000000000017/")
+    # the race fired on the first object read of the planned chain 17..19 (read in parallel)
+    assert fired and fired[0].split("/")[1] in ("000000000017", "000000000018", "000000000019")
     assert receiver.last_stats.path == "anchor"
     assert_holds(target, model, 21)
     rec.on_get = None
@@ -280,54 +329,79 @@ def test_chain_deleted_during_an_update_is_replanned(store):
         receiver.update(18)  # an explicit version that is gone stays an error
 
 
+@pytest.mark.timeout(300)
 def test_retention_while_receivers_read(store):
-    """A writer publishes 60 versions and collects garbage after every anchor while 4 receivers with
-    different lags follow; every version any receiver holds is bit-exact."""
+    """A writer publishes 60 versions and collects garbage after every anchor while 4 receivers
+    follow it at different lags (counted in versions, not seconds); every version any receiver
+    holds is bit-exact. Receivers wait on the writer's progress, never on the clock: the slowest
+    one holds version 3, then waits until retention has deleted that chain (anchor 30 collected)
+    and must recover from the newest anchor."""
     model = StepModel(seed=7)
-    done = threading.Event()
+    progress = threading.Condition()
+    published = [-1]  # newest version whose publish() returned (retention included)
     failures: list[str] = []
-    lags = [0.0, 0.01, 0.05, 0.2]
+    lags = [1, 2, 7, 7]  # versions a receiver lets pass before updating again
     targets = [empty_target() for _ in lags]
     recovered = [0] * len(lags)
     checked = [0] * len(lags)
+    last = 59
+
+    def reached(v):
+        with progress:
+            progress.wait_for(lambda: published[0] >= v)
+
+    holds_3 = threading.Event()  # the slowest receiver holds version 3; the writer may publish anchor 5
 
     def follow(i):
         receiver = DeltaReceiver(targets[i], LocalStore(store.root, fsync=False))
         check = StepModel(seed=7)
         try:
+            want = 0
+            if i == len(lags) - 1:
+                reached(3)
+                receiver.update(3)
+                assert_holds(targets[i], check, 3)
+                holds_3.set()
+                want = 30  # fall behind the retained range: anchors 5..30 are collected meanwhile
             while True:
-                finished = done.is_set()
-                try:
-                    v = receiver.update()
-                except VersionNotFoundError:
-                    v = None  # nothing published yet
-                if v is not None:
-                    assert_holds(targets[i], check, v)  # version v == step v in this run
-                    checked[i] += 1
-                    st = receiver.last_stats
-                    if (st and st.path == "anchor" and st.from_version is not None
-                            and not store.exists(manifest_key(st.from_version))):
-                        recovered[i] += 1  # held a version retention had deleted
-                if finished:
+                reached(want)
+                v = receiver.update()
+                assert_holds(targets[i], check, v)  # version v == step v in this run
+                checked[i] += 1
+                st = receiver.last_stats
+                if (st and st.path == "anchor" and st.from_version is not None
+                        and not store.exists(manifest_key(st.from_version))):
+                    recovered[i] += 1  # held a version retention had deleted
+                if v == last:
                     return
-                time.sleep(lags[i])
+                want = min(last, v + lags[i])
         except Exception as e:  # noqa: BLE001 - reported below
             failures.append(f"receiver {i}: {type(e).__name__}: {e}")
+        finally:
+            holds_3.set()
 
     threads = [threading.Thread(target=follow, args=(i,)) for i in range(len(lags))]
     for t in threads:
         t.start()
     sender = DeltaSender(model.tensors, store, anchor_every=5, retention=RetentionPolicy())
-    for step in range(60):
-        model.set_step(step)
-        sender.publish()
-        time.sleep(0.005)
-    done.set()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a receiver hung"
+    try:
+        for step in range(last + 1):
+            if step == 5:
+                holds_3.wait()
+            model.set_step(step)
+            v = sender.publish()
+            with progress:
+                published[0] = v
+                progress.notify_all()
+    finally:
+        with progress:
+            published[0] = max(published[0], last)  # release the receivers even if a publish failed
+            progress.notify_all()
+        for t in threads:
+            t.join()
     assert not failures, failures
-    for i, t in enumerate(targets):
-        assert_holds(t, model, 59)
+    for t in targets:
+        assert_holds(t, model, last)
     assert list_versions(store) == [55, 56, 57, 58, 59]
-    assert recovered[-1] >= 1  # the slowest receiver fell behind the retained range and recovered
+    assert recovered[-1] >= 1 and checked[-1] >= 3  # the slowest receiver recovered from the newest anchor
+    assert all(c >= 2 for c in checked)

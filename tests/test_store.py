@@ -8,22 +8,22 @@ from torch_deltasync import CorruptObjectError, LocalStore, ObjectNotFoundError,
 from torch_deltasync.store.base import check_key
 
 BAD_KEYS = [
-    ("", "empty"),
-    ("/etc/passwd", "absolute path"),
-    ("../x", "parent directory"),
-    ("a/../../x", "parent directory inside"),
-    ("a//b", "empty segment"),
-    ("a/./b", "dot segment"),
-    ("a\\b", "backslash"),
-    ("a/b\x00", "control character"),
-    ("a/", "trailing slash"),
-    ("x" * 2000, "too long"),
+    ("", r"'': empty", "empty"),
+    ("/etc/passwd", "absolute", "absolute path"),
+    ("../x", r"segment '\.\.' is not allowed", "parent directory"),
+    ("a/../../x", r"segment '\.\.' is not allowed", "parent directory inside"),
+    ("a//b", "segment '' is not allowed", "empty segment"),
+    ("a/./b", r"segment '\.' is not allowed", "dot segment"),
+    ("a\\b", r"segment 'a\\\\b' is not allowed", "backslash"),
+    ("a/b\x00", r"segment 'b\\x00' is not allowed", "control character"),
+    ("a/", "ends with '/'", "trailing slash"),
+    ("x" * 2000, "2000 characters, at most 1024", "too long"),
 ]
 
 
-@pytest.mark.parametrize("key,why", BAD_KEYS)
-def test_bad_keys_are_refused(key, why):
-    with pytest.raises(CorruptObjectError):
+@pytest.mark.parametrize("key,match,why", BAD_KEYS, ids=[w for *_, w in BAD_KEYS])
+def test_bad_keys_are_refused(key, match, why):
+    with pytest.raises(CorruptObjectError, match=match):
         check_key(key)
 
 
@@ -59,7 +59,7 @@ def test_prefix_views_are_isolated(any_store):
     b.put("LATEST", b"2")
     assert a.get("LATEST") == b"1" and b.get("LATEST") == b"2"
     assert a.list() == ["LATEST"]
-    with pytest.raises(CorruptObjectError):
+    with pytest.raises(CorruptObjectError, match=r"segment '\.\.' is not allowed"):
         any_store.sub("../escape")
 
 
@@ -110,7 +110,157 @@ def test_sweep_removes_only_old_temporaries(tmp_path):
     assert not old.exists() and young.exists() and s.get("objects/1/a") == b"kept"
 
 
-@pytest.mark.parametrize("uri", ["file://", "file://relative/path", "memory://a/../b", "memory://a//b"])
-def test_malformed_uris_are_refused(uri):
-    with pytest.raises((ValueError, CorruptObjectError)):
+@pytest.mark.parametrize("uri,match", [
+    ("file://", "a file URI names an absolute folder"),
+    ("file://relative/path", "a file URI names an absolute folder"),
+    ("memory://a/../b", r"segment '\.\.' is not allowed"),
+    ("memory://a//b", "segment '' is not allowed"),
+    ("foo://bucket/run", r"'foo://bucket/run': unknown store scheme 'foo://'"),  # fsspec: "Protocol not known: foo"
+])
+def test_malformed_uris_are_refused(uri, match):
+    with pytest.raises((ValueError, CorruptObjectError), match=match):
         open_store(uri)
+
+
+# --- a store that is not there, a file in the way, links leading outside ----------------------------
+
+
+def _receiver(store):
+    import torch
+
+    from torch_deltasync import DeltaReceiver
+
+    return DeltaReceiver({"w": torch.zeros(3, dtype=torch.bfloat16)}, store)
+
+
+def test_a_missing_folder_reads_as_no_version_and_says_the_folder_does_not_exist(tmp_path):
+    from torch_deltasync import VersionNotFoundError
+
+    missing = tmp_path / "no" / "such" / "bucket"
+    with pytest.raises(VersionNotFoundError, match=rf"no version has been published yet: the folder {missing} does not exist"):
+        _receiver(str(missing)).update()
+    existing = tmp_path / "empty"
+    existing.mkdir()
+    with pytest.raises(VersionNotFoundError) as e:
+        _receiver(str(existing)).update()
+    assert str(e.value).endswith("no version has been published yet")  # a run that has not started
+    assert not (tmp_path / "no").exists()  # readers create nothing
+
+
+def test_a_file_in_the_path_is_named_and_not_hidden_by_the_clean_up(tmp_path):
+    """``put`` used to raise a bare NotADirectoryError about its own temporary file (the clean-up
+    failing inside the error handler hid the real error)."""
+    from torch_deltasync import StoreError, StoreNotFoundError
+
+    (tmp_path / "afile").write_bytes(b"x")
+    s = LocalStore(tmp_path / "afile" / "bucket")
+    msg = rf"{tmp_path / 'afile'} is a file, not a folder, so no store can be there"
+    with pytest.raises(StoreNotFoundError, match=msg):
+        s.put("objects/000000000001/a.safetensors", b"data")
+    for read in (lambda: s.list("versions"), lambda: s.get("LATEST"), lambda: s.exists("LATEST"),
+                 lambda: s.size("LATEST")):
+        with pytest.raises(StoreNotFoundError, match=msg):
+            read()
+    with pytest.raises(StoreNotFoundError, match=msg):
+        _receiver(s).update()
+    # inside a store: the file that stands where a folder should be is named
+    inside = LocalStore(tmp_path / "ok")
+    inside.put("objects", b"not a folder")
+    with pytest.raises(StoreError, match=rf"{tmp_path / 'ok' / 'objects'} \(inside the store\) is a file"):
+        inside.put("objects/000000000001/a.safetensors", b"data")
+    with pytest.raises(ObjectNotFoundError, match="no object 'objects/000000000001/a.safetensors'"):
+        inside.get("objects/000000000001/a.safetensors")
+    assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["objects"]  # no temporary file left
+
+
+def test_links_leading_outside_the_root_are_not_followed(tmp_path):
+    import os
+
+    from torch_deltasync import StoreError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret bytes")
+    s = LocalStore(tmp_path / "s")
+    s.put("versions/000000000000.json", b"{}")
+    os.symlink(outside / "secret", tmp_path / "s" / "versions" / "000000000001.json")  # a linked file
+    os.symlink(outside, tmp_path / "s" / "objects")  # a linked folder
+    os.symlink(tmp_path / "s" / "versions" / "000000000000.json", tmp_path / "s" / "inside-link")
+    for call in (lambda: s.get("versions/000000000001.json"), lambda: s.size("versions/000000000001.json"),
+                 lambda: s.exists("versions/000000000001.json"), lambda: s.get("objects/secret"),
+                 lambda: s.put("objects/000000000001/a.safetensors", b"x")):
+        with pytest.raises(StoreError, match=rf"leads outside the store through a symbolic link \(to {outside}"):
+            call()
+    assert s.list() == ["inside-link", "versions/000000000000.json"]  # the links to elsewhere are left out
+    assert s.get("inside-link") == b"{}"  # a link that stays inside is an ordinary key
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]  # nothing was written outside
+    s.delete("versions/000000000001.json")  # deleting removes the link, never its target
+    assert (outside / "secret").read_bytes() == b"secret bytes"
+
+
+# --- deadlines on every store call ------------------------------------------------------------------
+
+
+class _Hangs(LocalStore):
+    """A custom store (a subclass the library does not know) whose ``get`` blocks until released."""
+
+    needs_deadline = True
+
+    def __init__(self, root):
+        import threading
+
+        super().__init__(root, fsync=False)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def get(self, key, *, start=None, end=None):
+        self.entered.set()
+        self.release.wait()
+        return super().get(key, start=start, end=end)
+
+
+@pytest.fixture
+def hangs(tmp_path):
+    s = _Hangs(tmp_path / "h")
+    yield s
+    s.release.set()  # let the abandoned call finish
+
+
+@pytest.mark.timeout(60)
+def test_a_store_call_that_never_returns_fails_at_its_deadline(hangs):
+    import torch
+
+    from torch_deltasync import DeltaReceiver, DeltaSender, TransientStoreError
+    from torch_deltasync.store import DeadlineStore
+
+    DeltaSender({"w": torch.ones(3)}, hangs).publish()
+    receiver = DeltaReceiver({"w": torch.zeros(3, dtype=torch.bfloat16)}, open_store(hangs, timeout_s=0.2))
+    with pytest.raises(TransientStoreError, match=r"cannot read '.*': no answer within 0\.2 s \(the store call deadline"):
+        receiver.update()
+    assert hangs.entered.is_set() and not hangs.release.is_set()  # it returned while the call still hung
+    assert receiver.version is None
+    # without options, a custom store gets the default deadline
+    default = DeltaReceiver({"w": torch.zeros(3, dtype=torch.bfloat16)}, hangs).store
+    assert isinstance(default, DeadlineStore) and default.inner is hangs and default.timeout_s == 120.0
+
+
+def test_open_store_deadlines(tmp_path):
+    from torch_deltasync.store import DeadlineStore, FsspecStore
+
+    local = LocalStore(tmp_path)
+    assert open_store(local) is local and open_store(str(tmp_path)).needs_deadline is False
+    wrapped = open_store(str(tmp_path), timeout_s=5)
+    assert isinstance(wrapped, DeadlineStore) and wrapped.timeout_s == 5 and isinstance(wrapped.inner, LocalStore)
+    mem = open_store("memory://deadline/x", timeout_s=7)
+    assert isinstance(mem, FsspecStore) and mem.retry.timeout_s == 7
+    with pytest.raises(ValueError, match="already has its deadline"):
+        open_store(local, timeout_s=3)
+    with pytest.raises(ValueError, match="either timeout_s or retry"):
+        from torch_deltasync.store import RetryPolicy
+
+        open_store("memory://deadline/y", timeout_s=3, retry=RetryPolicy())
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        open_store(str(tmp_path), timeout_s=0)
+    custom = _Hangs(tmp_path / "c")
+    custom.release.set()
+    assert open_store(custom, timeout_s=None) is custom  # explicitly no deadline

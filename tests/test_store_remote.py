@@ -5,7 +5,6 @@ retry/deadline layer (``store/retry.py``)."""
 from __future__ import annotations
 
 import errno
-import time
 import uuid
 
 import pytest
@@ -51,14 +50,15 @@ def test_open_store_routes_each_scheme(tmp_path, s3):
     assert open_store(local) is local
 
 
-@pytest.mark.parametrize("uri, reason", [
-    ("hf://datasets/org/name", "only buckets are stores"),
-    ("hf://buckets/only-namespace", "no bucket name"),
-    ("hf://buckets/org/b/../escape", "prefix escapes"),
-    ("s3://", "no bucket"),
+@pytest.mark.parametrize("uri, match, reason", [
+    ("hf://datasets/org/name", "only Hugging Face Buckets are supported", "only buckets are stores"),
+    ("hf://buckets/only-namespace", r"expected hf://buckets/<namespace>/<bucket>", "no bucket name"),
+    ("hf://buckets/org/b/../escape", r"segment '\.\.' is not allowed", "prefix escapes"),
+    ("s3://", "names no bucket", "no bucket"),
+    ("nope://bucket/x", r"'nope://bucket/x': unknown store scheme 'nope://'", "unknown scheme, named with the URI"),
 ])
-def test_open_store_rejects_bad_uris(uri, reason):
-    with pytest.raises(ValueError):
+def test_open_store_rejects_bad_uris(uri, match, reason):
+    with pytest.raises(ValueError, match=match):
         open_store(uri, api=object()) if uri.startswith("hf://") else open_store(uri)
 
 
@@ -108,10 +108,14 @@ def test_missing_object_error_names_store_and_key(store):
         store.size("nope")
 
 
-@pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/./b", "a\\b", ""])
-def test_invalid_keys_are_refused_before_any_io(store, key):
-    with pytest.raises(CorruptObjectError):
+@pytest.mark.parametrize("key, match", [
+    ("../x", r"segment '\.\.'"), ("/abs", "absolute"), ("a//b", "segment ''"), ("a/./b", r"segment '\.'"),
+    ("a\\b", r"segment 'a\\\\b'"), ("", "empty"),
+])
+def test_invalid_keys_are_refused_before_any_io(store, key, match):
+    with pytest.raises(CorruptObjectError, match=match):
         store.put(key, b"x")
+    assert store.list() == []
 
 
 def test_empty_object(store):
@@ -217,6 +221,32 @@ def test_unreachable_endpoint_is_transient_and_named():
     assert "s3://nobucket/x" in msg and "versions/000000000001.json" in msg and "2 attempts" in msg
 
 
+def test_a_bucket_that_does_not_exist_is_named_everywhere(s3, capsys):
+    """A mistyped bucket used to read as "no object ..." (publish), "no versions" with exit 0
+    (``deltasync ls``) and "no version has been published yet" (receivers)."""
+    import torch
+
+    from torch_deltasync import DeltaReceiver, DeltaSender, StoreNotFoundError
+    from torch_deltasync.cli import main
+
+    uri = "s3://no-such-bucket/run"
+    store = open_store(uri, endpoint_url=s3, retry=FAST)
+    named = rf"s3://no-such-bucket/run \(endpoint {s3}\): the bucket does not exist"
+    for call in (lambda: store.list("versions"), lambda: store.get("LATEST"), lambda: store.exists("LATEST"),
+                 lambda: store.size("LATEST"), lambda: store.put("k", b"v"), lambda: store.put_new("k", b"v")):
+        with pytest.raises(StoreNotFoundError, match=named):
+            call()
+    with pytest.raises(StoreNotFoundError, match=named):
+        DeltaReceiver({"w": torch.zeros(3, dtype=torch.bfloat16)}, store).update()
+    with pytest.raises(StoreNotFoundError, match=named):
+        DeltaSender({"w": torch.ones(3)}, store).publish()
+    with s3_env({"AWS_ENDPOINT_URL": s3}):
+        for cmd in (["ls", uri], ["verify", uri], ["gc", uri], ["follow", uri, "--idle-timeout", "1"]):
+            assert main(cmd) == 2, cmd
+            captured = capsys.readouterr()
+            assert "the bucket does not exist" in captured.err and "no version" not in captured.out, cmd
+
+
 # --- retry layer ---------------------------------------------------------------------------------
 
 
@@ -247,6 +277,8 @@ CLASSIFY_TABLE = [
     (TransientStoreError("x"), "transient", "a store that already classified it"),
     (StoreError("x"), "fatal", "a store error that is not transient"),
     (CorruptObjectError("bad key"), "reraise", "not a store failure"),
+    (_Err({"Error": {"Code": "NoSuchBucket"}, "ResponseMetadata": {"HTTPStatusCode": 404}}), "no_store",
+     "a missing bucket is not a missing key"),
     (ValueError("x"), "fatal", "anything else"),
 ]
 
@@ -266,20 +298,22 @@ def test_classify_looks_at_the_cause_chain():
         assert classify_error(e) == "transient"
 
 
-def test_transient_failures_are_retried_until_success():
-    calls = []
+def test_transient_failures_are_retried_until_success(monkeypatch):
+    from torch_deltasync.store import retry as retry_mod
+
+    calls, slept = [], []
+    monkeypatch.setattr(retry_mod, "_sleep", slept.append)  # record the backoff instead of waiting
 
     def fn():
-        calls.append(time.monotonic())
+        calls.append(len(slept))  # how many sleeps came before this attempt
         if len(calls) < 3:
             raise ConnectionResetError("reset")
         return "ok"
 
     policy = RetryPolicy(attempts=5, base_delay_s=0.02, max_delay_s=1.0, jitter=0.0, timeout_s=None)
     assert call_with_retry(fn, policy=policy, store="s://x", op="read", key="k") == "ok"
-    assert len(calls) == 3
-    gaps = [b - a for a, b in zip(calls, calls[1:])]
-    assert gaps[0] >= 0.02 and gaps[1] >= 0.04  # exponential backoff: 0.02 s, then 0.04 s
+    assert calls == [0, 1, 2]  # one sleep between consecutive attempts
+    assert slept == [0.02, 0.04]  # exponential backoff: 0.02 s, then 0.04 s
 
 
 def test_fatal_and_missing_are_not_retried():
@@ -311,23 +345,28 @@ def test_giving_up_names_store_key_cause_and_attempts():
                             "(gave up after 4 attempts)")
 
 
+@pytest.mark.timeout(60)
 def test_deadline_abandons_a_hung_call_and_retries():
+    import threading
+
+    release = threading.Event()  # a hung socket: blocks until the test ends
     calls = []
 
     def hangs_once():
         calls.append(1)
         if len(calls) == 1:
-            time.sleep(1.0)  # a hung socket
+            release.wait()
         return b"data"
 
     policy = RetryPolicy(attempts=3, base_delay_s=0.0, timeout_s=0.1)
-    t = time.monotonic()
-    assert call_with_retry(hangs_once, policy=policy, store="s", op="read", key="k") == b"data"
-    assert time.monotonic() - t < 0.9 and len(calls) == 2
-
-    with pytest.raises(TransientStoreError, match=r"timed out after 0\.1 s \(gave up after 2 attempts\)"):
-        call_with_retry(lambda: time.sleep(0.5), policy=RetryPolicy(attempts=2, base_delay_s=0, timeout_s=0.1),
-                        store="s", op="read", key="k")
+    try:
+        assert call_with_retry(hangs_once, policy=policy, store="s", op="read", key="k") == b"data"
+        assert len(calls) == 2 and not release.is_set()  # answered by the retry while the first still hangs
+        with pytest.raises(TransientStoreError, match=r"timed out after 0\.1 s \(gave up after 2 attempts\)"):
+            call_with_retry(release.wait, policy=RetryPolicy(attempts=2, base_delay_s=0, timeout_s=0.1),
+                            store="s", op="read", key="k")
+    finally:
+        release.set()
 
 
 def test_deadline_grows_with_known_bytes():
@@ -347,16 +386,16 @@ def test_backoff_is_exponential_capped_and_jittered():
     assert 0.5 <= min(delays) < 0.6 and 0.9 < max(delays) <= 1.0
 
 
-@pytest.mark.parametrize("kwargs, reason", [
-    (dict(attempts=0), "at least one attempt"),
-    (dict(attempts=1.5), "attempts is an integer"),
-    (dict(jitter=1.5), "jitter is a fraction"),
-    (dict(timeout_s=0), "a zero deadline never succeeds"),
-    (dict(base_delay_s=-1), "negative sleep"),
-    (dict(min_bytes_per_s=0), "division by zero"),
+@pytest.mark.parametrize("kwargs, match, reason", [
+    (dict(attempts=0), "attempts must be an integer >= 1, got 0", "at least one attempt"),
+    (dict(attempts=1.5), "attempts must be an integer >= 1, got 1.5", "attempts is an integer"),
+    (dict(jitter=1.5), r"jitter must be in \[0, 1\], got 1.5", "jitter is a fraction"),
+    (dict(timeout_s=0), "timeout_s must be > 0 or None, got 0", "a zero deadline never succeeds"),
+    (dict(base_delay_s=-1), "base_delay_s and max_delay_s must be >= 0", "negative sleep"),
+    (dict(min_bytes_per_s=0), "min_bytes_per_s must be > 0, got 0", "division by zero"),
 ])
-def test_retry_policy_rejects_bad_values(kwargs, reason):
-    with pytest.raises(ValueError):
+def test_retry_policy_rejects_bad_values(kwargs, match, reason):
+    with pytest.raises(ValueError, match=match):
         RetryPolicy(**kwargs)
 
 

@@ -31,7 +31,7 @@ from torch_deltasync import (  # noqa: E402
 )
 from torch_deltasync.checksum import check_partials, tensor_checksum  # noqa: E402
 from torch_deltasync.format import read_header, sha256_hex  # noqa: E402
-from torch_deltasync.manifest import load_manifest, manifest_key  # noqa: E402
+from torch_deltasync.manifest import load_manifest, manifest_key, seal_manifest  # noqa: E402
 from torch_deltasync.targets.vllm import VLLMTarget  # noqa: E402
 from torch_deltasync.testing import adam_step  # noqa: E402
 from torch_deltasync.testing_vllm import (  # noqa: E402
@@ -270,7 +270,7 @@ def _resign(store, version: int, key: str, data: bytes) -> None:
     for o in doc["objects"]:
         if o["key"] == key:
             o["nbytes"], o["sha256"] = len(data), sha256_hex(data)
-    store.put(manifest_key(version), json.dumps(doc).encode())
+    store.put(manifest_key(version), seal_manifest(doc))
 
 
 @pytest.fixture

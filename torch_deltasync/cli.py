@@ -1,20 +1,23 @@
 """The ``deltasync`` command.
 
-``deltasync inspect FILE``   metadata, tensors, changed counts and density of an object or manifest
+``deltasync inspect OBJECT`` metadata, tensors, changed counts and density of an object or manifest
+                             (a local file, a path or URI inside a store, or ``STORE KEY``)
 ``deltasync ls STORE``       versions in a store: kind, base, bytes, density
-``deltasync verify STORE``   replay the chain and check every per-tensor checksum
+``deltasync verify STORE``   replay the chain, check every per-tensor checksum and every object
 ``deltasync gc STORE``       delete old versions under a retention policy (see retention.py)
 ``deltasync follow STORE``   apply versions as they appear; density, bytes, apply latency per update
 ``deltasync demo``           trainer + receiver process through a local bucket (see demo.py)
 ``deltasync serve-buffer``   HTTP rollout service: workers POST episodes, the trainer samples
 
 ``STORE`` is anything :func:`torch_deltasync.open_store` accepts (a folder, ``file://``,
-``memory://``, ``s3://``, ``hf://buckets/...``); ``--prefix`` selects a run inside it.
+``memory://``, ``s3://``, ``hf://buckets/...``); ``--prefix`` selects a run inside it and
+``--timeout`` bounds every store call. ``--help`` shows every option with its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -58,50 +61,120 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _open_existing(uri: str, prefix: str):
-    """Open a store for reading; a local folder that does not exist is an error, not an empty store."""
-    from .store import LocalStore, open_store
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (``None``, ``False``, ``""``):
+    the help text says what leaving the option out means."""
 
-    store = open_store(uri)
-    if isinstance(store, LocalStore) and not store.root.is_dir():
-        raise FileNotFoundError(f"{store.describe()} does not exist")
-    return store.sub(prefix)
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _open(uri: str, args: argparse.Namespace):
+    """Open ``uri`` with the command's ``--timeout`` (the deadline of one store call)."""
+    from .store import open_store
+
+    return open_store(uri, timeout_s=args.timeout)
+
+
+def _open_existing(args: argparse.Namespace, uri: str | None = None):
+    """Open ``uri`` (default ``args.store``) for reading, under ``args.prefix``; a store that is not
+    there (a missing folder; a missing bucket fails on its first call) is an error, not an empty store."""
+    store = _open(args.store if uri is None else uri, args)
+    why = store.absent()
+    if why is not None:
+        raise FileNotFoundError(f"{store.describe()}: {why}")
+    return store.sub(args.prefix)
+
+
+def _timeout_arg(p: argparse.ArgumentParser) -> None:
+    from .store.retry import DEFAULT_TIMEOUT_S
+
+    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+                   help="deadline of one store call in seconds (per attempt on remote stores, plus time for "
+                        "large transfers); a call past it fails instead of hanging")
 
 
 # --- inspect -----------------------------------------------------------------------------------
 
 
+_KEY_IN_PATH = re.compile(r"(?:(.*)/)?(versions/[0-9]{12}\.json|objects/[0-9]{12}/[^/]+\.safetensors)")
+
+
 def _inspect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="an anchor/delta .safetensors object or a versions/*.json manifest")
+    p.add_argument("target", help="an object or manifest: a local file, or its path or URI inside a store "
+                                   "(runs/b/versions/000000000004.json, s3://b/run/objects/000000000004/"
+                                   "delta-r00000-of00001.safetensors); or a store, with KEY or --version")
+    p.add_argument("key", nargs="?", default=None,
+                   help="key inside the store and --prefix (versions/<v>.json or objects/<v>/<file>)")
+    p.add_argument("--prefix", default="", help="run prefix inside the store (with KEY or --version)")
+    p.add_argument("--version", type=int, default=None, help="inspect this version's manifest")
+    _timeout_arg(p)
+
+
+def _locate(args: argparse.Namespace):
+    """``(store, key)`` of what ``deltasync inspect`` names, or ``(None, path)`` for a plain local
+    file outside any store layout."""
+    from .manifest import manifest_key
+
+    if args.key is not None or args.version is not None:
+        if args.key is not None and args.version is not None:
+            raise ValueError("give KEY or --version, not both")
+        return _open_existing(args, args.target), args.key if args.key is not None else manifest_key(args.version)
+    if args.prefix:
+        raise ValueError("--prefix needs KEY or --version (a full path or URI already names the run)")
+    m = _KEY_IN_PATH.fullmatch(args.target)
+    if m is not None:
+        return _open(m.group(1) or ".", args), m.group(2)
+    if "://" in args.target:
+        raise ValueError(f"{args.target!r} does not end in versions/<v>.json or objects/<v>/<file>.safetensors; "
+                         "give the store and the key: deltasync inspect STORE KEY")
+    return None, args.target
 
 
 @command("inspect", "show an object's or manifest's metadata, tensors and changed counts", _inspect_args)
 def _inspect(args: argparse.Namespace) -> int:
-    from .errors import CorruptObjectError
-    from .format import _json_meta, read_header
-    from .manifest import Manifest
+    from .errors import CorruptObjectError, DeltaSyncError
+    from .format import _json_meta, read_header, sha256_hex
+    from .manifest import Manifest, load_manifest, parse_manifest_key
 
-    path = Path(args.file)
-    data = path.read_bytes()
-    if path.suffix == ".json":
-        m = Manifest.from_json(data)
-        _print_manifest(m)
+    store, key = _locate(args)
+    if store is None:
+        data, where, version = Path(key).read_bytes(), key, None
+    else:
+        data, where = store.get(key), f"{store.describe()}/{key}"
+        version = parse_manifest_key(key)
+        obj = re.fullmatch(r"objects/([0-9]{12})/[^/]+", key)
+        if obj is not None:
+            version = int(obj.group(1))
+    if key.endswith(".json"):
+        _print_manifest(Manifest.from_json(data, expected_version=version, where=where))
         return 0
-    header, meta = read_header(data, str(path))
-    print(f"{path} ({format_bytes(len(data))})")
+    header, meta = read_header(data, where)
+    print(f"{where} ({format_bytes(len(data))})")
     for k, v in meta.items():
         if k not in ("counts", "slices"):
             print(f"  {k}: {v}")
-    manifest = None
-    try:  # objects/<v>/x.safetensors -> versions/<v>.json next to it, for numel and density
-        manifest = Manifest.from_json((path.parent.parent.parent / "versions" / f"{path.parent.name}.json").read_bytes())
-    except (OSError, ValueError):
-        pass
+    manifest, ok = None, True
+    if store is not None and version is not None:  # the version's manifest: numel, density, sha256
+        try:
+            manifest = load_manifest(store, version)
+        except DeltaSyncError as e:
+            print(f"  manifest of version {version}: unavailable ({type(e).__name__}: {e})")
+        entry = next((o for o in manifest.objects if o.key == key), None) if manifest else None
+        if manifest is not None and entry is None:
+            ok = False
+            print(f"  NOT listed in the manifest of version {version}")
+        elif entry is not None:
+            ok = len(data) == entry.nbytes and sha256_hex(data) == entry.sha256
+            print(f"  size and sha256 {'match' if ok else 'DO NOT match'} the manifest of version {version}"
+                  + ("" if ok else f" ({entry.nbytes:,} B, sha256 {entry.sha256}): the object is corrupt"))
     numel = {t.name: t.numel for t in manifest.tensors} if manifest else {}
     if meta.get("kind") == "delta":
-        counts = _json_meta(meta, "counts", str(path))
+        counts = _json_meta(meta, "counts", where)
         if not all(type(c) is int for c in counts.values()):
-            raise CorruptObjectError(f"{path}: metadata 'counts' must map tensor names to integers")
+            raise CorruptObjectError(f"{where}: metadata 'counts' must map tensor names to integers")
         print(f"  {len(counts)} changed tensors, {sum(counts.values()):,} changed elements")
         for name, c in counts.items():
             dens = f"{c / numel[name]:8.3%}" if name in numel and numel[name] else "       ?"
@@ -109,12 +182,12 @@ def _inspect(args: argparse.Namespace) -> int:
                               if k.rpartition(":")[0] == name)
             print(f"    {name:<60s} {c:>12,} {dens}  [{parts}]")
     else:
-        slices = _json_meta(meta, "slices", str(path))
+        slices = _json_meta(meta, "slices", where)
         print(f"  {len(header)} tensors")
         for name, v in header.items():
             s = slices.get(name) if isinstance(slices.get(name), dict) else {}
             print(f"    {name:<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {s.get('offsets')}")
-    return 0
+    return 0 if ok else 1
 
 
 def _print_manifest(m) -> None:
@@ -135,13 +208,14 @@ def _print_manifest(m) -> None:
 
 def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="folder, file://, memory://, s3://... or hf://buckets/...")
-    p.add_argument("--prefix", default="", help="run prefix inside the store")
+    p.add_argument("--prefix", default="", help="run prefix inside the store (none: the store's root)")
+    _timeout_arg(p)
 
 
 @command("ls", "list the versions in a store", _store_args)
 def _ls(args: argparse.Namespace) -> int:
     from .manifest import list_versions, load_manifest
-    store = _open_existing(args.store, args.prefix)
+    store = _open_existing(args)
     versions = list_versions(store)
     if not versions:
         print(f"{store.describe()}: no versions")
@@ -164,15 +238,19 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
-    p.add_argument("--from-version", type=int, default=None, help="first version to check (default: oldest)")
+    p.add_argument("--from-version", type=int, default=None, help="first version to check (none: the oldest)")
 
 
-@command("verify", "replay every version and check every checksum", _verify_args)
+@command("verify", "replay every version, check every checksum and every object", _verify_args)
 def _verify(args: argparse.Namespace) -> int:
+    """Replay the versions in order with one receiver, as a follower would, and check what the
+    replay did not read: an anchor reached through its delta part is also rebuilt from its anchor
+    objects (a new receiver's only way in once older versions are collected), and the delta part
+    of an anchor reached through the anchor has its objects checked (size, sha256, structure)."""
     from .errors import DeltaSyncError
     from .manifest import list_versions, load_manifest
     from .receiver import DeltaReceiver
-    store = _open_existing(args.store, args.prefix)
+    store = _open_existing(args)
     versions = list_versions(store)
     if args.from_version is not None:
         versions = [v for v in versions if v >= args.from_version]
@@ -187,7 +265,8 @@ def _verify(args: argparse.Namespace) -> int:
             break
         except DeltaSyncError as e:
             unreadable[v] = e
-    receiver = DeltaReceiver(shapes.zeros(), store) if shapes is not None else None
+    target = shapes.zeros() if shapes is not None else None
+    receiver = DeltaReceiver(target, store) if target is not None else None
     failures = 0
     for v in versions:
         try:
@@ -195,12 +274,47 @@ def _verify(args: argparse.Namespace) -> int:
                 raise unreadable[v]  # no manifest of this store parses
             receiver.update(v)
             st = receiver.last_stats
-            print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B)")
+            note = " (the delta path failed; recovered from the anchor)" if st.recovered else ""
+            receiver, checked = _check_rest(receiver, target, store, receiver.manifest(v), st.path)
+            print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked}){note}")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             failures += 1
             print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")
+    if receiver is not None:
+        receiver.close()
     print(f"{len(versions) - failures}/{len(versions)} versions verified")
     return 1 if failures else 0
+
+
+def _check_rest(receiver, target, store, m, path: str):
+    """Check the objects of version ``m`` that an update along ``path`` did not read.
+
+    Returns:
+        ``(receiver, note)``: the receiver to go on with (a new one after rebuilding an anchor from
+        its anchor objects; it holds the same version) and a note for the report line.
+
+    Raises:
+        DeltaSyncError: an object fails (the target keeps the version the replay gave it).
+    """
+    from .format import decode_delta, verify_bytes
+    from .receiver import DeltaReceiver
+
+    if m.kind == "anchor" and path == "delta":
+        fresh = DeltaReceiver(target, store)  # holds nothing: the anchor path, from the anchor objects
+        try:
+            fresh.update(m.version)
+        except Exception:
+            fresh.close()
+            raise
+        receiver.close()
+        return fresh, f"; anchor objects rebuilt and checked, {m.anchor_nbytes:,} B"
+    if m.kind == "anchor" and m.has_delta and path == "anchor":
+        for o in m.delta_objects:  # applies to a version not held: bytes and structure only
+            data = store.get(o.key, start=0, end=o.nbytes + 1)
+            verify_bytes(data, o, f"version {m.version}")
+            decode_delta(data, m, o)
+        return receiver, f"; delta objects checked, {m.delta_nbytes:,} B"
+    return receiver, ""
 
 
 # --- gc ----------------------------------------------------------------------------------------
@@ -211,18 +325,23 @@ def _gc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-anchors", type=int, default=0, help="older anchors to keep below the newest one")
     p.add_argument("--grace-s", type=float, default=60.0,
                    help="only anchors visible this long count as the newest (readers get this long to finish)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not read the cut anchor back before deleting below it (see RetentionPolicy.verify_cut)")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
 
 
-@command("gc", "delete versions no receiver needs (keeps the newest anchor and everything after it)", _gc_args)
+@command("gc", "delete versions no receiver needs (keeps the newest sound anchor and everything after it)", _gc_args)
 def _gc(args: argparse.Namespace) -> int:
     from .retention import RetentionPolicy, collect_garbage
-    store = _open_existing(args.store, args.prefix)
-    plan = collect_garbage(store, RetentionPolicy(keep_anchors=args.keep_anchors, grace_s=args.grace_s),
-                           dry_run=args.dry_run)
+    store = _open_existing(args)
+    policy = RetentionPolicy(keep_anchors=args.keep_anchors, grace_s=args.grace_s, verify_cut=not args.no_verify)
+    plan = collect_garbage(store, policy, dry_run=args.dry_run)
     print(plan)
-    print("dry run: nothing deleted" if args.dry_run else
-          f"deleted {len(plan.manifest_keys)} manifests and {len(plan.object_keys)} objects")
+    if plan.empty:
+        print("nothing to delete")
+    else:
+        print("dry run: nothing deleted" if args.dry_run else
+              f"deleted {len(plan.manifest_keys)} manifests and {len(plan.object_keys)} objects")
     return 0
 
 
@@ -233,21 +352,26 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     from .testing import QWEN3_SIZES
 
     p.add_argument("--steps", type=_positive_int, default=50, help="versions to publish (one Adam step each)")
-    p.add_argument("--size", default="small", choices=sorted(QWEN3_SIZES), help="Qwen3 config")
-    p.add_argument("--lr", type=float, default=3e-6)
-    p.add_argument("--anchor-every", type=int, default=10)
-    p.add_argument("--bucket", default=None, help="local bucket folder (default: RUN_DIR/bucket, emptied first)")
-    p.add_argument("--codec", default=None, help="delta codec (default: the sender's, packed)")
-    p.add_argument("--run-dir", default="runs/demo")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="small", choices=sorted(QWEN3_SIZES),
+                   help="Qwen3 config (the demo prints the memory it needs and refuses one that does not fit)")
+    p.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")
+    p.add_argument("--anchor-every", type=int, default=10, help="publish an anchor every this many versions")
+    p.add_argument("--bucket", default=None, help="local bucket folder (none: RUN_DIR/bucket, emptied first)")
+    p.add_argument("--codec", default=None, help="delta codec (none: the sender's, packed)")
+    p.add_argument("--run-dir", default="runs/demo", help="folder for the bucket and metrics.jsonl")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the training data")
 
 
 @command("demo", "train a small Qwen3 and follow it from a receiver process, bit-exactly", _demo_args)
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    ok = run_demo(steps=args.steps, size=args.size, lr=args.lr, anchor_every=args.anchor_every,
-                  bucket=args.bucket, codec=args.codec, seed=args.seed, run_dir=args.run_dir)
+    try:
+        ok = run_demo(steps=args.steps, size=args.size, lr=args.lr, anchor_every=args.anchor_every,
+                      bucket=args.bucket, codec=args.codec, seed=args.seed, run_dir=args.run_dir)
+    except MemoryError as e:  # refused before anything was built
+        print(f"deltasync demo: error: {e}", file=sys.stderr)
+        return 2
     return 0 if ok else 1
 
 
@@ -257,13 +381,14 @@ def _demo(args: argparse.Namespace) -> int:
 def _follow_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
     p.add_argument("--model", default=None,
-                   help="HF checkpoint to receive into (default: zeros shaped from the first manifest)")
+                   help="HF checkpoint to receive into (none: zeros shaped from the first manifest)")
     p.add_argument("--poll", type=_positive_float, default=0.2, help="seconds between polls")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="stop after this many seconds without a new version (<= 0: never)")
-    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates")
-    p.add_argument("--until", type=int, default=None, help="stop once this version (or a newer one) is held")
-    p.add_argument("--metrics", default=None, help="append one JSON line per update to this file")
+    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates (none: never)")
+    p.add_argument("--until", type=int, default=None,
+                   help="stop once this version (or a newer one) is held (none: never)")
+    p.add_argument("--metrics", default=None, help="append one JSON line per update to this file (none: no file)")
     p.add_argument("--verify", action="store_true", help="also recompute every checksum after each update")
 
 
@@ -271,10 +396,11 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
 def _follow(args: argparse.Namespace) -> int:
     from .follow import follow
 
-    report = follow(args.store, prefix=args.prefix, model=args.model, poll_s=args.poll,
+    report = follow(_open(args.store, args), prefix=args.prefix, model=args.model, poll_s=args.poll,
                     idle_timeout_s=args.idle_timeout if args.idle_timeout > 0 else None,
                     max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)
-    print(f"{len(report.versions)} updates, {len(report.failures)} failed")
+    print(f"{len(report.versions)} updates, {len(report.failures)} failed"
+          + (f", store unavailable {report.outages} times (ridden out)" if report.outages else ""))
     return 1 if report.failures else 0
 
 
@@ -284,21 +410,21 @@ def _follow(args: argparse.Namespace) -> int:
 def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (plain HTTP: loopback or a private network)")
     p.add_argument("--port", type=_port, default=8088, help="TCP port (0: any free one, see --port-file)")
-    p.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once listening (none: no file)")
     p.add_argument("--capacity", type=int, default=4096, help="episodes the ring holds")
     p.add_argument("--max-lag", type=int, default=2, help="drop episodes more than this many versions behind the trainer")
     p.add_argument("--on-full", choices=("reject", "evict"), default="reject",
                    help="full ring: 429 + Retry-After (nothing lost) or evict the oldest (counted)")
-    p.add_argument("--vocab-size", type=int, default=None, help="token ids must be below this")
-    p.add_argument("--max-prompt-tokens", type=int, default=8192)
-    p.add_argument("--max-completion-tokens", type=int, default=8192)
-    p.add_argument("--max-episodes-per-post", type=int, default=512)
-    p.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--vocab-size", type=int, default=None, help="token ids must be below this (none: unchecked)")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt an episode may have")
+    p.add_argument("--max-completion-tokens", type=int, default=8192, help="longest completion an episode may have")
+    p.add_argument("--max-episodes-per-post", type=int, default=512, help="episodes one POST may carry")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body, in bytes")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a 429 asks producers to wait")
     p.add_argument("--token-file", default=None,
                    help="file holding the shared token for write endpoints (else $DELTASYNC_BUFFER_TOKEN; "
                         "unset: open)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
 
 
 @command("serve-buffer", "HTTP rollout service: workers POST episodes, the trainer samples (FastAPI)", _serve_buffer_args)
@@ -322,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltasync", description="Lossless sparse delta weight sync.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_, add, fn) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=_HelpFormatter)
         add(p)
         p.set_defaults(_run=fn)
     return parser

@@ -20,6 +20,7 @@ __all__ = [
     "PublishError",
     "ObjectNotFoundError",
     "ObjectExistsError",
+    "StoreNotFoundError",
     "SyncTimeoutError",
     "StaleUpdateError",
     "TransientStoreError",
@@ -75,6 +76,12 @@ class PublishError(DeltaSyncError, RuntimeError):
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """A key does not exist in the store."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """The store itself does not exist: an S3 bucket (``NoSuchBucket``), a Hugging Face bucket, or a
+    local path one of whose components is a file. Unlike a missing key, waiting does not help: the
+    message names the store and says what to check (the URI, the endpoint, the bucket)."""
 
 
 class ObjectExistsError(StoreError, FileExistsError):

@@ -18,6 +18,13 @@ Every update is all or nothing and verified against the manifest's per-tensor ch
 that fails (e.g. a corrupt object) is reported, not retried, and the model keeps the version it held
 until a newer one appears.
 
+A store that is unavailable for a while (HTTP 503 bursts, a dropped connection: a
+:class:`~torch_deltasync.errors.TransientStoreError` once the store's own retries gave up) is
+ridden out, as the writer rides it out: the follower reports the outage once, keeps polling (the
+version being applied is tried again) and reports when the store answers again. Only
+``idle_timeout_s`` without a new version ends it. Other store errors (a missing bucket, refused
+credentials) end it at once.
+
 The model is either a state dict of zeros shaped from the first manifest (no download of a model
 needed), or a Hugging Face checkpoint (``--model``, loaded with ``transformers`` in the inference
 dtype, which must have the same tensor names and shapes as the sender's).
@@ -44,6 +51,7 @@ class FollowReport:
     Attributes:
         versions: the versions the model held after each successful update, in order.
         failures: ``"version N: error"`` for each failed update (the model kept its version).
+        outages: times the store became unavailable (transient errors) and answered again later.
         rows: one dict per update: version, kind, path, applied, density, nbytes, lag_ms,
             apply_ms, total_ms (times in milliseconds, bytes in bytes).
         model: what the versions were applied to (the state dict or the HF model).
@@ -51,6 +59,7 @@ class FollowReport:
 
     versions: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    outages: int = 0
     rows: list[dict[str, Any]] = field(default_factory=list)
     model: Any = None
 
@@ -101,8 +110,9 @@ def follow(
     Raises:
         VersionNotFoundError: no version appeared within ``idle_timeout_s``.
         IncompatibleTargetError: ``model`` does not match the published tensors.
+        StoreError: the store failed other than transiently (e.g. ``StoreNotFoundError``).
     """
-    from .errors import DeltaSyncError, VersionNotFoundError
+    from .errors import DeltaSyncError, TransientStoreError, VersionNotFoundError
     from .manifest import list_versions, load_manifest
     from .receiver import DeltaReceiver
     from .store import open_store
@@ -110,15 +120,36 @@ def follow(
     out = out or sys.stdout
     st = open_store(store).sub(prefix)
     report = FollowReport()
+    down: list[str] = []  # the outage in progress: the first error, if the store is unavailable now
+
+    def reachable(call):
+        """``(True, call())``, or ``(False, None)`` while the store is unavailable (reported once)."""
+        try:
+            result = call()
+        except TransientStoreError as e:
+            if not down:
+                down.append(f"{type(e).__name__}: {e}")
+                print(f"store unavailable ({down[0]}); still polling", file=out, flush=True)
+            return False, None
+        if down:
+            down.clear()
+            report.outages += 1
+            print("store available again", file=out, flush=True)
+        return True, result
+
     deadline = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
-    while True:
-        versions = list_versions(st)
-        if versions:
-            break
+    first = None
+    while first is None:
+        ok, versions = reachable(lambda: list_versions(st))
+        if ok and versions:
+            ok, first = reachable(lambda: load_manifest(st, versions[-1]))
+            if ok:
+                break
         if deadline is not None and time.monotonic() > deadline:
-            raise VersionNotFoundError(f"{st.describe()}: no version appeared within {idle_timeout_s} s")
+            why = st.absent() if ok else None
+            raise VersionNotFoundError(f"{st.describe()}: no version appeared within {idle_timeout_s} s"
+                                       + (f": {why}" if why else f" (store unavailable: {down[0]})" if down else ""))
         time.sleep(poll_s)
-    first = load_manifest(st, versions[-1])
     report.model = _build_target(first, model)
     receiver = DeltaReceiver(report.model, st, metrics_path=metrics_path)
     print(f"following {st.describe()}: {len(first.tensors)} tensors, {first.numel:,} elements, "
@@ -128,16 +159,19 @@ def follow(
     while max_updates is None or len(report.versions) < max_updates:
         if until_version is not None and receiver.version is not None and receiver.version >= until_version:
             break
-        newest = receiver.newest_version()
-        if newest != last_seen:
+        ok, newest = reachable(receiver.newest_version)
+        if ok and newest != last_seen:
             last_new, last_seen = time.monotonic(), newest
-        if newest is None or newest == receiver.version or newest in failed:
+        if not ok or newest is None or newest == receiver.version or newest in failed:
             if idle_timeout_s is not None and time.monotonic() - last_new > idle_timeout_s:
                 break
             time.sleep(poll_s)
             continue
         try:
-            receiver.update(newest)
+            ok, _ = reachable(lambda: receiver.update(newest))
+            if not ok:  # the store went away mid-update: nothing applied, the version is tried again
+                time.sleep(poll_s)
+                continue
             if verify:
                 receiver.verify()
         except DeltaSyncError as e:

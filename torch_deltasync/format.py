@@ -43,6 +43,7 @@ __all__ = [
     "decode_delta",
     "read_header",
     "verify_bytes",
+    "verify_stored",
     "sha256_hex",
 ]
 
@@ -65,6 +66,35 @@ def verify_bytes(data: bytes, entry: ObjectEntry, where: str) -> None:
     digest = sha256_hex(data)
     if digest != entry.sha256:
         raise CorruptObjectError(f"{where}: {entry.key} has sha256 {digest}, manifest says {entry.sha256}")
+
+
+def verify_stored(store, entry: ObjectEntry, where: str, *, part_nbytes: int = 64 << 20) -> None:
+    """Check an object in ``store`` against its manifest entry without holding it in memory: its
+    size first (one stat), then its bytes in ranges of ``part_nbytes``, hashed as they come.
+
+    Args:
+        store: the run's store.
+        entry: the object's manifest entry (key, nbytes, sha256).
+        where: names the version in messages (``"version 12"``).
+        part_nbytes: bytes per ranged read (the memory held at once).
+
+    Raises:
+        CorruptObjectError: the size or the sha256 differs from the manifest.
+        ObjectNotFoundError: the object is missing.
+        StoreError: the store failed.
+    """
+    size = store.size(entry.key)
+    if size != entry.nbytes:
+        raise CorruptObjectError(f"{where}: {entry.key} is {size} bytes, manifest says {entry.nbytes}")
+    h = hashlib.sha256()
+    for start in range(0, entry.nbytes, part_nbytes):
+        end = min(start + part_nbytes, entry.nbytes)
+        data = store.get(entry.key, start=start, end=end)
+        if len(data) != end - start:
+            raise CorruptObjectError(f"{where}: {entry.key} bytes [{start}, {end}) read as {len(data)} bytes")
+        h.update(data)
+    if h.hexdigest() != entry.sha256:
+        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {h.hexdigest()}, manifest says {entry.sha256}")
 
 
 def _metadata(kind: str, version: int, rank: int, world: int, dtype: torch.dtype, extra: dict) -> dict[str, str]:

@@ -8,12 +8,14 @@ Layout under a run's prefix (``docs/format.md`` has the full specification)::
     LATEST                            # advisory pointer to the newest version
 
 A version exists for readers exactly when its manifest exists. Manifests are parsed from untrusted
-bytes: :meth:`Manifest.from_json` checks every field's type and range and every object key before
-anything else looks at it.
+bytes: :meth:`Manifest.from_json` checks the manifest's digest (a SHA-256 of its content, so a
+flipped byte reads as corruption, not as a model that does not fit), then every field's type and
+range and every object key before anything else looks at it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -43,6 +45,7 @@ __all__ = [
     "list_versions",
     "next_free_version",
     "load_manifest",
+    "seal_manifest",
 ]
 
 FORMAT = "torch_deltasync"
@@ -52,6 +55,17 @@ VERSIONS_DIR = "versions"
 
 #: Largest manifest we parse (bytes). A 1T-parameter model has ~10^5 tensors at ~200 B each.
 MAX_MANIFEST_BYTES = 256 << 20
+#: Bytes of a manifest read in one request (most manifests fit); a larger one has its size checked
+#: against :data:`MAX_MANIFEST_BYTES` before the rest is read.
+_MANIFEST_HEAD_BYTES = 1 << 20
+#: The start of a manifest with a digest: ``{"digest": "sha256:<64 hex>",`` (docs/format.md §3).
+_DIGEST_PREFIX = re.compile(rb'\{"digest": "sha256:([0-9a-f]{64})",')
+#: Top-level members of manifests written before digests: a manifest without a digest may have no
+#: other member (so a digest whose name is damaged cannot pass as an old manifest).
+_UNSEALED_FIELDS = frozenset({
+    "format", "format_version", "version", "kind", "base_version", "anchor_version", "codec",
+    "inference_dtype", "run_id", "created_at", "objects", "tensors", "aliases", "stats",
+})
 #: Largest version number (fits the 12-digit key field).
 MAX_VERSION = 10**12 - 1
 
@@ -89,20 +103,89 @@ def next_free_version(store) -> int:
 def load_manifest(store, version: int) -> "Manifest":
     """Read and validate the manifest of ``version`` from ``store`` (a run's prefix).
 
+    The first MiB is read in one request; a manifest that fills it has its size checked (one more
+    request) before the rest is read, so an oversized object is refused without reading it.
+
     Raises:
         VersionNotFoundError: the version is not visible (never published or not retained).
-        CorruptObjectError: the manifest is malformed.
+        CorruptObjectError: the manifest is malformed, its digest does not match, or it is larger
+            than :data:`MAX_MANIFEST_BYTES` (the message names the store, key and version).
         StoreError: the store failed.
     """
     from .errors import ObjectNotFoundError, VersionNotFoundError
 
     if type(version) is not int or not 0 <= version <= MAX_VERSION:
         raise VersionNotFoundError(f"{store.describe()}: invalid version {version!r}")
-    try:  # read at most one byte past the limit: a huge object is refused without reading it all
-        data = store.get(manifest_key(version), start=0, end=MAX_MANIFEST_BYTES + 1)
+    key = manifest_key(version)
+    where = f"{store.describe()}: {key} (manifest of version {version})"
+    try:
+        head = min(_MANIFEST_HEAD_BYTES, MAX_MANIFEST_BYTES + 1)
+        data = store.get(key, start=0, end=head)
+        if len(data) == head:
+            size = store.size(key)
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptObjectError(
+                    f"{where} is {size:,} bytes, above the {MAX_MANIFEST_BYTES:,}-byte limit of a manifest; "
+                    "not read")
+            # one byte past the size it has: a manifest that grew meanwhile is refused below
+            data += store.get(key, start=head, end=size + 1)
     except ObjectNotFoundError:
         raise VersionNotFoundError(f"{store.describe()}: version {version} is not visible") from None
-    return Manifest.from_json(data, expected_version=version)
+    return Manifest.from_json(data, expected_version=version, where=where)
+
+
+def seal_manifest(doc: dict) -> bytes:
+    """The manifest bytes of a JSON document: its digest member first, then the document.
+
+    The document (any ``"digest"`` member dropped) is written as ``json.dumps(doc, indent=1)``;
+    the digest is the SHA-256 of those bytes, and the manifest is ``{"digest": "sha256:<hex>",``
+    followed by them without their opening ``{`` (docs/format.md §3).
+
+    Args:
+        doc: the manifest's fields, as :meth:`Manifest.to_json` writes them (a tool that edits a
+            manifest parses it, changes fields and seals the result again).
+
+    Returns:
+        UTF-8 JSON bytes.
+    """
+    body = json.dumps({k: v for k, v in doc.items() if k != "digest"}, indent=1, sort_keys=False).encode()
+    return b'{"digest": "sha256:' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
+
+
+def _check_digest(data: bytes, where: str) -> dict:
+    """Parse manifest bytes and check their digest; returns the JSON document.
+
+    Raises:
+        CorruptObjectError: not JSON, a digest that does not match the content or is not where
+            :func:`seal_manifest` puts it, or a manifest without a digest that has members
+            manifests written before digests never had.
+    """
+    m = _DIGEST_PREFIX.match(data)
+    if m is not None:
+        actual = hashlib.sha256(b"{" + data[m.end():]).hexdigest()
+        if actual != m.group(1).decode():
+            raise CorruptObjectError(
+                f"{where}: digest mismatch: the content hashes to sha256:{actual}, the manifest says "
+                f"sha256:{m.group(1).decode()} (corrupted in storage or transfer)")
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptObjectError(f"{where} is not valid JSON: {type(e).__name__}: {e}") from None
+    if m is not None:
+        if not isinstance(doc, dict) or doc.get("digest") != f"sha256:{m.group(1).decode()}":
+            raise CorruptObjectError(f"{where}: a second, different digest member")
+        return doc
+    if isinstance(doc, dict):
+        if "digest" in doc:
+            raise CorruptObjectError(
+                f"{where}: the digest is not at the start of the manifest in its written form "
+                '({"digest": "sha256:<64 hex digits>",...); the manifest was damaged or rewritten')
+        unknown = sorted(set(doc) - _UNSEALED_FIELDS)
+        if unknown:
+            raise CorruptObjectError(
+                f"{where}: no digest, and members a manifest without one never has: {unknown[:5]} (a damaged "
+                "digest member?)")
+    return doc
 
 
 def parse_manifest_key(key: str) -> int | None:
@@ -263,6 +346,7 @@ class Manifest:
     # --- wire form -------------------------------------------------------------------------------
 
     def to_json(self) -> bytes:
+        """The manifest's bytes as stored (:func:`seal_manifest`: digest first, then the fields)."""
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -279,28 +363,32 @@ class Manifest:
             "aliases": dict(self.aliases),
             "stats": self.stats,
         }
-        return json.dumps(doc, indent=1, sort_keys=False).encode()
+        return seal_manifest(doc)
 
     @classmethod
-    def from_json(cls, data: bytes, *, expected_version: int | None = None) -> "Manifest":
+    def from_json(cls, data: bytes, *, expected_version: int | None = None, where: str | None = None) -> "Manifest":
         """Parse and validate untrusted manifest bytes.
+
+        Manifests with a digest (every manifest this version writes) must match it. Manifests
+        written before digests existed have none; they are read as before, provided they have no
+        member such manifests never had (docs/format.md §3).
 
         Args:
             data: the manifest object's bytes.
             expected_version: the version its key names; a manifest claiming another is refused.
+            where: how errors name the manifest (default ``"manifest of version <v>"``).
 
         Raises:
-            CorruptObjectError: anything malformed: not JSON, unknown format or format version,
-                wrong types, negative sizes, keys escaping the prefix or not belonging to this
-                version, duplicate tensor names, a delta without a valid base, and so on.
+            CorruptObjectError: anything malformed: larger than :data:`MAX_MANIFEST_BYTES`, not
+                JSON, a digest that does not match, unknown format or format version, wrong types,
+                negative sizes, keys escaping the prefix or not belonging to this version,
+                duplicate tensor names, a delta without a valid base, and so on.
         """
+        if where is None:
+            where = f"manifest of version {expected_version}" if expected_version is not None else "manifest"
         if len(data) > MAX_MANIFEST_BYTES:
-            raise CorruptObjectError(f"manifest is {len(data)} bytes, above the {MAX_MANIFEST_BYTES} limit")
-        where = f"manifest of version {expected_version}" if expected_version is not None else "manifest"
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise CorruptObjectError(f"{where} is not valid JSON: {type(e).__name__}: {e}") from None
+            raise CorruptObjectError(f"{where} is {len(data):,} bytes or more, above the {MAX_MANIFEST_BYTES:,}-byte limit")
+        doc = _check_digest(data, where)
         try:
             return cls._from_doc(doc, expected_version)
         except CorruptObjectError as e:

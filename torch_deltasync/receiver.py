@@ -335,7 +335,9 @@ class DeltaReceiver:
         """
         target = self.newest_version() if version is None else _check_version(version)
         if target is None:
-            raise VersionNotFoundError(f"{self.store.describe()}: no version has been published yet")
+            why = self.store.absent()  # a mistyped path reads differently from a run not started yet
+            raise VersionNotFoundError(f"{self.store.describe()}: no version has been published yet"
+                                       + (f": {why}" if why else ""))
         if target == self.version and not force_anchor:
             return UpdatePlan(self.version, target, "noop", ())
         self.manifest(target, fresh=True)  # the head of the walk is never a stale cached copy

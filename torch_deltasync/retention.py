@@ -12,6 +12,12 @@ What is kept (everything else below the cut is deleted):
   ``LATEST`` or files another tool put under the prefix;
 * object folders without a manifest at or above the cut (a publish that may still be in flight).
 
+The cut anchor is the only way in for a receiver that holds none of the kept versions, so before
+anything below it is deleted its anchor objects are read back and checked against the manifest
+(size and sha256; :attr:`RetentionPolicy.verify_cut`). An anchor that fails is passed over: the
+next older anchor that checks out becomes the cut, so the versions after the bad anchor stay
+reachable through its delta part (when it has one); with no such anchor nothing is deleted.
+
 Order of deletion: first the manifests of every deleted version, then their objects (and orphan
 object folders below the cut: leftovers of crashed or failed publishes). A reader that still sees a
 manifest can therefore always fetch its objects unless the version has just been collected, in which
@@ -36,7 +42,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from .errors import CorruptObjectError, VersionNotFoundError
+from .errors import CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
 from .manifest import Manifest, list_versions, load_manifest, manifest_key
 from .store.base import Store
 
@@ -57,6 +63,11 @@ class RetentionPolicy:
     grace_s: float = 0.0
     """Seconds an anchor must have been visible before versions below it may be deleted."""
 
+    verify_cut: bool = True
+    """Read the cut anchor's objects back and check their sizes and sha256 before deleting anything
+    below it (one anchor's bytes read per collection that deletes something); an anchor that fails
+    is passed over for the next older one. ``False``: trust the store."""
+
     def __post_init__(self) -> None:
         if type(self.keep_anchors) is not int or self.keep_anchors < 0:
             raise ValueError(f"RetentionPolicy.keep_anchors must be an integer >= 0, got {self.keep_anchors!r}")
@@ -76,6 +87,8 @@ class RetentionPlan:
         orphans: object folders without a manifest that go (crashed publishes below the cut).
         object_keys: object keys to delete (after the manifests).
         reason: one line on how the cut was chosen.
+        rejected: newer anchors passed over as the cut because their objects failed the check,
+            one line each (``"anchor 20: ... has sha256 ..., manifest says ..."``).
     """
 
     newest: int | None
@@ -85,6 +98,7 @@ class RetentionPlan:
     orphans: tuple[int, ...]
     object_keys: tuple[str, ...] = ()
     reason: str = ""
+    rejected: tuple[str, ...] = ()
 
     @property
     def manifest_keys(self) -> tuple[str, ...]:
@@ -96,18 +110,22 @@ class RetentionPlan:
         return not (self.manifest_keys or self.object_keys)
 
     def __str__(self) -> str:
-        def span(vs: tuple[int, ...]) -> str:
-            if not vs:
-                return "none"
-            return f"{len(vs)} ({vs[0]}..{vs[-1]})" if len(vs) > 3 else ", ".join(map(str, vs))
+        def span(vs: tuple[int, ...], what: str) -> str:
+            noun = what if len(vs) == 1 else what + "s"
+            listed = f"{vs[0]}..{vs[-1]}" if len(vs) > 3 else ", ".join(map(str, vs))
+            return f"{len(vs)} {noun} ({listed})" if vs else f"no {what}s"
 
-        return "\n".join([
-            f"retention: newest version {self.newest}, cut anchor {self.cut}: {self.reason}",
-            f"  keep     {span(self.keep)}",
-            f"  delete   {span(self.delete)} versions, {len(self.manifest_keys)} manifests, "
-            f"{len(self.object_keys)} objects",
-            f"  orphans  {span(self.orphans)}",
-        ])
+        head = (f"retention: newest version {self.newest}, cut anchor {self.cut}: {self.reason}"
+                if self.cut is not None else
+                f"retention: newest version {self.newest}, no cut anchor: {self.reason}")
+        lines = [head, *(f"  passed over {r}" for r in self.rejected), f"  keep     {span(self.keep, 'version')}"]
+        if self.empty:
+            lines.append("  delete   nothing")
+        else:
+            what = " and ".join(
+                [span(self.delete, "version")] * bool(self.delete) + [span(self.orphans, "orphan folder")] * bool(self.orphans))
+            lines.append(f"  delete   {what}: {len(self.manifest_keys)} manifests, {len(self.object_keys)} objects")
+        return "\n".join(lines)
 
 
 def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: float | None = None) -> RetentionPlan:
@@ -145,21 +163,40 @@ def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: 
                 manifests[v] = None
         return manifests[v]
 
-    # 1. the cut: newest anchor at least grace_s old
+    folders: dict[int, list[str]] = {}
+    for key in store.list("objects"):
+        mo = _OBJECT_DIR_RE.fullmatch(key)
+        if mo:
+            folders.setdefault(int(mo.group(1)), []).append(key)
+    oldest = min([versions[0], *folders])
+
+    # 1. the cut: the newest anchor at least grace_s old whose objects check out
     cut = None
     reason = "no anchor is visible"
+    rejected: list[str] = []
     for v in reversed(versions):
         m = get(v)
         if m is None or m.kind != "anchor":
             continue
         age = now - m.created_at
-        if age >= policy.grace_s:
-            cut = v
-            reason = f"newest anchor at least {policy.grace_s:g} s old ({age:.1f} s)"
-            break
-        reason = f"anchor {v} is only {age:.1f} s old (grace {policy.grace_s:g} s); no older anchor"
+        if age < policy.grace_s:
+            reason = f"anchor {v} is only {age:.1f} s old (grace {policy.grace_s:g} s); no older anchor"
+            continue
+        if policy.verify_cut and oldest < v:  # something below it would go: it must be a way in
+            problem = _check_anchor(store, m)
+            if problem is not None:
+                log.warning("%s: anchor %d fails its check (%s); keeping the versions below it",
+                            store.describe(), v, problem)
+                rejected.append(f"anchor {v}: {problem}")
+                reason = f"anchor {v} fails its check; no older anchor passes"
+                continue
+        cut = v
+        reason = f"newest anchor at least {policy.grace_s:g} s old ({age:.1f} s)"
+        if rejected:
+            reason = f"newest anchor at least {policy.grace_s:g} s old ({age:.1f} s) whose objects check out"
+        break
     if cut is None:
-        return RetentionPlan(newest, None, tuple(versions), (), (), reason=reason)
+        return RetentionPlan(newest, None, tuple(versions), (), (), reason=reason, rejected=tuple(rejected))
 
     # 2. keep every version from the cut on, and the chain of each of them
     keep = {v for v in versions if v >= cut}
@@ -186,11 +223,6 @@ def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: 
 
     delete = tuple(v for v in versions if v not in keep)
     object_keys: list[str] = []
-    folders: dict[int, list[str]] = {}
-    for key in store.list("objects"):
-        mo = _OBJECT_DIR_RE.fullmatch(key)
-        if mo:
-            folders.setdefault(int(mo.group(1)), []).append(key)
     orphans = tuple(sorted(v for v in folders if v not in visible and v < cut))
     gone = set(delete) | set(orphans)
     for v in sorted(gone):
@@ -198,8 +230,21 @@ def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: 
     return RetentionPlan(
         newest=newest, cut=cut, keep=tuple(sorted(keep)), delete=delete, orphans=orphans,
         object_keys=tuple(object_keys),
-        reason=reason,
+        reason=reason, rejected=tuple(rejected),
     )
+
+
+def _check_anchor(store: Store, m: Manifest) -> str | None:
+    """``None`` when every anchor object of ``m`` is in ``store`` with its manifest's size and
+    sha256, else what is wrong. Store failures propagate (nothing is deleted on a guess)."""
+    from .format import verify_stored
+
+    for o in m.anchor_objects:
+        try:
+            verify_stored(store, o, f"version {m.version}")
+        except (CorruptObjectError, ObjectNotFoundError) as e:
+            return str(e)
+    return None
 
 
 def apply_retention(store: Store, plan: RetentionPlan) -> RetentionPlan:

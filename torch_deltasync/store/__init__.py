@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import PrefixStore, Store, check_key
 from .local import LocalStore
-from .retry import RetryingStore, RetryPolicy
+from .retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._fsspec import FsspecStore
@@ -26,6 +26,7 @@ __all__ = [
     "PrefixStore",
     "RetryPolicy",
     "RetryingStore",
+    "DeadlineStore",
     "open_store",
     "check_key",
 ]
@@ -41,7 +42,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_store(uri: "str | os.PathLike | Store", **options: Any) -> Store:
+_DEFAULT = object()
+
+
+def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | object" = _DEFAULT,
+               **options: Any) -> Store:
     """Open a store from a path or URI.
 
     ==============================================  ============================================
@@ -59,15 +64,26 @@ def open_store(uri: "str | os.PathLike | Store", **options: Any) -> Store:
     (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ...); Hugging Face tokens from
     ``HF_TOKEN``. ``docs/stores.md`` has the details.
 
+    Every store call gets a deadline (``timeout_s``, default 120 s; more for calls that move
+    many bytes): remote stores through their :class:`RetryPolicy`, other stores (a custom
+    :class:`Store`, or a local folder given a ``timeout_s``) by a :class:`DeadlineStore` wrapper.
+    A call past its deadline raises :class:`~torch_deltasync.errors.TransientStoreError` instead
+    of blocking forever. Local folders have no deadline unless ``timeout_s`` is given.
+
     Args:
-        uri: path, URI, or an existing :class:`Store` (returned as is).
+        uri: path, URI, or an existing :class:`Store` (returned as is, or wrapped in a
+            :class:`DeadlineStore` when it has no deadline of its own: ``store.needs_deadline``).
+        timeout_s: deadline of one store call in seconds; ``None``: none. Default: 120 s for
+            remote and custom stores, none for local folders. For remote stores it sets
+            ``RetryPolicy.timeout_s`` (give either ``timeout_s`` or ``retry``, not both).
         options: passed to the store: for ``LocalStore`` ``fsync``; for ``FsspecStore`` ``retry``,
             ``part_nbytes``, ``max_parallel_parts`` and fsspec storage options (``endpoint_url``,
             ``key``, ``secret``, ``client_kwargs``, ...); for ``HFBucketStore`` ``token``,
             ``endpoint``, ``retry``, ``tmp_dir``.
 
     Raises:
-        ValueError: an unsupported or malformed URI, or options given with an existing store.
+        ValueError: an unsupported or malformed URI (the message names it), options given with an
+            existing store, or both ``timeout_s`` and ``retry``.
         ImportError: the driver for the URI is not installed.
 
     Example:
@@ -76,18 +92,30 @@ def open_store(uri: "str | os.PathLike | Store", **options: Any) -> Store:
         >>> open_store("s3://my-bucket/runs/x", endpoint_url="http://127.0.0.1:9000")
         FsspecStore('s3://my-bucket/runs/x')
     """
+    explicit = timeout_s is not _DEFAULT
+    if explicit and timeout_s is not None and not (type(timeout_s) in (int, float) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
     if isinstance(uri, Store):
         if options:
             raise ValueError(f"options {sorted(options)} cannot be applied to an already opened store {uri!r}")
-        return uri
+        if not uri.needs_deadline:
+            if explicit:
+                raise ValueError(f"{uri!r} already has its deadline; give timeout_s when opening it "
+                                 "(RetryPolicy(timeout_s=...) for remote stores)")
+            return uri
+        timeout = DEFAULT_TIMEOUT_S if not explicit else timeout_s
+        return uri if timeout is None else DeadlineStore(uri, timeout)  # type: ignore[arg-type]
     text = os.fspath(uri)
-    if "://" not in text:
-        return LocalStore(text, **options)
-    protocol, _, rest = text.partition("://")
-    if protocol == "file":
-        if not rest.startswith("/") or not rest.strip("/"):
+    protocol, sep, rest = text.partition("://")
+    if not sep or protocol == "file":
+        if sep and (not rest.startswith("/") or not rest.strip("/")):
             raise ValueError(f"{text!r}: a file URI names an absolute folder, e.g. file:///data/bucket")
-        return LocalStore(rest, **options)
+        local = LocalStore(rest if sep else text, **options)
+        return local if not explicit or timeout_s is None else DeadlineStore(local, timeout_s)  # type: ignore[arg-type]
+    if explicit:
+        if "retry" in options:
+            raise ValueError("give either timeout_s or retry=RetryPolicy(timeout_s=...), not both")
+        options["retry"] = RetryPolicy(timeout_s=timeout_s)  # type: ignore[arg-type]
     if protocol == "hf":
         if not rest.startswith("buckets/"):
             raise ValueError(

@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import TransientStoreError
 from .base import Store, check_key
-from .retry import RetryPolicy, call_with_retry
+from .retry import RetryPolicy, call_with_retry, classify_error
 
 __all__ = ["FsspecStore", "s3_storage_options"]
 
@@ -102,8 +102,12 @@ class FsspecStore(Store):
             ``client_kwargs``, ...); for S3 completed by :func:`s3_storage_options`.
 
     Raises:
-        ValueError: ``url`` has no protocol, or an S3 URL names no bucket.
+        ValueError: ``url`` has no protocol, an unknown one, or an S3 URL names no bucket.
         ImportError: the protocol's driver is not installed.
+
+    Every call on a bucket that does not exist raises
+    :class:`~torch_deltasync.errors.StoreNotFoundError` (also listings and existence checks,
+    which s3fs would answer with "nothing there").
 
     Example:
         >>> store = FsspecStore("s3://my-bucket/runs/x", endpoint_url="http://127.0.0.1:9000")
@@ -138,10 +142,19 @@ class FsspecStore(Store):
         elif protocol != "memory":
             storage_options.setdefault("use_listings_cache", False)
         self.storage_options = storage_options
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:  # fsspec: "Protocol not known: foo", without the URI
+            raise ValueError(
+                f"{url!r}: unknown store scheme {protocol + '://'!r}; a store is a folder path, file://, s3://, "
+                "gs://, memory://, hf://buckets/... or another fsspec protocol"
+            ) from None
         self.fs = fsspec.filesystem(protocol, **storage_options)
         if protocol in _S3:
             self.fs.retries = 1  # s3fs's own retry loop off: RetryPolicy decides (see module docstring)
         self.root = self.fs._strip_protocol(self.url).rstrip("/")
+
+    needs_deadline = False
 
     def describe(self) -> str:
         return self.url
@@ -243,7 +256,12 @@ class FsspecStore(Store):
 
         def stat() -> bool:
             self._invalidate(path)
-            return bool(self.fs.isfile(path))
+            try:  # not fs.isfile: it answers False for a bucket that does not exist
+                return self.fs.info(path).get("type") == "file"
+            except FileNotFoundError as e:
+                if classify_error(e) == "no_store":
+                    raise
+                return False
 
         return self._call("stat", key, stat)
 
@@ -265,7 +283,9 @@ class FsspecStore(Store):
             self._invalidate(base)
             try:
                 return list(self.fs.find(base))
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                if classify_error(e) == "no_store":
+                    raise  # s3fs: NoSuchBucket, which must not read as an empty run
                 return []
 
         out = []

@@ -62,13 +62,16 @@ def classify_hf_error(e: BaseException) -> Verdict:
     """:data:`~torch_deltasync.store.retry.Classifier` for ``huggingface_hub`` errors.
 
     A missing entry (``EntryNotFoundError``, HTTP 404 on a file) is ``"missing"``; a missing bucket
-    or a refused token (``BucketNotFoundError``, 401, 403) and offline mode are ``"fatal"``;
+    (``BucketNotFoundError``, ``RepositoryNotFoundError``) is ``"no_store"``; a refused token (401,
+    403) and offline mode are ``"fatal"``;
     everything else is decided by :func:`~torch_deltasync.store.retry.classify_error` (429/5xx and
     connection errors are transient).
     """
     from huggingface_hub import errors as hf_errors
 
-    if isinstance(e, (hf_errors.BucketNotFoundError, hf_errors.RepositoryNotFoundError, hf_errors.OfflineModeIsEnabled)):
+    if isinstance(e, (hf_errors.BucketNotFoundError, hf_errors.RepositoryNotFoundError)):
+        return "no_store"
+    if isinstance(e, hf_errors.OfflineModeIsEnabled):
         return "fatal"
     if isinstance(e, hf_errors.EntryNotFoundError):
         return "missing"
@@ -115,6 +118,8 @@ class HFBucketStore(Store):
 
             api = HfApi(endpoint=endpoint, token=token, library_name="torch_deltasync")
         self.api = api
+
+    needs_deadline = False
 
     def describe(self) -> str:
         base = f"hf://buckets/{self.bucket_id}"

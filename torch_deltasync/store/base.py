@@ -29,8 +29,14 @@ def check_key(key: object, *, allow_empty: bool = False) -> str:
         raise CorruptObjectError(f"store key must be a string, got {type(key).__name__}")
     if key == "" and allow_empty:
         return key
-    if not key or len(key) > 1024 or key.startswith("/") or key.endswith("/"):
-        raise CorruptObjectError(f"invalid store key {key!r}: must be a non-empty relative path")
+    if not key:
+        raise CorruptObjectError("invalid store key '': empty (keys are non-empty relative paths)")
+    if len(key) > 1024:
+        raise CorruptObjectError(f"invalid store key {key[:40]!r}...: {len(key)} characters, at most 1024")
+    if key.startswith("/"):
+        raise CorruptObjectError(f"invalid store key {key!r}: absolute (keys are relative to the store root)")
+    if key.endswith("/"):
+        raise CorruptObjectError(f"invalid store key {key!r}: ends with '/' (keys name objects, not folders)")
     for seg in key.split("/"):
         if seg in ("", ".", "..") or not _SEGMENT.fullmatch(seg):
             raise CorruptObjectError(
@@ -128,6 +134,23 @@ class Store(ABC):
         """Short human-readable name used in error messages (e.g. ``file:///data/bucket``)."""
         return repr(self)
 
+    def absent(self) -> str | None:
+        """Why this store holds nothing at all, when its root itself is missing (``"the folder
+        /data/bucket does not exist"``), else ``None``. Readers that find no version add it to
+        their message, so a mistyped path reads differently from a run that has not started.
+
+        The default is ``None``; stores whose every call fails when the root is missing (an S3
+        bucket: :class:`~torch_deltasync.errors.StoreNotFoundError`) need not override it.
+        """
+        return None
+
+    #: Whether :func:`~torch_deltasync.open_store` must wrap this store in a
+    #: :class:`~torch_deltasync.store.retry.DeadlineStore` so that no call can block forever. The
+    #: built-in stores set it to ``False``: remote ones run every call under a
+    #: :class:`~torch_deltasync.store.RetryPolicy` deadline, and ``LocalStore`` makes plain file
+    #: system calls (give it one with ``open_store(path, timeout_s=...)``).
+    needs_deadline: bool = True
+
 
 class PrefixStore(Store):
     """Every key of ``inner`` under ``prefix/``, seen as a store of its own."""
@@ -175,6 +198,13 @@ class PrefixStore(Store):
 
     def describe(self) -> str:
         return f"{self.inner.describe().rstrip('/')}/{self.prefix}"
+
+    def absent(self) -> str | None:
+        return self.inner.absent()
+
+    @property
+    def needs_deadline(self) -> bool:  # type: ignore[override]
+        return self.inner.needs_deadline
 
     def __repr__(self) -> str:
         return f"PrefixStore({self.inner!r}, {self.prefix!r})"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
 
-from ..errors import ObjectExistsError, ObjectNotFoundError, StoreError
+from ..errors import ObjectExistsError, ObjectNotFoundError, StoreError, StoreNotFoundError
 from .base import Store, check_key
 
 __all__ = ["LocalStore"]
@@ -23,8 +24,19 @@ class LocalStore(Store):
     key (``os.replace``), so a reader sees the old object or the whole new one, never a torn write;
     a writer killed mid-put leaves only an unreferenced ``*.tmp-*`` file.
 
-    The folder is created by the first write, never by readers: a receiver or ``deltasync ls``
-    pointed at a mistyped path sees an empty store instead of creating folders.
+    The folder is created by the first write, never by readers: a receiver started before the
+    trainer sees an empty store instead of creating folders, and its "no version" errors say that
+    the folder does not exist (:meth:`absent`), so a mistyped path is told apart from a run that
+    has not started. A path one of whose components is a file can never become a store: every call
+    raises :class:`~torch_deltasync.errors.StoreNotFoundError` naming that file.
+
+    Nothing outside ``root`` is read or written: a key whose path leads outside through a symbolic
+    link (a linked folder or file under the root) is refused with a
+    :class:`~torch_deltasync.errors.StoreError`, and :meth:`list` leaves such links out.
+
+    Calls have no deadline of their own (plain file system calls); ``open_store(path,
+    timeout_s=...)`` wraps the store in a :class:`~torch_deltasync.store.retry.DeadlineStore`,
+    e.g. for a network mount that may hang.
 
     Args:
         root: folder path (``str`` or ``Path``); ``~`` is expanded.
@@ -38,15 +50,64 @@ class LocalStore(Store):
         b'{}'
     """
 
+    needs_deadline = False
+
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
         self.root = Path(root).expanduser().resolve()
         self.fsync = fsync
 
-    def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+    def _inside(self, path: Path) -> bool:
+        return path == self.root or self.root in path.parents
+
+    def _path(self, key: str, *, follow_last: bool = True) -> Path:
+        """The file of ``key``, after checking that no symbolic link on the way leads outside the
+        root (``follow_last=False``: the key's own entry may be a link; only its folder is checked)."""
+        path = self.root / check_key(key)
+        real = Path(os.path.realpath(path if follow_last else path.parent))
+        if not self._inside(real):
+            raise StoreError(
+                f"{self.describe()}: {key!r} leads outside the store through a symbolic link (to {real}); "
+                "refusing to follow it: nothing outside the store's folder is read or written"
+            )
+        return path
+
+    def _file_in_the_way(self, path: Path) -> Path | None:
+        """The first component of ``path`` (from the top) that exists and is not a folder."""
+        for p in (*reversed(path.parents), path):
+            if not p.exists():
+                return None
+            if not p.is_dir():
+                return p
+        return None
+
+    def _os_error(self, op: str, key: str, path: Path, e: OSError) -> StoreError:
+        """A :class:`StoreError` for ``e`` that names a file standing where a folder must be."""
+        blocker = self._file_in_the_way(path.parent) if isinstance(e, (NotADirectoryError, FileExistsError)) else None
+        if blocker is not None and not (self.root in blocker.parents):
+            return StoreNotFoundError(
+                f"{self.describe()}: cannot {op} {key!r}: {blocker} is a file, not a folder, so no store can be "
+                "there; check the path")
+        if blocker is not None:
+            return StoreError(f"{self.describe()}: cannot {op} {key!r}: {blocker} (inside the store) is a file, "
+                              "not a folder")
+        return StoreError(f"{self.describe()}: cannot {op} {key!r}: {type(e).__name__}: {e}")
 
     def describe(self) -> str:
         return f"file://{self.root}"
+
+    def absent(self) -> str | None:
+        """``"the folder ... does not exist"`` when the root is missing, else ``None``.
+
+        Raises:
+            StoreNotFoundError: a component of the root's path is a file.
+        """
+        if self.root.is_dir():
+            return None
+        blocker = self._file_in_the_way(self.root)
+        if blocker is not None:
+            raise StoreNotFoundError(f"{self.describe()}: {blocker} is a file, not a folder, so no store can be "
+                                     "there; check the path")
+        return f"the folder {self.root} does not exist"
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -87,8 +148,9 @@ class LocalStore(Store):
         except ObjectExistsError:
             raise
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise StoreError(f"{self.describe()}: cannot write {key!r}: {e}") from e
+            with contextlib.suppress(OSError):  # the clean-up must not hide the real error
+                tmp.unlink(missing_ok=True)
+            raise self._os_error("write", key, path, e) from e
 
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         path = self._path(key)
@@ -101,37 +163,65 @@ class LocalStore(Store):
                 return f.read(-1 if end is None else max(0, end - start))
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
+        except NotADirectoryError as e:  # a file where a folder of the key would be
+            err = self._os_error("read", key, path, e)
+            if isinstance(err, StoreNotFoundError):
+                raise err from e
+            raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
         except OSError as e:
-            raise StoreError(f"{self.describe()}: cannot read {key!r}: {e}") from e
+            raise self._os_error("read", key, path, e) from e
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        path = self._path(key)
+        if not self.root.is_dir():
+            self.absent()  # raises when a file stands where the folder should be
+        return path.is_file()
 
     def size(self, key: str) -> int:
+        path = self._path(key)
         try:
-            return self._path(key).stat().st_size
-        except FileNotFoundError:
+            return path.stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            if not self.root.is_dir():
+                self.absent()
             raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
+        except OSError as e:
+            raise self._os_error("stat", key, path, e) from e
 
     def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix``, sorted; temporary files and links leading outside the root are
+        left out. A missing root lists nothing (see :meth:`absent`)."""
         base = self.root / check_key(prefix, allow_empty=True) if prefix else self.root
         if not base.is_dir():
+            if not self.root.is_dir():
+                self.absent()  # raises when a file stands where the folder should be
             return []
+        if not self._inside(Path(os.path.realpath(base))):
+            return []  # the prefix itself is a link to elsewhere
         out = []
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                if _TMP_MARK in name:
-                    continue
-                out.append(Path(dirpath, name).relative_to(self.root).as_posix())
+        stack = [base]
+        while stack:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    if entry.is_symlink() and not self._inside(Path(os.path.realpath(entry.path))):
+                        continue
+                    if entry.is_dir():
+                        if not entry.is_symlink():  # like os.walk: linked folders are not descended
+                            stack.append(Path(entry.path))
+                    elif _TMP_MARK not in entry.name:
+                        out.append(Path(entry.path).relative_to(self.root).as_posix())
         return sorted(out)
 
     def delete(self, key: str) -> None:
-        """Remove ``key``, and the folders it leaves empty (up to the root)."""
-        path = self._path(key)
+        """Remove ``key`` (a link itself, never what it points to), and the folders it leaves empty
+        (up to the root)."""
+        path = self._path(key, follow_last=False)
         try:
             path.unlink(missing_ok=True)
+        except NotADirectoryError:
+            return  # a file where a folder of the key would be: the key cannot exist
         except OSError as e:
-            raise StoreError(f"{self.describe()}: cannot delete {key!r}: {e}") from e
+            raise self._os_error("delete", key, path, e) from e
         parent = path.parent
         while parent != self.root and self.root in parent.parents:
             try:

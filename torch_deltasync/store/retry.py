@@ -8,8 +8,12 @@ numbers mean what they say.
 
 What is retried: a failure a :data:`Classifier` calls ``"transient"`` (timeouts, dropped or refused
 connections, throttling, HTTP 429 and 5xx), and an attempt that runs past its deadline. A missing
-key (:class:`~torch_deltasync.errors.ObjectNotFoundError`) and every other error (permissions, bad
+key (:class:`~torch_deltasync.errors.ObjectNotFoundError`), a missing bucket
+(:class:`~torch_deltasync.errors.StoreNotFoundError`) and every other error (permissions, bad
 requests) are raised at once. Every error names the store, the operation, the key and the cause.
+
+:class:`DeadlineStore` gives a store that has no deadline of its own (a custom one) a deadline on
+every call and nothing else; :func:`~torch_deltasync.open_store` wraps such stores in it.
 
 Retrying is safe for every :class:`~torch_deltasync.store.Store` operation: ``put`` writes whole
 immutable objects (the same bytes again), ``delete`` of a missing key is not an error, and reads
@@ -27,19 +31,24 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar
 
-from ..errors import ObjectNotFoundError, StoreError, TransientStoreError
+from ..errors import ObjectNotFoundError, StoreError, StoreNotFoundError, TransientStoreError
 from .base import Store
 
-__all__ = ["RetryPolicy", "RetryingStore", "call_with_retry", "classify_error", "Classifier"]
+__all__ = ["RetryPolicy", "RetryingStore", "DeadlineStore", "DEFAULT_TIMEOUT_S", "call_with_retry",
+           "classify_error", "Classifier"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 #: ``"missing"``: the key does not exist (raise :class:`ObjectNotFoundError`, never retry);
+#: ``"no_store"``: the bucket itself does not exist (raise :class:`StoreNotFoundError`, never retry);
 #: ``"transient"``: retry; ``"fatal"``: raise :class:`StoreError` at once; ``"reraise"``: not a
 #: store failure at all (e.g. an invalid key): raise the original exception unchanged.
-Verdict = Literal["missing", "transient", "fatal", "reraise"]
+Verdict = Literal["missing", "no_store", "transient", "fatal", "reraise"]
+
+#: Default deadline of one store call, in seconds (:attr:`RetryPolicy.timeout_s`, :class:`DeadlineStore`).
+DEFAULT_TIMEOUT_S = 120.0
 Classifier = Callable[[BaseException], Verdict]
 
 
@@ -72,7 +81,7 @@ class RetryPolicy:
     jitter: float = 0.5
     """Fraction in ``[0, 1]`` by which each sleep is randomly shortened (``0``: deterministic)."""
 
-    timeout_s: float | None = 120.0
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
     """Deadline of one attempt in seconds, before the size allowance. ``None``: no deadline (the
     driver's socket timeouts still apply)."""
 
@@ -103,6 +112,10 @@ class RetryPolicy:
         if self.timeout_s is None:
             return None
         return self.timeout_s + max(0, nbytes) / self.min_bytes_per_s
+
+
+#: The backoff sleep of :func:`call_with_retry` (a seam: tests record the delays instead of waiting).
+_sleep = time.sleep
 
 
 class _DeadlineExceeded(Exception):
@@ -142,6 +155,8 @@ _TRANSIENT_ERRNOS = {
     errno.ECONNABORTED, errno.EPIPE, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN,
     getattr(errno, "EREMOTEIO", 121),
 }
+#: S3 error codes that mean "the bucket is not there" (a typo in the URI, or the wrong endpoint).
+_NO_STORE_CODES = {"NoSuchBucket"}
 #: S3 error codes that mean "try again" (https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html).
 _TRANSIENT_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
@@ -189,14 +204,17 @@ def _driver_transient_types() -> tuple[type, ...]:
 def classify_error(e: BaseException) -> Verdict:
     """The default :data:`Classifier` for driver exceptions (fsspec/s3fs/botocore, httpx, OS errors).
 
-    Looks at the exception and its causes: a ``FileNotFoundError`` on top is ``"missing"``;
-    timeouts, connection errors, the drivers' retryable types, S3 throttling/5xx codes, HTTP 429 and
+    Looks at the exception and its causes: S3's ``NoSuchBucket`` anywhere in the chain is
+    ``"no_store"`` (s3fs reports it as a ``FileNotFoundError``, which must not read as a missing
+    key); a ``FileNotFoundError`` on top is ``"missing"``; timeouts, connection errors, the drivers' retryable types, S3 throttling/5xx codes, HTTP 429 and
     5xx, and errnos such as ``EBUSY``/``ECONNRESET`` are ``"transient"``; a
     :class:`~torch_deltasync.errors.DeltaSyncError` that is not a store error (e.g. an invalid key)
     is ``"reraise"``; anything else is ``"fatal"``.
     """
     from ..errors import DeltaSyncError
 
+    if isinstance(e, StoreNotFoundError):
+        return "no_store"
     if isinstance(e, ObjectNotFoundError):
         return "missing"
     if isinstance(e, TransientStoreError):
@@ -207,6 +225,10 @@ def classify_error(e: BaseException) -> Verdict:
         return "reraise"
     if isinstance(e, PermissionError):
         return "fatal"
+    for x in _chain(e):
+        resp = getattr(x, "response", None)
+        if isinstance(resp, dict) and resp.get("Error", {}).get("Code") in _NO_STORE_CODES:
+            return "no_store"
     if isinstance(e, FileNotFoundError):
         return "missing"
     transient_types = _driver_transient_types()
@@ -255,6 +277,7 @@ def call_with_retry(
 
     Raises:
         ObjectNotFoundError: the key does not exist (never retried).
+        StoreNotFoundError: the bucket does not exist (never retried).
         TransientStoreError: every attempt failed transiently or ran past its deadline.
         StoreError: a non-transient failure.
     """
@@ -274,6 +297,13 @@ def call_with_retry(
             if isinstance(err, ObjectNotFoundError):
                 raise err
             raise ObjectNotFoundError(f"{store}: no object {key!r}") from err
+        if verdict == "no_store":
+            if isinstance(err, StoreNotFoundError):
+                raise err
+            raise StoreNotFoundError(
+                f"{store}: the bucket does not exist (while trying to {op} {key!r}: {cause}); check the "
+                "bucket name in the URI and the endpoint, or create the bucket"
+            ) from err
         last = attempt + 1 == policy.attempts
         if verdict == "fatal" or last:
             tries = f" (gave up after {attempt + 1} attempts)" if verdict == "transient" and attempt else ""
@@ -284,7 +314,7 @@ def call_with_retry(
         delay = policy.delay_s(attempt)
         log.debug("%s: %s %r failed (%s); retry %d/%d in %.2f s", store, op, key, cause,
                   attempt + 1, policy.attempts - 1, delay)
-        time.sleep(delay)
+        _sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -302,6 +332,8 @@ class RetryingStore(Store):
     Example:
         >>> store = RetryingStore(FaultyStore(LocalStore("bucket"), error_rate=0.1))
     """
+
+    needs_deadline = False
 
     def __init__(self, inner: Store, policy: RetryPolicy | None = None) -> None:
         self.inner = inner
@@ -338,8 +370,96 @@ class RetryingStore(Store):
         if keys:
             self._call("delete", f"{keys[0]} (+{len(keys) - 1} more)", lambda: self.inner.delete_many(keys))
 
+    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
+        return self._call("sweep", prefix or "/", lambda: self.inner.sweep_temporaries(older_than_s, prefix))
+
+    def absent(self) -> str | None:
+        return self._call("stat", "/", self.inner.absent)
+
     def describe(self) -> str:
         return self.inner.describe()
 
     def __repr__(self) -> str:
         return f"RetryingStore({self.inner!r}, {self.policy!r})"
+
+
+class DeadlineStore(Store):
+    """Any store, with a deadline on every call and nothing else (no retries, errors unchanged).
+
+    :func:`~torch_deltasync.open_store` wraps every store whose :attr:`Store.needs_deadline` is
+    true (custom stores) in one, so a ``get`` that never returns fails with
+    :class:`~torch_deltasync.errors.TransientStoreError` after the deadline instead of hanging an
+    update forever. A call past its deadline is abandoned on a daemon thread, as in
+    :func:`call_with_retry`; store operations are idempotent, so a late finish is harmless.
+
+    Args:
+        inner: the store to wrap.
+        timeout_s: deadline of one call in seconds, plus ``nbytes / min_bytes_per_s`` for a call
+            that moves ``nbytes`` known bytes (a ``put``, a ranged ``get``).
+        min_bytes_per_s: slowest transfer rate tolerated, bytes per second.
+
+    Raises:
+        ValueError: ``timeout_s`` or ``min_bytes_per_s`` is not positive.
+
+    Example:
+        >>> store = open_store(MyStore(), timeout_s=30)   # DeadlineStore(MyStore(), timeout_s=30)
+    """
+
+    needs_deadline = False
+
+    def __init__(self, inner: Store, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 min_bytes_per_s: float = RetryPolicy.min_bytes_per_s) -> None:
+        if timeout_s is None:
+            raise ValueError("DeadlineStore needs a deadline; use the store itself for none")
+        self.inner = inner
+        self.policy = RetryPolicy(attempts=1, timeout_s=timeout_s, min_bytes_per_s=min_bytes_per_s)
+        self.timeout_s = float(timeout_s)
+
+    def _call(self, op: str, key: str, fn: Callable[[], T], nbytes: int = 0) -> T:
+        deadline = self.policy.deadline_s(nbytes)
+        try:
+            return _with_deadline(fn, deadline)
+        except _DeadlineExceeded:
+            raise TransientStoreError(
+                f"{self.inner.describe()}: cannot {op} {key!r}: no answer within {deadline:.1f} s (the store "
+                "call deadline: raise it with open_store(store, timeout_s=...) or deltasync --timeout)"
+            ) from None
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("write", key, lambda: self.inner.put(key, data), len(data))
+
+    def put_new(self, key: str, data: bytes) -> None:
+        self._call("write", key, lambda: self.inner.put_new(key, data), len(data))
+
+    def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        n = (end - (start or 0)) if end is not None else 0
+        return self._call("read", key, lambda: self.inner.get(key, start=start, end=end), n)
+
+    def exists(self, key: str) -> bool:
+        return self._call("stat", key, lambda: self.inner.exists(key))
+
+    def size(self, key: str) -> int:
+        return self._call("stat", key, lambda: self.inner.size(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self._call("list", prefix or "/", lambda: self.inner.list(prefix))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, lambda: self.inner.delete(key))
+
+    def delete_many(self, keys: list[str]) -> None:
+        keys = list(keys)
+        if keys:
+            self._call("delete", f"{keys[0]} (+{len(keys) - 1} more)", lambda: self.inner.delete_many(keys))
+
+    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
+        return self._call("sweep", prefix or "/", lambda: self.inner.sweep_temporaries(older_than_s, prefix))
+
+    def absent(self) -> str | None:
+        return self._call("stat", "/", self.inner.absent)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def __repr__(self) -> str:
+        return f"DeadlineStore({self.inner!r}, timeout_s={self.timeout_s:g})"
