@@ -51,14 +51,17 @@ def _repack_all(worker) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def _sparse_apply(worker, patches) -> dict:
-    """vLLM's own sparse apply of ``patches`` ((name, shape, indices, values)) in ms, or its error."""
+def _sparse_apply(worker, path: str, shapes: list) -> dict:
+    """vLLM's own sparse apply of the change set saved at ``path`` (``<name>:idx`` / ``<name>:val``
+    safetensors; ``shapes``: ``[(name, shape)]``) in ms, or its error."""
+    from safetensors.torch import load_file
     from vllm.model_executor.model_loader.checkpoint_weight_patch import (
         CheckpointWeightPatch, load_checkpoint_weight_patches,
     )
 
     model = worker.model_runner.get_model()
-    ps = [CheckpointWeightPatch(n, tuple(s), v.dtype, v, i) for n, s, i, v in patches]
+    t = load_file(path)
+    ps = [CheckpointWeightPatch(n, tuple(s), t[f"{n}:val"].dtype, t[f"{n}:val"], t[f"{n}:idx"]) for n, s in shapes]
     t = time.perf_counter()
     try:
         load_checkpoint_weight_patches(model, ps)
@@ -77,6 +80,45 @@ def _wait_staged(status_dir: Path, version: int, timeout_s: float = 120.0) -> No
     raise TimeoutError(f"version {version} not staged after {timeout_s} s")
 
 
+def hf_module_commit(args, densities: list[float]) -> dict:
+    """Where the live weights are the loader's layout: a staged update's commit (``index_copy_`` of
+    the changed elements) on a Hugging Face module, vs a full in-memory load of the same weights
+    (``load_state_dict``, one ``copy_`` per tensor), ratios in one run."""
+    from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+
+    trainer = tiny_qwen3(hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=12, kv_heads=4, head_dim=64)
+    replica = tiny_qwen3(hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=12, kv_heads=4, head_dim=64,
+                         seed=1)
+    work = Path(tempfile.mkdtemp(prefix="bench-hf-commit-"))
+    sender = DeltaSender(trainer, LocalStore(work / "bucket"), anchor_every=1000)
+    receiver = DeltaReceiver(replica, LocalStore(work / "bucket"))
+    sender.publish()
+    receiver.update()
+    out = {}
+    seed = 100
+    for density in densities:
+        commits, loads, prepares = [], [], []
+        for _ in range(args.reps):
+            seed += 1
+            perturb(trainer, frac=density, seed=seed)
+            sender.publish()
+            t = time.perf_counter()
+            staged = receiver.prepare()
+            prepares.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            receiver.commit(staged)
+            commits.append((time.perf_counter() - t) * 1e3)
+            state = {k: v.clone() for k, v in trainer.state_dict().items()}
+            t = time.perf_counter()
+            replica.load_state_dict(state)
+            loads.append((time.perf_counter() - t) * 1e3)
+        c, f, p_ = statistics.median(commits), statistics.median(loads), statistics.median(prepares)
+        out[f"{density:g}"] = {"commit_ms": c, "full_load_ms": f, "prepare_ms": p_, "commit_over_full_load": c / f}
+        print(f"HF module, density {density:.2%}: commit {c:.2f} ms vs full load {f:.2f} ms "
+              f"({c / f:.3f}x); prepare (outside the pause) {p_:.1f} ms", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -86,7 +128,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--only-hf", action="store_true", help="only the HF-module commit measurement")
     args = ap.parse_args()
+    densities = [float(x) for x in args.densities.split(",")]
+    if args.only_hf:
+        print(json.dumps(hf_module_commit(args, densities), indent=2))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-stall-"))
@@ -104,7 +151,7 @@ def main() -> None:
                                                    "status_dir": str(status), "metrics_path": str(metrics)}})
     rows = []
     seed = 10
-    for density in [float(x) for x in args.densities.split(",")]:
+    for density in densities:
         for rep in range(args.reps):
             seed += 1
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -133,7 +180,12 @@ def main() -> None:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
             t5 = time.perf_counter()
             repack_ms = llm.collective_rpc(_repack_all)[0]
-            sparse = llm.collective_rpc(_sparse_apply, args=(patches,))[0]
+            from safetensors.torch import save_file
+
+            save_file({f"{n}:{k}": t for n, _, i, v in patches for k, t in (("idx", i), ("val", v))},
+                      str(work / "patches.safetensors"))
+            sparse = llm.collective_rpc(_sparse_apply, args=(str(work / "patches.safetensors"),
+                                                             [(n, list(s)) for n, s, _, _ in patches]))[0]
             row = {
                 "density": density, "rep": rep, "version": v, "changed": changed, "numel": nparams,
                 "publish_ms": (t1 - t0) * 1e3, "stage_wait_ms": (t2 - t1) * 1e3, "stall_ms": (t3 - t2) * 1e3,
@@ -161,6 +213,7 @@ def main() -> None:
         med["staged_ahead"] = all(r["staged_ahead"] for r in rs)
         med["sparse_apply"] = rs[0]["vllm_sparse_apply_error"] or statistics.median(r["vllm_sparse_apply_ms"] for r in rs)
         summary[f"{density:g}"] = med
+    summary["hf_module"] = hf_module_commit(args, densities)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
 
