@@ -155,7 +155,8 @@ def test_restarted_writer_continues_with_an_anchor(store):
         train_step(trainer, opt, gen)
         s1.publish()
     receiver.update()
-    s2 = DeltaSender(trainer, store)  # e.g. after a crash: no clean-up needed
+    # Right after a crash the dead writer's lease is still live: the restart takes the prefix over.
+    s2 = DeltaSender(trainer, store, takeover=True)
     train_step(trainer, opt, gen)
     assert s2.publish() == 3 and s2.last_stats.kind == "anchor"
     train_step(trainer, opt, gen)
