@@ -311,6 +311,39 @@ def test_worker_error_reaches_the_sender(tmp_path):
         receiver.shutdown()
 
 
+def test_a_skipped_worker_is_waited_for_again_once_it_acknowledges(tmp_path):
+    """``on_worker_failure="skip"`` with every worker skipped: ``send`` used to return at once forever
+    and ``worker_versions()`` stayed ``{}`` although the worker's acknowledgements were in the store
+    (issue 15, after pytorch/rl #3574). The worker's first acknowledgement brings it back."""
+    trainer = make_policy(0)
+    opt = torch.optim.Adam(trainer.parameters(), 1e-2)
+    sender = DeltaWeightSyncScheme(str(tmp_path), num_workers=1, anchor_every=100, ack_timeout_s=0.3,
+                                   on_worker_failure="skip")
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    receiver = None
+    try:
+        train_step(trainer, opt)
+        sender.send()  # nobody acknowledges within the deadline: worker 0 is skipped
+        assert sender.worker_versions() == {}
+        sender.ack_timeout_s = 120.0  # from now on only a bug would run into it
+        worker = make_policy(1)
+        receiver = DeltaWeightSyncScheme(str(tmp_path), num_workers=1)
+        receiver.init_on_receiver(model_id="policy", model=worker, worker_idx=0)
+        receiver.connect(worker_idx=0)  # applies version 1 and acknowledges it
+        for v in (2, 3):
+            train_step(trainer, opt)
+            sender.send()  # waits for worker 0 again
+            assert sender.worker_versions() == {0: v}
+            assert receiver.version == v
+            assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, v,
+                                    stored=torch.float32)
+    finally:
+        sender.shutdown()
+        if receiver is not None:
+            receiver.shutdown()
+
+
 # --- collectors with worker processes ---------------------------------------------------------------
 
 
