@@ -146,6 +146,12 @@ class ModuleTarget(Target):
         """The floating tensors the model holds now, by name (detached, sharing its storage)."""
         return {n: self._get(n).detach() for n in list(self._names)}
 
+    @tensors.setter
+    def tensors(self, value: Mapping[str, torch.Tensor]) -> None:
+        """Point the target at other tensors (a ``{name: tensor}`` mapping); check it again before use."""
+        self._source = dict(value)
+        self._bind()
+
     def _live(self, name: str) -> torch.Tensor:
         """``name``'s live tensor, detached; the whole target is checked again first if any checked
         tensor was replaced since."""
