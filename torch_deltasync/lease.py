@@ -161,6 +161,8 @@ class PrefixLease:
         except ObjectExistsError:
             pass
         other = read_owner(self.store)
+        if other is not None and other.session == self.session:
+            return  # our own record: a retried put whose first reply was lost
         if other is not None and other.live(now) and not takeover:
             raise PrefixInUseError(
                 f"{self.store.describe()} is owned by a live writer: {other.describe(now)}. Two writers on one "
