@@ -94,7 +94,6 @@ def test_killed_generator_is_reported_and_the_run_continues(tmp_path):
     assert s["max_policy_lag"] <= s["max_staleness"]
 
 
-@pytest.mark.slow
 def test_losing_every_generator_stops_with_a_message(tmp_path):
     proc, s = run_recipe(tmp_path, "--steps", "200", "--generators", "1", "--kill-generator", "0",
                          "--kill-at-step", "2")
