@@ -81,6 +81,18 @@ def test_close_frees_the_prefix(tmp_path):
     second.close()
 
 
+def test_a_deleted_record_is_claimed_again(tmp_path):
+    """Someone deleted OWNER (no other writer claimed it): the owner writes it again and goes on."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    a = StepModel(seed=7)
+    sender = DeltaSender(a.tensors, store)
+    assert publish(sender, a, 0) == 0
+    store.delete(OWNER_KEY)
+    assert publish(sender, a, 1) == 1
+    assert read_owner(store).session == sender._lease.session
+    sender.close()
+
+
 @pytest.mark.parametrize("record, reason", [
     ({"run_id": "dead", "session": "x", "host": "h", "pid": 1, "renewed_at": 1000.0, "lease_s": 60.0},
      "expired long ago: the writer died without close()"),

@@ -138,12 +138,13 @@ class PrefixLease:
         self.record = OwnerRecord(run_id, uuid.uuid4().hex, socket.gethostname(), os.getpid(), 0.0, float(lease_s))
         self._lost: str | None = None  # why the prefix is no longer ours
         self._stop = threading.Event()
+        self._io = threading.Lock()  # a renewal and the release never interleave
         self._claim(takeover)
         # The renewing thread holds the lease only weakly, and a lease that is garbage-collected (its
         # sender was dropped without close(), or the process exits normally) releases the record:
         # nobody can publish through it any more. A killed process leaves the record to expire.
         self._release = weakref.finalize(self, _release_record, store, self.record.session, self._stop,
-                                         self.record.lease_s)
+                                         self._io, self.record.lease_s)
         self._thread = threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, lease_s / 4),
                                         name="deltasync-lease", daemon=True)
         self._thread.start()
@@ -188,10 +189,20 @@ class PrefixLease:
         """
         if self._lost is None:
             other = read_owner(self.store)
+            if other is None and not self._stop.is_set():
+                # Deleted (or garbled) by someone else, not claimed: claim it again, unless another
+                # writer gets there first.
+                try:
+                    self.store.put_new(OWNER_KEY, self._stamped(time.time()))
+                    return
+                except ObjectExistsError:
+                    other = read_owner(self.store)
+                    if other is not None and other.session == self.session:
+                        return
             if other is None or other.session != self.session:
                 now = time.time()
                 self._lost = (f"{self.store.describe()} was taken over by "
-                              + (other.describe(now) if other is not None else "nobody (the OWNER record is gone)"))
+                              + (other.describe(now) if other is not None else "another writer (unreadable record)"))
                 self._stop.set()
         if self._lost is not None:
             raise PrefixInUseError(
@@ -206,8 +217,10 @@ class PrefixLease:
             PrefixInUseError: the prefix was taken over.
             StoreError: the store failed.
         """
-        self.check()
-        self.store.put(OWNER_KEY, self._stamped(time.time()))
+        with self._io:
+            self.check()
+            if not self._stop.is_set():
+                self.store.put(OWNER_KEY, self._stamped(time.time()))
 
     def release(self) -> None:
         """Stop renewing and delete the record if it is still ours. Idempotent; store errors are
@@ -216,8 +229,9 @@ class PrefixLease:
         self._lost = self._lost or f"{self.store.describe()}: the lease was released (the sender was closed)"
 
 
-def _release_record(store, session: str, stop: threading.Event, lease_s: float) -> None:
-    stop.set()
+def _release_record(store, session: str, stop: threading.Event, io: threading.Lock, lease_s: float) -> None:
+    with io:
+        stop.set()
     try:
         other = read_owner(store)
         if other is not None and other.session == session:
