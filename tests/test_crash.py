@@ -121,6 +121,7 @@ def crash_trial(endpoint: str, trial: int) -> dict:
     for receiver, target in ((follower, follower_target), (DeltaReceiver(fresh_target, store), fresh_target)):
         assert receiver.update() == first + 2
         assert_holds(target, model, 102)
+    sender.close()  # frees the prefix while the S3 server still runs
     return {"killed": killed, "visible": len(visible), "reported": len(reported), "self_kill": self_kill}
 
 
