@@ -39,7 +39,9 @@ Architecture (one host; every box is a Monarch actor, every arrow an endpoint ca
 
 Outputs in ``runs/<run-name>/``: ``metrics.jsonl`` (one event per line: ``publish``, ``update``,
 ``rollout``, ``step``, ``generator_lost``, ...), ``summary.json``, ``reward.png``, ``sync.png``,
-``warmstart/`` (the cached supervised warm start) and ``bucket/`` (the default store).
+``weights/`` (at the end: ``trainer.safetensors``, the policy as trained, and ``generator<i>.safetensors``,
+each live HF generator's weights as served), ``warmstart/`` (the cached supervised warm start) and
+``bucket/`` (the default store).
 """
 
 from __future__ import annotations
@@ -494,6 +496,15 @@ class Controller:
             ok = ok and same
         ok = ok and any(self.alive)
         self.metrics.write("bit_exact", ok=ok, **digests)
+        # The weights themselves, for checks outside the recipe: <run_dir>/weights/trainer.safetensors
+        # (fp32, as trained) and generator<i>.safetensors (bf16, as served; HF backend only).
+        folder = self.run_dir / "weights"
+        folder.mkdir(parents=True, exist_ok=True)
+        await self.call(self.trainer.save_weights.call(str(folder / "trainer.safetensors")), "trainer weights")
+        for i, alive in enumerate(self.alive):
+            if alive:
+                await self.call(self.gens.slice(procs=i).save_weights.call_one(str(folder / f"generator{i}.safetensors")),
+                                f"generator {i} weights")
         return ok, digests
 
     async def shutdown(self) -> None:

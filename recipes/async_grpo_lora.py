@@ -43,7 +43,9 @@ Output in ``--run-dir``: ``metrics.jsonl`` (one line per trainer step: reward, l
 fraction, lag, adapter version, kind and bytes), ``publish.jsonl`` (the sender's per-version stats),
 ``worker-<i>.jsonl`` (per rollout batch: version used, update path and bytes, reward), ``summary.json``
 (reward first vs last steps, adapter bytes per version, lag, the service's episode accounting, a
-bit-exact check of the final adapter loaded with PEFT's own loader) and ``metrics.png``.
+bit-exact check of the final adapter loaded with PEFT's own loader), ``final_adapter/`` (the last
+version, materialised), ``trainer_adapter.safetensors`` (the trainer's adapter as trained) and
+``metrics.png``.
 """
 
 from __future__ import annotations
@@ -350,6 +352,12 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
     from torch_deltasync.testing import bitwise_equal
 
     exact = bitwise_equal(adapter_state_dict(loaded), adapter_state_dict(model))
+    # The trainer's final adapter as trained (fp32), for checks outside the recipe against
+    # final_adapter/adapter_model.safetensors.
+    from safetensors.torch import save_file
+
+    save_file({n: t.detach().clone().contiguous() for n, t in adapter_state_dict(model).items()},
+              str(run_dir / "trainer_adapter.safetensors"))
     return _summary(args, rows, versions, service, exact, workers)
 
 

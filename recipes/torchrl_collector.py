@@ -16,8 +16,10 @@ Every collected frame carries ``policy_version``: the version whose weights comp
 replay buffer samples with torchrl's ``StalenessAwareSampler`` and never returns frames more than
 ``--max-staleness`` versions behind the trainer. Per iteration one JSON line goes to
 ``<out>/metrics.jsonl`` (reward, versions, staleness, bytes published against a full copy); at the
-end the workers' weights are read back and compared bitwise with the trainer's cast, and a plot is
-written to ``<out>/metrics.png`` when matplotlib is installed.
+end the workers' weights are read back and compared bitwise with the trainer's cast (both are saved:
+``<out>/trainer.safetensors``, the actor as trained, and ``<out>/worker-<i>.safetensors``, each
+worker's bit patterns as served), and a plot is written to ``<out>/metrics.png`` when matplotlib is
+installed.
 
 Run (CPU, about a minute)::
 
@@ -173,6 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
                                   list_of_kwargs=[{"include_weights": True}] * args.workers)
         exact = all(s["version"] == scheme.version and all(torch.equal(s["weights"][n], b) for n, b in want.items())
                     for s in states)
+        # The weights themselves, for checks outside this script: the trainer's actor as trained and
+        # each worker's bit patterns as served.
+        from safetensors.torch import save_file
+
+        save_file({n: t.detach().contiguous() for n, t in actor.state_dict().items()}, str(out / "trainer.safetensors"))
+        for i, s in enumerate(states):
+            save_file({n: t.contiguous() for n, t in s["weights"].items()}, str(out / f"worker-{i}.safetensors"))
         summary = {"event": "verify", "version": scheme.version, "workers_bitexact": exact,
                    "workers": [s["version"] for s in states]}
         with open(metrics_path, "a") as f:

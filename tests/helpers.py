@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from torch_deltasync.store.base import Store
@@ -24,18 +26,34 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Ge
     opt.step()
 
 
-def encoded_nbytes(codec: str, prev: dict, cur: dict) -> int:
-    """Bytes of the encoded tensors of the delta ``prev -> cur`` (``{name: int16 bf16 bit view}``), as
-    ``codec`` writes them: what ``AnchorPolicy.max_delta_ratio`` compares with the full bf16 bytes."""
-    from torch_deltasync import get_codec
+def payload_nbytes(data: bytes) -> int:
+    """Bytes of the tensors in a safetensors file, read from its own header (an 8-byte little-endian
+    header length, then JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    return sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k != "__metadata__")
 
-    c, total = get_codec(codec), 0
-    for n in cur:
-        pos = torch.nonzero((cur[n] != prev[n]).reshape(-1)).squeeze(1)
-        if pos.numel():
-            new, old = cur[n].reshape(-1)[pos].view(torch.bfloat16), prev[n].reshape(-1)[pos].view(torch.bfloat16)
-            total += sum(t.numel() * t.element_size() for t in c.encode(pos, new, old, numel=cur[n].numel()).values())
-    return total
+
+def delta_payloads(codec: str, states: dict[int, dict[str, torch.Tensor]], root) -> dict[int, int]:
+    """``{v: bytes}`` for every ``v > 0`` of ``states`` (``{0: {name: int16 bf16 bits}, 1: ..., n: ...}``):
+    the bytes of the tensors ``codec`` stores for the delta ``v - 1 -> v``, what
+    ``AnchorPolicy.max_delta_ratio`` compares with the full bf16 bytes. Read back from the objects
+    of a reference run under ``root`` that publishes every version as a delta (no size rule), so the
+    expectation comes from stored bytes, not from calling the codec the way the sender does."""
+    from torch_deltasync import AnchorPolicy, DeltaSender, LocalStore
+
+    store = LocalStore(root, fsync=False)
+    live = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in states[0].items()}
+    sender = DeltaSender(live, store, codec=codec, anchor_policy=AnchorPolicy(every=None))
+    out = {}
+    for v in sorted(states):
+        for n, t in live.items():
+            t.view(torch.int16).copy_(states[v][n])
+        assert sender.publish() == v
+        if v:
+            out[v] = sum(payload_nbytes(store.get(k)) for k in store.list(f"objects/{v:012d}") if "/delta-" in k)
+    sender.close()
+    return out
 
 
 class PassThroughStore(Store):

@@ -5,16 +5,29 @@ versions. Every version a receiver holds, and the last one, must be bit-exact.""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
-from torch_deltasync import (DeltaReceiver, DeltaSender, DeltaSyncError, LocalStore, PublishError,
-                             RetentionPolicy, RetryPolicy, VersionNotFoundError)
+from torch_deltasync import (CorruptObjectError, DeltaReceiver, DeltaSender, DeltaSyncError, LocalStore, PublishError,
+                             RetentionPolicy, RetryPolicy, StoreError, VersionNotFoundError)
 from torch_deltasync.manifest import manifest_key
 from torch_deltasync.store import RetryingStore
 from torch_deltasync.store.faults import FaultyStore
 
 from remote_helpers import StepModel, bits_of, same_bits, empty_target
+
+#: What a read truncated on every attempt looks like: an object shorter than its manifest entry,
+#: or a manifest cut short (not JSON).
+TRUNCATED = re.compile(r"is \d+ bytes, manifest says \d+|manifest of version \d+ is not valid JSON")
+
+
+def tolerated(e: DeltaSyncError) -> bool:
+    """Whether an update may fail this way under the injected faults (see the test)."""
+    if isinstance(e, StoreError):
+        return True
+    return type(e) is CorruptObjectError and bool(TRUNCATED.search(str(e)))
+
 
 POLICY = RetryPolicy(attempts=6, base_delay_s=0.002, max_delay_s=0.02, timeout_s=0.15)
 LAGS_S = [0.0, 0.0, 0.005, 0.01, 0.03, 0.1, 0.3, 1.0]
@@ -50,6 +63,13 @@ def test_8_receivers_follow_a_writer_through_faults(tmp_path):
                 except VersionNotFoundError:
                     v = None
                 except DeltaSyncError as e:
+                    # Only what these faults can cause may surface (the target is then unchanged and
+                    # the next update catches up): a store call that failed past its retries, or a
+                    # read truncated on every attempt. A checksum mismatch, a refused target or any
+                    # other corruption would be a bug.
+                    if not tolerated(e):
+                        failures.append(f"receiver {i}: {type(e).__name__}: {e}")
+                        return
                     surfaced[i] += 1
                     errors.append(f"{type(e).__name__}: {e}")
                     v = None

@@ -260,8 +260,13 @@ def test_missing_chain_link_is_a_clear_error(store):
 
 def test_a_second_writer_cannot_replace_a_published_version(store):
     a, b = make_mlp(0), make_mlp(7)
-    writer_a, writer_b = DeltaSender(a, store), DeltaSender(b, store)  # both start at version 0
+    # Both start at version 0; B stops cleanly (freeing the prefix) before publishing, A publishes
+    # and stops, then B comes back: the lease is free again, but version 0 is taken.
+    writer_b = DeltaSender(b, store)
+    writer_b.close()
+    writer_a = DeltaSender(a, store)
     assert writer_a.publish() == 0
+    writer_a.close()
     manifest_a = store.get(manifest_key(0))
     with pytest.raises(PublishError, match="another writer already uses version 0"):
         writer_b.publish()

@@ -45,6 +45,14 @@ def test_short_configuration_reports_reward_bytes_and_lag(tmp_path):
     assert e["unaccounted"] == 0 and e["sampled"] == 16 * steps
     assert e["accepted"] == e["sampled"] + e["dropped_stale"] + e["evicted"] + e["size"]
     assert s["final_adapter_bit_exact"] is True and s["workers_exit_codes"] == [0, 0]
+    # The recipe's own flag aside: the adapter materialised from the store is the trainer's, bit for bit.
+    import torch
+    from safetensors.torch import load_file
+
+    want = {n: t.to(torch.bfloat16).view(torch.int16) for n, t in load_file(str(tmp_path / "trainer_adapter.safetensors")).items()}
+    got = load_file(str(tmp_path / "final_adapter" / "adapter_model.safetensors"))
+    assert want and got.keys() == want.keys()
+    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n].view(torch.int16), want[n]) for n in want)
     for i in range(2):  # each worker followed the adapter versions and posted
         lines = [json.loads(x) for x in (tmp_path / f"worker-{i}.jsonl").read_text().splitlines()]
         assert lines and lines[0]["update"]["path"] == "anchor"

@@ -198,11 +198,15 @@ def test_client_backpressure_and_close(service):
         assert c.post_episodes(eps)["stored"] == 64
         with pytest.raises(RolloutServiceError, match="HTTP 429"):
             c.post_episodes([episode(100, 0)], max_wait_s=0.1)  # full; no room within 0.1 s
+        refused = c.stats()["rejected_full"]
         done = []
-        t = threading.Thread(target=lambda: done.append(c.post_episodes([episode(101, 0)], max_wait_s=30)))
+        t = threading.Thread(target=lambda: done.append(c.post_episodes([episode(101, 0)], max_wait_s=60)))
         t.start()
-        time.sleep(0.3)
-        assert not done  # waiting on 429s
+        deadline = time.monotonic() + 60  # until the service has refused the waiting post once
+        while c.stats()["rejected_full"] == refused:
+            assert time.monotonic() < deadline, "the post never reached the full service"
+            threading.Event().wait(0.01)
+        assert not done  # refused (429) and still waiting for room
         got = c.sample(8, trainer_version=0)
         t.join(30)
         assert done and done[0]["stored"] == 1

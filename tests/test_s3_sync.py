@@ -47,6 +47,7 @@ def test_100_versions_bit_exact_through_s3(s3):
     store = open_store(url, endpoint_url=s3)
     assert list_versions(store) == [80] + list(range(90, 100))
     assert {k.split("/")[1] for k in store.list("objects")} == {f"{v:012d}" for v in [80, *range(90, 100)]}
+    sender.close()  # frees the prefix while the S3 server still runs
 
 
 def test_new_writer_continues_after_the_newest_version(s3):
@@ -74,3 +75,4 @@ def test_new_writer_continues_after_the_newest_version(s3):
     assert receiver.update() == 9  # no manual step: the receiver sees 7 is not on its chain
     assert (receiver.last_stats.from_version, receiver.last_stats.path) == (6, "anchor")
     assert_holds(target, model, 42)
+    second.close()

@@ -11,7 +11,6 @@ The multi-rank behaviour (every rank failing together, no hang) is in test_fsdp2
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -60,14 +59,28 @@ def test_foreground_publish_waits_for_background(tmp_path):
     assert sender.publish(background=True) == 0
     assert store.entered.wait(30)  # version 0 is stuck in its upload
     _nudge(state, 0)
+    # Record when the foreground publish starts waiting and when it reads the weights.
+    waiting, order = threading.Event(), []
+    wait_inflight, detect = sender._wait_inflight, sender.detector.detect
+
+    def watched_wait():
+        waiting.set()
+        wait_inflight()
+
+    def watched_detect(name, tensor):
+        order.append(("detect", list_versions(store)))
+        return detect(name, tensor)
+
+    sender._wait_inflight, sender.detector.detect = watched_wait, watched_detect
     done = []
     t = threading.Thread(target=lambda: done.append(sender.publish(background=False)))
     t.start()
-    time.sleep(0.2)
-    assert not done, "the foreground publish must wait for the background one"
+    assert waiting.wait(30)  # the foreground publish has begun, while version 0 is stuck
+    assert not order and not done, "the foreground publish must wait for the background one"
     store.release.set()
     t.join(30)
     assert done == [1] and list_versions(store) == [0, 1]
+    assert order and all(seen == [0] for _, seen in order)  # weights read only once version 0 was visible
     # it read the weights only after version 0 was committed, so it is a delta on it
     assert (sender.last_stats.kind, sender.last_stats.base_version) == ("delta", 0)
     receiver = DeltaReceiver(_state(seed=1), store)

@@ -15,6 +15,11 @@ from torch_deltasync import (
 from torch_deltasync.testing import adam_step, first_difference, state_bits, tiny_qwen3
 
 
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    """The integer view of ``t``'s storage (bit patterns, whatever the float dtype)."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def assert_synced(trainer, receiver_model, dtype=torch.bfloat16):
     diff = first_difference(trainer, receiver_model, dtype)
     assert diff is None, diff
@@ -138,10 +143,10 @@ def test_incompatible_receiver_is_refused_untouched(store, change, match):
     DeltaSender(make_mlp(0), store).publish()
     sd = {k: v.clone() for k, v in make_mlp(1, torch.bfloat16).state_dict().items()}
     change(sd)
-    before = {k: v.clone() for k, v in sd.items()}
+    before = {k: int_bits(v).clone() for k, v in sd.items()}
     with pytest.raises(IncompatibleTargetError, match=match):
         DeltaReceiver(sd, store).update()
-    assert all(torch.equal(before[k], sd[k]) for k in sd)
+    assert all(torch.equal(before[k], int_bits(sd[k])) for k in sd)  # bits: -0.0 == 0.0 as floats
 
 
 def test_restarted_writer_continues_with_an_anchor(store):
@@ -155,7 +160,8 @@ def test_restarted_writer_continues_with_an_anchor(store):
         train_step(trainer, opt, gen)
         s1.publish()
     receiver.update()
-    s2 = DeltaSender(trainer, store)  # e.g. after a crash: no clean-up needed
+    # Right after a crash the dead writer's lease is still live: the restart takes the prefix over.
+    s2 = DeltaSender(trainer, store, takeover=True)
     train_step(trainer, opt, gen)
     assert s2.publish() == 3 and s2.last_stats.kind == "anchor"
     train_step(trainer, opt, gen)

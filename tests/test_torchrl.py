@@ -21,6 +21,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -239,9 +240,26 @@ def test_manual_receive(tmp_path):
                            worker.module.l1.weight.detach().view(torch.int32))  # live weights, not a copy
         assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, 1,
                                 stored=torch.float32)  # bf16 values kept in the policy's fp32 tensors
-        t = time.monotonic()
-        assert receiver.receive(timeout=0.3) is None
-        assert 0.25 < time.monotonic() - t < 5
+        assert receiver.receive(timeout=0.3) is None  # nothing new within the timeout
+        # A receive that is waiting applies a version published meanwhile (its first look found none).
+        polled = threading.Event()
+        inner = receiver._receiver
+        newest = inner.newest_version
+
+        def watched():
+            v = newest()
+            polled.set()
+            return v
+
+        inner.newest_version = watched
+        box = []
+        waiter = threading.Thread(target=lambda: box.append(receiver.receive(timeout=120)))
+        waiter.start()
+        assert polled.wait(60)
+        train_step(trainer, torch.optim.SGD(trainer.parameters(), 0.1))
+        sender.send()
+        waiter.join(120)
+        assert box and box[0] is not None and receiver.version == 2
     finally:
         sender.shutdown()
         receiver.shutdown()
@@ -252,11 +270,9 @@ def test_receiver_without_sender_times_out(tmp_path):
     receiver = DeltaWeightSyncScheme(str(tmp_path), prefix="nobody-publishes-here", connect_timeout_s=0.3)
     policy = make_policy(0)
     receiver.init_on_receiver(model_id="policy", model=policy)
-    t = time.monotonic()
     with pytest.raises(SyncTimeoutError, match="no version of 'policy' appeared in .*nobody-publishes-here within 0 s; "
                                                "is the sender connected"):
         receiver.connect()
-    assert time.monotonic() - t < 10
     assert not receiver.synchronized_on_receiver
     receiver.shutdown()
 
@@ -309,6 +325,39 @@ def test_worker_error_reaches_the_sender(tmp_path):
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+def test_a_skipped_worker_is_waited_for_again_once_it_acknowledges(tmp_path):
+    """``on_worker_failure="skip"`` with every worker skipped: ``send`` used to return at once forever
+    and ``worker_versions()`` stayed ``{}`` although the worker's acknowledgements were in the store
+    (issue 15, after pytorch/rl #3574). The worker's first acknowledgement brings it back."""
+    trainer = make_policy(0)
+    opt = torch.optim.Adam(trainer.parameters(), 1e-2)
+    sender = DeltaWeightSyncScheme(str(tmp_path), num_workers=1, anchor_every=100, ack_timeout_s=0.3,
+                                   on_worker_failure="skip")
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    receiver = None
+    try:
+        train_step(trainer, opt)
+        sender.send()  # nobody acknowledges within the deadline: worker 0 is skipped
+        assert sender.worker_versions() == {}
+        sender.ack_timeout_s = 120.0  # from now on only a bug would run into it
+        worker = make_policy(1)
+        receiver = DeltaWeightSyncScheme(str(tmp_path), num_workers=1)
+        receiver.init_on_receiver(model_id="policy", model=worker, worker_idx=0)
+        receiver.connect(worker_idx=0)  # applies version 1 and acknowledges it
+        for v in (2, 3):
+            train_step(trainer, opt)
+            sender.send()  # waits for worker 0 again
+            assert sender.worker_versions() == {0: v}
+            assert receiver.version == v
+            assert_workers_bitexact([receiver.receiver_state(include_weights=True)], trainer, torch.bfloat16, v,
+                                    stored=torch.float32)
+    finally:
+        sender.shutdown()
+        if receiver is not None:
+            receiver.shutdown()
 
 
 # --- collectors with worker processes ---------------------------------------------------------------
@@ -505,9 +554,10 @@ def test_spawn_pickles_to_workers(tmp_path):
 @pytest.mark.parametrize("mode", ["raise", "skip"])
 def test_dead_worker(tmp_path, fork_start, mode):
     """A worker killed mid-run: ``update_policy_weights_`` raises a clear error (or carries on with the
-    other worker) within seconds, and shutdown completes."""
+    other worker) as soon as the death is seen, and shutdown completes. The acknowledgement deadline
+    is far beyond the test's own timeout, so only noticing the death can end the wait."""
     policy = make_policy(0)
-    scheme = DeltaWeightSyncScheme(str(tmp_path), ack_timeout_s=120, on_worker_failure=mode)
+    scheme = DeltaWeightSyncScheme(str(tmp_path), ack_timeout_s=3600, on_worker_failure=mode)
     collector = MultiAsyncCollector([make_env, make_env], policy, frames_per_batch=32, total_frames=-1,
                                     track_policy_version=True, weight_sync_schemes={"policy": scheme})
     opt = torch.optim.Adam(policy.parameters(), 1e-2)
@@ -520,7 +570,6 @@ def test_dead_worker(tmp_path, fork_start, mode):
         os.kill(collector.procs[1].pid, signal.SIGKILL)
         collector.procs[1].join(30)
         train_step(policy, opt)
-        t = time.monotonic()
         if mode == "raise":
             with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) exited with code -9") as err:
                 collector.update_policy_weights_()
@@ -531,12 +580,9 @@ def test_dead_worker(tmp_path, fork_start, mode):
             train_step(policy, opt)
             collector.update_policy_weights_()  # the lost worker is not waited for again
             assert scheme.worker_versions()[0] == 3
-        assert time.monotonic() - t < 30  # far below ack_timeout_s: the death was noticed
     finally:
-        t = time.monotonic()
         collector.shutdown()
         scheme.shutdown()
-        assert time.monotonic() - t < 60
 
 
 def _die_holding_the_write_lock(acks, worker: int) -> None:
@@ -582,10 +628,8 @@ def test_stuck_worker_times_out(tmp_path, fork_start):
     try:
         os.kill(pid, signal.SIGSTOP)
         train_step(policy, torch.optim.SGD(policy.parameters(), 0.1))
-        t = time.monotonic()
         with pytest.raises(SyncTimeoutError, match=r"worker 0 did not confirm version 1 within 2 s"):
             collector.update_policy_weights_()
-        assert 1.9 < time.monotonic() - t < 20
         assert scheme.worker_versions().get(1) == 1
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -758,6 +802,15 @@ def test_recipe_runs(tmp_path):
     assert [r["version"] for r in iters] == [1, 2, 3]
     assert all(r["workers_at_version"] for r in iters)
     assert rows[-1] == {"event": "verify", "version": 3, "workers_bitexact": True, "workers": [3, 3]}
+    # The recipe's own flag aside: the workers' saved weights are the trainer's, bit for bit (fp32 served).
+    from safetensors.torch import load_file
+
+    trainer = load_file(str(out / "trainer.safetensors"))
+    want = {n: t.view(torch.int32) for n, t in trainer.items() if t.is_floating_point()}
+    assert want
+    for i in range(2):
+        got = load_file(str(out / f"worker-{i}.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), i
 
 
 @pytest.mark.parametrize("same_weights", [True, False], ids=["copy", "other"])

@@ -18,6 +18,7 @@ __all__ = [
     "UnsupportedLayoutError",
     "StoreError",
     "PublishError",
+    "PrefixInUseError",
     "ObjectNotFoundError",
     "ObjectExistsError",
     "StoreNotFoundError",
@@ -72,6 +73,11 @@ class StoreError(DeltaSyncError, OSError):
 
 class PublishError(DeltaSyncError, RuntimeError):
     """Publishing a version failed. No partial version is visible; the next publish recovers."""
+
+
+class PrefixInUseError(PublishError):
+    """Another live writer owns the run prefix (``<prefix>/OWNER``, see :mod:`torch_deltasync.lease`),
+    or took it over from this sender. Two writers on one prefix would interleave their versions."""
 
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):

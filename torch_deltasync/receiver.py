@@ -3,10 +3,10 @@
 An update from the version a receiver holds to a target version ``T`` (the newest by default):
 
 1. **plan** (:meth:`DeltaReceiver.plan`): walk the manifests back from ``T`` along ``base_version``
-   links until reaching the version held (a *delta path*) or an anchor (an *anchor path*); when the
-   delta path is larger than the model, take the anchor path if it is cheaper. A receiver that holds
-   nothing, is ahead of ``T``, or is off ``T``'s chain (e.g. after a writer restart) takes the anchor
-   path. Manifests are immutable and cached.
+   links and take the smallest download: the delta parts from the version held (a *delta path*,
+   crossing anchors by the delta they carry) or an anchor on the chain plus the delta parts after it
+   (an *anchor path*). A receiver that holds nothing, is ahead of ``T``, or is off ``T``'s chain
+   (e.g. after a writer restart: another run) takes an anchor path. Manifests are immutable and cached.
 2. **download** every object of the plan in parallel and check its size and sha256;
 3. **decode and validate** every object (names, shapes, dtypes, index ranges and order);
 4. **stage** the result without touching the target: per changed tensor the union of positions with
@@ -255,6 +255,7 @@ class DeltaReceiver:
         self.last_stats: UpdateStats | None = None
         self._checksums: dict[str, int] = {}  # full checksums of the held state (holds_all targets)
         self._manifests: dict[int, Manifest] = {}
+        self._held_runs: dict[int, str] = {}  # version -> run id of the manifest planned for it
         self._checked: tuple | None = None  # the manifest layout the target was last checked for
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
@@ -327,11 +328,43 @@ class DeltaReceiver:
     # --- planning --------------------------------------------------------------------------------
 
     def plan(self, version: int | None = None, *, force_anchor: bool = False) -> UpdatePlan:
-        """Work out which versions to download to reach ``version`` (the newest when ``None``).
+        """Work out which versions to download to reach ``version`` (the newest when ``None``), and
+        take the path that downloads the fewest bytes.
+
+        The versions that can lead to the target ``T`` are the ones on its chain: ``T``, its
+        ``base_version``, that version's base, and so on. Every one of them may carry a *delta part*
+        (its delta objects: from its base to it) and, if it is an anchor, an *anchor part* (its anchor
+        objects: from nothing to it). So the candidates are:
+
+        * **delta path**: the held version ``H`` is on ``T``'s chain; download the delta parts of
+          every version after ``H`` up to ``T``, anchors included (an anchor that also carries a
+          delta from its predecessor is crossed by its delta part);
+        * **anchor path** from an anchor ``A`` on the chain: ``A``'s anchor part, then the delta parts
+          of the versions after ``A``.
+
+        The walk back from ``T`` stops once no cheaper candidate can follow (the delta parts walked
+        so far already cost as much as the best candidate), at the first version without a base
+        (a run's first anchor), and, when ``H`` cannot be on the rest of the chain (nothing held,
+        ``H`` ahead of the walk, or ``force_anchor``), at the first anchor: older anchors hold the
+        same tensors, so they cost as much plus more deltas. Ties go to the delta path.
+
+        Runs: a receiver never crosses from one writer run (``Manifest.run_id``) to another without
+        an anchor. A held version of another run than ``T``'s chain is not a delta base (the prefix
+        was wiped and the number reused), and a chain link whose base belongs to another run is not
+        followed (two writers interleaved on one prefix).
+
+        Args:
+            version: the target version; ``None``: the newest visible one.
+            force_anchor: ignore the held version (recovery after a failed delta path).
+
+        Returns:
+            The plan: its steps oldest first; ``path`` is ``"noop"`` when ``T`` is held already.
 
         Raises:
             VersionNotFoundError: no version at all, the target version is not visible, or its
                 chain needs a version that is no longer retained.
+            CorruptObjectError: ``T``'s chain crosses into another run before any anchor, so
+                nothing can rebuild it (two writers shared the prefix).
         """
         target = self.newest_version() if version is None else _check_version(version)
         if target is None:
@@ -340,43 +373,23 @@ class DeltaReceiver:
                                        + (f": {why}" if why else ""))
         if target == self.version and not force_anchor:
             return UpdatePlan(self.version, target, "noop", ())
-        self.manifest(target, fresh=True)  # the head of the walk is never a stale cached copy
-        chain: list[Manifest] = []
-        delta_path: list[Manifest] | None = None
-        v = target
-        model_nbytes = 0
-        while True:
-            try:
-                m = self.manifest(v)
-            except VersionNotFoundError:
-                if not chain:
-                    raise
-                raise VersionNotFoundError(
-                    f"{self.store.describe()}: version {target} needs version {v}, which is not retained; "
-                    "update to the newest version instead"
-                ) from None
-            chain.append(m)
-            model_nbytes = model_nbytes or m.numel * m.inference_dtype.itemsize
-            if (delta_path is None and not force_anchor and self.version is not None
-                    and m.base_version == self.version):
-                delta_path = list(chain)
-                if sum(x.delta_nbytes for x in delta_path) <= model_nbytes:
-                    break  # cheaper than any anchor: stop walking
-            if m.kind == "anchor":
-                break
-            v = m.base_version
-        anchor_cost = chain[-1].anchor_nbytes + sum(x.delta_nbytes for x in chain[:-1])
-        if delta_path is not None and (chain[-1].kind != "anchor" or
-                                       sum(x.delta_nbytes for x in delta_path) <= anchor_cost):
-            path, ms = "delta", delta_path[::-1]
-        else:
-            path, ms = "anchor", chain[::-1]
+        head = self.manifest(target, fresh=True)  # the head of the walk is never a stale cached copy
+        self._held_runs[target] = head.run_id
+        while len(self._held_runs) > 64:
+            self._held_runs.pop(next(iter(self._held_runs)))
+        chain, start, path, why = self._walk(head, None if force_anchor else self.version)
+        ms = chain[start::-1]
+        held = self.version
         first_reason = (
-            "anchor: nothing held yet" if self.version is None
-            else f"anchor: version {self.version} is not on the chain of {target}" if path == "anchor" and delta_path is None
-            else "anchor: cheaper than the delta chain" if path == "anchor"
-            else f"delta on {self.version}"
+            f"delta on {held}" if path == "delta"
+            else "anchor: nothing held yet" if held is None
+            else "anchor: recovering from the anchor" if force_anchor
+            else why
         )
+        held_run = self._held_runs.get(held) if held is not None else None
+        if held_run is not None and held_run != head.run_id:
+            log.info("%s: version %d belongs to run %r, the held version %s to run %r; crossing by an anchor",
+                     self.store.describe(), target, head.run_id, held, held_run)
         steps = tuple(
             PlanStep(m.version, "anchor", m.anchor_nbytes, first_reason, m.anchor_objects)
             if i == 0 and path == "anchor" else
@@ -385,6 +398,76 @@ class DeltaReceiver:
             for i, m in enumerate(ms)
         )
         return UpdatePlan(self.version, target, path, steps, tuple(ms))
+
+    def _walk(self, head: Manifest, held: int | None) -> tuple[list[Manifest], int, str, str]:
+        """The chain walk of :meth:`plan`, from ``head`` back along ``base_version`` links.
+
+        Args:
+            head: the target version's manifest.
+            held: the version to start a delta path from (``None``: anchors only).
+
+        Returns:
+            ``(chain, start, path, why)``: the manifests walked, newest first; the index in it of the
+            cheapest start (the anchor whose anchor part is used, or the first version after
+            ``held``); ``"delta"`` or ``"anchor"``; and, for an anchor path from a held version,
+            why no delta path was taken.
+        """
+        held_run = self._held_runs.get(held) if held is not None else None
+        chain: list[Manifest] = []
+        best: tuple[int, int, str] | None = None  # (bytes, index in chain, path)
+        why = f"anchor: version {held} is not on the chain of {head.version}"
+        deltas = 0  # bytes of the delta parts of the versions walked so far
+        m = head
+        while True:
+            chain.append(m)
+            i = len(chain) - 1
+            if m.kind == "anchor" and (best is None or deltas + m.anchor_nbytes < best[0]):
+                best = (deltas + m.anchor_nbytes, i, "anchor")
+            if not m.has_delta:
+                break  # a run's first anchor (or one after a reshape): nothing older leads here
+            deltas += m.delta_nbytes
+            base = m.base_version
+            if held is not None and base == held:
+                if held_run is not None and held_run != m.run_id:
+                    # The number was reused by another run (a wiped prefix): the held state is not
+                    # this chain's version `held`. Anchors only from here.
+                    why = (f"anchor: the held version {held} belongs to run {held_run!r}, version "
+                           f"{head.version} to run {m.run_id!r}")
+                    held = None
+                else:
+                    if best is None or deltas <= best[0]:
+                        best = (deltas, i, "delta")
+                    else:
+                        why = f"anchor: cheaper than the delta chain from {held}"
+                    break  # anything older costs these deltas and more
+            if best is not None and held is not None and base > held and deltas >= best[0]:
+                why = f"anchor: cheaper than any delta chain from {held}"
+                break
+            if best is not None and (held is None or base < held or deltas >= best[0]):
+                break  # no cheaper candidate can follow: older anchors cost as much plus more deltas
+            try:
+                older = self.manifest(base)
+                if older.run_id != m.run_id:  # a cached copy may predate a wiped prefix: read it again
+                    older = self.manifest(base, fresh=True)
+            except VersionNotFoundError:
+                if best is not None:
+                    break  # retention removed the older chain; the candidates found suffice
+                raise VersionNotFoundError(
+                    f"{self.store.describe()}: version {head.version} needs version {base}, which is not "
+                    "retained; update to the newest version instead"
+                ) from None
+            if older.run_id != m.run_id:
+                if best is not None:
+                    break
+                raise CorruptObjectError(
+                    f"{self.store.describe()}: version {m.version} (run {m.run_id!r}) is a delta on version "
+                    f"{base} of another run ({older.run_id!r}), and no anchor of run {m.run_id!r} leads to "
+                    f"version {head.version}: two writers shared this prefix. Receivers never cross runs "
+                    "without an anchor; give every writer its own prefix"
+                )
+            m = older
+        assert best is not None  # the walk ends at an anchor (Manifest: every delta has a base)
+        return chain, best[1], best[2], why
 
     # --- update ----------------------------------------------------------------------------------
 

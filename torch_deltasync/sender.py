@@ -41,9 +41,10 @@ from ._dtypes import as_dtype
 from .checksum import checksum_change, combine, tensor_checksum
 from .codec import get_codec
 from .detect import Changes, ChangeDetector
-from .errors import ObjectExistsError, PublishError, UnsupportedLayoutError
+from .errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
 from .format import encode_anchor, encode_delta, sha256_hex
 from .layout import TensorBlock
+from .lease import DEFAULT_LEASE_S, PrefixLease, read_owner
 from .manifest import (
     LATEST_KEY, MAX_VERSION, Manifest, ObjectEntry, TensorEntry, manifest_key, next_free_version,
     object_key,
@@ -266,7 +267,11 @@ class DeltaSender:
         codec: name of the delta codec (see :func:`torch_deltasync.codec.codec_names`): ``"packed"``
             (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes).
         background: default for ``publish(background=...)``.
-        run_id: identifies this writer in manifests (random by default).
+        run_id: identifies this writer in manifests (random by default). Receivers cross from one
+            run to another only by an anchor.
+        takeover: claim the prefix even if another writer's lease on it is live (see below).
+        lease_s: seconds the prefix stays owned after this sender stops renewing its lease (it
+            renews every ``lease_s / 4`` while open; ``close()`` releases it at once).
         metrics_path: append one JSON line of :class:`PublishStats` per published version.
         retention: after each published anchor, rank 0 deletes old versions under this
             :class:`~torch_deltasync.retention.RetentionPolicy` (``None``: keep everything). A
@@ -274,8 +279,17 @@ class DeltaSender:
         group: collectives for sharded senders; by default a single process, or the default
             ``torch.distributed`` group when the model holds DTensors.
 
+    A sender owns its prefix while it is open (:mod:`torch_deltasync.lease`): a second sender on the
+    same prefix is refused while the first one's lease is live, so two runs never interleave their
+    versions. After a crash, a new sender claims the prefix once the dead one's lease has expired
+    (``lease_s``), or at once with ``takeover=True``; the old sender, should it still be running,
+    then fails its next publish with :class:`~torch_deltasync.errors.PrefixInUseError`.
+
     Raises:
         UnsupportedLayoutError: a tensor layout that cannot be published (e.g. ``Partial``).
+        PrefixInUseError: another writer's lease on the prefix is live (on every rank).
+        ValueError: the ranks of a sharded sender do not address the same store and prefix (e.g.
+            each opened its own temporary folder), checked on every rank.
 
     Example:
         >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), anchor_every=10)
@@ -300,6 +314,8 @@ class DeltaSender:
         metrics_path: str | Path | None = None,
         group: _Group | None = None,
         retention: RetentionPolicy | None = None,
+        takeover: bool = False,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.model = model
         self.store = open_store(store).sub(prefix)
@@ -336,11 +352,21 @@ class DeltaSender:
             plan = plan_uploads(self.group, sources)
             self._uploads, self._slots = plan.uploads, plan.slots
             self._layout = {s.name: s.slice for s in sources}
+        self._lease_s = lease_s
+        self._lease: PrefixLease | None = self._claim_prefix(takeover)
+        self._in_use: str | None = None  # set on every rank once another writer took the prefix over
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
         # After the newest version, and after objects a crashed writer left without a manifest:
         # object keys are never reused, so no writer can overwrite objects a manifest names.
-        self._next_version = self.group.broadcast(next_free_version(self.store) if self.group.rank == 0 else None)
+        # Counted after the claim: a writer that took the prefix over continues after everything the
+        # previous owner wrote.
+        try:
+            self._next_version = self.group.broadcast(next_free_version(self.store) if self.group.rank == 0 else None)
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
         self.version: int | None = None  # last version this sender published
         self._last_anchor: int | None = None
         self._anchor_nbytes = 0
@@ -381,6 +407,8 @@ class DeltaSender:
                 is visible; the next publish recovers.
         """
         background = self.background if background is None else background
+        if self._in_use is not None:
+            raise PrefixInUseError(self._in_use)
         # Sharded senders: every rank must take the same branch here and issue the same collectives
         # in the same order. So the in-flight check is agreed on (``any``) before a background error
         # is raised (a rank whose worker has not yet stored the error must not go on alone), and a
@@ -450,13 +478,17 @@ class DeltaSender:
         return self.version
 
     def close(self) -> None:
-        """Flush and stop the worker thread. Idempotent."""
+        """Flush, stop the worker thread and release the prefix (another sender may then claim it
+        at once; a later ``publish`` on this one claims it again). Idempotent."""
         try:
             self.flush()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
 
     def __enter__(self) -> "DeltaSender":
         return self
@@ -465,6 +497,66 @@ class DeltaSender:
         self.close()
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _claim_prefix(self, takeover: bool) -> PrefixLease | None:
+        """Rank 0 claims the prefix (:class:`PrefixLease`); with several ranks every rank then reads
+        the owner record back from the store it opened, so ranks that address different stores or
+        prefixes (a temporary folder per rank) are refused on every rank before anything is
+        published. Every rank adopts rank 0's ``run_id``. Returns rank 0's lease (``None`` elsewhere).
+        """
+        g = self.group
+        lease, claim = None, None
+        if g.rank == 0:
+            try:
+                lease = PrefixLease(self.store, self.run_id, lease_s=self._lease_s, takeover=takeover)
+                claim = {"ok": True, "session": lease.session, "run_id": self.run_id, "store": self.store.describe()}
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
+                if g.world == 1:
+                    raise
+                claim = {"ok": False, "in_use": isinstance(e, PrefixInUseError), "error": f"{type(e).__name__}: {e}"}
+        if g.world == 1:
+            return lease
+        claim = g.broadcast(claim)
+        if not claim["ok"]:
+            raise (PrefixInUseError if claim["in_use"] else PublishError)(f"rank 0: {claim['error']}")
+        seen = {"ok": True}
+        if g.rank != 0:
+            try:
+                rec = read_owner(self.store)
+                if rec is None or rec.session != claim["session"]:
+                    found = "no owner record" if rec is None else f"another writer's record (run {rec.run_id!r})"
+                    seen = {"ok": False, "why": f"rank {g.rank} opened {self.store.describe()} and finds {found} there"}
+            except Exception as e:  # noqa: BLE001
+                seen = {"ok": False, "why": f"rank {g.rank} cannot read {self.store.describe()}: {type(e).__name__}: {e}"}
+        gathered = g.gather(seen)
+        verdict = None
+        if g.rank == 0:
+            bad = [r["why"] for r in gathered if not r["ok"]]
+            verdict = {"ok": not bad}
+            if bad:
+                lease.release()
+                verdict["error"] = (
+                    f"the ranks do not address the same store and prefix: rank 0 claimed {claim['store']} (wrote its "
+                    f"OWNER record), but {'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} ({len(bad)} of {g.world} "
+                    "ranks). Every rank must open the same store and prefix: a shared file system path or a remote "
+                    "URL such as s3://bucket/runs, not a folder per rank (e.g. tempfile.mkdtemp() on each rank)"
+                )
+        verdict = g.broadcast(verdict)
+        if not verdict["ok"]:
+            raise ValueError(verdict["error"])
+        self.run_id = claim["run_id"]
+        return lease
+
+    def _check_owner(self) -> None:
+        """Rank 0, before a manifest: the prefix is still ours (claimed again after ``close()``).
+
+        Raises:
+            PrefixInUseError: another writer owns it now.
+        """
+        if self._lease is None:
+            self._lease = PrefixLease(self.store, self.run_id, lease_s=self._lease_s)
+        else:
+            self._lease.check()
 
     def _wait_inflight(self) -> None:
         fut = self._inflight
@@ -673,6 +765,9 @@ class DeltaSender:
             outcome = self._write_manifest(job, gathered)
         outcome = g.broadcast(outcome)
         if not outcome["ok"]:
+            if outcome.get("in_use"):  # another writer owns the prefix now: never publish here again
+                self._in_use = outcome["error"]
+                raise PrefixInUseError(f"version {job.version} was not published: {outcome['error']}")
             if "next_version" in outcome:  # another writer took this number: skip past its versions
                 self._next_version = max(self._next_version, outcome["next_version"])
                 self._force_anchor = True
@@ -704,6 +799,12 @@ class DeltaSender:
     def _write_manifest(self, job: _Job, gathered: list[dict]) -> dict[str, Any]:
         """Rank 0: combine per-rank metadata, write the manifest last and ``LATEST``."""
         errors = [r["error"] for r in gathered if not r["ok"]]
+        try:  # first: a version number taken by the writer that took the prefix over is no collision
+            self._check_owner()
+        except PrefixInUseError as e:
+            return {"ok": False, "in_use": True, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
+            return {"ok": False, "error": f"rank 0 owner record: {type(e).__name__}: {e}"}
         if any(r.get("taken") for r in gathered):
             return self._taken(job.version)
         if errors:

@@ -176,6 +176,20 @@ class TrainerActor(Actor):
         return state_digest(sd)
 
     @endpoint
+    async def save_weights(self, path: str) -> None:
+        """Write the policy's full tensors as trained (fp32) to a safetensors file (rank 0; a
+        collective with several procs), for checks outside the recipe."""
+        from safetensors.torch import save_file
+
+        sd = {}
+        for name, t in self.model.state_dict().items():
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            sd[name] = t.detach().clone().contiguous()  # clones: tied tensors would share storage
+        if current_rank().rank == 0:
+            save_file(sd, path)
+
+    @endpoint
     async def close(self) -> None:
         """Flush the sender; leave the process group."""
         if self.sender is not None:
@@ -262,6 +276,16 @@ class GeneratorActor(Actor):
     async def fingerprint(self) -> dict[str, Any]:
         """The version held and the backend's evidence of its weights (see ``GeneratorBackend``)."""
         return {"version": self.backend.version, **self.backend.fingerprint()}
+
+    @endpoint
+    async def save_weights(self, path: str) -> bool:
+        """Write the served weights to a safetensors file if the backend holds them in this process
+        (``HFGenerator``); returns whether it did."""
+        save = getattr(self.backend, "save_weights", None)
+        if save is None:
+            return False
+        save(path)
+        return True
 
 
 class ReplayBufferActor(Actor):

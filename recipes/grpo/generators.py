@@ -95,6 +95,12 @@ class HFGenerator:
 
         return {"digest": state_digest(self.model)}
 
+    def save_weights(self, path: str) -> None:
+        """The served bf16 weights, as a safetensors file."""
+        from safetensors.torch import save_file
+
+        save_file({n: t.detach().clone().contiguous() for n, t in self.model.state_dict().items()}, path)
+
 
 class VLLMGenerator:
     """An offline ``vllm.LLM`` on GPU, updated in place by ``torch_deltasync``'s worker extension.

@@ -735,6 +735,9 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
         store = self._open_store().sub(self.run_prefix) if isinstance(self._acks, _StoreAcks) else None
         wait_s = self.ack_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + wait_s
+        # Read what arrived since the last send first: a skipped worker that acknowledged since is
+        # waited for again, even when every target worker had been skipped.
+        self._read_acks(store, 0.0)
         pending = {w for w in self._target_workers(worker_ids) if w not in self._lost}
         failures: list[tuple[int, str, type]] = []
         while True:
@@ -758,22 +761,27 @@ class DeltaWeightSyncScheme(WeightSyncScheme):
                     failures.append((w, f"did not confirm version {v} within {wait_s:g} s "
                                         f"(it holds version {self._acked.get(w)})", SyncTimeoutError))
                 break
-            # Every expected worker is read, not just the pending ones: a skipped worker comes back
-            # with its next acknowledgement, and nothing piles up unread.
-            for msg in self._acks.poll(store, set(self._expected), min(self.poll_interval_s, 0.05)):
-                parsed = _parse_ack(msg)
-                if parsed is None:
-                    continue
-                w, ver, err = parsed
-                if err is not None:
-                    self._ack_errors[w] = (ver, err)
-                elif ver is not None:
-                    self._acked[w] = max(self._acked.get(w, -1), ver)
-                    if ver >= v and w in self._lost:
-                        torchrl_logger.info(f"DeltaWeightSyncScheme: worker {w} is back at version {ver}")
-                        self._lost.discard(w)
+            self._read_acks(store, min(self.poll_interval_s, 0.05))
         if failures:
             self._handle_failures(failures)
+
+    def _read_acks(self, store: Store | None, wait_s: float) -> None:
+        """Read the acknowledgements of every expected worker (waiting up to ``wait_s`` seconds for
+        one), not just the pending ones: nothing piles up unread, and a skipped worker that
+        acknowledges a newer version than it had is back (waited for from then on)."""
+        for msg in self._acks.poll(store, set(self._expected), wait_s):
+            parsed = _parse_ack(msg)
+            if parsed is None:
+                continue
+            w, ver, err = parsed
+            if err is not None:
+                self._ack_errors[w] = (ver, err)
+            elif ver is not None:
+                newer = ver > self._acked.get(w, -1)
+                self._acked[w] = max(self._acked.get(w, -1), ver)
+                if newer and w in self._lost:
+                    torchrl_logger.info(f"DeltaWeightSyncScheme: worker {w} is back at version {ver}")
+                    self._lost.discard(w)
 
     def _handle_failures(self, failures: list[tuple[int, str, type]]) -> None:
         text = "; ".join(f"worker {w} {msg}" for w, msg, _ in failures)

@@ -57,33 +57,145 @@ class ModuleTarget(Target):
     (never rebinding ``.data``), so optimizers, CUDA graphs and other references keep seeing the
     live tensor.
 
+    **Live tensors.** The target keeps the module (or mapping), not the tensors it saw when it was
+    built: every call looks each tensor up again by name (``module.get_submodule(path)`` and its
+    ``_parameters`` / ``_buffers``; ``mapping[name]``). A tensor replaced since the last check
+    (``module.to(torch.bfloat16)``, ``load_state_dict(..., assign=True)``, a new dict entry) is
+    noticed on its next use: the whole target is checked again (shapes, dtypes, ties) before
+    anything is read or written, and updates and :meth:`checksum` (``DeltaReceiver.verify``) then
+    work on what the module actually serves. Before the first write of an update and before every
+    anchor ``assign``, every tensor is looked up, so a replacement that no longer fits is refused
+    before any weight changes. A replacement of the same shape and dtype keeps the receiver's
+    version: the receiver assumes nobody else writes the weights (``verify()`` checks that).
+
     Args:
         model: an ``nn.Module`` (its ``state_dict`` names) or a ``{name: tensor}`` mapping.
         strict: require the published tensors and the target's floating tensors to match exactly
-            (like ``load_state_dict(strict=True)``); with ``False`` extra target tensors are left alone.
+            (like ``load_state_dict(strict=True)``), and refuse non-floating tensors (integer or bool
+            buffers): the sender publishes floating-point tensors only, so such a tensor would
+            silently keep its own value while ``verify()`` reported a match. With ``False`` extra
+            tensors, floating or not, are left alone: neither synced nor verified.
 
     Raises:
         TypeError: ``model`` is neither a module nor a mapping.
+        IncompatibleTargetError: (``strict``) the model holds a non-floating tensor.
     """
 
     def __init__(self, model: nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-        if isinstance(model, nn.Module):
-            tensors = model.state_dict(keep_vars=True)
-        elif isinstance(model, Mapping):
-            tensors = model
-        else:
+        if not isinstance(model, (nn.Module, Mapping)):
             raise TypeError(f"expected an nn.Module or a state dict, got {type(model).__name__}")
-        self.tensors: dict[str, torch.Tensor] = {
-            n: t.detach() for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()
-        }
-        self._other = {n for n, t in tensors.items() if isinstance(t, torch.Tensor) and not t.is_floating_point()}
+        self._source = model
         self.strict = strict
+        self._bind()
         self._mirrors: dict[str, list[str]] = {}  # canonical -> untied aliases to write as well
         self._codecs: dict[str, _Codec] = {}
+        self._checked: tuple | None = None  # the arguments of the last successful check()
+        self._keys: dict[str, tuple] = {}  # name -> identity of the tensor that check validated
+        self._writing = False  # the last call wrote (an update's apply is under way)
+        self._written: set[str] = set()  # names written since the last scan
+
+    # --- live lookup -------------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """Read the model's names and where each tensor lives (again after a submodule was replaced).
+
+        Raises:
+            IncompatibleTargetError: (``strict``) a non-floating tensor.
+        """
+        model = self._source
+        tensors = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
+        other = [(n, t.dtype) for n, t in tensors.items() if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        if other and self.strict:
+            n, dt = other[0]
+            more = f" (and {len(other) - 1} more non-floating tensors)" if len(other) > 1 else ""
+            raise IncompatibleTargetError(
+                f"receiving model tensor {n!r} is {dt}{more}: torch_deltasync publishes floating-point tensors "
+                "only, so it would never be synced and no verification could cover it. Register derived state as "
+                "a non-persistent buffer (register_buffer(..., persistent=False)), or pass "
+                "ModuleTarget(model, strict=False) as the receiver's target to leave non-floating tensors alone "
+                "(neither synced nor verified)"
+            )
+        self._other = {n for n, _ in other}
+        self._names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        self._owners = _owners(model, tensors) if isinstance(model, nn.Module) else {}
+        # Entries the owner lookup cannot reach (state-dict hooks that rename them): kept as given.
+        self._fixed = ({n: tensors[n] for n in self._names if n not in self._owners}
+                       if isinstance(model, nn.Module) else {})
+
+    def _get(self, name: str) -> torch.Tensor:
+        """The tensor (or parameter) the model holds under ``name`` now."""
+        if name in self._fixed:
+            return self._fixed[name]
+        if not isinstance(self._source, nn.Module):
+            t = self._source.get(name)
+        else:
+            found = self._owners.get(name)
+            if found is not None and any(parent._modules.get(key) is not child for parent, key, child in found[0]):
+                self._bind()  # a submodule on the way was replaced: find every tensor again
+                found = self._owners.get(name)
+            t = None if found is None else (found[1]._parameters if found[3] else found[1]._buffers).get(found[2])
+        if not isinstance(t, torch.Tensor):
+            raise IncompatibleTargetError(
+                f"tensor {name!r} is no longer in the receiving model (it was removed or replaced by a "
+                f"{type(t).__name__}); build a new receiver for the new model"
+            )
+        return t
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The floating tensors the model holds now, by name (detached, sharing its storage)."""
+        return {n: self._get(n).detach() for n in list(self._names)}
+
+    @tensors.setter
+    def tensors(self, value: Mapping[str, torch.Tensor]) -> None:
+        """Point the target at other tensors (a ``{name: tensor}`` mapping); check it again before use."""
+        self._source = dict(value)
+        self._bind()
+
+    def _live(self, name: str) -> torch.Tensor:
+        """``name``'s live tensor, detached; the whole target is checked again first if any checked
+        tensor was replaced since."""
+        t = self._get(name)
+        key = self._keys.get(name)
+        if key is not None and _identity(t) != key:
+            self._recheck()
+            t = self._get(name)
+        return t.detach()
+
+    def _scan(self) -> None:
+        """Look up every checked tensor; check the whole target again if any was replaced."""
+        if any(_identity(self._get(n)) != key for n, key in list(self._keys.items())):
+            self._recheck()
+
+    def _start_write(self, name: str) -> None:
+        """Before a write or assign: the first one of an update (after a read or check, or a name
+        written again: a new update) looks every tensor up, so that a replacement that no longer
+        fits is refused before any weight changes, not halfway through."""
+        if not self._writing or name in self._written:
+            self._scan()
+            self._written = set()
+        self._writing = True
+        self._written.add(name)
+
+    def _recheck(self) -> None:
+        if self._checked is None:
+            return
+        try:
+            self.check(*self._checked)
+        except IncompatibleTargetError as e:
+            raise IncompatibleTargetError(
+                f"the receiving model's tensors were replaced since they were checked (e.g. module.to(dtype) "
+                f"or load_state_dict(..., assign=True)) and no longer fit the published version: {e}"
+            ) from None
+
+    # --- Target ------------------------------------------------------------------------------------
 
     def check(self, shapes: dict[str, tuple[int, ...]], aliases: dict[str, str], dtype: torch.dtype) -> None:
+        self._writing = False
+        self._checked, self._keys = None, {}
         self._mirrors, self._codecs = {}, {}
-        missing = [n for n in shapes if n not in self.tensors]
+        tensors = self.tensors
+        missing = [n for n in shapes if n not in tensors]
         if missing:
             not_float = [n for n in missing if n in self._other]
             if not_float:
@@ -96,13 +208,13 @@ class ModuleTarget(Target):
                 f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all); build the receiver "
                 "from the same architecture and naming as the sender"
             )
-        bad = [(n, s, tuple(self.tensors[n].shape)) for n, s in shapes.items() if tuple(self.tensors[n].shape) != s]
+        bad = [(n, s, tuple(tensors[n].shape)) for n, s in shapes.items() if tuple(tensors[n].shape) != s]
         if bad:
             n, s, have = bad[0]
             raise IncompatibleTargetError(f"tensor {n!r}: published shape {s}, receiver has {have} ({len(bad)} mismatches)")
         owners: dict[tuple, str] = {}  # the sender shipped these separately: they must not be tied here
         for n in shapes:
-            t = self.tensors[n]
+            t = tensors[n]
             if t.device.type == "meta":
                 raise IncompatibleTargetError(f"tensor {n!r} is on the meta device; materialise the model first")
             if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
@@ -118,28 +230,33 @@ class ModuleTarget(Target):
                     f"the receiver ties {owners[key]!r} and {n!r} but the sender publishes them as separate tensors"
                 )
             owners[key] = n
+        mirrors: dict[str, list[str]] = {}
         for alias, canon in aliases.items():
-            t = self.tensors.get(alias)
-            if t is not None and _storage_key(t) != _storage_key(self.tensors[canon]):
+            t = tensors.get(alias)
+            if t is not None and _storage_key(t) != _storage_key(tensors[canon]):
                 if tuple(t.shape) != shapes[canon]:
                     raise IncompatibleTargetError(f"alias {alias!r} has shape {tuple(t.shape)}, expected {shapes[canon]}")
-                self._mirrors.setdefault(canon, []).append(alias)
+                mirrors.setdefault(canon, []).append(alias)
         if self.strict:
             covered = set(shapes) | set(aliases)
-            extra = [n for n in self.tensors if n not in covered]
+            extra = [n for n in tensors if n not in covered]
             if extra:
                 raise IncompatibleTargetError(
                     f"receiving model tensors not published by the sender: {extra[:5]} ({len(extra)} in all); "
                     "to leave them alone, pass ModuleTarget(model, strict=False) as the receiver's target"
                 )
-        for n in list(shapes) + [a for m in self._mirrors.values() for a in m]:
-            storage = self.tensors[n].dtype
+        codecs = {}
+        for n in list(shapes) + [a for m in mirrors.values() for a in m]:
+            storage = tensors[n].dtype
             if not _Codec.supported(storage, dtype):
                 hint = f"{dtype} or torch.float32" if dtype == torch.bfloat16 else f"{dtype}"
                 raise IncompatibleTargetError(
                     f"tensor {n!r} is {storage}, which cannot hold every {dtype} bit pattern; store it as {hint}"
                 )
-            self._codecs[n] = _Codec(storage, dtype)
+            codecs[n] = _Codec(storage, dtype)
+        self._mirrors, self._codecs = mirrors, codecs
+        self._keys = {n: _identity(tensors[n]) for n in codecs}
+        self._checked = (dict(shapes), dict(aliases), dtype)
 
     def _targets(self, name: str) -> list[str]:
         return [name] + self._mirrors.get(name, [])
@@ -148,24 +265,26 @@ class ModuleTarget(Target):
         return t.view(int_view_dtype(t.dtype))
 
     def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        t = self.tensors[name]
+        self._writing = False
+        t = self._live(name)
         stored = self._stored_bits(t)
         pos = positions.to(t.device)
         vals = stored.reshape(-1)[pos] if t.is_contiguous() else stored[torch.unravel_index(pos, t.shape)]
-        return self._codec(name, dtype).from_storage_bits(vals)
+        return self._codec(name, t, dtype).from_storage_bits(vals)
 
-    def _codec(self, name: str, dtype: torch.dtype) -> _Codec:
+    def _codec(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> _Codec:
         c = self._codecs.get(name)
-        if c is None or c.dtype != dtype:
-            c = _Codec(self.tensors[name].dtype, dtype)
+        if c is None or c.dtype != dtype or c.storage != t.dtype:
+            c = _Codec(t.dtype, dtype)
         return c
 
     @torch.no_grad()
     def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self._start_write(name)
         for n in self._targets(name):
-            t = self.tensors[n]
+            t = self._live(n)
             stored = self._stored_bits(t)
-            vals = self._codec(n, values.dtype).to_storage_bits(values).to(t.device)
+            vals = self._codec(n, t, values.dtype).to_storage_bits(values).to(t.device)
             pos = positions.to(t.device)
             if t.is_contiguous():
                 # index_copy_ costs ~2.3 ns per changed element; scatter_ grows with the tensor size.
@@ -175,19 +294,50 @@ class ModuleTarget(Target):
 
     @torch.no_grad()
     def assign(self, name: str, full: torch.Tensor) -> None:
+        self._start_write(name)
         for n in self._targets(name):
-            t = self.tensors[n]
+            t = self._live(n)
             stored = self._stored_bits(t)
-            stored.copy_(self._codec(n, full.dtype).to_storage_bits(full).reshape(t.shape))
+            stored.copy_(self._codec(n, t, full.dtype).to_storage_bits(full).reshape(t.shape))
 
     def values(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The held tensor ``name`` in ``dtype``, bit-exactly (bf16 held in fp32 comes back with its
         exact bit patterns, NaN payloads included; a float cast could rewrite those). Shares memory
         with the target where ``dtype`` is the storage dtype; copy before keeping it."""
-        return self._codec(name, dtype).from_storage_bits(self._stored_bits(self.tensors[name]))
+        self._writing = False
+        t = self._live(name)
+        return self._codec(name, t, dtype).from_storage_bits(self._stored_bits(t))
 
     def checksum(self, name: str, dtype: torch.dtype) -> int:
         return tensor_checksum(self.values(name, dtype))
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.tensors)
+        return self.tensors
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What changes when a tensor is replaced or its ``.data`` rebound (``module.to``), and not when
+    its values are written in place. Read from the parameter itself (no ``detach``: this runs for
+    every tensor at the start of every update)."""
+    return (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
+
+
+def _owners(model: nn.Module, state: Mapping[str, Any]) -> dict[str, tuple]:
+    """``{state-dict name: (chain, owner module, attribute, is_parameter)}`` for every entry of
+    ``state`` that ``model`` holds under its own name (the default ``state_dict`` naming; entries
+    renamed by state-dict hooks are left out). ``chain`` is the ``(parent, key, child)`` links from
+    ``model`` to the owner, so a replaced submodule is noticed with a few dict lookups."""
+    out: dict[str, tuple] = {}
+
+    def walk(mod: nn.Module, prefix: str, chain: tuple) -> None:
+        for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for attr, t in table.items():
+                name = prefix + attr
+                if t is not None and name not in out and state.get(name) is t:
+                    out[name] = (chain, mod, attr, is_param)
+        for key, child in mod._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{key}.", chain + ((mod, key, child),))
+
+    walk(model, "", ())
+    return out

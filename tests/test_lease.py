@@ -1,0 +1,174 @@
+"""One live writer per prefix (``torch_deltasync.lease``): a second sender is refused, a takeover stops
+the first one, ``close()`` frees the prefix, a dead writer's lease expires; sharded senders whose
+ranks opened different stores are refused on every rank."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, PrefixInUseError
+from torch_deltasync._ranks import run_ranks
+from torch_deltasync.lease import OWNER_KEY, PrefixLease, read_owner
+from torch_deltasync.manifest import list_versions, load_manifest
+
+from remote_helpers import StepModel, bits_of, empty_target
+
+
+def publish(sender, model, step):
+    model.set_step(step)
+    return sender.publish()
+
+
+def test_a_second_live_writer_is_refused_and_writes_nothing(tmp_path):
+    store = LocalStore(tmp_path / "b", fsync=False)
+    a, b = StepModel(seed=1), StepModel(seed=2)
+    first = DeltaSender(a.tensors, store)
+    assert publish(first, a, 0) == 0
+    keys = store.list("")
+    with pytest.raises(PrefixInUseError, match=rf"owned by a live writer: run '{first.run_id}' .*lease renewed "
+                                               r"[0-9.]+ s ago for 60 s.*pass takeover=True"):
+        DeltaSender(b.tensors, store)
+    assert store.list("") == keys
+    assert publish(first, a, 1) == 1  # the owner is undisturbed
+    first.close()
+
+
+def test_two_writers_never_interleave(tmp_path):
+    """The issue's scenario: two training programs on one prefix. Without ownership their versions
+    alternated and a receiver following the newest one switched models at every version. Now the
+    second one can only start by taking over, after which the first cannot publish again: the runs
+    form two blocks, and the receiver crosses from one to the other once, by an anchor."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    a, b = StepModel(seed=3), StepModel(seed=4)
+    sa = DeltaSender(a.tensors, store, anchor_every=100)
+    target = empty_target(a.shapes)
+    receiver = DeltaReceiver(target, store)
+    for step in range(3):
+        publish(sa, a, step)
+        receiver.update()
+    sb = DeltaSender(b.tensors, store, anchor_every=100, takeover=True)
+    for step in range(3, 8):
+        publish(sb, b, step)
+        with pytest.raises(PrefixInUseError, match=rf"taken over by run '{sb.run_id}'"):
+            publish(sa, a, step)
+        assert receiver.update() == step
+        assert all(torch.equal(bits_of(target)[n], b.bits_at(step)[n]) for n in target)
+    runs = [load_manifest(store, v).run_id for v in list_versions(store)]
+    assert runs == [sa.run_id] * 3 + [sb.run_id] * 5
+    kinds = [load_manifest(store, v).kind for v in list_versions(store)]
+    assert kinds[3] == "anchor" and load_manifest(store, 3).base_version is None
+    # The refused writer's only leftover is the object it uploaded for the version it had in flight
+    # when it found out (v3, not named by any manifest); after that it uploads nothing.
+    named = {o.key for v in list_versions(store) for o in load_manifest(store, v).objects}
+    assert set(store.list("objects")) - named == {"objects/000000000003/delta-r00000-of00001.safetensors"}
+
+
+def test_close_frees_the_prefix(tmp_path):
+    store = LocalStore(tmp_path / "b", fsync=False)
+    a = StepModel(seed=5)
+    with DeltaSender(a.tensors, store) as first:
+        publish(first, a, 0)
+    assert read_owner(store) is None
+    second = DeltaSender(a.tensors, store)
+    assert publish(second, a, 1) == 1 and load_manifest(store, 1).run_id == second.run_id
+    with pytest.raises(PrefixInUseError, match="owned by a live writer"):
+        publish(first, a, 2)  # a closed sender claims again to publish, and is refused now
+    second.close()
+
+
+def test_a_deleted_record_is_claimed_again(tmp_path):
+    """Someone deleted OWNER (no other writer claimed it): the owner writes it again and goes on."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    a = StepModel(seed=7)
+    sender = DeltaSender(a.tensors, store)
+    assert publish(sender, a, 0) == 0
+    store.delete(OWNER_KEY)
+    assert publish(sender, a, 1) == 1
+    assert read_owner(store).session == sender._lease.session
+    sender.close()
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"run_id": "dead", "session": "x", "host": "h", "pid": 1, "renewed_at": 1000.0, "lease_s": 60.0},
+     "expired long ago: the writer died without close()"),
+    (b"\xff not json", "malformed: protects nothing"),
+    ({"run_id": "dead", "session": "x", "host": "h", "pid": "1", "renewed_at": 1e12, "lease_s": 60.0},
+     "pid of the wrong type: malformed"),
+])
+def test_a_dead_or_malformed_lease_is_claimed(tmp_path, record, reason):
+    store = LocalStore(tmp_path / "b", fsync=False)
+    store.put(OWNER_KEY, record if isinstance(record, bytes) else json.dumps(record).encode())
+    a = StepModel(seed=6)
+    sender = DeltaSender(a.tensors, store)
+    assert read_owner(store).session == sender._lease.session and read_owner(store).run_id == sender.run_id
+    assert publish(sender, a, 0) == 0
+    sender.close()
+
+
+def test_a_live_lease_is_renewed_while_the_sender_is_open(tmp_path):
+    store = LocalStore(tmp_path / "b", fsync=False)
+    lease = PrefixLease(store, "run-x", lease_s=0.2)  # renewed every 0.05 s
+    first = read_owner(store).renewed_at
+    deadline = time.monotonic() + 60
+    while read_owner(store).renewed_at == first:  # waits for the renewal itself, not a duration
+        assert time.monotonic() < deadline, "the lease was never renewed"
+        threading.Event().wait(0.01)
+    lease.release()
+    assert read_owner(store) is None
+
+
+@pytest.mark.parametrize("lease_s", [0, -1.0, float("nan"), "60"])
+def test_bad_lease_durations_are_refused(tmp_path, lease_s):
+    with pytest.raises(ValueError, match="lease_s must be a positive number of seconds"):
+        DeltaSender({"w": torch.zeros(4)}, LocalStore(tmp_path / "b"), lease_s=lease_s)
+
+
+# --- sharded senders: every rank must address the same store and prefix ---------------------------
+
+
+def _construct_on_rank(rank: int, world: int, how: str, shared: str) -> dict:
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from torch_deltasync import DeltaSender
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    fully_shard(model)
+    if how == "mkdtemp":
+        store, prefix = tempfile.mkdtemp(prefix=f"rank{rank}-"), ""
+    elif how == "prefix":
+        store, prefix = shared, f"run-{rank}"
+    else:
+        store, prefix = shared, "run"
+    try:
+        sender = DeltaSender(model, store, prefix=prefix)
+    except ValueError as e:
+        return {"error": str(e), "owner_left": LocalStore(store).sub(prefix).exists(OWNER_KEY)}
+    v = sender.publish()
+    sender.close()
+    dist.barrier()
+    return {"version": v}
+
+
+@pytest.mark.parametrize("how", ["mkdtemp", "prefix"])
+def test_ranks_on_different_stores_are_refused_on_every_rank(tmp_path, how):
+    results = run_ranks(_construct_on_rank, 2, how, str(tmp_path / "shared"), timeout_s=300)
+    for r, res in enumerate(results):
+        assert "error" in res, (r, res)
+        assert "do not address the same store and prefix" in res["error"]
+        assert "rank 1 opened" in res["error"] and "finds no owner record there" in res["error"]
+        assert res["owner_left"] is False  # rank 0 released what it claimed
+
+
+def test_ranks_on_one_store_publish(tmp_path):
+    results = run_ranks(_construct_on_rank, 2, "same", str(tmp_path / "shared"), timeout_s=300)
+    assert results == [{"version": 0}, {"version": 0}]
+    assert load_manifest(LocalStore(tmp_path / "shared").sub("run"), 0).kind == "anchor"

@@ -1,0 +1,174 @@
+"""``ModuleTarget`` follows the module's live tensors: parameters replaced after the receiver was built
+(``module.to(dtype)``, ``load_state_dict(assign=True)``, a new submodule or dict entry) receive the
+updates and are what ``verify()`` reads; replacements that no longer fit are refused before any weight
+changes; non-floating tensors, which the sender never publishes, are refused instead of being
+reported as verified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import make_mlp, train_step
+from torch_deltasync import (
+    AnchorPolicy, ChecksumMismatchError, DeltaReceiver, DeltaSender, IncompatibleTargetError, LocalStore, ModuleTarget,
+)
+
+
+def bf16_bits(model_or_sd) -> dict[str, torch.Tensor]:
+    """Every floating tensor as the int16 view of its bf16 cast (independent of the library)."""
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
+    return {n: t.detach().to(torch.bfloat16).view(torch.int16).clone() for n, t in sd.items() if t.is_floating_point()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+class Run:
+    """A trainer publishing to ``store``, one Adam step per version."""
+
+    def __init__(self, store, **kwargs):
+        self.trainer = make_mlp(0)
+        self.opt = torch.optim.Adam(self.trainer.parameters(), lr=1e-3)
+        self.gen = torch.Generator().manual_seed(0)
+        self.sender = DeltaSender(self.trainer, store, **kwargs)
+
+    def step(self) -> int:
+        train_step(self.trainer, self.opt, self.gen)
+        return self.sender.publish()
+
+
+@pytest.fixture
+def store(tmp_path):
+    return LocalStore(tmp_path / "b", fsync=False)
+
+
+def test_a_module_cast_to_bf16_after_the_receiver_was_built_gets_the_updates(store):
+    """Issue 15: an fp32 replica cast with ``replica.to(torch.bfloat16)`` kept serving its old
+    weights while update() and verify() reported success."""
+    run = Run(store, anchor_every=100)
+    replica = make_mlp(1, torch.float32)
+    receiver = DeltaReceiver(replica, store)
+    assert run.step() == 0 and receiver.update() == 0
+    replica.to(torch.bfloat16)  # rebinds every parameter's .data to new bf16 storage
+    assert run.step() == 1
+    assert receiver.update() == 1 and receiver.last_stats.path == "delta"
+    assert all(p.dtype == torch.bfloat16 for p in replica.parameters())
+    assert same(bf16_bits(replica), bf16_bits(run.trainer))
+    receiver.verify()
+    with torch.no_grad():  # verify reads what the module serves now: one flipped bit is caught
+        replica[0].weight.view(torch.int16)[0, 0] ^= 1
+    with pytest.raises(ChecksumMismatchError, match=r"1 tensors differ.*0\.weight"):
+        receiver.verify()
+
+
+@pytest.mark.parametrize("values", ["same", "other"])
+def test_load_state_dict_assign_replaces_the_tensors_the_receiver_writes(store, values):
+    """New tensors from ``load_state_dict(assign=True)`` receive the next update. Holding other
+    values than the version the receiver applied, the delta path fails its checksum and the
+    receiver rebuilds them from the anchor: never a mix."""
+    run = Run(store, anchor_every=100)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert run.step() == 0 and receiver.update() == 0
+    fresh = {n: (t.clone() if values == "same" else torch.zeros_like(t)) for n, t in replica.state_dict().items()}
+    old = [p for p in replica.parameters()]
+    replica.load_state_dict(fresh, assign=True)
+    assert all(a is not b for a, b in zip(old, replica.parameters()))
+    assert run.step() == 1
+    assert receiver.update() == 1
+    assert receiver.last_stats.recovered is (values == "other")
+    assert same(bf16_bits(replica), bf16_bits(run.trainer))
+    receiver.verify()
+
+
+def test_a_replaced_submodule_gets_the_updates(store):
+    run = Run(store, anchor_every=100)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert run.step() == 0 and receiver.update() == 0
+    new = nn.Linear(32, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        for p_new, p_old in zip(new.parameters(), replica[0].parameters()):
+            p_new.copy_(p_old)
+    replica[0] = new
+    assert run.step() == 1
+    assert receiver.update() == 1
+    assert same(bf16_bits(replica), bf16_bits(run.trainer))
+    receiver.verify()
+
+
+def test_a_replaced_dict_entry_gets_the_updates(store):
+    run = Run(store, anchor_every=100)
+    sd = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in run.trainer.state_dict().items()}
+    receiver = DeltaReceiver(sd, store)
+    assert run.step() == 0 and receiver.update() == 0
+    sd["2.weight"] = sd["2.weight"].clone()
+    assert run.step() == 1
+    assert receiver.update() == 1
+    assert same(bf16_bits(sd), bf16_bits(run.trainer))
+
+
+@pytest.mark.parametrize("path", ["delta", "anchor"])
+def test_a_replacement_that_no_longer_fits_is_refused_before_any_weight_changes(store, path):
+    """One parameter (the last one written) replaced by one of another dtype: the update refuses
+    before its first write, on the delta path and on the anchor path (which reads nothing first)."""
+    # Anchors that carry no delta (every delta counts as too large), so the anchor path is the only one.
+    run = Run(store, anchor_policy=AnchorPolicy(every=1, max_delta_ratio=1e-9)) if path == "anchor" else Run(store)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert run.step() == 0 and receiver.update() == 0
+    replica[2].bias = nn.Parameter(replica[2].bias.detach().to(torch.float16))
+    before = {n: t.detach().view(torch.int16).clone() for n, t in replica.state_dict().items()}
+    assert run.step() == 1
+    plan = receiver.plan()
+    assert plan.path == path
+    with pytest.raises(IncompatibleTargetError, match=r"were replaced since they were checked.*tensor '2\.bias' is "
+                                                      r"torch\.float16, which cannot hold every torch\.bfloat16"):
+        receiver.update()
+    after = {n: t.detach().view(torch.int16) for n, t in replica.state_dict().items()}
+    assert same(before, after)
+
+
+def test_a_removed_tensor_is_named(store):
+    run = Run(store, anchor_every=100)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert run.step() == 0 and receiver.update() == 0
+    replica[2].register_parameter("bias", None)
+    run.step()
+    with pytest.raises(IncompatibleTargetError, match=r"tensor '2\.bias' is no longer in the receiving model"):
+        receiver.update()
+
+
+class WithCounter(nn.Module):
+    def __init__(self, persistent: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64), persistent=persistent)
+
+
+def test_a_persistent_integer_buffer_is_refused(store):
+    """Issue 15: the trainer's int64 buffer changed, it was never published, and verify() passed.
+    The sender publishes floating-point tensors only, so such a receiver is refused."""
+    trainer, replica = WithCounter(True), WithCounter(True)
+    with torch.no_grad():
+        trainer.steps += 7
+    sender = DeltaSender(trainer, store)
+    sender.publish()
+    with pytest.raises(IncompatibleTargetError, match=r"tensor 'steps' is torch\.int64: torch_deltasync publishes "
+                                                      r"floating-point tensors only.*persistent=False.*strict=False"):
+        DeltaReceiver(replica, store)
+    # Opting out is explicit: the float weights sync, the counter is left alone.
+    receiver = DeltaReceiver(ModuleTarget(replica, strict=False), store)
+    assert receiver.update() == 0
+    assert same(bf16_bits(replica), bf16_bits(trainer)) and int(replica.steps) == 0
+
+
+def test_a_non_persistent_integer_buffer_is_not_state(store):
+    trainer, replica = WithCounter(False), WithCounter(False)
+    DeltaSender(trainer, store).publish()
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.update() == 0 and same(bf16_bits(replica), bf16_bits(trainer))
