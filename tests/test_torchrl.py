@@ -605,14 +605,11 @@ class ReplicatedEngine:
     def __init__(self, replicas: list[list]) -> None:
         self.replicas = replicas
         self.calls: list[tuple] = []
-        self.before_update = None  # called before update_weights reaches the workers
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         from concurrent.futures import Future
 
         self.calls.append((method, dict(kwargs or {})))
-        if method == "update_weights" and self.before_update is not None:
-            self.before_update(kwargs["update_info"]["version"])
         futures = []
         for workers in self.replicas:
             f, errors = Future(), []
@@ -677,9 +674,21 @@ def test_llm_sender_with_replicated_engine(tmp_path):
     from torch_deltasync import CorruptObjectError
     from torch_deltasync.testing import adam_step
 
+    class CorruptingStore(PassThroughStore):
+        """Flips a byte of the delta objects it writes while ``on`` (before any worker can read them)."""
+
+        on = False
+
+        def put(self, key, data):
+            if self.on and "/delta-" in key:
+                data = bytearray(data)
+                data[len(data) // 2] ^= 0x40
+            self.inner.put(key, bytes(data))
+
     trainer, replicas, assert_serve = _vllm_run(tmp_path, replicas=2)
     engine = ReplicatedEngine(replicas)
-    sender = DeltaVLLMWeightSender(str(tmp_path / "bucket"), prefix="grpo", anchor_every=3)
+    store = CorruptingStore(LocalStore(tmp_path / "bucket"))
+    sender = DeltaVLLMWeightSender(store, prefix="grpo", worker_store=str(tmp_path / "bucket"), anchor_every=3)
     sender.register_model(trainer)
     sender.init_all_workers_group({}, vllm_engine=engine)  # torchrl's wiring call
 
@@ -707,25 +716,38 @@ def test_llm_sender_with_replicated_engine(tmp_path):
     assert [c[1]["update_info"] for c in engine.calls if c[0] == "update_weights"] == [{"version": 0}, {"version": 1}]
 
     served = _bf16_state(trainer)
-
-    def corrupt(version):  # flip a byte of the version's object before the workers read it
-        obj = next((tmp_path / "bucket" / "grpo" / "objects" / f"{version:012d}").glob("delta-*"))
-        raw = bytearray(obj.read_bytes())
-        raw[len(raw) // 2] ^= 0x40
-        obj.write_bytes(bytes(raw))
-
-    engine.before_update = corrupt
+    store.on = True
     adam_step(trainer, opt, batch=2, seq=16, generator=gen)
     with pytest.raises(CorruptObjectError, match="version 2"):
         sender.update_weights()
     assert sender.version == 1 == collector.policy_version_tracker.version
     assert_serve(served, "after the corrupted version 2")
-    engine.before_update = None
+    store.on = False
     adam_step(trainer, opt, batch=2, seq=16, generator=gen)
     assert sender.update_weights() == 3  # an anchor (anchor_every=3): the way past version 2
     assert [w.engine.last_commit["path"] for ws in replicas for w in ws] == ["anchor"] * 4
     assert_serve(_bf16_state(trainer), "version 3")
     sender.shutdown()
+    sender.shutdown()
+
+
+def test_llm_sender_names_an_engine_without_the_backend(tmp_path):
+    """torchrl 0.14's AsyncVLLM actor forces the "nccl" backend: the first update says so."""
+    from vllm_scripted import ScriptedWorker
+
+    from torch_deltasync import DeltaSyncError
+    from torch_deltasync.testing_vllm import TINY_VLLM_CONFIGS, hf_model, vllm_config
+
+    spec = TINY_VLLM_CONFIGS["qwen2"]
+    vc = vllm_config(spec, tmp_path / "cfg")
+    engine = ReplicatedEngine([[ScriptedWorker(vc, 0, 1, backend="nccl")]])
+    sender = DeltaVLLMWeightSender(str(tmp_path / "bucket"), engine)
+    trainer = hf_model(spec, seed=1)
+    sender.register_model(trainer)
+    with pytest.raises(DeltaSyncError, match=r"do not run the deltasync weight-transfer backend "
+                                             r"\(Invalid init_info for NCCLWeightTransferEngine"):
+        sender.update_weights()
+    assert sender.version is None
     sender.shutdown()
 
 

@@ -30,9 +30,11 @@ class ScriptedWorker:
         vllm_cfg: the engine's ``VllmConfig`` (``testing_vllm.vllm_config``).
         rank, tp: this worker's TP rank and the TP size (the model is built for them).
         weights: HF tensors the engine loaded at start (``load_weights``), or ``None``.
+        backend: the engine's ``weight_transfer_config`` backend.
     """
 
-    def __init__(self, vllm_cfg: Any, rank: int, tp: int, weights: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, vllm_cfg: Any, rank: int, tp: int, weights: dict[str, torch.Tensor] | None = None, *,
+                 backend: str = "deltasync") -> None:
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -42,7 +44,7 @@ class ScriptedWorker:
         if weights is not None:
             load_hf_weights(self.model, weights)
         self.engine = WeightTransferEngineFactory.create_engine(
-            WeightTransferConfig(backend="deltasync"), vllm_cfg, torch.device("cpu"), self.model)
+            WeightTransferConfig(backend=backend), vllm_cfg, torch.device("cpu"), self.model)
         self._active = False
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
