@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import PROMPTS, engine, outputs, perturb, report, save, tiny_qwen3  # noqa: E402
 
-N = 32  # tokens per request
+N = 200  # tokens per request (EOS ignored): a margin of steps for the sync to land mid-request
 K = 4  # tokens every request has streamed before a sync starts
 
 
@@ -42,7 +42,7 @@ async def generate_all(llm, tag, prompts=PROMPTS, on_k=None):
     how many tokens each request had streamed when ``on_k`` started."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=N, logprobs=20, detokenize=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=N, logprobs=20, detokenize=False, ignore_eos=True)
     reached = [asyncio.Event() for _ in prompts]
     seen = [0] * len(prompts)
     final = [None] * len(prompts)
@@ -124,8 +124,9 @@ def main() -> None:
     split = [_common_prefix(o, old) for o, old in zip(keep, res["v0"])]
     fresh = engine(dirs[v1], backend=False)
     cont_prompts = [p + o["tokens"][:k] for p, o, k in zip(PROMPTS, keep, split)]
-    res["v1_fresh"] = outputs(fresh, max_tokens=N)
-    conts = [outputs(fresh, [cp], max_tokens=N - k)[0] if k < N else None for cp, k in zip(cont_prompts, split)]
+    res["v1_fresh"] = outputs(fresh, max_tokens=N, ignore_eos=True)
+    conts = [outputs(fresh, [cp], max_tokens=N - k, ignore_eos=True)[0] if k < N else None
+             for cp, k in zip(cont_prompts, split)]
     res["keep_check"] = [{
         "split": k, "seen_before_sync": s, "finish_reason": o["finish_reason"], "length": len(o["tokens"]),
         "tail_equal": c is not None and c == {"tokens": o["tokens"][k:], "logprobs": o["logprobs"][k:]},
@@ -140,9 +141,11 @@ def main() -> None:
 
     # abort: aborted; afterwards the engine serves v3
     fresh = engine(dirs[v3], backend=False)
-    v3_fresh = outputs(fresh, max_tokens=N)
-    res["abort_check"] = [{"finish_reason": o["finish_reason"], "length": len(o["tokens"])} for o in res["abort"]["outputs"]]
+    v3_fresh = outputs(fresh, max_tokens=N, ignore_eos=True)
+    res["abort_check"] = [{"finish_reason": o["finish_reason"], "length": len(o["tokens"]), "seen_before_sync": s}
+                          for o, s in zip(res["abort"]["outputs"], res["abort"]["at_sync"])]
     res["final_equal_v3"] = [{"tokens": o["tokens"], "logprobs": o["logprobs"]} for o in res["final_live"]] == v3_fresh
+    res["n_tokens"] = N
     res["updates"] = {m: res[m]["update"] for m in ("keep", "wait", "abort")}
     res["weight_versions"] = {m: res[m]["weight_version"] for m in ("keep", "wait", "abort")}
     for m in ("v0", "final_live", "v1_fresh"):
