@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-VPY = ROOT / ".venv-vllm" / "bin" / "python"
+# The live engine's interpreter: .venv-vllm of this checkout (tools/setup.sh), or DELTASYNC_VLLM_PYTHON.
+VPY = Path(os.environ.get("DELTASYNC_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
 def run_live(script: str, *args: str, timeout: int = 900) -> dict:

@@ -621,8 +621,8 @@ class DeltaReceiver:
         Typical use: a vLLM engine loaded the same checkpoint the trainer published as its first
         anchor. A target that holds everything is verified here against the manifest
         (``O(model size)``); a partial target (one TP rank) cannot see whole tensors, so combine
-        its :meth:`partial_checksums` across ranks (:func:`torch_deltasync.checksum.check_partials`,
-        as ``DeltaWorkerExtension`` does) before trusting the claim.
+        its :meth:`partial_checksums` across ranks (:func:`torch_deltasync.checksum.check_partials`)
+        before trusting the claim.
 
         Raises:
             VersionNotFoundError: ``version`` is not visible.
@@ -651,8 +651,8 @@ class DeltaReceiver:
         Raises:
             VersionNotFoundError: nothing is held.
             ChecksumMismatchError: the target's weights differ from the published version.
-            NotImplementedError: the target holds only part of each tensor (use the combined
-                partial checksums, e.g. ``DeltaWorkerExtension``).
+            NotImplementedError: the target holds only part of each tensor (combine
+                :meth:`partial_checksums` across ranks instead).
         """
         if self.version is None:
             raise VersionNotFoundError("nothing is held yet; call update() first")

@@ -17,7 +17,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
 from common import engine, outputs, perturb, report, save, tiny_qwen3  # noqa: E402
+from helpers import PassThroughStore  # noqa: E402
+
+
+class FlipOnPut(PassThroughStore):
+    """A store that flips one byte of the objects whose key starts with ``flip`` as it writes them
+    (the manifest keeps the sha256 of the intended bytes)."""
+
+    flip: str | None = None
+
+    def put(self, key, data):
+        if self.flip is not None and key.startswith(self.flip):
+            raw = bytearray(data)
+            raw[len(raw) // 2] ^= 0x40
+            data = bytes(raw)
+        self.inner.put(key, data)
 
 
 def main() -> None:
@@ -27,7 +43,8 @@ def main() -> None:
 
     model = tiny_qwen3()
     bucket = str(work / "bucket")
-    sender = DeltaSender(model, LocalStore(bucket), anchor_every=5)  # v0 and v5 are anchors
+    corrupting = FlipOnPut(LocalStore(bucket))
+    sender = DeltaSender(model, corrupting, anchor_every=5)  # v0 and v5 are anchors
     v0 = sender.publish()
     d0 = save(model, work / "v0")
     res = {"tp": tp, "checks": []}
@@ -75,13 +92,12 @@ def main() -> None:
     res["delta_ms"] = commit(a, v3)
     compare("delta", v3)
 
-    # A corrupted version: one byte of its delta object flipped; refused, engine keeps v3.
+    # A corrupted version: one byte of its delta object flipped on its way into the store (so no
+    # worker can stage it before the flip); refused, engine keeps v3.
     perturb(model, seed=4)
+    corrupting.flip = "objects/000000000004/delta-"
     v4 = sender.publish()
-    obj = next((work / "bucket" / "objects" / f"{v4:012d}").glob("delta-*"))
-    raw = bytearray(obj.read_bytes())
-    raw[len(raw) // 2] ^= 0x40
-    obj.write_bytes(bytes(raw))
+    corrupting.flip = None
     try:
         a.start_weight_update()
         a.update_weights({"update_info": {"version": v4}})

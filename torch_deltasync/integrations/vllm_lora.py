@@ -45,9 +45,42 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DeltaSyncError
-from .vllm import _drive, _drive_async
 
 __all__ = ["LoadedAdapter", "VLLMAdapterLoader", "llm_lora_ops", "async_llm_lora_ops", "server_lora_ops"]
+
+# The adapter protocol is written once, as a generator of engine steps; a sync and an async driver
+# run it against an engine kind's step functions. Errors raised by a step are thrown back into the
+# generator, so its clean-up runs on every engine kind.
+
+def _drive(gen, ops: dict[str, Callable]):
+    """Run a protocol generator with synchronous step functions."""
+    try:
+        step = next(gen)
+        while True:
+            try:
+                result = ops[step[0]](*step[1:])
+            except BaseException as e:  # noqa: BLE001 (re-raised by the generator after its cleanup)
+                step = gen.throw(e)
+                continue
+            step = gen.send(result)
+    except StopIteration as stop:
+        return stop.value
+
+
+async def _drive_async(gen, ops: dict[str, Callable]):
+    """Run a protocol generator with ``async`` step functions."""
+    try:
+        step = next(gen)
+        while True:
+            try:
+                result = await ops[step[0]](*step[1:])
+            except BaseException as e:  # noqa: BLE001
+                step = gen.throw(e)
+                continue
+            step = gen.send(result)
+    except StopIteration as stop:
+        return stop.value
+
 
 
 @dataclass(frozen=True)

@@ -195,9 +195,9 @@ def _classes() -> _Classes:
 class VLLMTarget(Target):
     """One vLLM worker's model (one TP rank) as a :class:`~torch_deltasync.DeltaReceiver` target.
 
-    Build one per worker, e.g. inside a worker extension (see
-    :class:`torch_deltasync.integrations.vllm.DeltaWorkerExtension`), and give it to a
-    ``DeltaReceiver``. Every rank of the engine follows the same run; each applies exactly the
+    Build one per worker and give it to a ``DeltaReceiver``; inside a live engine the ``deltasync``
+    backend uses it, through :class:`~torch_deltasync.targets.vllm_engine.VLLMEngineTarget`, for
+    the parameters it writes in place. Every rank of the engine follows the same run; each applies exactly the
     elements it holds (replicated ones on every rank that holds them).
 
     Args:
