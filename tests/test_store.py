@@ -212,10 +212,12 @@ class _Hangs(LocalStore):
         super().__init__(root, fsync=False)
         self.release = threading.Event()
         self.entered = threading.Event()
+        self.armed = False  # hang only once armed (the writer's own reads answer)
 
     def get(self, key, *, start=None, end=None):
-        self.entered.set()
-        self.release.wait()
+        if self.armed:
+            self.entered.set()
+            self.release.wait()
         return super().get(key, start=start, end=end)
 
 
@@ -234,6 +236,7 @@ def test_a_store_call_that_never_returns_fails_at_its_deadline(hangs):
     from torch_deltasync.store import DeadlineStore
 
     DeltaSender({"w": torch.ones(3)}, hangs).publish()
+    hangs.armed = True
     receiver = DeltaReceiver({"w": torch.zeros(3, dtype=torch.bfloat16)}, open_store(hangs, timeout_s=0.2))
     with pytest.raises(TransientStoreError, match=r"cannot read '.*': no answer within 0\.2 s \(the store call deadline"):
         receiver.update()
