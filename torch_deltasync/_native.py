@@ -1,0 +1,672 @@
+"""Compiled CPU kernels (numba) for the hot loops of the codec, change detection and checksums.
+
+Each kernel here is a one-pass loop over the elements of one tensor that the numpy/torch code in
+:mod:`~torch_deltasync.packed`, :mod:`~torch_deltasync.detect` and :mod:`~torch_deltasync.checksum`
+does in several vectorised passes (each a full read and write of temporaries). That numpy/torch
+code stays the executable specification: the modules call these kernels only when
+:func:`enabled` is true and fall back to it otherwise, and ``tests/test_native.py`` checks every
+kernel against it bit for bit, on random and adversarial inputs.
+
+Kernels never raise on bad data. Decoding kernels validate every byte they read and return a
+non-zero status instead; the caller then runs the reference decoder on the same input, which
+raises the specific :class:`~torch_deltasync.errors.CorruptObjectError` (so the error messages
+are the specification's, and a blob is accepted only if the reference accepts it too).
+
+Why numba: it ships manylinux/macOS/Windows wheels (with llvmlite) for every supported Python, so
+a fresh machine installs it without a compiler, and the kernels stay Python source next to the
+numpy they mirror. Kernels compile on first use (a few seconds for all of them) and are cached on
+disk next to this file (``cache=True``; numba falls back to a per-user cache directory when that
+is not writable). They are compiled with ``nogil=True``, so threads that encode or decode several
+tensors at once run in parallel.
+
+Set ``TORCH_DELTASYNC_NATIVE=0`` to use the numpy/torch paths only (e.g. to compare, or on a
+platform without numba wheels: numba is then simply absent and :func:`enabled` is false).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:  # numba is a dependency, but a platform without its wheels still works (slower)
+    import numba
+except ImportError:  # pragma: no cover - exercised only where numba does not install
+    numba = None
+
+__all__ = ["enabled", "set_enabled", "AVAILABLE"]
+
+#: Whether numba could be imported.
+AVAILABLE = numba is not None
+_enabled = AVAILABLE and os.environ.get("TORCH_DELTASYNC_NATIVE", "1") != "0"
+
+
+def enabled() -> bool:
+    """Whether callers should use the compiled kernels (numba importable and not switched off by
+    ``TORCH_DELTASYNC_NATIVE=0`` or :func:`set_enabled`)."""
+    return _enabled
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the compiled kernels on or off for this process (tests compare both paths).
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        RuntimeError: ``on`` is true but numba is not installed.
+    """
+    global _enabled
+    if on and not AVAILABLE:
+        raise RuntimeError("numba is not installed: the compiled kernels are unavailable (pip install numba)")
+    prev, _enabled = _enabled, bool(on)
+    return prev
+
+
+def jit(fn):
+    """Compile ``fn`` with numba (cached on disk, releasing the GIL) when numba is installed;
+    else return it unchanged (it then runs as Python). For code that both the numpy and the
+    native paths share, such as the codec's size estimates."""
+    if numba is None:
+        return fn
+    return numba.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(fn)
+
+
+_jit = jit
+
+
+_u64 = np.uint64
+
+# splitmix64 constants (checksum.py): golden-ratio increment, the two multipliers, and K3.
+_K0 = _u64(0x9E3779B97F4A7C15)
+_K1 = _u64(0xBF58476D1CE4E5B9)
+_K2 = _u64(0x94D049BB133111EB)
+_K3 = _u64(0x5BD1E995)
+_S30, _S27, _S31 = _u64(30), _u64(27), _u64(31)
+_U0, _U1, _U7, _U8 = _u64(0), _u64(1), _u64(7), _u64(8)
+_U7F, _U80 = _u64(0x7F), _u64(0x80)
+
+# Status codes of the decoding kernels (the caller re-runs the reference decoder to raise).
+OK = 0
+BAD = 1
+
+
+# --- checksums (checksum.py section 6 of docs/format.md) -----------------------------------------
+
+
+@_jit
+def _mix(p):
+    """splitmix64's finaliser of ``p + K0`` (uint64), as ``checksum._mix_``."""
+    h = p + _K0
+    h = (h ^ (h >> _S30)) * _K1
+    h = (h ^ (h >> _S27)) * _K2
+    return h ^ (h >> _S31)
+
+
+@_jit
+def checksum_at(pos, vals):
+    """``sum mix(pos[i]) * (vals[i] + K3) mod 2**64``; ``pos`` int64 ``(k,)``, ``vals`` the
+    unsigned bit patterns ``(k,)``. Returns uint64."""
+    s = _U0
+    for i in range(pos.size):
+        s += _mix(_u64(pos[i])) * (_u64(vals[i]) + _K3)
+    return s
+
+
+@_jit
+def checksum_range(start, vals):
+    """:func:`checksum_at` with positions ``start, start + 1, ...``."""
+    s = _U0
+    p = _u64(start)
+    for i in range(vals.size):
+        s += _mix(p) * (_u64(vals[i]) + _K3)
+        p += _U1
+    return s
+
+
+@_jit
+def checksum_diff(pos, old, new):
+    """``sum mix(pos[i]) * (new[i] - old[i]) mod 2**64`` (``checksum.checksum_change``)."""
+    s = _U0
+    for i in range(pos.size):
+        s += _mix(_u64(pos[i])) * (_u64(new[i]) - _u64(old[i]))
+    return s
+
+
+# --- change detection (detect.py) ---------------------------------------------------------------
+
+_BLOCK = 4096  # elements per inner block: the cast and mask of a block stay in L1
+
+
+@_jit
+def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, mask_tmp):
+    """Changed elements of ``src`` (fp32 bit patterns, uint32 ``(n,)``) cast to bf16 against
+    ``snap`` (bf16 bit patterns, uint16 ``(n,)``).
+
+    The cast is round-to-nearest-even on the bit pattern, which is torch's fp32 -> bf16 cast for
+    every value but NaN (whose result differs between torch's scalar and vector code); a NaN in
+    ``src`` makes the kernel stop and return -1, and the caller uses torch's cast instead.
+
+    Writes the ``k`` changed positions (``base + i``), new and old bf16 patterns to the first ``k``
+    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), each at least ``n`` long.
+    ``cast_tmp`` (uint16) and ``mask_tmp`` (uint8) are scratch of at least ``_BLOCK`` elements.
+
+    Returns:
+        ``k``, or -1 when ``src`` holds a NaN.
+    """
+    n = src.size
+    k = 0
+    mask64 = mask_tmp.view(np.uint64)
+    for a in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - a)
+        nan = 0
+        for j in range(m):
+            u = src[a + j]
+            nan |= (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+            c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            cast_tmp[j] = c
+            mask_tmp[j] = c != snap[a + j]
+        if nan:
+            return -1
+        for j in range(m, (m + 7) // 8 * 8):
+            mask_tmp[j] = 0
+        for w in range((m + 7) // 8):
+            if mask64[w] != 0:
+                for j in range(8 * w, 8 * w + 8):
+                    if mask_tmp[j]:
+                        pos_out[k] = a + j + base
+                        new_out[k] = cast_tmp[j]
+                        old_out[k] = snap[a + j]
+                        k += 1
+    return k
+
+
+@_jit
+def detect_same(src, snap, base, pos_out, new_out, old_out, mask_tmp):
+    """:func:`detect_f32_bf16` for a source already in the inference dtype (``src`` and ``snap``
+    are bit patterns of the same width). Returns ``k``."""
+    n = src.size
+    k = 0
+    mask64 = mask_tmp.view(np.uint64)
+    for a in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - a)
+        for j in range(m):
+            mask_tmp[j] = src[a + j] != snap[a + j]
+        for j in range(m, (m + 7) // 8 * 8):
+            mask_tmp[j] = 0
+        for w in range((m + 7) // 8):
+            if mask64[w] != 0:
+                for j in range(8 * w, 8 * w + 8):
+                    if mask_tmp[j]:
+                        pos_out[k] = a + j + base
+                        new_out[k] = src[a + j]
+                        old_out[k] = snap[a + j]
+                        k += 1
+    return k
+
+
+# --- packed codec: encoding (packed.py) -----------------------------------------------------------
+
+
+@_jit
+def gap_histogram(pos, numel, r_lo, span):
+    """Histogram of ``min(g >> r_lo, span)`` over the gaps ``g`` of ``pos`` (int64, the encoder's
+    positions), int64 ``(span + 1,)``, and whether ``pos`` is strictly increasing in
+    ``[0, numel)``."""
+    # Four interleaved histograms: most gaps fall in a few bins, and one histogram would make
+    # every increment wait for the previous one to the same bin.
+    h4 = np.zeros((4, span + 1), np.int64)
+    prev = -1
+    bad = False
+    for i in range(pos.size):
+        p = pos[i]
+        g = p - prev - 1
+        bad |= g < 0
+        h4[i & 3, min(max(g, 0) >> r_lo, span)] += 1
+        prev = p
+    hist = h4[0] + h4[1] + h4[2] + h4[3]
+    return hist, not bad and prev < numel
+
+
+@_jit
+def _put_varint(out, at, v):
+    """Unsigned LEB128 of ``v`` (uint64) at ``out[at:]``; returns the next offset."""
+    while v >= _U80:
+        out[at] = np.uint8((v & _U7F) | _U80)
+        v >>= _U7
+        at += 1
+    out[at] = np.uint8(v)
+    return at + 1
+
+
+@_jit
+def _pack_low_bits(g, m, r, low, at):
+    """Append the low ``r`` bits (``1 <= r <= 8``) of ``g[:m]`` (``m`` a multiple of 8) to the
+    bit stream ``low`` at byte ``at``: every 8 fields fill exactly ``r`` bytes. Returns the next
+    byte offset."""
+    mask = (_U1 << _u64(r)) - _U1
+    for o in range(m // 8):
+        acc = _U0
+        for q in range(8):
+            acc |= (g[8 * o + q] & mask) << _u64(q * r)
+        for j in range(r):
+            low[at + j] = np.uint8((acc >> _u64(8 * j)) & _u64(0xFF))
+        at += r
+    return at
+
+
+@_jit
+def encode_gaps(pos, r, high, ext, low):
+    """The three position streams of gap mode (format "Positions, mode 0"): ``high`` (uint8
+    ``(k,)``) gets ``min(g >> r, 255)``, ``ext`` one varint ``(g >> r) - 255`` per 255 (sized by
+    the caller: 9 bytes per escape), ``low`` the ``r``-bit low parts as a little-endian bit stream
+    (``ceil(k r / 8)`` bytes). Returns the bytes written to ``ext``."""
+    k = pos.size
+    rr = _u64(r)
+    lmask = (_U1 << rr) - _U1
+    g = np.empty(_BLOCK, np.uint64)
+    e = 0
+    at = 0  # bytes of ``low`` written
+    acc = _U0  # bits not yet written (fields of the general r > 8 path and the tail)
+    nbits = 0
+    for a in range(0, k, _BLOCK):
+        m = min(_BLOCK, k - a)
+        prev = pos[a - 1] if a else -1
+        g[0] = _u64(pos[a] - prev - 1)
+        for j in range(1, m):
+            g[j] = _u64(pos[a + j] - pos[a + j - 1] - 1)
+        n_esc = 0
+        for j in range(m):
+            h = g[j] >> rr
+            n_esc += h >= _u64(255)
+            high[a + j] = np.uint8(min(h, _u64(255)))
+        if n_esc:
+            for j in range(m):
+                if high[a + j] == 255:
+                    e = _put_varint(ext, e, (g[j] >> rr) - _u64(255))
+        if r == 0:
+            continue
+        j0 = 0
+        if r <= 8 and nbits == 0:  # whole groups of 8 fields fill whole bytes
+            j0 = m // 8 * 8
+            at = _pack_low_bits(g, j0, r, low, at)
+        for j in range(j0, m):
+            acc |= (g[j] & lmask) << _u64(nbits)
+            nbits += r
+            while nbits >= 8:
+                low[at] = np.uint8(acc & _u64(0xFF))
+                acc >>= _U8
+                nbits -= 8
+                at += 1
+    if nbits > 0:
+        low[at] = np.uint8(acc & _u64(0xFF))
+    return e
+
+
+@_jit
+def _zigzag_step(n, o, full, half):
+    """Zigzag of ``n - o`` wrapped to the width (``full = 2**W``, ``half = 2**(W-1)``), int64."""
+    d = (((np.int64(n) - np.int64(o)) & (full - 1)) ^ half) - half  # sign-extended from W bits
+    return (d << 1) ^ (d >> 63)
+
+
+@_jit
+def step_histogram(new, old, width, cap):
+    """Histogram of ``min(z, cap)`` over the zigzag steps ``z`` of ``new - old`` (unsigned bit
+    patterns of ``width`` bytes: 1, 2 or 4), int64 ``(cap + 1,)``."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    h4 = np.zeros((4, cap + 1), np.int64)
+    zc = np.empty(_BLOCK, np.int64)
+    n = new.size
+    for a in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - a)
+        for j in range(m):  # vectorises
+            zc[j] = min(_zigzag_step(new[a + j], old[a + j], full, half), cap)
+        for j in range(m):
+            h4[j & 3, zc[j]] += 1
+    return h4[0] + h4[1] + h4[2] + h4[3]
+
+
+@_jit
+def byte_histograms(v, width):
+    """Histograms of every byte of ``v`` (unsigned, ``width`` bytes), int64 ``(width, 256)``."""
+    h = np.zeros((width, 4, 256), np.int64)
+    for i in range(v.size):
+        x = np.int64(v[i])
+        for j in range(width):
+            h[j, i & 3, (x >> (8 * j)) & 0xFF] += 1
+    return h.sum(axis=1)
+
+
+@_jit
+def code16_histograms(new, old, width):
+    """Histograms of the low and high bytes of 16-bit codes (``b = 16``), int64 ``(2, 256)``, and
+    the number of escapes (code ``2**16 - 1``)."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    h = np.zeros((2, 256), np.int64)
+    n_esc = 0
+    for i in range(new.size):
+        z = _zigzag_step(new[i], old[i], full, half)
+        c = 65535 if z == 0 else min(z - 1, 65535)
+        h[0, c & 0xFF] += 1
+        h[1, c >> 8] += 1
+        n_esc += c == 65535
+    return h, n_esc
+
+
+@_jit
+def _varint_len(v):
+    n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+@_jit
+def encode_steps(new, old, width, b, codes, ext, raw):
+    """The value streams of steps mode (format "Values, mode 1") for code width ``b``: packed codes
+    into ``codes`` (``ceil(k b / 8)`` bytes; ``b = 16`` as two byte planes), escape varints into
+    ``ext`` (sized by the caller), and the new bit patterns of raw escapes, in order, into ``raw``
+    (same dtype as ``new``, ``(k,)``). Returns ``(ext bytes, raw escapes)``."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    M = (1 << b) - 1
+    k = new.size
+    e_at = 0
+    n_raw = 0
+    c = np.zeros(_BLOCK, np.uint32)  # codes of one block, one per element
+    c8 = c.view(np.uint8)
+    for a in range(0, k, _BLOCK):
+        m = min(_BLOCK, k - a)
+        n_esc = 0
+        for j in range(m):  # vectorises: z = 0 wraps to the largest unsigned value, code M
+            z = _zigzag_step(new[a + j], old[a + j], full, half)
+            cj = min(np.uint32(z - 1), np.uint32(M))
+            n_esc += cj == M
+            c[j] = cj
+        if n_esc:
+            for j in range(m):
+                if c[j] == M:
+                    z = _zigzag_step(new[a + j], old[a + j], full, half)
+                    if z != 0 and _varint_len(z - M) <= width:
+                        e_at = _put_varint(ext, e_at, _u64(z - M))
+                    else:  # no step, or a varint longer than the value: the raw value
+                        ext[e_at] = 0
+                        e_at += 1
+                        raw[n_raw] = new[a + j]
+                        n_raw += 1
+        if b == 16:
+            for j in range(m):
+                codes[a + j] = np.uint8(c[j] & 0xFF)
+                codes[k + a + j] = np.uint8(c[j] >> 8)
+        elif b == 8:
+            for j in range(m):
+                codes[a + j] = np.uint8(c[j])
+        else:
+            per = 8 // b
+            for j in range(m, (m + per - 1) // per * per):
+                c[j] = 0
+            for o in range((m + per - 1) // per):  # a = multiple of _BLOCK, so of per
+                byte = 0
+                for q in range(per):
+                    byte |= c8[4 * (o * per + q)] << (q * b)
+                codes[a // per + o] = np.uint8(byte)
+    return e_at, n_raw
+
+
+@_jit
+def encode_stats(pos, new, old, width, numel, r_lo, span, cap):
+    """What the packed encoder's choices and header need, from one call: the gap histogram and
+    validity of ``pos`` (:func:`gap_histogram`), the step histogram (:func:`step_histogram`;
+    empty for 8-byte values) and the base checksum of ``old`` at ``pos`` (uint64)."""
+    hist, ok = gap_histogram(pos, numel, r_lo, span)
+    hz = step_histogram(new, old, width, cap) if width <= 4 else np.zeros(0, np.int64)
+    return hist, ok, hz, checksum_at(pos, old)
+
+
+@_jit
+def encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc):
+    """The six uncompressed streams of a packed blob in gap mode: positions, pos_ext, pos_low
+    (:func:`encode_gaps`, at most ``n_gap_esc`` gap escapes) and, for ``b`` > 0, codes, ext and raw
+    (:func:`encode_steps`, at most ``n_val_esc`` escapes; raw as byte planes), for ``b = 0`` the
+    new bit patterns as byte planes in raw."""
+    k = pos.size
+    high = np.empty(k, np.uint8)
+    ext = np.empty(9 * n_gap_esc, np.uint8)
+    low = np.empty((k * r + 7) // 8, np.uint8)
+    n_ext = encode_gaps(pos, r, high, ext, low)
+    if b == 0:
+        planes = np.empty(k * width, np.uint8)
+        to_planes(new, width, planes)
+        return high, ext[:n_ext], low, np.empty(0, np.uint8), np.empty(0, np.uint8), planes
+    codes = np.empty(k * b // 8 if b >= 8 else (k * b + 7) // 8, np.uint8)
+    vext = np.empty(n_val_esc * width, np.uint8)
+    raw = np.empty(k, new.dtype)
+    n_vext, n_raw = encode_steps(new, old, width, b, codes, vext, raw)
+    planes = np.empty(n_raw * width, np.uint8)
+    to_planes(raw[:n_raw], width, planes)
+    return high, ext[:n_ext], low, codes, vext[:n_vext], planes
+
+
+@_jit
+def to_planes(v, width, out):
+    """``v`` (unsigned, ``(n,)``) as ``width`` little-endian byte planes into ``out`` (``n w``)."""
+    n = v.size
+    for i in range(n):
+        x = np.int64(v[i])
+        for j in range(width):
+            out[j * n + i] = np.uint8((x >> (8 * j)) & 0xFF)
+
+
+@_jit
+def from_planes(buf, n, width, out):
+    """Inverse of :func:`to_planes` into ``out`` (unsigned of ``width`` bytes, ``(n,)``)."""
+    for i in range(n):
+        x = _U0
+        for j in range(width):
+            x |= _u64(buf[j * n + i]) << _u64(8 * j)
+        out[i] = x
+
+
+@_jit
+def bitmap_from_positions(pos, out):
+    """Set bit ``p mod 8`` of byte ``p // 8`` of ``out`` (zeroed uint8) for every ``p`` in ``pos``."""
+    for i in range(pos.size):
+        p = pos[i]
+        out[p >> 3] |= np.uint8(1 << (p & 7))
+
+
+# --- packed codec: decoding ---------------------------------------------------------------------
+
+
+@_jit
+def _get_varint(buf, at, limit):
+    """One varint at ``buf[at:]`` of at most ``limit`` bytes, no overlong form: ``(value, next
+    offset)``, or ``(0, -1)`` when it is cut off, too long or overlong."""
+    v = _U0
+    n = buf.size
+    for j in range(limit):
+        if at + j >= n:
+            return _U0, -1
+        byte = buf[at + j]
+        v |= _u64(byte & 0x7F) << _u64(7 * j)
+        if byte < 0x80:
+            if j and byte == 0:
+                return _U0, -1
+            return v, at + j + 1
+    return _U0, -1
+
+
+@_jit
+def decode_gaps(high, ext, low, r, numel, max_ext, ext_limit, pos_out):
+    """Positions of gap mode into ``pos_out`` (int64 ``(k,)``), validating what the reference
+    decoder validates: exactly one varint (at most ``ext_limit`` bytes, not overlong, at most
+    ``max_ext``) per 255 byte filling ``ext``, zero padding bits in ``low``, every gap at most
+    ``numel - 1`` and every position below ``numel``. Returns ``OK`` or ``BAD``."""
+    k = high.size
+    rr = _u64(r)
+    lmask = (_U1 << rr) - _U1
+    max_gap = _u64(max(numel - 1, 0))
+    unumel = _u64(numel)
+    acc = _U0
+    nbits = 0
+    li = 0
+    e = 0
+    p = _U0
+    first = True
+    for i in range(k):
+        h = _u64(high[i])
+        if h == _u64(255):
+            x, e = _get_varint(ext, e, ext_limit)
+            if e < 0 or x > _u64(max_ext):
+                return BAD
+            h += x
+        if r:
+            while nbits < r:
+                acc |= _u64(low[li]) << _u64(nbits)
+                li += 1
+                nbits += 8
+            lo = acc & lmask
+            acc >>= rr
+            nbits -= r
+        else:
+            lo = _U0
+        if h > (max_gap >> rr):
+            return BAD
+        g = (h << rr) | lo
+        if g > max_gap:
+            return BAD
+        if first:
+            p = g
+            first = False
+        else:
+            p = p + g + _U1
+        if p >= unumel:
+            return BAD
+        pos_out[i] = np.int64(p)
+    if e != ext.size or li != low.size or acc != _U0:
+        return BAD
+    return OK
+
+
+@_jit
+def count_code(codes, count, b):
+    """Number of codes equal to ``M = 2**b - 1`` among the ``count`` codes of ``codes``
+    (``b`` = 2, 4, 8), or -1 when padding bits after the last code are set."""
+    M = (1 << b) - 1
+    n = 0
+    if b == 8:
+        for i in range(count):
+            n += codes[i] == M
+        return n
+    per = 8 // b
+    for i in range(count):
+        n += ((codes[i // per] >> ((i % per) * b)) & M) == M
+    tail = count % per
+    if tail and (codes[codes.size - 1] >> (tail * b)) != 0:
+        return -1
+    return n
+
+
+@_jit
+def count_code16(codes, count):
+    """:func:`count_code` for ``b = 16`` (two byte planes)."""
+    n = 0
+    for i in range(count):
+        n += codes[i] == 0xFF and codes[count + i] == 0xFF
+    return n
+
+
+@_jit
+def scan_escapes(ext, n_esc, limit, e_max):
+    """Validate the ext stream (exactly ``n_esc`` varints filling it, each at most ``limit``
+    bytes, not overlong, at most ``e_max``) and count its zeros (raw escapes); -1 when invalid."""
+    at = 0
+    zeros = 0
+    for _ in range(n_esc):
+        x, at = _get_varint(ext, at, limit)
+        if at < 0 or x > _u64(e_max):
+            return -1
+        zeros += x == _U0
+    if at != ext.size:
+        return -1
+    return zeros
+
+
+@_jit
+def decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relative):
+    """Steps, raw values and the relative mask from the value streams (already validated by
+    :func:`count_code` and :func:`scan_escapes`): ``steps`` (signed, ``(k,)``, 0 at raw
+    escapes), ``values`` (unsigned bit patterns, raw escapes' new values, else 0) and
+    ``relative`` (bool, false at raw escapes). ``raw`` holds the raw escapes as byte planes."""
+    M = (1 << b) - 1
+    per = 8 // b if b < 8 else 1
+    e_at = 0
+    ri = 0
+    has_raw = values.size > 0
+    for i in range(count):
+        if b == 16:
+            c = np.int64(codes[i]) | (np.int64(codes[count + i]) << 8)
+        elif b == 8:
+            c = np.int64(codes[i])
+        else:
+            c = (np.int64(codes[i // per]) >> ((i % per) * b)) & M
+        if c == M:
+            x, e_at = _get_varint(ext, e_at, 9)
+            if x == _U0:
+                v = _U0
+                for j in range(width):
+                    v |= _u64(raw[j * n_raw + ri]) << _u64(8 * j)
+                values[i] = v
+                ri += 1
+                steps[i] = 0
+                relative[i] = False
+                continue
+            z = np.int64(M) + np.int64(x)
+        else:
+            z = c + 1
+        steps[i] = (z >> 1) ^ -(z & 1)
+        if has_raw:
+            values[i] = 0
+            relative[i] = True
+
+
+@_jit
+def bitmap_positions(bm, numel, count, pos_out):
+    """Positions of the set bits of a bitmap into ``pos_out`` (int64 ``(count,)``); ``BAD`` when
+    another number of bits is set or a bit at or past ``numel`` is set."""
+    k = 0
+    for byte_i in range(bm.size):
+        v = np.int64(bm[byte_i])
+        while v:
+            bit = 0
+            while not (v >> bit) & 1:
+                bit += 1
+            p = byte_i * 8 + bit
+            if p >= numel or k >= count:
+                return BAD
+            pos_out[k] = p
+            k += 1
+            v &= v - 1
+    return OK if k == count else BAD
+
+
+@_jit
+def resolve_steps(pos, old, steps, relative, values, check, base, new_out):
+    """New bit patterns ``old + steps`` (wrapped; ``values`` where ``relative`` is false) into
+    ``new_out``, and whether the checksum of ``old`` at ``pos`` equals ``base`` (always true
+    when not ``check``). ``relative`` may be empty (every entry relative)."""
+    ck = _U0
+    allrel = relative.size == 0
+    for i in range(pos.size):
+        o = old[i]
+        if check:
+            ck += _mix(_u64(pos[i])) * (_u64(o) + _K3)
+        if allrel or relative[i]:
+            new_out[i] = o + steps[i]
+        else:
+            new_out[i] = values[i]
+    return (not check) or ck == base
