@@ -377,14 +377,16 @@ def encode_steps(new, old, width, b, codes, ext, raw):
     k = new.size
     e_at = 0
     n_raw = 0
-    c = np.zeros(_BLOCK, np.uint32)  # codes of one block, one per element
-    c8 = c.view(np.uint8)
+    c = np.zeros(_BLOCK, np.uint16)  # codes of one block, one per element
+    c8 = np.zeros(_BLOCK, np.uint8)
+    c16 = c8.view(np.uint16)
+    c32 = c8.view(np.uint32)
     for a in range(0, k, _BLOCK):
         m = min(_BLOCK, k - a)
         n_esc = 0
         for j in range(m):  # vectorises: z = 0 wraps to the largest unsigned value, code M
             z = _zigzag_step(new[a + j], old[a + j], full, half)
-            cj = min(np.uint32(z - 1), np.uint32(M))
+            cj = np.uint16(min(np.uint32(z - 1), np.uint32(M)))
             n_esc += cj == M
             c[j] = cj
         if n_esc:
@@ -402,18 +404,22 @@ def encode_steps(new, old, width, b, codes, ext, raw):
             for j in range(m):
                 codes[a + j] = np.uint8(c[j] & 0xFF)
                 codes[k + a + j] = np.uint8(c[j] >> 8)
-        elif b == 8:
-            for j in range(m):
-                codes[a + j] = np.uint8(c[j])
-        else:
-            per = 8 // b
-            for j in range(m, (m + per - 1) // per * per):
-                c[j] = 0
-            for o in range((m + per - 1) // per):  # a = multiple of _BLOCK, so of per
-                byte = 0
-                for q in range(per):
-                    byte |= c8[4 * (o * per + q)] << (q * b)
-                codes[a // per + o] = np.uint8(byte)
+            continue
+        for j in range(m):
+            c8[j] = np.uint8(c[j])
+        if b == 8:
+            codes[a : a + m] = c8[:m]
+            continue
+        c8[m : (m + 7) // 8 * 8] = 0
+        o0 = a * b // 8  # a is a multiple of _BLOCK, so whole bytes precede the block
+        if b == 2:  # four codes, one per byte of a uint32, into one byte
+            for o in range((m + 3) // 4):
+                w = c32[o]
+                codes[o0 + o] = np.uint8((w | (w >> 6) | (w >> 12) | (w >> 18)) & 0xFF)
+        else:  # b == 4: two codes, one per byte of a uint16
+            for o in range((m + 1) // 2):
+                w = c16[o]
+                codes[o0 + o] = np.uint8((w | (w >> 4)) & 0xFF)
     return e_at, n_raw
 
 
@@ -557,17 +563,19 @@ def count_code(codes, count, b):
     """Number of codes equal to ``M = 2**b - 1`` among the ``count`` codes of ``codes``
     (``b`` = 2, 4, 8), or -1 when padding bits after the last code are set."""
     M = (1 << b) - 1
-    n = 0
-    if b == 8:
-        for i in range(count):
-            n += codes[i] == M
-        return n
     per = 8 // b
-    for i in range(count):
-        n += ((codes[i // per] >> ((i % per) * b)) & M) == M
+    lut = np.zeros(256, np.int64)  # escape codes in each byte value
+    for v in range(256):
+        for q in range(per):
+            lut[v] += ((v >> (q * b)) & M) == M
+    n = 0
+    for i in range(codes.size):
+        n += lut[codes[i]]
     tail = count % per
-    if tail and (codes[codes.size - 1] >> (tail * b)) != 0:
-        return -1
+    if tail:
+        last = np.int64(codes[codes.size - 1])
+        if last >> (tail * b):
+            return -1
     return n
 
 
@@ -597,41 +605,67 @@ def scan_escapes(ext, n_esc, limit, e_max):
 
 
 @_jit
+def _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative):
+    """Entry ``i`` with the escape code: its varint (already validated) and, for a 0, the next raw
+    value. Returns the next ext offset and raw index."""
+    x, e_at = _get_varint(ext, e_at, 9)
+    if x == _U0:
+        v = _U0
+        for j in range(width):
+            v |= _u64(raw[j * n_raw + ri]) << _u64(8 * j)
+        values[i] = v
+        steps[i] = 0
+        relative[i] = False
+        return e_at, ri + 1
+    z = np.int64(M) + np.int64(x)
+    steps[i] = (z >> 1) ^ -(z & 1)
+    if values.size:
+        values[i] = 0
+        relative[i] = True
+    return e_at, ri
+
+
+@_jit
 def decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relative):
     """Steps, raw values and the relative mask from the value streams (already validated by
     :func:`count_code` and :func:`scan_escapes`): ``steps`` (signed, ``(k,)``, 0 at raw
-    escapes), ``values`` (unsigned bit patterns, raw escapes' new values, else 0) and
-    ``relative`` (bool, false at raw escapes). ``raw`` holds the raw escapes as byte planes."""
+    escapes) and, when there are raw escapes (else pass empty arrays), ``values`` (unsigned bit
+    patterns: the raw escapes' new values, else 0) and ``relative`` (bool, false at raw
+    escapes). ``raw`` holds the raw escapes as byte planes."""
     M = (1 << b) - 1
-    per = 8 // b if b < 8 else 1
+    lut = np.empty(M, steps.dtype)  # code c < M is the step of zigzag z = c + 1
+    for c in range(M):
+        z = c + 1
+        lut[c] = (z >> 1) ^ -(z & 1)
+    has_raw = values.size > 0
     e_at = 0
     ri = 0
-    has_raw = values.size > 0
-    for i in range(count):
-        if b == 16:
-            c = np.int64(codes[i]) | (np.int64(codes[count + i]) << 8)
-        elif b == 8:
-            c = np.int64(codes[i])
-        else:
-            c = (np.int64(codes[i // per]) >> ((i % per) * b)) & M
-        if c == M:
-            x, e_at = _get_varint(ext, e_at, 9)
-            if x == _U0:
-                v = _U0
-                for j in range(width):
-                    v |= _u64(raw[j * n_raw + ri]) << _u64(8 * j)
-                values[i] = v
-                ri += 1
-                steps[i] = 0
-                relative[i] = False
-                continue
-            z = np.int64(M) + np.int64(x)
-        else:
-            z = c + 1
-        steps[i] = (z >> 1) ^ -(z & 1)
-        if has_raw:
-            values[i] = 0
-            relative[i] = True
+    if b >= 8:
+        for i in range(count):
+            c = np.int64(codes[i]) | (np.int64(codes[count + i]) << 8) if b == 16 else np.int64(codes[i])
+            if c == M:
+                e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+            else:
+                steps[i] = lut[c]
+                if has_raw:
+                    values[i] = 0
+                    relative[i] = True
+        return
+    per = 8 // b
+    for o in range(codes.size):
+        byte = np.int64(codes[o])
+        for q in range(per):
+            i = o * per + q
+            if i >= count:
+                break
+            c = (byte >> (q * b)) & M
+            if c == M:
+                e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+            else:
+                steps[i] = lut[c]
+                if has_raw:
+                    values[i] = 0
+                    relative[i] = True
 
 
 @_jit
@@ -657,16 +691,12 @@ def bitmap_positions(bm, numel, count, pos_out):
 @_jit
 def resolve_steps(pos, old, steps, relative, values, check, base, new_out):
     """New bit patterns ``old + steps`` (wrapped; ``values`` where ``relative`` is false) into
-    ``new_out``, and whether the checksum of ``old`` at ``pos`` equals ``base`` (always true
-    when not ``check``). ``relative`` may be empty (every entry relative)."""
-    ck = _U0
-    allrel = relative.size == 0
-    for i in range(pos.size):
-        o = old[i]
-        if check:
-            ck += _mix(_u64(pos[i])) * (_u64(o) + _K3)
-        if allrel or relative[i]:
-            new_out[i] = o + steps[i]
-        else:
-            new_out[i] = values[i]
-    return (not check) or ck == base
+    ``new_out``, and whether the checksum of ``old`` at ``pos`` equals ``base`` (uint64; always
+    true when not ``check``). ``relative`` may be empty (every entry relative)."""
+    if relative.size == 0:
+        for i in range(pos.size):
+            new_out[i] = old[i] + steps[i]
+    else:
+        for i in range(pos.size):
+            new_out[i] = old[i] + steps[i] if relative[i] else values[i]
+    return (not check) or checksum_at(pos, old) == base

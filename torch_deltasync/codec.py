@@ -21,8 +21,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Mapping
 
+import numpy as np
 import torch
 
+from . import _native
 from ._dtypes import bits, int_view_dtype
 from .errors import ChecksumMismatchError, CorruptObjectError
 
@@ -83,20 +85,45 @@ class TensorDelta:
             return self.values
         if old_values is None or old_values.shape != self.values.shape:
             raise ValueError("this delta stores steps; pass the old values at its positions")
+        if _native.enabled() and _all_cpu(old_values, self.positions, self.steps, self.values):
+            return self._resolve_native(old_values.to(self.values.dtype).contiguous())
         if self.base_checksum is not None:
             from .checksum import checksum  # lazy: checksum is independent of codecs
 
             got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
             if got != self.base_checksum:
-                raise ChecksumMismatchError(
-                    f"the old values at the {self.numel} changed positions have checksum {got:016x}, the "
-                    f"delta was made against {self.base_checksum:016x}: the held weights differ from the "
-                    "delta's base version, so its steps cannot be applied"
-                )
+                self._mismatch(old_values)
         new_bits = bits(old_values.to(self.values.dtype)) + self.steps.to(int_view_dtype(self.values.dtype))
         if self.relative is None:
             return new_bits.view(self.values.dtype)
         return torch.where(self.relative, new_bits, bits(self.values)).view(self.values.dtype)
+
+    def _resolve_native(self, old: torch.Tensor) -> torch.Tensor:
+        """:meth:`resolve` in one compiled pass (checksum of the old values and new values)."""
+        u = f"u{old.element_size()}"
+        new = np.empty(self.numel, u)
+        if self.relative is None:  # values are placeholders
+            rel, vals = np.empty(0, np.bool_), np.empty(0, u)
+        else:
+            rel, vals = self.relative.contiguous().numpy(), bits(self.values.contiguous()).numpy().view(u)
+        check = self.base_checksum is not None
+        ok = _native.resolve_steps(self.positions.contiguous().numpy(), bits(old).numpy().view(u),
+                                   self.steps.contiguous().numpy(), rel, vals, check,
+                                   np.uint64(self.base_checksum or 0), new)
+        if not ok:
+            self._mismatch(old)
+        return torch.from_numpy(new).view(self.values.dtype)
+
+    def _mismatch(self, old_values: torch.Tensor) -> None:
+        """Raise the :class:`ChecksumMismatchError` of :meth:`resolve` for ``old_values``."""
+        from .checksum import checksum  # lazy: checksum is independent of codecs
+
+        got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
+        raise ChecksumMismatchError(
+            f"the old values at the {self.numel} changed positions have checksum {got:016x}, the "
+            f"delta was made against {self.base_checksum:016x}: the held weights differ from the "
+            "delta's base version, so its steps cannot be applied"
+        )
 
     def select(self, mask: torch.Tensor) -> "TensorDelta":
         """The entries where ``mask`` (bool ``(k,)``) is true (``base_checksum`` covers all
@@ -149,6 +176,10 @@ class Codec(ABC):
             CorruptObjectError: missing or unexpected parts, wrong dtype or shape, a count that does
                 not match, indices out of range, unsorted or duplicated.
         """
+
+
+def _all_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 _CODECS: dict[str, type[Codec]] = {}

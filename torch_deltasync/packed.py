@@ -791,8 +791,10 @@ class PackedCodec(Codec):
         if out is None:
             out = _steps(stream, count, b, width, what)
         steps, values_u, relative = out
-        values = torch.from_numpy(values_u.view(f"i{width}") if values_u is not None
-                                  else np.zeros(count, f"i{width}")).view(dtype)  # placeholders
+        if values_u is None:  # every entry relative: the values are placeholders (one zero, expanded)
+            values = torch.zeros(1, dtype=dtype).expand(count)
+        else:
+            values = torch.from_numpy(values_u.view(f"i{width}")).view(dtype)
         rel = None if relative is None else torch.from_numpy(relative)
         return TensorDelta(positions, values, torch.from_numpy(steps), rel, h.base_checksum)
 
