@@ -136,6 +136,32 @@ def checksum_diff(pos, old, new):
 # --- change detection (detect.py) ---------------------------------------------------------------
 
 _BLOCK = 4096  # elements per inner block: the cast and mask of a block stay in L1
+BLOCK = _BLOCK  # scratch size the detection kernels need
+
+
+@_jit
+def _compact(m, mask_tmp, base, vals, ref, pos_out, new_out, old_out, k):
+    """Append the entries ``j < m`` of a block whose ``mask_tmp[j]`` is 1 (position ``base + j``,
+    ``vals[j]``, ``ref[j]``) at index ``k`` of the outputs; returns the new ``k``. Words of 8 mask
+    bytes that are all zero are skipped; the others are written without branches (each entry is
+    stored, the index advances by its mask byte), which is faster than a branch per entry at
+    densities above ~1%."""
+    mask64 = mask_tmp.view(np.uint64)
+    full = m // 8
+    for w in range(full):
+        if mask64[w] != 0:
+            for j in range(8 * w, 8 * w + 8):
+                pos_out[k] = base + j
+                new_out[k] = vals[j]
+                old_out[k] = ref[j]
+                k += mask_tmp[j]
+    for j in range(8 * full, m):
+        if mask_tmp[j]:
+            pos_out[k] = base + j
+            new_out[k] = vals[j]
+            old_out[k] = ref[j]
+            k += 1
+    return k
 
 
 @_jit
@@ -148,36 +174,28 @@ def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, mask_t
     ``src`` makes the kernel stop and return -1, and the caller uses torch's cast instead.
 
     Writes the ``k`` changed positions (``base + i``), new and old bf16 patterns to the first ``k``
-    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), each at least ``n`` long.
-    ``cast_tmp`` (uint16) and ``mask_tmp`` (uint8) are scratch of at least ``_BLOCK`` elements.
+    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), each at least ``n + 8``
+    long (entries past ``k`` are scratch). ``cast_tmp`` (uint16) and ``mask_tmp`` (uint8) are scratch of ``BLOCK`` elements.
 
     Returns:
         ``k``, or -1 when ``src`` holds a NaN.
     """
     n = src.size
     k = 0
-    mask64 = mask_tmp.view(np.uint64)
     for a in range(0, n, _BLOCK):
-        m = min(_BLOCK, n - a)
-        nan = 0
-        for j in range(m):
-            u = src[a + j]
-            nan |= (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        s = src[a : a + _BLOCK]  # slices, not offsets: numba vectorises loops over views
+        ref = snap[a : a + _BLOCK]
+        m = s.size
+        top = np.uint32(0)
+        for j in range(m):  # vectorises
+            u = s[j]
+            top = max(top, u & np.uint32(0x7FFFFFFF))
             c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
             cast_tmp[j] = c
-            mask_tmp[j] = c != snap[a + j]
-        if nan:
+            mask_tmp[j] = c != ref[j]
+        if top > np.uint32(0x7F800000):
             return -1
-        for j in range(m, (m + 7) // 8 * 8):
-            mask_tmp[j] = 0
-        for w in range((m + 7) // 8):
-            if mask64[w] != 0:
-                for j in range(8 * w, 8 * w + 8):
-                    if mask_tmp[j]:
-                        pos_out[k] = a + j + base
-                        new_out[k] = cast_tmp[j]
-                        old_out[k] = snap[a + j]
-                        k += 1
+        k = _compact(m, mask_tmp, base + a, cast_tmp, ref, pos_out, new_out, old_out, k)
     return k
 
 
@@ -187,21 +205,13 @@ def detect_same(src, snap, base, pos_out, new_out, old_out, mask_tmp):
     are bit patterns of the same width). Returns ``k``."""
     n = src.size
     k = 0
-    mask64 = mask_tmp.view(np.uint64)
     for a in range(0, n, _BLOCK):
-        m = min(_BLOCK, n - a)
+        s = src[a : a + _BLOCK]
+        ref = snap[a : a + _BLOCK]
+        m = s.size
         for j in range(m):
-            mask_tmp[j] = src[a + j] != snap[a + j]
-        for j in range(m, (m + 7) // 8 * 8):
-            mask_tmp[j] = 0
-        for w in range((m + 7) // 8):
-            if mask64[w] != 0:
-                for j in range(8 * w, 8 * w + 8):
-                    if mask_tmp[j]:
-                        pos_out[k] = a + j + base
-                        new_out[k] = src[a + j]
-                        old_out[k] = snap[a + j]
-                        k += 1
+            mask_tmp[j] = s[j] != ref[j]
+        k = _compact(m, mask_tmp, base + a, s, ref, pos_out, new_out, old_out, k)
     return k
 
 
@@ -216,16 +226,21 @@ def gap_histogram(pos, numel, r_lo, span):
     # Four interleaved histograms: most gaps fall in a few bins, and one histogram would make
     # every increment wait for the previous one to the same bin.
     h4 = np.zeros((4, span + 1), np.int64)
-    prev = -1
-    bad = False
-    for i in range(pos.size):
-        p = pos[i]
-        g = p - prev - 1
-        bad |= g < 0
-        h4[i & 3, min(max(g, 0) >> r_lo, span)] += 1
-        prev = p
+    v = np.empty(_BLOCK, np.int64)
+    low = 0
+    for a in range(0, pos.size, _BLOCK):
+        p = pos[a : a + _BLOCK]
+        m = p.size
+        v[0] = p[0] - (pos[a - 1] if a else -1) - 1
+        for j in range(1, m):
+            v[j] = p[j] - p[j - 1] - 1
+        for j in range(m):  # vectorises
+            low = min(low, v[j])
+            v[j] = min(max(v[j], 0) >> r_lo, span)
+        for j in range(m):
+            h4[j & 3, v[j]] += 1
     hist = h4[0] + h4[1] + h4[2] + h4[3]
-    return hist, not bad and prev < numel
+    return hist, low >= 0 and (pos.size == 0 or pos[pos.size - 1] < numel)
 
 
 @_jit
@@ -270,19 +285,20 @@ def encode_gaps(pos, r, high, ext, low):
     acc = _U0  # bits not yet written (fields of the general r > 8 path and the tail)
     nbits = 0
     for a in range(0, k, _BLOCK):
-        m = min(_BLOCK, k - a)
-        prev = pos[a - 1] if a else -1
-        g[0] = _u64(pos[a] - prev - 1)
+        p = pos[a : a + _BLOCK]
+        hb = high[a : a + _BLOCK]
+        m = p.size
+        g[0] = _u64(p[0] - (pos[a - 1] if a else -1) - 1)
         for j in range(1, m):
-            g[j] = _u64(pos[a + j] - pos[a + j - 1] - 1)
+            g[j] = _u64(p[j] - p[j - 1] - 1)
         n_esc = 0
         for j in range(m):
             h = g[j] >> rr
             n_esc += h >= _u64(255)
-            high[a + j] = np.uint8(min(h, _u64(255)))
+            hb[j] = np.uint8(min(h, _u64(255)))
         if n_esc:
             for j in range(m):
-                if high[a + j] == 255:
+                if hb[j] == 255:
                     e = _put_varint(ext, e, (g[j] >> rr) - _u64(255))
         if r == 0:
             continue
@@ -317,12 +333,14 @@ def step_histogram(new, old, width, cap):
     full = np.int64(1) << (8 * width)
     half = full >> 1
     h4 = np.zeros((4, cap + 1), np.int64)
-    zc = np.empty(_BLOCK, np.int64)
+    zc = np.empty(_BLOCK, np.int32)
     n = new.size
     for a in range(0, n, _BLOCK):
-        m = min(_BLOCK, n - a)
+        nb = new[a : a + _BLOCK]
+        ob = old[a : a + _BLOCK]
+        m = nb.size
         for j in range(m):  # vectorises
-            zc[j] = min(_zigzag_step(new[a + j], old[a + j], full, half), cap)
+            zc[j] = min(_zigzag_step(nb[j], ob[j], full, half), cap)
         for j in range(m):
             h4[j & 3, zc[j]] += 1
     return h4[0] + h4[1] + h4[2] + h4[3]
@@ -382,23 +400,25 @@ def encode_steps(new, old, width, b, codes, ext, raw):
     c16 = c8.view(np.uint16)
     c32 = c8.view(np.uint32)
     for a in range(0, k, _BLOCK):
-        m = min(_BLOCK, k - a)
+        nb = new[a : a + _BLOCK]
+        ob = old[a : a + _BLOCK]
+        m = nb.size
         n_esc = 0
         for j in range(m):  # vectorises: z = 0 wraps to the largest unsigned value, code M
-            z = _zigzag_step(new[a + j], old[a + j], full, half)
+            z = _zigzag_step(nb[j], ob[j], full, half)
             cj = np.uint16(min(np.uint32(z - 1), np.uint32(M)))
             n_esc += cj == M
             c[j] = cj
         if n_esc:
             for j in range(m):
                 if c[j] == M:
-                    z = _zigzag_step(new[a + j], old[a + j], full, half)
+                    z = _zigzag_step(nb[j], ob[j], full, half)
                     if z != 0 and _varint_len(z - M) <= width:
                         e_at = _put_varint(ext, e_at, _u64(z - M))
                     else:  # no step, or a varint longer than the value: the raw value
                         ext[e_at] = 0
                         e_at += 1
-                        raw[n_raw] = new[a + j]
+                        raw[n_raw] = nb[j]
                         n_raw += 1
         if b == 16:
             for j in range(m):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import _native
 from ._dtypes import as_dtype, bits, int_view_dtype
 
 __all__ = ["Changes", "ChangeDetector"]
@@ -92,6 +93,7 @@ class ChangeDetector:
         self.chunk_numel = chunk_numel
         self._snap: dict[str, torch.Tensor] = {}  # name -> flat integer bit view
         self._buf: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._native_buf: tuple[np.ndarray, ...] | None = None  # chunk outputs of the compiled path
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class ChangeDetector:
         if name is None:
             self._snap.clear()
             self._buf.clear()
+            self._native_buf = None
         else:
             self._snap.pop(name, None)
 
@@ -170,6 +173,10 @@ class ChangeDetector:
         if n != snap.numel():
             raise ValueError(f"{name}: tensor has {n} elements, snapshot has {snap.numel()}")
         device = flat.device
+        if _native.enabled() and device.type == "cpu" and snap.device.type == "cpu":
+            ch = self._detect_native(flat, snap)
+            if ch is not None:
+                return ch
         chunk = self.chunk_numel or (1 << 22 if device.type == "cpu" else 1 << 26)
         chunk = max(1, min(chunk, n))
         same_dtype = flat.dtype == self.dtype
@@ -199,6 +206,46 @@ class ChangeDetector:
             val = torch.empty(0, dtype=self.dtype, device=device)
         old = snap[pos.to(snap.device)].view(self.dtype).to(device)
         return Changes(pos, val, old)
+
+    def _detect_native(self, flat: torch.Tensor, snap: torch.Tensor) -> Changes | None:
+        """:meth:`detect` on the CPU by one compiled pass per chunk (cast, compare, extract),
+        for an fp32 tensor with a bf16 inference dtype or a tensor already in the inference
+        dtype; ``None`` for other dtypes or when the tensor holds a NaN (whose fp32 -> bf16 cast
+        differs between torch's code paths: the torch path then casts exactly as ``reset``)."""
+        cast = flat.dtype == torch.float32 and self.dtype == torch.bfloat16
+        if not cast and flat.dtype != self.dtype:
+            return None
+        n = flat.numel()
+        w = self.dtype.itemsize
+        src = flat.view(torch.int32 if cast else self.int_dtype).numpy().view(f"u{flat.element_size()}")
+        ref = snap.numpy().view(f"u{w}")
+        chunk = max(1, min(self.chunk_numel or (1 << 20), n))
+        buf = self._native_buf
+        if buf is None or buf[0].size < chunk or buf[1].dtype.itemsize != w:
+            buf = self._native_buf = (np.empty(chunk + 8, np.int64), np.empty(chunk + 8, f"u{w}"), np.empty(chunk + 8, f"u{w}"),
+                                      np.empty(_native.BLOCK, np.uint16), np.empty(_native.BLOCK, np.uint8))
+        pos_b, new_b, old_b, cast_tmp, mask_tmp = buf
+        pos, new, old = [], [], []
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            if cast:
+                k = _native.detect_f32_bf16(src[a:b], ref[a:b], a, pos_b, new_b, old_b, cast_tmp, mask_tmp)
+                if k < 0:
+                    return None
+            else:
+                k = _native.detect_same(src[a:b], ref[a:b], a, pos_b, new_b, old_b, mask_tmp)
+            if k:
+                pos.append(pos_b[:k].copy())
+                new.append(new_b[:k].copy())
+                old.append(old_b[:k].copy())
+        if len(pos) == 1:
+            pos, new, old = pos[0], new[0], old[0]
+        else:
+            pos = np.concatenate(pos) if pos else np.empty(0, np.int64)
+            new = np.concatenate(new) if new else np.empty(0, f"u{w}")
+            old = np.concatenate(old) if old else np.empty(0, f"u{w}")
+        as_values = lambda u: torch.from_numpy(u.view(f"i{w}")).view(self.dtype)  # noqa: E731
+        return Changes(torch.from_numpy(pos), as_values(new), as_values(old))
 
     def commit(self, name: str, changes: Changes) -> None:
         """Advance the snapshot of ``name`` by ``changes`` (call once their version is visible)."""
