@@ -17,9 +17,11 @@ receivers look it up with :func:`get_codec`. Built in:
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -160,6 +162,42 @@ class Codec(ABC):
             ``{part: tensor}``; stored as ``<tensor name>:<part>``. Parts are CPU tensors.
         """
 
+    def encode_many(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], *,
+                    threads: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """:meth:`encode` of several tensors, on ``threads`` threads (the compiled kernels and
+        zstd release the GIL, so tensors are encoded in parallel).
+
+        Args:
+            items: ``(positions, values, old_values, numel)`` per tensor, as :meth:`encode` takes them.
+            threads: worker threads; ``None``: one per CPU core, at most 8. 1 encodes in order on
+                the calling thread.
+
+        Returns:
+            The parts of each item, in the order of ``items`` (the same as :meth:`encode` gives).
+
+        Raises:
+            ValueError: as :meth:`encode`, for the first failing item in ``items`` order.
+        """
+        return _map_largest_first(lambda it: self.encode(it[0], it[1], it[2], numel=it[3]), items,
+                                  [it[0].numel() for it in items], threads)
+
+    def decode_many(self, items: Sequence[tuple[Mapping[str, torch.Tensor], int, int, torch.dtype]], *,
+                    threads: int | None = None) -> list[TensorDelta]:
+        """:meth:`decode` of several tensors, on ``threads`` threads (see :meth:`encode_many`).
+
+        Args:
+            items: ``(parts, numel, count, dtype)`` per tensor, as :meth:`decode` takes them.
+            threads: as in :meth:`encode_many`.
+
+        Returns:
+            One :class:`TensorDelta` per item, in order.
+
+        Raises:
+            CorruptObjectError: as :meth:`decode`, for the first failing item in ``items`` order.
+        """
+        return _map_largest_first(lambda it: self.decode(it[0], numel=it[1], count=it[2], dtype=it[3]), items,
+                                  [it[2] for it in items], threads)
+
     @abstractmethod
     def decode(
         self, parts: Mapping[str, torch.Tensor], *, numel: int, count: int, dtype: torch.dtype
@@ -176,6 +214,21 @@ class Codec(ABC):
             CorruptObjectError: missing or unexpected parts, wrong dtype or shape, a count that does
                 not match, indices out of range, unsorted or duplicated.
         """
+
+
+def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
+    """``[fn(x) for x in items]`` on a thread pool, the largest items submitted first (so the last
+    ones to finish are small); the first exception in ``items`` order is raised."""
+    n = len(items)
+    threads = min(8, os.cpu_count() or 1) if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    if threads == 1 or n < 2:
+        return [fn(x) for x in items]
+    order = sorted(range(n), key=lambda i: -sizes[i])
+    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="deltasync-codec") as pool:
+        futures = {i: pool.submit(fn, items[i]) for i in order}
+        return [futures[i].result() for i in range(n)]
 
 
 def _all_cpu(*tensors: torch.Tensor) -> bool:
