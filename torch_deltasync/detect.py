@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _native
+from . import _gpu, _native
 from ._dtypes import as_dtype, bits, int_view_dtype
 
 __all__ = ["Changes", "ChangeDetector"]
@@ -177,6 +177,10 @@ class ChangeDetector:
             ch = self._detect_native(flat, snap)
             if ch is not None:
                 return ch
+        if device.type == "cuda" and snap.device == device and _gpu.available(device):
+            found = _gpu.detect(flat, snap, self.dtype)  # Triton: two passes, no mask or cast copy
+            if found is not None:
+                return Changes(*found)
         chunk = self.chunk_numel or (1 << 22 if device.type == "cpu" else 1 << 26)
         chunk = max(1, min(chunk, n))
         same_dtype = flat.dtype == self.dtype
