@@ -223,9 +223,10 @@ def gap_histogram(pos, numel, r_lo, span):
     """Histogram of ``min(g >> r_lo, span)`` over the gaps ``g`` of ``pos`` (int64, the encoder's
     positions), int64 ``(span + 1,)``, and whether ``pos`` is strictly increasing in
     ``[0, numel)``."""
-    # Four interleaved histograms: most gaps fall in a few bins, and one histogram would make
-    # every increment wait for the previous one to the same bin.
-    h4 = np.zeros((4, span + 1), np.int64)
+    # Four interleaved histograms for long inputs: most gaps fall in a few bins, and one histogram
+    # would make every increment wait for the previous one to the same bin.
+    ways = 4 if pos.size >= 8 * (span + 1) else 1  # zeroing and adding 4 histograms costs too
+    h4 = np.zeros((ways, span + 1), np.int64)
     v = np.empty(_BLOCK, np.int64)
     low = 0
     for a in range(0, pos.size, _BLOCK):
@@ -238,9 +239,8 @@ def gap_histogram(pos, numel, r_lo, span):
             low = min(low, v[j])
             v[j] = min(max(v[j], 0) >> r_lo, span)
         for j in range(m):
-            h4[j & 3, v[j]] += 1
-    hist = h4[0] + h4[1] + h4[2] + h4[3]
-    return hist, low >= 0 and (pos.size == 0 or pos[pos.size - 1] < numel)
+            h4[j & (ways - 1), v[j]] += 1
+    return h4.sum(axis=0), low >= 0 and (pos.size == 0 or pos[pos.size - 1] < numel)
 
 
 @_jit
@@ -332,7 +332,8 @@ def step_histogram(new, old, width, cap):
     patterns of ``width`` bytes: 1, 2 or 4), int64 ``(cap + 1,)``."""
     full = np.int64(1) << (8 * width)
     half = full >> 1
-    h4 = np.zeros((4, cap + 1), np.int64)
+    ways = 4 if new.size >= 8 * (cap + 1) else 1
+    h4 = np.zeros((ways, cap + 1), np.int64)
     zc = np.empty(_BLOCK, np.int32)
     n = new.size
     for a in range(0, n, _BLOCK):
@@ -342,8 +343,8 @@ def step_histogram(new, old, width, cap):
         for j in range(m):  # vectorises
             zc[j] = min(_zigzag_step(nb[j], ob[j], full, half), cap)
         for j in range(m):
-            h4[j & 3, zc[j]] += 1
-    return h4[0] + h4[1] + h4[2] + h4[3]
+            h4[j & (ways - 1), zc[j]] += 1
+    return h4.sum(axis=0)
 
 
 @_jit

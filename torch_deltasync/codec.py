@@ -87,8 +87,11 @@ class TensorDelta:
             return self.values
         if old_values is None or old_values.shape != self.values.shape:
             raise ValueError("this delta stores steps; pass the old values at its positions")
-        if _native.enabled() and _all_cpu(old_values, self.positions, self.steps, self.values):
-            return self._resolve_native(old_values.to(self.values.dtype).contiguous())
+        if (_native.enabled() and old_values.device.type == "cpu" and self.positions.device.type == "cpu"
+                and self.steps.device.type == "cpu"):
+            if old_values.dtype != self.values.dtype:
+                old_values = old_values.to(self.values.dtype)
+            return self._resolve_native(old_values if old_values.is_contiguous() else old_values.contiguous())
         if self.base_checksum is not None:
             from .checksum import checksum  # lazy: checksum is independent of codecs
 
@@ -102,10 +105,10 @@ class TensorDelta:
 
     def _resolve_native(self, old: torch.Tensor) -> torch.Tensor:
         """:meth:`resolve` in one compiled pass (checksum of the old values and new values)."""
-        u = f"u{old.element_size()}"
+        u = _UNSIGNED[old.element_size()]
         new = np.empty(self.numel, u)
         if self.relative is None:  # values are placeholders
-            rel, vals = np.empty(0, np.bool_), np.empty(0, u)
+            rel, vals = _NO_MASK, np.empty(0, u)
         else:
             rel, vals = self.relative.contiguous().numpy(), bits(self.values.contiguous()).numpy().view(u)
         check = self.base_checksum is not None
@@ -231,8 +234,8 @@ def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], thre
         return [futures[i].result() for i in range(n)]
 
 
-def _all_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" for t in tensors)
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_NO_MASK = np.empty(0, np.bool_)
 
 
 _CODECS: dict[str, type[Codec]] = {}

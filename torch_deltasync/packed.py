@@ -210,6 +210,27 @@ def _from_planes(buf: np.ndarray, n: int, w: int) -> np.ndarray:
     return np.ascontiguousarray(buf.reshape(w, n).T).view(udt).reshape(-1).astype(udt.newbyteorder("="))
 
 
+_ZEROS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _zero(dtype: torch.dtype) -> torch.Tensor:
+    """A shared one-element zero of ``dtype`` (placeholder values are it, expanded; never written)."""
+    z = _ZEROS.get(dtype)
+    if z is None:
+        z = _ZEROS[dtype] = torch.zeros(1, dtype=dtype)
+    return z
+
+
+def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` as a flat contiguous CPU tensor (of ``dtype`` if given), without copies when it is one."""
+    t = t.detach()
+    if t.device.type != "cpu" or (dtype is not None and t.dtype != dtype):
+        t = t.to("cpu", dtype or t.dtype)
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
     """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view)."""
     return bits(t).numpy().view(f"u{t.element_size()}")
@@ -326,11 +347,15 @@ def _best_gap_shift(k: int, r_lo: int, r_hi: int, base: np.ndarray) -> int:
 
 
 @_native.jit
-def _best_step_code(k: int, width: int, hz: np.ndarray) -> tuple[int, float]:
+def _best_step_code(k: int, width: int, hz: np.ndarray) -> tuple[int, float, bool]:
     """The best code width among 2, 4 and 8 bits (at most the dtype's width) by the estimate of
-    :meth:`PackedCodec._choose_code_bits`, and its estimate in bits (compiled)."""
+    :meth:`PackedCodec._choose_code_bits`, its estimate in bits, and whether 16-bit codes could
+    do better (more than 1 in 64 steps need more than 8 bits) (compiled)."""
     raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
     cap = hz.size - 1
+    top = cap  # bins past the last non-zero one below cap add nothing to an estimate
+    while top > 0 and hz[top - 1] == 0:
+        top -= 1
     n_raw = hz[0] + hz[cap]  # no step (z = 0) or a huge one
     best_b = 0
     best = np.inf
@@ -341,11 +366,13 @@ def _best_step_code(k: int, width: int, hz: np.ndarray) -> tuple[int, float]:
         code_hist = np.empty(M + 1, np.int64)  # code c = z - 1; c = M escapes
         code_hist[:M] = hz[1 : M + 1]
         code_hist[M] = hz[M + 1 :].sum() + hz[0]
-        est = _huffman_bits(code_hist, 8 // b, False) + _huffman_bits(hz[M + 1 : cap], 1, False) + n_raw * raw_cost
+        est = _huffman_bits(code_hist, 8 // b, False) + n_raw * raw_cost
+        if top > M + 1:
+            est += _huffman_bits(hz[M + 1 : top], 1, False)
         if est < best:
             best_b = b
             best = est
-    return best_b, best
+    return best_b, best, width >= 2 and hz[256:].sum() * 64 >= k
 
 
 def _binary_entropy(p: float) -> float:
@@ -380,13 +407,13 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def _pack_stream(raw: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes | np.ndarray, int]:
     """``(method, payload, raw_len)``: zstd when the frame is smaller, else the bytes themselves
-    (``raw`` as a flat uint8 array)."""
-    data = np.ascontiguousarray(raw, np.uint8).reshape(-1)
-    if data.size >= _MIN_ZSTD_BYTES:
-        frame = cctx.compress(data)
-        if len(frame) < data.size:
-            return METHOD_ZSTD, frame, data.size
-    return METHOD_STORED, data, data.size
+    (``raw``, a flat contiguous uint8 array)."""
+    n = raw.size
+    if n >= _MIN_ZSTD_BYTES:
+        frame = cctx.compress(raw)
+        if len(frame) < n:
+            return METHOD_ZSTD, frame, n
+    return METHOD_STORED, raw, n
 
 
 def _unpack_stream(method: int, payload: memoryview, raw_len: int, what: str) -> np.ndarray:
@@ -431,8 +458,13 @@ class _Header:
 _HEADER_FIXED = 13
 
 
+_SMALL_VARINTS = [bytes([v]) for v in range(128)]
+
+
 def _varint_bytes(v: int) -> bytes:
     """Unsigned LEB128 of one non-negative integer."""
+    if v < 128:
+        return _SMALL_VARINTS[v]
     out = bytearray()
     while v >= 0x80:
         out.append((v & 0x7F) | 0x80)
@@ -443,14 +475,13 @@ def _varint_bytes(v: int) -> bytes:
 
 def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int, base_checksum: int,
                   streams: list[tuple[int, bytes, int]]) -> bytes:
-    head = bytearray([LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits])
-    head += base_checksum.to_bytes(8, "little")
+    parts = [bytes((LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits)), base_checksum.to_bytes(8, "little")]
     for method, payload, raw_len in streams:
-        head.append(method)
-        head += _varint_bytes(raw_len)
+        parts.append(_SMALL_VARINTS[method])
+        parts.append(_varint_bytes(raw_len))
         if method != METHOD_STORED:
-            head += _varint_bytes(len(payload))
-    return bytes(head)
+            parts.append(_varint_bytes(len(payload)))
+    return b"".join(parts)
 
 
 def _read_header(data: memoryview, what: str) -> _Header:
@@ -558,9 +589,8 @@ class PackedCodec(Codec):
             ValueError: positions not strictly increasing or outside ``[0, numel)``, or values and
                 old values of different shape or dtype.
         """
-        pos = np.ascontiguousarray(positions.detach().to("cpu", torch.int64).reshape(-1).numpy())
-        new = values.detach().to("cpu").reshape(-1).contiguous()
-        old = old_values.detach().to("cpu").reshape(-1).contiguous()
+        pos = _flat_cpu(positions, torch.int64).numpy()
+        new, old = _flat_cpu(values), _flat_cpu(old_values)
         k = pos.size
         if new.numel() != k or old.numel() != k or new.dtype != old.dtype:
             raise ValueError(
@@ -645,15 +675,8 @@ class PackedCodec(Codec):
     @staticmethod
     def _blob(pos_mode: int, r: int, val_mode: int, b: int, base: int,
               streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
-        head = _write_header(pos_mode, r, val_mode, b, base, streams)
-        out = np.empty(len(head) + sum(len(s[1]) for s in streams), np.uint8)
-        at = len(head)
-        out[:at] = np.frombuffer(head, np.uint8)
-        for s in streams:
-            n = len(s[1])
-            out[at : at + n] = np.frombuffer(s[1], np.uint8)
-            at += n
-        return torch.from_numpy(out)
+        blob = bytearray(b"".join([_write_header(pos_mode, r, val_mode, b, base, streams)] + [s[1] for s in streams]))
+        return torch.frombuffer(blob, dtype=torch.uint8)
 
     @staticmethod
     def _choose_gap_shift(k: int, r_lo: int, r_hi: int, base: np.ndarray) -> int:
@@ -703,8 +726,8 @@ class PackedCodec(Codec):
         """
         if k == 0:
             return CODE_BITS[0]
-        best_b, best = _best_step_code(k, width, hz)
-        if width >= 2 and int(hz[256:].sum()) * 64 >= k:  # else almost every step fits 8 bits
+        best_b, best, try16 = _best_step_code(k, width, hz)
+        if try16:  # else almost every step fits 8 bits
             h16, n_esc16 = code16_histograms()
             est = _huffman_bits(h16[0], 1, False) + _huffman_bits(h16[1], 1, False) + n_esc16 * 8 * width
             if est < best:
@@ -751,12 +774,14 @@ class PackedCodec(Codec):
 
         def stream(i: int, lo: int, hi: int) -> np.ndarray:
             method, raw_len, off, stored_len = h.streams[i]
-            name = f"{what}: {_STREAMS[i]} stream"
             if not lo <= raw_len <= hi:
                 raise CorruptObjectError(
-                    f"{name} declares {raw_len} bytes; {count} changes of a {numel}-element tensor allow {lo}..{hi}"
+                    f"{what}: {_STREAMS[i]} stream declares {raw_len} bytes; {count} changes of a "
+                    f"{numel}-element tensor allow {lo}..{hi}"
                 )
-            return _unpack_stream(method, data[off : off + stored_len], raw_len, name)
+            if method == METHOD_STORED and stored_len == raw_len:  # the common case, checked
+                return np.frombuffer(data, np.uint8, raw_len, off)
+            return _unpack_stream(method, data[off : off + stored_len], raw_len, f"{what}: {_STREAMS[i]} stream")
 
         if h.pos_mode == POS_GAPS:
             pos = _gap_positions_native(stream, h.gap_shift, numel, count, what) if native else None
@@ -776,7 +801,6 @@ class PackedCodec(Codec):
                 pos = _bitmap_positions(bm, numel, count, what)
         positions = torch.from_numpy(pos)
 
-        udt = np.dtype(f"u{width}")
         if h.val_mode == VAL_RAW:
             for i in (3, 4):
                 stream(i, 0, 0)
@@ -792,7 +816,7 @@ class PackedCodec(Codec):
             out = _steps(stream, count, b, width, what)
         steps, values_u, relative = out
         if values_u is None:  # every entry relative: the values are placeholders (one zero, expanded)
-            values = torch.zeros(1, dtype=dtype).expand(count)
+            values = _zero(dtype).expand(count)
         else:
             values = torch.from_numpy(values_u.view(f"i{width}")).view(dtype)
         rel = None if relative is None else torch.from_numpy(relative)
