@@ -141,6 +141,18 @@ def test_extreme_positions_and_blocks():
     check_encode_decode(pos, new, old, 10_000)
 
 
+@pytest.mark.parametrize("mix", [{"ulp": 0.9, "many": 0.1}, {"ulp": 0.5, "mid": 0.3, "same": 0.1, "flip": 0.1},
+                                 {"random": 1.0}])
+def test_long_change_sets(mix):
+    # From 65536 changes the code width is costed on a sample of the steps: the escapes the
+    # kernels write are not bounded by the sample (every 8th block here has all of them).
+    k = 300_000
+    pos, new, old = make_change_set(k, torch.bfloat16, 2 * k, 0.5, mix)
+    burst = (torch.arange(k) // 4096) % 8 == 5  # blocks the sample skips
+    new = torch.where(burst, (bits(old) ^ -0x8000).view(torch.bfloat16), new)  # sign flips: raw escapes
+    check_encode_decode(pos, new, old, 2 * k)
+
+
 def test_encoder_rejections_match():
     v = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
     for pos, numel in ((torch.tensor([5, 5]), 10), (torch.tensor([1, 10]), 10), (torch.tensor([3, 1]), 10),

@@ -275,7 +275,8 @@ def encode_gaps(pos, r, high, ext, low):
     """The three position streams of gap mode (format "Positions, mode 0"): ``high`` (uint8
     ``(k,)``) gets ``min(g >> r, 255)``, ``ext`` one varint ``(g >> r) - 255`` per 255 (sized by
     the caller: 9 bytes per escape), ``low`` the ``r``-bit low parts as a little-endian bit stream
-    (``ceil(k r / 8)`` bytes). Returns the bytes written to ``ext``."""
+    (``ceil(k r / 8)`` bytes). Returns the bytes written to ``ext`` (-1, writing nothing past it,
+    when it is too small)."""
     k = pos.size
     rr = _u64(r)
     lmask = (_U1 << rr) - _U1
@@ -297,6 +298,8 @@ def encode_gaps(pos, r, high, ext, low):
             n_esc += h >= _u64(255)
             hb[j] = np.uint8(min(h, _u64(255)))
         if n_esc:
+            if e + 9 * n_esc > ext.size:
+                return -1  # the caller sized ext too small
             for j in range(m):
                 if hb[j] == 255:
                     e = _put_varint(ext, e, (g[j] >> rr) - _u64(255))
@@ -327,21 +330,27 @@ def _zigzag_step(n, o, full, half):
 
 
 @_jit
-def step_histogram(new, old, width, cap):
+def step_histogram(new, old, width, cap, every):
     """Histogram of ``min(z, cap)`` over the zigzag steps ``z`` of ``new - old`` (unsigned bit
-    patterns of ``width`` bytes: 1, 2 or 4), int64 ``(cap + 1,)``."""
+    patterns of ``width`` bytes: 1, 2 or 4) in every ``every``-th block of ``BLOCK`` changes
+    (the first, then every ``every``-th), int64 ``(cap + 1,)``."""
     full = np.int64(1) << (8 * width)
     half = full >> 1
-    ways = 4 if new.size >= 8 * (cap + 1) else 1
+    ways = 4 if new.size >= 8 * every * (cap + 1) else 1
     h4 = np.zeros((ways, cap + 1), np.int64)
     zc = np.empty(_BLOCK, np.int32)
     n = new.size
-    for a in range(0, n, _BLOCK):
+    for a in range(0, n, _BLOCK * every):
         nb = new[a : a + _BLOCK]
         ob = old[a : a + _BLOCK]
         m = nb.size
-        for j in range(m):  # vectorises
-            zc[j] = min(_zigzag_step(nb[j], ob[j], full, half), cap)
+        if width == 2:  # 32-bit lanes: twice as many per vector
+            for j in range(m):
+                d = np.int32(np.int16(np.int32(nb[j]) - np.int32(ob[j])))
+                zc[j] = min(np.uint32((d << 1) ^ (d >> 31)), np.uint32(cap))
+        else:
+            for j in range(m):  # vectorises
+                zc[j] = min(_zigzag_step(nb[j], ob[j], full, half), cap)
         for j in range(m):
             h4[j & (ways - 1), zc[j]] += 1
     return h4.sum(axis=0)
@@ -389,7 +398,8 @@ def encode_steps(new, old, width, b, codes, ext, raw):
     """The value streams of steps mode (format "Values, mode 1") for code width ``b``: packed codes
     into ``codes`` (``ceil(k b / 8)`` bytes; ``b = 16`` as two byte planes), escape varints into
     ``ext`` (sized by the caller), and the new bit patterns of raw escapes, in order, into ``raw``
-    (same dtype as ``new``, ``(k,)``). Returns ``(ext bytes, raw escapes)``."""
+    (same dtype as ``new``, ``(k,)``). Returns ``(ext bytes, raw escapes)`` (-1, -1 when ``ext``
+    is too small; nothing is written past it)."""
     full = np.int64(1) << (8 * width)
     half = full >> 1
     M = (1 << b) - 1
@@ -405,12 +415,21 @@ def encode_steps(new, old, width, b, codes, ext, raw):
         ob = old[a : a + _BLOCK]
         m = nb.size
         n_esc = 0
-        for j in range(m):  # vectorises: z = 0 wraps to the largest unsigned value, code M
-            z = _zigzag_step(nb[j], ob[j], full, half)
-            cj = np.uint16(min(np.uint32(z - 1), np.uint32(M)))
-            n_esc += cj == M
-            c[j] = cj
+        if width == 2:  # 32-bit lanes; z = 0 wraps to the largest unsigned value, code M
+            for j in range(m):
+                d = np.int32(np.int16(np.int32(nb[j]) - np.int32(ob[j])))
+                cj = np.uint16(min(np.uint32((d << 1) ^ (d >> 31)) - np.uint32(1), np.uint32(M)))
+                n_esc += cj == M
+                c[j] = cj
+        else:
+            for j in range(m):
+                z = _zigzag_step(nb[j], ob[j], full, half)
+                cj = np.uint16(min(np.uint32(z - 1), np.uint32(M)))
+                n_esc += cj == M
+                c[j] = cj
         if n_esc:
+            if e_at + width * n_esc > ext.size:
+                return -1, -1  # the caller sized ext too small
             for j in range(m):
                 if c[j] == M:
                     z = _zigzag_step(nb[j], ob[j], full, half)
@@ -445,12 +464,12 @@ def encode_steps(new, old, width, b, codes, ext, raw):
 
 
 @_jit
-def encode_stats(pos, new, old, width, numel, r_lo, span, cap):
+def encode_stats(pos, new, old, width, numel, r_lo, span, cap, every):
     """What the packed encoder's choices and header need, from one call: the gap histogram and
     validity of ``pos`` (:func:`gap_histogram`), the step histogram (:func:`step_histogram`;
     empty for 8-byte values) and the base checksum of ``old`` at ``pos`` (uint64)."""
     hist, ok = gap_histogram(pos, numel, r_lo, span)
-    hz = step_histogram(new, old, width, cap) if width <= 4 else np.zeros(0, np.int64)
+    hz = step_histogram(new, old, width, cap, every) if width <= 4 else np.zeros(0, np.int64)
     return hist, ok, hz, checksum_at(pos, old)
 
 
@@ -459,12 +478,14 @@ def encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc):
     """The six uncompressed streams of a packed blob in gap mode: positions, pos_ext, pos_low
     (:func:`encode_gaps`, at most ``n_gap_esc`` gap escapes) and, for ``b`` > 0, codes, ext and raw
     (:func:`encode_steps`, at most ``n_val_esc`` escapes; raw as byte planes), for ``b = 0`` the
-    new bit patterns as byte planes in raw."""
+    new bit patterns as byte planes in raw. ``None`` when an escape bound was too small."""
     k = pos.size
     high = np.empty(k, np.uint8)
     ext = np.empty(9 * n_gap_esc, np.uint8)
     low = np.empty((k * r + 7) // 8, np.uint8)
     n_ext = encode_gaps(pos, r, high, ext, low)
+    if n_ext < 0:
+        return None
     if b == 0:
         planes = np.empty(k * width, np.uint8)
         to_planes(new, width, planes)
@@ -473,6 +494,8 @@ def encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc):
     vext = np.empty(n_val_esc * width, np.uint8)
     raw = np.empty(k, new.dtype)
     n_vext, n_raw = encode_steps(new, old, width, b, codes, vext, raw)
+    if n_vext < 0:
+        return None
     planes = np.empty(n_raw * width, np.uint8)
     to_planes(raw[:n_raw], width, planes)
     return high, ext[:n_ext], low, codes, vext[:n_vext], planes
@@ -537,43 +560,63 @@ def decode_gaps(high, ext, low, r, numel, max_ext, ext_limit, pos_out):
     rr = _u64(r)
     lmask = (_U1 << rr) - _U1
     max_gap = _u64(max(numel - 1, 0))
+    max_high = max_gap >> rr
     unumel = _u64(numel)
-    acc = _U0
+    g = np.empty(_BLOCK, np.uint64)
+    acc = _U0  # bit reader of the low parts (fields past whole groups of 8, and r > 8)
     nbits = 0
     li = 0
     e = 0
-    p = _U0
-    first = True
-    for i in range(k):
-        h = _u64(high[i])
-        if h == _u64(255):
-            x, e = _get_varint(ext, e, ext_limit)
-            if e < 0 or x > _u64(max_ext):
-                return BAD
-            h += x
-        if r:
-            while nbits < r:
-                acc |= _u64(low[li]) << _u64(nbits)
-                li += 1
-                nbits += 8
-            lo = acc & lmask
-            acc >>= rr
-            nbits -= r
-        else:
+    p = _U0 - _U1  # the position before the first: p + g + 1 wraps to g
+    for a in range(0, k, _BLOCK):
+        hb = high[a : a + _BLOCK]
+        m = hb.size
+        n_esc = 0
+        for j in range(m):  # vectorises
+            g[j] = _u64(hb[j])
+            n_esc += hb[j] == 255
+        if n_esc:
+            for j in range(m):
+                if hb[j] == 255:
+                    x, e = _get_varint(ext, e, ext_limit)
+                    if e < 0 or x > _u64(max_ext):
+                        return BAD
+                    g[j] += x
+        top = _U0
+        for j in range(m):
+            top = max(top, g[j])
+        if top > max_high:  # also keeps the shifts below from overflowing
+            return BAD
+        j0 = 0
+        if 0 < r <= 8 and nbits == 0:  # whole groups of 8 fields fill r bytes
+            j0 = m // 8 * 8
+            for o in range(j0 // 8):
+                w = _U0
+                for q in range(r):
+                    w |= _u64(low[li + q]) << _u64(8 * q)
+                li += r
+                for q in range(8):
+                    g[8 * o + q] = (g[8 * o + q] << rr) | ((w >> _u64(q * r)) & lmask)
+        for j in range(j0, m):
             lo = _U0
-        if h > (max_gap >> rr):
+            if r:
+                while nbits < r:
+                    acc |= _u64(low[li]) << _u64(nbits)
+                    li += 1
+                    nbits += 8
+                lo = acc & lmask
+                acc >>= rr
+                nbits -= r
+            g[j] = (g[j] << rr) | lo
+        out = pos_out[a : a + _BLOCK]
+        bad = False
+        for j in range(m):
+            bad |= g[j] > max_gap
+            p = p + g[j] + _U1  # cannot wrap: p < numel <= 2**63 and g <= numel - 1 (checked below)
+            bad |= p >= unumel
+            out[j] = np.int64(p)
+        if bad:
             return BAD
-        g = (h << rr) | lo
-        if g > max_gap:
-            return BAD
-        if first:
-            p = g
-            first = False
-        else:
-            p = p + g + _U1
-        if p >= unumel:
-            return BAD
-        pos_out[i] = np.int64(p)
     if e != ext.size or li != low.size or acc != _U0:
         return BAD
     return OK
@@ -640,9 +683,6 @@ def _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relati
         return e_at, ri + 1
     z = np.int64(M) + np.int64(x)
     steps[i] = (z >> 1) ^ -(z & 1)
-    if values.size:
-        values[i] = 0
-        relative[i] = True
     return e_at, ri
 
 
@@ -654,39 +694,64 @@ def decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relativ
     patterns: the raw escapes' new values, else 0) and ``relative`` (bool, false at raw
     escapes). ``raw`` holds the raw escapes as byte planes."""
     M = (1 << b) - 1
-    lut = np.empty(M, steps.dtype)  # code c < M is the step of zigzag z = c + 1
-    for c in range(M):
-        z = c + 1
-        lut[c] = (z >> 1) ^ -(z & 1)
-    has_raw = values.size > 0
+    if values.size:
+        values[:] = 0
+        relative[:] = True
     e_at = 0
     ri = 0
     if b >= 8:
+        lut = np.empty(M, steps.dtype)  # code c < M is the step of zigzag z = c + 1
+        for c in range(M):
+            z = c + 1
+            lut[c] = (z >> 1) ^ -(z & 1)
         for i in range(count):
             c = np.int64(codes[i]) | (np.int64(codes[count + i]) << 8) if b == 16 else np.int64(codes[i])
             if c == M:
                 e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
             else:
                 steps[i] = lut[c]
-                if has_raw:
-                    values[i] = 0
-                    relative[i] = True
         return
+    # b = 2 or 4: every byte value's steps from a table; bytes holding an escape code take the
+    # slow path
     per = 8 // b
-    for o in range(codes.size):
-        byte = np.int64(codes[o])
+    lut = np.zeros((256, 4), steps.dtype)
+    esc = np.zeros(256, np.bool_)
+    for v in range(256):
         for q in range(per):
-            i = o * per + q
-            if i >= count:
-                break
-            c = (byte >> (q * b)) & M
+            c = (v >> (q * b)) & M
             if c == M:
-                e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+                esc[v] = True
             else:
-                steps[i] = lut[c]
-                if has_raw:
-                    values[i] = 0
-                    relative[i] = True
+                z = c + 1
+                lut[v, q] = (z >> 1) ^ -(z & 1)
+    whole = count // per
+    at = np.empty(whole + 1, np.int64)  # bytes holding an escape code, in order
+    n_at = 0
+    for o in range(whole):  # no branches: every byte's steps from the table
+        v = codes[o]
+        i = o * per
+        if per == 4:
+            steps[i] = lut[v, 0]
+            steps[i + 1] = lut[v, 1]
+            steps[i + 2] = lut[v, 2]
+            steps[i + 3] = lut[v, 3]
+        else:
+            steps[i] = lut[v, 0]
+            steps[i + 1] = lut[v, 1]
+        at[n_at] = o
+        n_at += esc[v]
+    for t in range(n_at):  # then the escapes, in order
+        o = at[t]
+        v = np.int64(codes[o])
+        for q in range(per):
+            if (v >> (q * b)) & M == M:
+                e_at, ri = _decode_escape(o * per + q, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+    for i in range(whole * per, count):
+        c = (np.int64(codes[i // per]) >> ((i % per) * b)) & M
+        if c == M:
+            e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+        else:
+            steps[i] = lut[c, 0]
 
 
 @_jit
