@@ -10,7 +10,10 @@ code widths and gap shifts) and corrupted (every mutation of the decoder fuzz te
 
 from __future__ import annotations
 
-import threading
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,24 +28,19 @@ from torch_deltasync._dtypes import bits
 from torch_deltasync.checksum import checksum, checksum_change, tensor_checksum
 from torch_deltasync.packed import PackedCodec
 
-pytestmark = pytest.mark.skipif(not _native.AVAILABLE, reason="numba is not installed")  # it is a dependency
-
-_switch = threading.Lock()  # set_enabled is process-wide
-
 
 def both(fn):
     """``(fn() with the kernels, fn() with the numpy/torch specification)``; an exception is
     returned as ``(type, message)``."""
 
     def run(on: bool):
-        with _switch:
-            prev = _native.set_enabled(on)
-            try:
-                return fn()
-            except (CorruptObjectError, ChecksumMismatchError, ValueError) as e:
-                return type(e), str(e)
-            finally:
-                _native.set_enabled(prev)
+        prev = _native.set_enabled(on)
+        try:
+            return fn()
+        except (CorruptObjectError, ChecksumMismatchError, ValueError) as e:
+            return type(e), str(e)
+        finally:
+            _native.set_enabled(prev)
 
     return run(True), run(False)
 
@@ -395,3 +393,73 @@ def test_encode_and_decode_many_match_one_by_one():
         assert torch.equal(d.positions, p) and torch.equal(bits(d.resolve(old)), bits(new))
     with pytest.raises(ValueError, match="strictly increasing"):
         codec.encode_many(items[:2] + [(items[0][0].flip(0),) + items[0][1:]], threads=2)
+
+
+# --- without numba ---------------------------------------------------------------------------------
+
+
+def test_everything_works_without_numba(tmp_path):
+    """A platform without numba wheels: the package imports, the kernels are off, and the numpy /
+    torch specification encodes, decodes, detects and checksums (in a child process whose
+    ``import numba`` fails)."""
+    script = tmp_path / "no_numba.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['numba'] = None  # import numba raises ImportError\n"
+        "import torch\n"
+        "from torch_deltasync import _native, get_codec, ChangeDetector\n"
+        "from torch_deltasync._dtypes import bits\n"
+        "from torch_deltasync.checksum import checksum\n"
+        "assert not _native.AVAILABLE and not _native.enabled()\n"
+        "w = torch.randn(5000)\n"
+        "det = ChangeDetector()\n"
+        "det.reset('w', w)\n"
+        "w2 = w.clone(); w2[::9] += 0.01\n"
+        "ch = det.detect('w', w2)\n"
+        "assert ch.positions.tolist() == (bits(w.bfloat16()) != bits(w2.bfloat16())).nonzero().squeeze(1).tolist()\n"
+        "c = get_codec('packed')\n"
+        "p = c.encode(ch.positions, ch.values, ch.old_values, numel=5000)\n"
+        "d = c.decode(p, numel=5000, count=ch.numel, dtype=torch.bfloat16)\n"
+        "assert torch.equal(bits(d.resolve(ch.old_values)), bits(ch.values))\n"
+        "assert checksum(ch.values, ch.positions) == checksum(ch.values.clone(), ch.positions.clone())\n"
+        "try:\n"
+        "    _native.set_enabled(True)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'numba is not installed' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('set_enabled(True) without numba')\n"
+        "print('ok without numba')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0 and "ok without numba" in r.stdout, r.stdout + r.stderr
+
+
+# --- applying in place -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mix", [{"ulp": 1.0}, {"ulp": 0.8, "flip": 0.1, "same": 0.1}, {"random": 1.0}])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_to_matches_resolve_and_index_copy(mix, dtype):
+    numel = 40_000
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(3)).mul_(0.02).to(dtype)
+    rng = np.random.default_rng(4)
+    pos = torch.from_numpy(np.sort(rng.choice(numel, 5000, replace=False)))
+    _, new, _ = make_change_set(9, dtype, 5000, 1.0, mix)  # new values for 5000 entries
+    old = flat[pos]
+    new = torch.where(torch.rand(5000, generator=torch.Generator().manual_seed(5)) < 0.5, new,
+                      (bits(old) + 1).view(dtype))  # half of them one ULP away: step-coded
+    codec = get_codec("packed")
+    d = codec.decode(codec.encode(pos, new, old, numel=numel), numel=numel, count=5000, dtype=dtype)
+    want = flat.clone().index_copy_(0, pos, d.resolve(old) if d.needs_base else d.values)
+    fast, ref = both(lambda: (lambda f: (d.apply_to(f), f)[1])(flat.clone()))
+    assert torch.equal(bits(fast), bits(want)) and torch.equal(bits(ref), bits(want))
+    drifted = flat.clone()
+    drifted.view(bits(drifted).dtype)[pos[7]] ^= 1
+    if d.needs_base:
+        fast, ref = both(lambda: d.apply_to(drifted))
+        assert fast == ref and fast[0] is ChecksumMismatchError
+        assert torch.equal(bits(drifted)[pos[8:]], bits(flat)[pos[8:]]), "a refused delta wrote something"
+    with pytest.raises(ValueError, match="outside"):
+        d.apply_to(flat[: int(pos[-1])].clone())

@@ -10,7 +10,9 @@ kernel against it bit for bit, on random and adversarial inputs.
 Kernels never raise on bad data. Decoding kernels validate every byte they read and return a
 non-zero status instead; the caller then runs the reference decoder on the same input, which
 raises the specific :class:`~torch_deltasync.errors.CorruptObjectError` (so the error messages
-are the specification's, and a blob is accepted only if the reference accepts it too).
+are the specification's; ``tests/test_native.py`` checks that the kernels accept exactly the blobs
+the reference accepts, including every corruption the reference refuses). Encoding kernels write
+only into buffers the caller sized from exact counts or upper bounds, and check them.
 
 Why numba: it ships manylinux/macOS/Windows wheels (with llvmlite) for every supported Python, so
 a fresh machine installs it without a compiler, and the kernels stay Python source next to the
@@ -786,3 +788,29 @@ def resolve_steps(pos, old, steps, relative, values, check, base, new_out):
         for i in range(pos.size):
             new_out[i] = old[i] + steps[i] if relative[i] else values[i]
     return (not check) or checksum_at(pos, old) == base
+
+
+@_jit
+def apply_at(flat, pos, steps, relative, values, check, base):
+    """Write a decoded delta into ``flat`` (unsigned bit patterns of the whole tensor) in place:
+    ``flat[p] = flat[p] + step`` (wrapped) where relative, else the raw value; ``steps`` empty
+    means overwrite every entry with ``values``. With ``check``, the checksum of the old values at
+    ``pos`` must equal ``base`` (uint64) first, else nothing is written and False is returned.
+    ``pos`` must be in range (the decoder checked it against the tensor's size)."""
+    if check:
+        ck = _U0
+        for i in range(pos.size):
+            ck += _mix(_u64(pos[i])) * (_u64(flat[pos[i]]) + _K3)
+        if ck != base:
+            return False
+    if steps.size == 0:
+        for i in range(pos.size):
+            flat[pos[i]] = values[i]
+    elif relative.size == 0:
+        for i in range(pos.size):
+            flat[pos[i]] = flat[pos[i]] + steps[i]
+    else:
+        for i in range(pos.size):
+            p = pos[i]
+            flat[p] = flat[p] + steps[i] if relative[i] else values[i]
+    return True

@@ -119,6 +119,38 @@ class TensorDelta:
             self._mismatch(old)
         return torch.from_numpy(new).view(self.values.dtype)
 
+    def apply_to(self, flat: torch.Tensor) -> None:
+        """Write this delta into ``flat`` in place: the same as
+        ``flat.index_copy_(0, positions, self.resolve(flat[positions]))`` (or ``self.values`` for a
+        delta without steps), in one pass on the CPU with the compiled kernels.
+
+        Args:
+            flat: the whole tensor, 1-D contiguous, in the inference dtype (the ``values`` dtype).
+
+        Raises:
+            ValueError: ``flat`` is not 1-D contiguous of the values' dtype, or a position is
+                outside it.
+            ChecksumMismatchError: as :meth:`resolve`; nothing was written.
+        """
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != self.values.dtype:
+            raise ValueError(f"apply_to needs a 1-D contiguous {self.values.dtype} tensor, got "
+                             f"{flat.dtype} {tuple(flat.shape)}")
+        if self.numel and int(self.positions[-1]) >= flat.numel():  # positions are sorted
+            raise ValueError(f"position {int(self.positions[-1])} outside a tensor of {flat.numel()} elements")
+        if not (_native.enabled() and flat.device.type == "cpu" and self.positions.device.type == "cpu"):
+            new = self.resolve(flat[self.positions]) if self.needs_base else self.values
+            flat.index_copy_(0, self.positions, new.to(flat.device))
+            return
+        u = _UNSIGNED[flat.element_size()]
+        no_values = self.relative is None and self.steps is not None  # placeholders
+        vals = np.empty(0, u) if no_values else bits(self.values.contiguous()).numpy().view(u)
+        steps = self.steps.contiguous().numpy() if self.steps is not None else np.empty(0, u)
+        rel = self.relative.contiguous().numpy() if self.relative is not None else _NO_MASK
+        check = self.steps is not None and self.base_checksum is not None
+        if not _native.apply_at(bits(flat).numpy().view(u), self.positions.contiguous().numpy(), steps, rel, vals,
+                                check, np.uint64(self.base_checksum or 0)):
+            self._mismatch(flat[self.positions])
+
     def _mismatch(self, old_values: torch.Tensor) -> None:
         """Raise the :class:`ChecksumMismatchError` of :meth:`resolve` for ``old_values``."""
         from .checksum import checksum  # lazy: checksum is independent of codecs

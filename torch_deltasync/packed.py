@@ -30,8 +30,15 @@ Decoding treats its input as untrusted: every declared length is checked against
 count and the tensor size from the manifest *before* anything is decompressed (no decompression
 bombs), zstd frames must declare their exact content size and hold nothing else, every varint,
 code, escape and position is range-checked, and any violation raises
-:class:`~torch_deltasync.errors.CorruptObjectError`. Encode and decode are vectorised (numpy and
-zstd; no Python loop per element).
+:class:`~torch_deltasync.errors.CorruptObjectError`.
+
+Speed: the numpy code here (vectorised, no Python loop per element) is the executable
+specification. When numba is available (:mod:`~torch_deltasync._native`), encoding and decoding
+run as a few compiled one-pass loops per tensor instead, which write and accept exactly the same
+bytes (``tests/test_native.py``); a kernel that finds a blob invalid hands it back to the numpy
+decoder, which raises the specific error. The size estimates behind the encoder's choices are
+compiled (when numba is there) and shared by both paths. Kernels and zstd release the GIL, so
+:meth:`~torch_deltasync.codec.Codec.encode_many` / ``decode_many`` run tensors on several threads.
 """
 
 from __future__ import annotations
