@@ -627,7 +627,7 @@ class PackedCodec(Codec):
         # values must add up to before it applies relative steps.
         z = gaps = None
         if native:
-            hist, ok, hz, base = _native.encode_stats(pos, new_u, old_u, width, numel, r_lo, span, cap, every)
+            hist, ok, hz, n_costed, base = _native.encode_stats(pos, new_u, old_u, width, numel, r_lo, span, cap, every)
             base = int(base)
         else:
             gaps = np.diff(pos, prepend=-1) - 1
@@ -639,6 +639,7 @@ class PackedCodec(Codec):
                     z = self._zigzag_steps(new_u, old_u, width)
                     sample = z.reshape(-1) if every == 1 else z[(np.arange(k) // _native.BLOCK) % every == 0]
                     hz = np.bincount(np.minimum(sample, cap), minlength=cap + 1)
+                    n_costed = sample.size
                 base = checksum(old, torch.from_numpy(pos)) if k else 0
         if not ok:
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
@@ -662,12 +663,9 @@ class PackedCodec(Codec):
                 h16 = np.stack([np.bincount(c16 & 0xFF, minlength=256), np.bincount(c16 >> 8, minlength=256)])
                 return h16, int((c16 == 0xFFFF).sum())
 
-            b = self._choose_code_bits(int(hz.sum()), width, hz, byte_histograms, code16_histograms)
+            b = self._choose_code_bits(int(n_costed), width, hz, byte_histograms, code16_histograms)
         if native:
-            # escapes, from the histograms (bounds for the kernels' buffers)
-            n_gap_esc = int(hist[255 << (r - r_lo) :].sum()) if r_lo <= r <= r_hi else k
-            M = (1 << b) - 1
-            n_val_esc = int(hz[0]) + int(hz[M + 1 :].sum()) if 0 < b <= 8 and every == 1 else k
+            n_gap_esc, n_val_esc = _native.escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every)
             raw_streams = _native.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
             if raw_streams is None:  # cannot happen: the bounds above are exact or upper bounds
                 raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
