@@ -347,6 +347,8 @@ def test_detection_matches(src_dtype, dtype, n, chunk):
         det = ChangeDetector(inference_dtype=dtype, chunk_numel=chunk)
         det.reset("w", base)
         ch = det.detect("w", live)
+        again = det.detect("w", live)  # sized from the first call's count
+        assert torch.equal(again.positions, ch.positions) and torch.equal(bits(again.values), bits(ch.values))
         return ch.positions, bits(ch.values), bits(ch.old_values)
 
     fast, ref = both(run)

@@ -329,6 +329,26 @@ def cost_model(row: dict, params: float, full_ns: float) -> dict:
     return out
 
 
+def per_tensor_fit(copy: DramCopy, repeat: int) -> dict:
+    """CPU time of ``packed`` encode and decode+resolve as ``fixed per tensor + marginal per
+    change``: least squares over single tensors of 10K-10M elements at 2% density (Bernoulli
+    positions, RL-like steps), and the marginal cost over the DRAM copy of 6 bytes."""
+    codec = get_codec("packed")
+    ks, enc, dec = [], [], []
+    for n in (10_000, 100_000, 1_000_000, 10_000_000):
+        pos, old, new, _ = synthetic_sets([0.02], 8 * n)["synthetic 2%"]["t0"]  # one tensor of n elements
+        parts = codec.encode(pos, new, old, numel=n)
+        ks.append(pos.numel())
+        enc.append(min(_once(lambda: codec.encode(pos, new, old, numel=n), _cpu_clock) for _ in range(repeat)))
+        dec.append(min(_once(lambda: codec.decode(parts, numel=n, count=pos.numel(), dtype=torch.bfloat16).resolve(old),
+                             _cpu_clock) for _ in range(repeat)))
+    copy_ns = copy.seconds(6 << 20, _cpu_clock) / (1 << 20) * 1e9
+    (e_ns, e_fixed), (d_ns, d_fixed) = (np.polyfit(ks, y, 1) for y in (enc, dec))
+    return {"encode_fixed_us": e_fixed * 1e6, "encode_marginal_ns": e_ns * 1e9,
+            "decode_fixed_us": d_fixed * 1e6, "decode_marginal_ns": d_ns * 1e9, "copy_ns": copy_ns,
+            "encode_marginal_over_copy": e_ns * 1e9 / copy_ns, "decode_marginal_over_copy": d_ns * 1e9 / copy_ns}
+
+
 def synthetic_sets(densities: list[float], numel: int) -> dict[str, ChangeSet]:
     """Bernoulli change sets over 8 tensors of ``numel / 8`` bf16 elements: steps of -2..+3
     ULPs in RL proportions (88% +-1) and 0.5% sign flips."""
@@ -470,6 +490,11 @@ def main() -> int:
               f"{r['decode_2threads_speedup']:.2f}x | {r['spec_encode_ns']:.1f} | {r['spec_decode_ns']:.1f} | "
               f"{r['raw_encode_ns']:.1f} | {r['raw_decode_ns']:.1f} | {r['u16_zstd_encode_ns']:.1f} | "
               f"{r['u16_zstd_decode_ns']:.1f} |")
+    fit = per_tensor_fit(copy, args.repeat)
+    print(f"\nper tensor + per change (one tensor at a time, 10K-10M elements at 2%): encode {fit['encode_fixed_us']:.0f} us + "
+          f"{fit['encode_marginal_ns']:.2f} ns/change ({fit['encode_marginal_over_copy']:.1f}x the DRAM copy of "
+          f"{fit['copy_ns']:.2f} ns), decode+resolve {fit['decode_fixed_us']:.0f} us + {fit['decode_marginal_ns']:.2f} "
+          f"ns/change ({fit['decode_marginal_over_copy']:.1f}x)")
     print(f"\ncost model: time to a new version of a {args.model_params / 1e9:g}B-element model at each set's density "
           f"(sender CPU + transfer + receiver CPU, one thread, no overlap); full-snapshot CPU {full_ns:.2f} ns/element\n")
     print("| change set | full 1 | raw 1 | packed 1 | full 10 | raw 10 | packed 10 | full 100 | raw 100 | packed 100 | "

@@ -33,6 +33,7 @@ import numpy as np
 
 try:  # numba is a dependency, but a platform without its wheels still works (slower)
     import numba
+    from numba.cpython.unsafe.numbers import trailing_zeros  # count trailing zero bits (an LLVM intrinsic)
 except ImportError:  # pragma: no cover - exercised only where numba does not install
     numba = None
 
@@ -142,32 +143,25 @@ BLOCK = _BLOCK  # scratch size the detection kernels need
 
 
 @_jit
-def _compact(m, mask_tmp, base, vals, ref, pos_out, new_out, old_out, k):
-    """Append the entries ``j < m`` of a block whose ``mask_tmp[j]`` is 1 (position ``base + j``,
-    ``vals[j]``, ``ref[j]``) at index ``k`` of the outputs; returns the new ``k``. Words of 8 mask
-    bytes that are all zero are skipped; the others are written without branches (each entry is
-    stored, the index advances by its mask byte), which is faster than a branch per entry at
-    densities above ~1%."""
-    mask64 = mask_tmp.view(np.uint64)
-    full = m // 8
-    for w in range(full):
-        if mask64[w] != 0:
-            for j in range(8 * w, 8 * w + 8):
-                pos_out[k] = base + j
-                new_out[k] = vals[j]
-                old_out[k] = ref[j]
-                k += mask_tmp[j]
-    for j in range(8 * full, m):
-        if mask_tmp[j]:
+def _extract(bits, groups, base, vals, ref, pos_out, new_out, old_out, k):
+    """Append the entries of a block whose bit is set in ``bits`` (one uint64 per 64 entries:
+    position ``base + j``, ``vals[j]``, ``ref[j]``) at index ``k`` of the outputs, in order, by
+    walking the set bits (one iteration per change, none per unchanged element). Returns the new
+    ``k``."""
+    for g in range(groups):
+        w = bits[g]
+        while w:
+            j = 64 * g + trailing_zeros(w)
             pos_out[k] = base + j
             new_out[k] = vals[j]
             old_out[k] = ref[j]
             k += 1
+            w &= w - _U1
     return k
 
 
 @_jit
-def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, mask_tmp):
+def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, bits):
     """Changed elements of ``src`` (fp32 bit patterns, uint32 ``(n,)``) cast to bf16 against
     ``snap`` (bf16 bit patterns, uint16 ``(n,)``).
 
@@ -176,8 +170,8 @@ def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, mask_t
     ``src`` makes the kernel stop and return -1, and the caller uses torch's cast instead.
 
     Writes the ``k`` changed positions (``base + i``), new and old bf16 patterns to the first ``k``
-    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), each at least ``n + 8``
-    long (entries past ``k`` are scratch). ``cast_tmp`` (uint16) and ``mask_tmp`` (uint8) are scratch of ``BLOCK`` elements.
+    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), each at least ``n`` long.
+    ``cast_tmp`` (uint16, ``BLOCK``) and ``bits`` (uint64, ``BLOCK / 64``) are scratch.
 
     Returns:
         ``k``, or -1 when ``src`` holds a NaN.
@@ -189,20 +183,31 @@ def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, mask_t
         ref = snap[a : a + _BLOCK]
         m = s.size
         top = np.uint32(0)
-        for j in range(m):  # vectorises
-            u = s[j]
-            top = max(top, u & np.uint32(0x7FFFFFFF))
-            c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-            cast_tmp[j] = c
-            mask_tmp[j] = c != ref[j]
+        for g in range((m + 63) // 64):  # cast, compare, and one bit per element
+            w = _U0
+            if 64 * g + 64 <= m:
+                for q in range(64):  # vectorises
+                    u = s[64 * g + q]
+                    top = max(top, u & np.uint32(0x7FFFFFFF))
+                    c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    cast_tmp[64 * g + q] = c
+                    w |= _u64(c != ref[64 * g + q]) << _u64(q)
+            else:
+                for q in range(m - 64 * g):
+                    u = s[64 * g + q]
+                    top = max(top, u & np.uint32(0x7FFFFFFF))
+                    c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    cast_tmp[64 * g + q] = c
+                    w |= _u64(c != ref[64 * g + q]) << _u64(q)
+            bits[g] = w
         if top > np.uint32(0x7F800000):
             return -1
-        k = _compact(m, mask_tmp, base + a, cast_tmp, ref, pos_out, new_out, old_out, k)
+        k = _extract(bits, (m + 63) // 64, base + a, cast_tmp, ref, pos_out, new_out, old_out, k)
     return k
 
 
 @_jit
-def detect_same(src, snap, base, pos_out, new_out, old_out, mask_tmp):
+def detect_same(src, snap, base, pos_out, new_out, old_out, bits):
     """:func:`detect_f32_bf16` for a source already in the inference dtype (``src`` and ``snap``
     are bit patterns of the same width). Returns ``k``."""
     n = src.size
@@ -211,9 +216,16 @@ def detect_same(src, snap, base, pos_out, new_out, old_out, mask_tmp):
         s = src[a : a + _BLOCK]
         ref = snap[a : a + _BLOCK]
         m = s.size
-        for j in range(m):
-            mask_tmp[j] = s[j] != ref[j]
-        k = _compact(m, mask_tmp, base + a, s, ref, pos_out, new_out, old_out, k)
+        for g in range((m + 63) // 64):
+            w = _U0
+            if 64 * g + 64 <= m:
+                for q in range(64):
+                    w |= _u64(s[64 * g + q] != ref[64 * g + q]) << _u64(q)
+            else:
+                for q in range(m - 64 * g):
+                    w |= _u64(s[64 * g + q] != ref[64 * g + q]) << _u64(q)
+            bits[g] = w
+        k = _extract(bits, (m + 63) // 64, base + a, s, ref, pos_out, new_out, old_out, k)
     return k
 
 

@@ -93,7 +93,8 @@ class ChangeDetector:
         self.chunk_numel = chunk_numel
         self._snap: dict[str, torch.Tensor] = {}  # name -> flat integer bit view
         self._buf: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._native_buf: tuple[np.ndarray, ...] | None = None  # chunk outputs of the compiled path
+        self._scratch: tuple[np.ndarray, np.ndarray] | None = None  # the compiled path's per-block scratch
+        self._last_count: dict[str, int] = {}  # changes found last time, to size the next result
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -136,9 +137,10 @@ class ChangeDetector:
         if name is None:
             self._snap.clear()
             self._buf.clear()
-            self._native_buf = None
+            self._last_count.clear()
         else:
             self._snap.pop(name, None)
+            self._last_count.pop(name, None)
 
     # --- detection -------------------------------------------------------------------------------
 
@@ -174,7 +176,7 @@ class ChangeDetector:
             raise ValueError(f"{name}: tensor has {n} elements, snapshot has {snap.numel()}")
         device = flat.device
         if _native.enabled() and device.type == "cpu" and snap.device.type == "cpu":
-            ch = self._detect_native(flat, snap)
+            ch = self._detect_native(name, flat, snap)
             if ch is not None:
                 return ch
         if device.type == "cuda" and snap.device == device and _gpu.available(device):
@@ -211,11 +213,15 @@ class ChangeDetector:
         old = snap[pos.to(snap.device)].view(self.dtype).to(device)
         return Changes(pos, val, old)
 
-    def _detect_native(self, flat: torch.Tensor, snap: torch.Tensor) -> Changes | None:
-        """:meth:`detect` on the CPU by one compiled pass per chunk (cast, compare, extract),
-        for an fp32 tensor with a bf16 inference dtype or a tensor already in the inference
-        dtype; ``None`` for other dtypes or when the tensor holds a NaN (whose fp32 -> bf16 cast
-        differs between torch's code paths: the torch path then casts exactly as ``reset``)."""
+    def _detect_native(self, name: str, flat: torch.Tensor, snap: torch.Tensor) -> Changes | None:
+        """:meth:`detect` on the CPU by one compiled pass (cast, compare, extract) per chunk,
+        writing straight into the result arrays, for an fp32 tensor with a bf16 inference dtype or
+        a tensor already in the inference dtype; ``None`` for other dtypes or when the tensor
+        holds a NaN (whose fp32 -> bf16 cast differs between torch's code paths: the torch path
+        then casts exactly as ``reset``).
+
+        The result arrays start at 1.5x the changes this tensor had last time plus one chunk (a
+        chunk can change entirely) and grow by doubling; pages never written cost no memory."""
         cast = flat.dtype == torch.float32 and self.dtype == torch.bfloat16
         if not cast and flat.dtype != self.dtype:
             return None
@@ -223,33 +229,28 @@ class ChangeDetector:
         w = self.dtype.itemsize
         src = flat.view(torch.int32 if cast else self.int_dtype).numpy().view(f"u{flat.element_size()}")
         ref = snap.numpy().view(f"u{w}")
-        chunk = max(1, min(self.chunk_numel or (1 << 20), n))
-        buf = self._native_buf
-        if buf is None or buf[0].size < chunk or buf[1].dtype.itemsize != w:
-            buf = self._native_buf = (np.empty(chunk + 8, np.int64), np.empty(chunk + 8, f"u{w}"), np.empty(chunk + 8, f"u{w}"),
-                                      np.empty(_native.BLOCK, np.uint16), np.empty(_native.BLOCK, np.uint8))
-        pos_b, new_b, old_b, cast_tmp, mask_tmp = buf
-        pos, new, old = [], [], []
+        chunk = max(1, min(self.chunk_numel or (1 << 22), n))
+        if self._scratch is None:
+            self._scratch = (np.empty(_native.BLOCK, np.uint16), np.empty(_native.BLOCK // 64, np.uint64))
+        cast_tmp, bits_tmp = self._scratch
+        cap = min(n, self._last_count.get(name, 0) * 3 // 2 + chunk)
+        pos, new, old = np.empty(cap, np.int64), np.empty(cap, f"u{w}"), np.empty(cap, f"u{w}")
+        k = 0
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
+            if k + (b - a) > cap:  # grow, keeping the k entries found so far
+                cap = min(n, max(2 * cap, k + b - a))
+                pos, new, old = (np.concatenate([x[:k], np.empty(cap - k, x.dtype)]) for x in (pos, new, old))
             if cast:
-                k = _native.detect_f32_bf16(src[a:b], ref[a:b], a, pos_b, new_b, old_b, cast_tmp, mask_tmp)
-                if k < 0:
+                found = _native.detect_f32_bf16(src[a:b], ref[a:b], a, pos[k:], new[k:], old[k:], cast_tmp, bits_tmp)
+                if found < 0:
                     return None
             else:
-                k = _native.detect_same(src[a:b], ref[a:b], a, pos_b, new_b, old_b, mask_tmp)
-            if k:
-                pos.append(pos_b[:k].copy())
-                new.append(new_b[:k].copy())
-                old.append(old_b[:k].copy())
-        if len(pos) == 1:
-            pos, new, old = pos[0], new[0], old[0]
-        else:
-            pos = np.concatenate(pos) if pos else np.empty(0, np.int64)
-            new = np.concatenate(new) if new else np.empty(0, f"u{w}")
-            old = np.concatenate(old) if old else np.empty(0, f"u{w}")
-        as_values = lambda u: torch.from_numpy(u.view(f"i{w}")).view(self.dtype)  # noqa: E731
-        return Changes(torch.from_numpy(pos), as_values(new), as_values(old))
+                found = _native.detect_same(src[a:b], ref[a:b], a, pos[k:], new[k:], old[k:], bits_tmp)
+            k += found
+        self._last_count[name] = k
+        as_values = lambda u: torch.from_numpy(u[:k].view(f"i{w}")).view(self.dtype)  # noqa: E731
+        return Changes(torch.from_numpy(pos[:k]), as_values(new), as_values(old))
 
     def commit(self, name: str, changes: Changes) -> None:
         """Advance the snapshot of ``name`` by ``changes`` (call once their version is visible)."""
