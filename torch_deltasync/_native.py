@@ -170,15 +170,19 @@ def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, bits):
     ``src`` makes the kernel stop and return -1, and the caller uses torch's cast instead.
 
     Writes the ``k`` changed positions (``base + i``), new and old bf16 patterns to the first ``k``
-    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), each at least ``n`` long.
-    ``cast_tmp`` (uint16, ``BLOCK``) and ``bits`` (uint64, ``BLOCK / 64``) are scratch.
+    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), block by block of
+    ``BLOCK`` elements, and stops before a block that might not fit in them. ``cast_tmp``
+    (uint16, ``BLOCK``) and ``bits`` (uint64, ``BLOCK / 64``) are scratch.
 
     Returns:
-        ``k``, or -1 when ``src`` holds a NaN.
+        ``(k, done)``: the changes written and the elements of ``src`` examined (``n`` when all;
+        call again on the rest with larger outputs), or ``(-1, 0)`` when ``src`` holds a NaN.
     """
     n = src.size
     k = 0
     for a in range(0, n, _BLOCK):
+        if k + _BLOCK > pos_out.size:
+            return k, a
         s = src[a : a + _BLOCK]  # slices, not offsets: numba vectorises loops over views
         ref = snap[a : a + _BLOCK]
         m = s.size
@@ -201,18 +205,20 @@ def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, bits):
                     w |= _u64(c != ref[64 * g + q]) << _u64(q)
             bits[g] = w
         if top > np.uint32(0x7F800000):
-            return -1
+            return -1, 0
         k = _extract(bits, (m + 63) // 64, base + a, cast_tmp, ref, pos_out, new_out, old_out, k)
-    return k
+    return k, n
 
 
 @_jit
 def detect_same(src, snap, base, pos_out, new_out, old_out, bits):
     """:func:`detect_f32_bf16` for a source already in the inference dtype (``src`` and ``snap``
-    are bit patterns of the same width). Returns ``k``."""
+    are bit patterns of the same width). Returns ``(k, done)``."""
     n = src.size
     k = 0
     for a in range(0, n, _BLOCK):
+        if k + _BLOCK > pos_out.size:
+            return k, a
         s = src[a : a + _BLOCK]
         ref = snap[a : a + _BLOCK]
         m = s.size
@@ -226,7 +232,7 @@ def detect_same(src, snap, base, pos_out, new_out, old_out, bits):
                     w |= _u64(s[64 * g + q] != ref[64 * g + q]) << _u64(q)
             bits[g] = w
         k = _extract(bits, (m + 63) // 64, base + a, s, ref, pos_out, new_out, old_out, k)
-    return k
+    return k, n
 
 
 # --- packed codec: encoding (packed.py) -----------------------------------------------------------

@@ -38,6 +38,13 @@ def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
     return mask.nonzero().squeeze(1)
 
 
+def _grown(x: np.ndarray, k: int, cap: int) -> np.ndarray:
+    """A new array of ``cap`` elements holding ``x[:k]``; the rest is never written (no memory)."""
+    out = np.empty(cap, x.dtype)
+    out[:k] = x[:k]
+    return out
+
+
 @dataclass(frozen=True)
 class Changes:
     """The changed elements of one tensor (or one local shard of it).
@@ -214,14 +221,16 @@ class ChangeDetector:
         return Changes(pos, val, old)
 
     def _detect_native(self, name: str, flat: torch.Tensor, snap: torch.Tensor) -> Changes | None:
-        """:meth:`detect` on the CPU by one compiled pass (cast, compare, extract) per chunk,
-        writing straight into the result arrays, for an fp32 tensor with a bf16 inference dtype or
+        """:meth:`detect` on the CPU in one compiled pass (cast, compare, extract), writing
+        straight into the result arrays, for an fp32 tensor with a bf16 inference dtype or
         a tensor already in the inference dtype; ``None`` for other dtypes or when the tensor
         holds a NaN (whose fp32 -> bf16 cast differs between torch's code paths: the torch path
         then casts exactly as ``reset``).
 
-        The result arrays start at 1.5x the changes this tensor had last time plus one chunk (a
-        chunk can change entirely) and grow by doubling; pages never written cost no memory."""
+        The result arrays start at 1.125x the changes this tensor had last time (1/16 of its
+        elements the first time) and grow by doubling when the kernel stops before a block that
+        might not fit; their sizes barely change between versions, so the allocator reuses the
+        memory of the last ones."""
         cast = flat.dtype == torch.float32 and self.dtype == torch.bfloat16
         if not cast and flat.dtype != self.dtype:
             return None
@@ -229,25 +238,26 @@ class ChangeDetector:
         w = self.dtype.itemsize
         src = flat.view(torch.int32 if cast else self.int_dtype).numpy().view(f"u{flat.element_size()}")
         ref = snap.numpy().view(f"u{w}")
-        chunk = max(1, min(self.chunk_numel or (1 << 22), n))
         if self._scratch is None:
             self._scratch = (np.empty(_native.BLOCK, np.uint16), np.empty(_native.BLOCK // 64, np.uint64))
         cast_tmp, bits_tmp = self._scratch
-        cap = min(n, self._last_count.get(name, 0) * 3 // 2 + chunk)
+        last = self._last_count.get(name)
+        cap = (n // 16 if last is None else last + last // 8) + _native.BLOCK
         pos, new, old = np.empty(cap, np.int64), np.empty(cap, f"u{w}"), np.empty(cap, f"u{w}")
-        k = 0
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            if k + (b - a) > cap:  # grow, keeping the k entries found so far
-                cap = min(n, max(2 * cap, k + b - a))
-                pos, new, old = (np.concatenate([x[:k], np.empty(cap - k, x.dtype)]) for x in (pos, new, old))
+        k = done = 0
+        while done < n:
+            if cap - k < _native.BLOCK:  # grow, keeping the k entries found so far (the rest untouched)
+                cap = max(2 * cap, k + _native.BLOCK)
+                pos, new, old = (_grown(x, k, cap) for x in (pos, new, old))
             if cast:
-                found = _native.detect_f32_bf16(src[a:b], ref[a:b], a, pos[k:], new[k:], old[k:], cast_tmp, bits_tmp)
+                found, seen = _native.detect_f32_bf16(src[done:], ref[done:], done, pos[k:], new[k:], old[k:],
+                                                      cast_tmp, bits_tmp)
                 if found < 0:
                     return None
             else:
-                found = _native.detect_same(src[a:b], ref[a:b], a, pos[k:], new[k:], old[k:], bits_tmp)
+                found, seen = _native.detect_same(src[done:], ref[done:], done, pos[k:], new[k:], old[k:], bits_tmp)
             k += found
+            done += seen
         self._last_count[name] = k
         as_values = lambda u: torch.from_numpy(u[:k].view(f"i{w}")).view(self.dtype)  # noqa: E731
         return Changes(torch.from_numpy(pos[:k]), as_values(new), as_values(old))
