@@ -16,6 +16,7 @@ of the whole tensor; reusing 4M-element buffers halves its time on CPU (docs/res
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ from . import _gpu, _native
 from ._dtypes import as_dtype, bits, int_view_dtype
 
 __all__ = ["Changes", "ChangeDetector"]
+
+log = logging.getLogger(__name__)
 
 
 def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -102,6 +105,7 @@ class ChangeDetector:
         self._buf: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch: tuple[np.ndarray, np.ndarray] | None = None  # the compiled path's per-block scratch
         self._last_count: dict[str, int] = {}  # changes found last time, to size the next result
+        self._gpu_failed = False  # the Triton kernels failed once: torch's path from then on
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -186,8 +190,12 @@ class ChangeDetector:
             ch = self._detect_native(name, flat, snap)
             if ch is not None:
                 return ch
-        if device.type == "cuda" and snap.device == device and _gpu.available(device):
-            found = _gpu.detect(flat, snap, self.dtype)  # Triton: two passes, no mask or cast copy
+        if device.type == "cuda" and snap.device == device and _gpu.available(device) and not self._gpu_failed:
+            try:
+                found = _gpu.detect(flat, snap, self.dtype)  # Triton: two passes, no mask or cast copy
+            except Exception as e:  # noqa: BLE001 - e.g. no C compiler for Triton's launcher: torch path
+                log.warning("Triton change detection failed (%s: %s); using torch's", type(e).__name__, e)
+                self._gpu_failed, found = True, None
             if found is not None:
                 return Changes(*found)
         chunk = self.chunk_numel or (1 << 22 if device.type == "cpu" else 1 << 26)
