@@ -453,7 +453,10 @@ def encode_steps(new, old, width, b, codes, ext, raw):
             for j in range(m):
                 if c[j] == M:
                     z = _zigzag_step(nb[j], ob[j], full, half)
-                    if z != 0 and _varint_len(z - M) <= width:
+                    if 0 < z - M < 0x80:  # the common escape: a one-byte varint
+                        ext[e_at] = np.uint8(z - M)
+                        e_at += 1
+                    elif z != 0 and _varint_len(z - M) <= width:
                         e_at = _put_varint(ext, e_at, _u64(z - M))
                     else:  # no step, or a varint longer than the value: the raw value
                         ext[e_at] = 0
@@ -707,6 +710,11 @@ def scan_escapes(ext, n_esc, limit, e_max):
 def _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative):
     """Entry ``i`` with the escape code: its varint (already validated) and, for a 0, the next raw
     value. Returns the next ext offset and raw index."""
+    first = ext[e_at]
+    if 0 < first < 0x80:  # the common escape: a one-byte varint, z = M + first
+        z = np.int64(M) + np.int64(first)
+        steps[i] = (z >> 1) ^ -(z & 1)
+        return e_at + 1, ri
     x, e_at = _get_varint(ext, e_at, 9)
     if x == _U0:
         v = _U0
