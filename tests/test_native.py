@@ -465,3 +465,20 @@ def test_apply_to_matches_resolve_and_index_copy(mix, dtype):
         assert torch.equal(bits(drifted)[pos[8:]], bits(flat)[pos[8:]]), "a refused delta wrote something"
     with pytest.raises(ValueError, match="outside"):
         d.apply_to(flat[: int(pos[-1])].clone())
+
+
+def test_kernels_refuse_inconsistent_deltas():
+    # The kernels index without bounds checks, so a hand-built delta with parts of other lengths
+    # or positions outside the tensor is refused before any of them runs.
+    from torch_deltasync.codec import TensorDelta
+
+    v = torch.zeros(4, dtype=torch.bfloat16)
+    d = TensorDelta(torch.arange(4), v, torch.ones(3, dtype=torch.int16), None, None)
+    with pytest.raises(ValueError, match="shapes"):
+        d.resolve(v)
+    flat = torch.zeros(10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="position -1 outside"):
+        TensorDelta(torch.tensor([-1, 2]), v[:2]).apply_to(flat)
+    with pytest.raises(ValueError, match="position 10 outside"):
+        TensorDelta(torch.tensor([10, 2]), v[:2]).apply_to(flat)
+    assert bool((flat == 0).all())

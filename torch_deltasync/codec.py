@@ -103,8 +103,15 @@ class TensorDelta:
             return new_bits.view(self.values.dtype)
         return torch.where(self.relative, new_bits, bits(self.values)).view(self.values.dtype)
 
+    def _check_lengths(self) -> None:
+        """Every per-entry tensor has ``numel`` entries (the kernels index them without checks)."""
+        for t in (self.values, self.steps, self.relative):
+            if t is not None and t.shape != self.positions.shape:
+                raise ValueError(f"delta parts of shapes {tuple(t.shape)} and {tuple(self.positions.shape)}")
+
     def _resolve_native(self, old: torch.Tensor) -> torch.Tensor:
         """:meth:`resolve` in one compiled pass (checksum of the old values and new values)."""
+        self._check_lengths()
         u = _UNSIGNED[old.element_size()]
         new = np.empty(self.numel, u)
         if self.relative is None:  # values are placeholders
@@ -135,8 +142,11 @@ class TensorDelta:
         if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != self.values.dtype:
             raise ValueError(f"apply_to needs a 1-D contiguous {self.values.dtype} tensor, got "
                              f"{flat.dtype} {tuple(flat.shape)}")
-        if self.numel and int(self.positions[-1]) >= flat.numel():  # positions are sorted
-            raise ValueError(f"position {int(self.positions[-1])} outside a tensor of {flat.numel()} elements")
+        if self.numel:  # the kernel writes without bounds checks
+            lo, hi = (int(x) for x in torch.aminmax(self.positions))
+            if lo < 0 or hi >= flat.numel():
+                raise ValueError(f"position {hi if hi >= flat.numel() else lo} outside a tensor of {flat.numel()} elements")
+        self._check_lengths()
         if not (_native.enabled() and flat.device.type == "cpu" and self.positions.device.type == "cpu"):
             new = self.resolve(flat[self.positions]) if self.needs_base else self.values
             flat.index_copy_(0, self.positions, new.to(flat.device))
