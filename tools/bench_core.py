@@ -5,7 +5,9 @@ random tokens) it measures, in one run on the same machine:
 
 * **bytes**: delta bytes (objects + manifest) / full bf16 model bytes, per version;
 * **detection**: time to find the changed elements of every tensor (``ChangeDetector.detect``)
-  / time of a plain memory copy of the bytes detection must read (the fp32 weights and the bf16
+  and update their checksums (``checksum_change``), as ``publish()`` does, / time of a plain memory copy
+  (both in CPU time on the CPU, which other jobs on a shared machine barely move; use
+  ``--threads 1``, else torch's copy counts the CPU time of its helper threads too) of the bytes detection must read (the fp32 weights and the bf16
   snapshot: 6 bytes per element) into preallocated buffers;
 * **publish**: delta publish time / full-snapshot publish time (cast to bf16, ``safetensors``
   save, sha256, put: :class:`FullSnapshotSync`);
@@ -43,6 +45,7 @@ from safetensors.torch import load as st_load  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore  # noqa: E402
+from torch_deltasync.checksum import checksum_change  # noqa: E402
 from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3  # noqa: E402
 
 
@@ -71,12 +74,12 @@ class PeakRSS:
         self.extra = (_rss_kib("VmHWM") - self.start) * 1024 if self.ok else float("nan")
 
 
-def _timed(fn, repeat=3):
+def _timed(fn, repeat=3, clock=time.perf_counter):
     times = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times)
 
 
@@ -184,8 +187,16 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
         det = sender.detector
         sd = model.state_dict()
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-        detect_s = _timed(lambda: ([det.detect(n, sd[n]) for n in det.names()], sync()), repeat=2)
-        copy_s = _timed(memcpy, repeat=2)
+        def detection():  # what publish() does per tensor: detect, then the checksum update
+            for n in det.names():
+                ch = det.detect(n, sd[n])
+                checksum_change(ch.positions, ch.old_values, ch.values)
+            sync()
+
+        # CPU time on the CPU (one thread: steady on a machine shared with other jobs), wall on CUDA
+        clock = time.perf_counter if device.startswith("cuda") else time.process_time
+        detect_s = _timed(detection, repeat=3, clock=clock)
+        copy_s = _timed(memcpy, repeat=3, clock=clock)
         with Peak() as mp:
             sender.publish()
         st = sender.last_stats

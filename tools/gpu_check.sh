@@ -19,6 +19,12 @@ $PY -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.
 timeout 420 $PY tools/bench_core.py --device cuda --synthetic --sizes 1b 7b --steps 3 \
     --out "$OUT/core_gpu.json" 2>&1 | tee "$OUT/core_gpu.log"
 
+# --- Triton kernels (issue 14): detection + position extraction and apply against HBM bandwidth,
+#     after checking them bit for bit against the CPU specification ---------------------------------
+timeout 240 $PY tests/gpu_kernels_checks.py cuda 2>&1 | tee "$OUT/gpu_kernels_checks.log"
+timeout 240 $PY tools/bench_gpu_kernels.py --numel 500000000 --out "$OUT/gpu_kernels.json" 2>&1 \
+    | tee "$OUT/gpu_kernels.log"
+
 # --- vLLM (issue 5): VLLMTarget on CUDA parameters, then a real engine with the extension -------
 # 1) apply vs vLLM's load_weights on CUDA params of one TP rank, bit-exact check included (models
 #    built with the CPU oracle's TP stub, moved to the GPU); needs only tools/setup.sh.

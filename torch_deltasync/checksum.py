@@ -30,9 +30,11 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterable, Mapping
 
+import numpy as np
 import torch
 
-from ._dtypes import unsigned_bits64
+from . import _native
+from ._dtypes import bits, unsigned_bits64
 from .errors import ChecksumMismatchError
 
 _HEX16 = re.compile("[0-9a-f]{16}")  # the wire form of format_checksum
@@ -78,6 +80,16 @@ def _mix_(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _u(t: torch.Tensor) -> np.ndarray:
+    """The bit patterns of a 1-D CPU tensor as a numpy unsigned array of its width (a view when
+    contiguous)."""
+    return bits(t.contiguous()).numpy().view(f"u{t.element_size()}")
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    return _native.enabled() and all(t.device.type == "cpu" for t in tensors)
+
+
 def checksum(values: torch.Tensor, positions: torch.Tensor | None = None, *, start: int = 0) -> int:
     """Partial checksum of some elements of one tensor.
 
@@ -93,10 +105,14 @@ def checksum(values: torch.Tensor, positions: torch.Tensor | None = None, *, sta
     """
     if values.dim() != 1:
         raise ValueError(f"checksum expects a 1-D tensor, got shape {tuple(values.shape)}")
+    if positions is not None and positions.shape != values.shape:
+        raise ValueError(f"positions {tuple(positions.shape)} and values {tuple(values.shape)} differ")
+    if _native_ok(values, *(() if positions is None else (positions,))):
+        if positions is None:
+            return int(_native.checksum_range(start, _u(values)))
+        return int(_native.checksum_at(positions.to(torch.int64).contiguous().numpy(), _u(values)))
     if positions is None:
         h = torch.arange(start, start + values.numel(), dtype=torch.int64, device=values.device)
-    elif positions.shape != values.shape:
-        raise ValueError(f"positions {tuple(positions.shape)} and values {tuple(values.shape)} differ")
     else:
         h = positions.to(torch.int64, copy=True)
     if values.numel() == 0:
@@ -122,6 +138,8 @@ def checksum_change(positions: torch.Tensor, old: torch.Tensor, new: torch.Tenso
         raise ValueError(f"positions {tuple(positions.shape)}, old {tuple(old.shape)} and new {tuple(new.shape)} differ")
     if positions.numel() == 0:
         return 0
+    if _native_ok(positions, old, new) and old.dtype == new.dtype:
+        return int(_native.checksum_diff(positions.to(torch.int64).contiguous().numpy(), _u(old), _u(new)))
     h = _mix_(positions.to(torch.int64, copy=True))
     h.mul_(unsigned_bits64(new).sub_(unsigned_bits64(old)))
     return int(h.sum().item()) & _MASK64
@@ -145,6 +163,8 @@ def tensor_checksum(
         Unsigned integer in ``[0, 2**64)``; the sum of :func:`checksum` over the chunks.
     """
     flat = t.reshape(-1)
+    if index_map is None and _native_ok(flat):
+        return int(_native.checksum_range(0, _u(flat)))
     total = 0
     for a in range(0, flat.numel(), chunk):
         b = min(a + chunk, flat.numel())

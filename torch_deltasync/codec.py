@@ -17,12 +17,16 @@ receivers look it up with :func:`get_codec`. Built in:
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import Callable, ClassVar, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from . import _native
 from ._dtypes import bits, int_view_dtype
 from .errors import ChecksumMismatchError, CorruptObjectError
 
@@ -83,20 +87,90 @@ class TensorDelta:
             return self.values
         if old_values is None or old_values.shape != self.values.shape:
             raise ValueError("this delta stores steps; pass the old values at its positions")
+        if (_native.enabled() and old_values.device.type == "cpu" and self.positions.device.type == "cpu"
+                and self.steps.device.type == "cpu"):
+            if old_values.dtype != self.values.dtype:
+                old_values = old_values.to(self.values.dtype)
+            return self._resolve_native(old_values if old_values.is_contiguous() else old_values.contiguous())
         if self.base_checksum is not None:
             from .checksum import checksum  # lazy: checksum is independent of codecs
 
             got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
             if got != self.base_checksum:
-                raise ChecksumMismatchError(
-                    f"the old values at the {self.numel} changed positions have checksum {got:016x}, the "
-                    f"delta was made against {self.base_checksum:016x}: the held weights differ from the "
-                    "delta's base version, so its steps cannot be applied"
-                )
+                self._mismatch(old_values)
         new_bits = bits(old_values.to(self.values.dtype)) + self.steps.to(int_view_dtype(self.values.dtype))
         if self.relative is None:
             return new_bits.view(self.values.dtype)
         return torch.where(self.relative, new_bits, bits(self.values)).view(self.values.dtype)
+
+    def _check_lengths(self) -> None:
+        """Every per-entry tensor has ``numel`` entries (the kernels index them without checks)."""
+        for t in (self.values, self.steps, self.relative):
+            if t is not None and t.shape != self.positions.shape:
+                raise ValueError(f"delta parts of shapes {tuple(t.shape)} and {tuple(self.positions.shape)}")
+
+    def _resolve_native(self, old: torch.Tensor) -> torch.Tensor:
+        """:meth:`resolve` in one compiled pass (checksum of the old values and new values)."""
+        self._check_lengths()
+        u = _UNSIGNED[old.element_size()]
+        new = np.empty(self.numel, u)
+        if self.relative is None:  # values are placeholders
+            rel, vals = _NO_MASK, np.empty(0, u)
+        else:
+            rel, vals = self.relative.contiguous().numpy(), bits(self.values.contiguous()).numpy().view(u)
+        check = self.base_checksum is not None
+        ok = _native.resolve_steps(self.positions.contiguous().numpy(), bits(old).numpy().view(u),
+                                   self.steps.contiguous().numpy(), rel, vals, check,
+                                   np.uint64(self.base_checksum or 0), new)
+        if not ok:
+            self._mismatch(old)
+        return torch.from_numpy(new).view(self.values.dtype)
+
+    def apply_to(self, flat: torch.Tensor) -> None:
+        """Write this delta into ``flat`` in place: the same as
+        ``flat.index_copy_(0, positions, self.resolve(flat[positions]))`` (or ``self.values`` for a
+        delta without steps), in one pass on the CPU with the compiled kernels.
+
+        Args:
+            flat: the whole tensor, 1-D contiguous, in the inference dtype (the ``values`` dtype).
+
+        Raises:
+            ValueError: ``flat`` is not 1-D contiguous of the values' dtype, or a position is
+                outside it.
+            ChecksumMismatchError: as :meth:`resolve`; nothing was written.
+        """
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != self.values.dtype:
+            raise ValueError(f"apply_to needs a 1-D contiguous {self.values.dtype} tensor, got "
+                             f"{flat.dtype} {tuple(flat.shape)}")
+        if self.numel:  # the kernel writes without bounds checks
+            lo, hi = (int(x) for x in torch.aminmax(self.positions))
+            if lo < 0 or hi >= flat.numel():
+                raise ValueError(f"position {hi if hi >= flat.numel() else lo} outside a tensor of {flat.numel()} elements")
+        self._check_lengths()
+        if not (_native.enabled() and flat.device.type == "cpu" and self.positions.device.type == "cpu"):
+            new = self.resolve(flat[self.positions]) if self.needs_base else self.values
+            flat.index_copy_(0, self.positions, new.to(flat.device))
+            return
+        u = _UNSIGNED[flat.element_size()]
+        no_values = self.relative is None and self.steps is not None  # placeholders
+        vals = np.empty(0, u) if no_values else bits(self.values.contiguous()).numpy().view(u)
+        steps = self.steps.contiguous().numpy() if self.steps is not None else np.empty(0, u)
+        rel = self.relative.contiguous().numpy() if self.relative is not None else _NO_MASK
+        check = self.steps is not None and self.base_checksum is not None
+        if not _native.apply_at(bits(flat).numpy().view(u), self.positions.contiguous().numpy(), steps, rel, vals,
+                                check, np.uint64(self.base_checksum or 0)):
+            self._mismatch(flat[self.positions])
+
+    def _mismatch(self, old_values: torch.Tensor) -> None:
+        """Raise the :class:`ChecksumMismatchError` of :meth:`resolve` for ``old_values``."""
+        from .checksum import checksum  # lazy: checksum is independent of codecs
+
+        got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
+        raise ChecksumMismatchError(
+            f"the old values at the {self.numel} changed positions have checksum {got:016x}, the "
+            f"delta was made against {self.base_checksum:016x}: the held weights differ from the "
+            "delta's base version, so its steps cannot be applied"
+        )
 
     def select(self, mask: torch.Tensor) -> "TensorDelta":
         """The entries where ``mask`` (bool ``(k,)``) is true (``base_checksum`` covers all
@@ -133,6 +207,42 @@ class Codec(ABC):
             ``{part: tensor}``; stored as ``<tensor name>:<part>``. Parts are CPU tensors.
         """
 
+    def encode_many(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], *,
+                    threads: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """:meth:`encode` of several tensors, on ``threads`` threads (the compiled kernels and
+        zstd release the GIL, so tensors are encoded in parallel).
+
+        Args:
+            items: ``(positions, values, old_values, numel)`` per tensor, as :meth:`encode` takes them.
+            threads: worker threads; ``None``: one per CPU core, at most 8. 1 encodes in order on
+                the calling thread.
+
+        Returns:
+            The parts of each item, in the order of ``items`` (the same as :meth:`encode` gives).
+
+        Raises:
+            ValueError: as :meth:`encode`, for the first failing item in ``items`` order.
+        """
+        return _map_largest_first(lambda it: self.encode(it[0], it[1], it[2], numel=it[3]), items,
+                                  [it[0].numel() for it in items], threads)
+
+    def decode_many(self, items: Sequence[tuple[Mapping[str, torch.Tensor], int, int, torch.dtype]], *,
+                    threads: int | None = None) -> list[TensorDelta]:
+        """:meth:`decode` of several tensors, on ``threads`` threads (see :meth:`encode_many`).
+
+        Args:
+            items: ``(parts, numel, count, dtype)`` per tensor, as :meth:`decode` takes them.
+            threads: as in :meth:`encode_many`.
+
+        Returns:
+            One :class:`TensorDelta` per item, in order.
+
+        Raises:
+            CorruptObjectError: as :meth:`decode`, for the first failing item in ``items`` order.
+        """
+        return _map_largest_first(lambda it: self.decode(it[0], numel=it[1], count=it[2], dtype=it[3]), items,
+                                  [it[2] for it in items], threads)
+
     @abstractmethod
     def decode(
         self, parts: Mapping[str, torch.Tensor], *, numel: int, count: int, dtype: torch.dtype
@@ -149,6 +259,25 @@ class Codec(ABC):
             CorruptObjectError: missing or unexpected parts, wrong dtype or shape, a count that does
                 not match, indices out of range, unsorted or duplicated.
         """
+
+
+def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
+    """``[fn(x) for x in items]`` on a thread pool, the largest items submitted first (so the last
+    ones to finish are small); the first exception in ``items`` order is raised."""
+    n = len(items)
+    threads = min(8, os.cpu_count() or 1) if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    if threads == 1 or n < 2:
+        return [fn(x) for x in items]
+    order = sorted(range(n), key=lambda i: -sizes[i])
+    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="deltasync-codec") as pool:
+        futures = {i: pool.submit(fn, items[i]) for i in order}
+        return [futures[i].result() for i in range(n)]
+
+
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_NO_MASK = np.empty(0, np.bool_)
 
 
 _CODECS: dict[str, type[Codec]] = {}

@@ -16,14 +16,18 @@ of the whole tensor; reusing 4M-element buffers halves its time on CPU (docs/res
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from . import _gpu, _native
 from ._dtypes import as_dtype, bits, int_view_dtype
 
 __all__ = ["Changes", "ChangeDetector"]
+
+log = logging.getLogger(__name__)
 
 
 def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -35,6 +39,13 @@ def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
     return mask.nonzero().squeeze(1)
+
+
+def _grown(x: np.ndarray, k: int, cap: int) -> np.ndarray:
+    """A new array of ``cap`` elements holding ``x[:k]``; the rest is never written (no memory)."""
+    out = np.empty(cap, x.dtype)
+    out[:k] = x[:k]
+    return out
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,9 @@ class ChangeDetector:
         self.chunk_numel = chunk_numel
         self._snap: dict[str, torch.Tensor] = {}  # name -> flat integer bit view
         self._buf: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch: tuple[np.ndarray, np.ndarray] | None = None  # the compiled path's per-block scratch
+        self._last_count: dict[str, int] = {}  # changes found last time, to size the next result
+        self._gpu_failed = False  # the Triton kernels failed once: torch's path from then on
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -134,8 +148,10 @@ class ChangeDetector:
         if name is None:
             self._snap.clear()
             self._buf.clear()
+            self._last_count.clear()
         else:
             self._snap.pop(name, None)
+            self._last_count.pop(name, None)
 
     # --- detection -------------------------------------------------------------------------------
 
@@ -170,6 +186,18 @@ class ChangeDetector:
         if n != snap.numel():
             raise ValueError(f"{name}: tensor has {n} elements, snapshot has {snap.numel()}")
         device = flat.device
+        if _native.enabled() and device.type == "cpu" and snap.device.type == "cpu":
+            ch = self._detect_native(name, flat, snap)
+            if ch is not None:
+                return ch
+        if device.type == "cuda" and snap.device == device and _gpu.available(device) and not self._gpu_failed:
+            try:
+                found = _gpu.detect(flat, snap, self.dtype)  # Triton: two passes, no mask or cast copy
+            except Exception as e:  # noqa: BLE001 - e.g. no C compiler for Triton's launcher: torch path
+                log.warning("Triton change detection failed (%s: %s); using torch's", type(e).__name__, e)
+                self._gpu_failed, found = True, None
+            if found is not None:
+                return Changes(*found)
         chunk = self.chunk_numel or (1 << 22 if device.type == "cpu" else 1 << 26)
         chunk = max(1, min(chunk, n))
         same_dtype = flat.dtype == self.dtype
@@ -199,6 +227,48 @@ class ChangeDetector:
             val = torch.empty(0, dtype=self.dtype, device=device)
         old = snap[pos.to(snap.device)].view(self.dtype).to(device)
         return Changes(pos, val, old)
+
+    def _detect_native(self, name: str, flat: torch.Tensor, snap: torch.Tensor) -> Changes | None:
+        """:meth:`detect` on the CPU in one compiled pass (cast, compare, extract), writing
+        straight into the result arrays, for an fp32 tensor with a bf16 inference dtype or
+        a tensor already in the inference dtype; ``None`` for other dtypes or when the tensor
+        holds a NaN (whose fp32 -> bf16 cast differs between torch's code paths: the torch path
+        then casts exactly as ``reset``).
+
+        The result arrays start at 1.125x the changes this tensor had last time (1/16 of its
+        elements the first time) and grow by doubling when the kernel stops before a block that
+        might not fit; their sizes barely change between versions, so the allocator reuses the
+        memory of the last ones."""
+        cast = flat.dtype == torch.float32 and self.dtype == torch.bfloat16
+        if not cast and flat.dtype != self.dtype:
+            return None
+        n = flat.numel()
+        w = self.dtype.itemsize
+        src = flat.view(torch.int32 if cast else self.int_dtype).numpy().view(f"u{flat.element_size()}")
+        ref = snap.numpy().view(f"u{w}")
+        if self._scratch is None:
+            self._scratch = (np.empty(_native.BLOCK, np.uint16), np.empty(_native.BLOCK // 64, np.uint64))
+        cast_tmp, bits_tmp = self._scratch
+        last = self._last_count.get(name)
+        cap = (n // 16 if last is None else last + last // 8) + _native.BLOCK
+        pos, new, old = np.empty(cap, np.int64), np.empty(cap, f"u{w}"), np.empty(cap, f"u{w}")
+        k = done = 0
+        while done < n:
+            if cap - k < _native.BLOCK:  # grow, keeping the k entries found so far (the rest untouched)
+                cap = max(2 * cap, k + _native.BLOCK)
+                pos, new, old = (_grown(x, k, cap) for x in (pos, new, old))
+            if cast:
+                found, seen = _native.detect_f32_bf16(src[done:], ref[done:], done, pos[k:], new[k:], old[k:],
+                                                      cast_tmp, bits_tmp)
+                if found < 0:
+                    return None
+            else:
+                found, seen = _native.detect_same(src[done:], ref[done:], done, pos[k:], new[k:], old[k:], bits_tmp)
+            k += found
+            done += seen
+        self._last_count[name] = k
+        as_values = lambda u: torch.from_numpy(u[:k].view(f"i{w}")).view(self.dtype)  # noqa: E731
+        return Changes(torch.from_numpy(pos[:k]), as_values(new), as_values(old))
 
     def commit(self, name: str, changes: Changes) -> None:
         """Advance the snapshot of ``name`` by ``changes`` (call once their version is visible)."""

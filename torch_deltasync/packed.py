@@ -30,13 +30,21 @@ Decoding treats its input as untrusted: every declared length is checked against
 count and the tensor size from the manifest *before* anything is decompressed (no decompression
 bombs), zstd frames must declare their exact content size and hold nothing else, every varint,
 code, escape and position is range-checked, and any violation raises
-:class:`~torch_deltasync.errors.CorruptObjectError`. Encode and decode are vectorised (numpy and
-zstd; no Python loop per element).
+:class:`~torch_deltasync.errors.CorruptObjectError`.
+
+Speed: the numpy code here (vectorised, no Python loop per element) is the executable
+specification. When numba is available (:mod:`~torch_deltasync._native`), encoding and decoding
+run as a few compiled one-pass loops per tensor instead, which write and accept exactly the same
+bytes (``tests/test_native.py``); a kernel that finds a blob invalid hands it back to the numpy
+decoder, which raises the specific error. The size estimates behind the encoder's choices are
+compiled (when numba is there) and shared by both paths. Kernels and zstd release the GIL, so
+:meth:`~torch_deltasync.codec.Codec.encode_many` / ``decode_many`` run tensors on several threads.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -44,6 +52,7 @@ import numpy as np
 import torch
 import zstandard
 
+from . import _native
 from ._dtypes import bits
 from .checksum import checksum
 from .codec import Codec, TensorDelta, check_parts, register_codec
@@ -208,6 +217,27 @@ def _from_planes(buf: np.ndarray, n: int, w: int) -> np.ndarray:
     return np.ascontiguousarray(buf.reshape(w, n).T).view(udt).reshape(-1).astype(udt.newbyteorder("="))
 
 
+_ZEROS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _zero(dtype: torch.dtype) -> torch.Tensor:
+    """A shared one-element zero of ``dtype`` (placeholder values are it, expanded; never written)."""
+    z = _ZEROS.get(dtype)
+    if z is None:
+        z = _ZEROS[dtype] = torch.zeros(1, dtype=dtype)
+    return z
+
+
+def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` as a flat contiguous CPU tensor (of ``dtype`` if given), without copies when it is one."""
+    t = t.detach()
+    if t.device.type != "cpu" or (dtype is not None and t.dtype != dtype):
+        t = t.to("cpu", dtype or t.dtype)
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
     """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view)."""
     return bits(t).numpy().view(f"u{t.element_size()}")
@@ -261,13 +291,18 @@ def _unzigzag(z: np.ndarray) -> np.ndarray:
     return (z >> 1) ^ -(z & 1)
 
 
-def _huffman_bits(hist: np.ndarray, per_byte: int, table: bool = False) -> float:
+@_native.jit
+def _huffman_bits(hist: np.ndarray, per_byte: int, table: bool) -> float:
     """Estimated size in bits of a byte stream after zstd's Huffman stage.
 
+    Compiled (:func:`torch_deltasync._native.jit`) and shared by the numpy and the native encoder,
+    so both make the same choices.
+
     Args:
-        hist: histogram of the symbols (int ``(m,)``); symbols are packed ``per_byte`` to a byte
-            and assumed independent.
+        hist: histogram of the symbols (int64 ``(m,)``); symbols are packed ``per_byte`` to a
+            byte and assumed independent.
         per_byte: symbols per byte (1, 2 or 4).
+        table: add the cost of describing the Huffman table.
 
     Returns:
         ``max(entropy, 1 bit per byte) + (p_max + 0.086) bits per byte + 4 bits per symbol``:
@@ -275,28 +310,128 @@ def _huffman_bits(hist: np.ndarray, per_byte: int, table: bool = False) -> float
         bound (see :meth:`PackedCodec._choose_code_bits`), and roughly what zstd spends to
         describe the Huffman table (which matters for small tensors).
     """
-    c = hist[hist > 0].astype(np.float64)
-    total = c.sum()
+    total = 0
+    c_max = 0
+    used = 0
+    for c in hist:
+        if c > 0:
+            total += c
+            used += 1
+            c_max = max(c_max, c)
     if total == 0:
         return 0.0
     nbytes = total / per_byte
-    entropy = float(-(c * np.log2(c / total)).sum())
-    p_max_byte = float(c.max() / total) ** per_byte
-    table_bits = 4 * min(c.size ** per_byte, 256) if table else 0
+    entropy = 0.0
+    for c in hist:
+        if c > 0:
+            entropy -= c * np.log2(c / total)
+    p_max_byte = (c_max / total) ** per_byte
+    table_bits = 4 * min(used ** per_byte, 256) if table else 0
     return max(entropy, nbytes) + nbytes * (p_max_byte + 0.086) + table_bits
 
 
+@_native.jit
+def _best_gap_shift(k: int, r_lo: int, r_hi: int, base: np.ndarray) -> int:
+    """The body of :meth:`PackedCodec._choose_gap_shift` (compiled)."""
+    best_r = 0
+    best = np.inf
+    hist = np.empty(256, np.int64)
+    for r in range(r_lo, r_hi + 1):
+        f = 1 << (r - r_lo)
+        below = 0
+        for j in range(255):
+            s = 0
+            for q in range(j * f, (j + 1) * f):
+                s += base[q]
+            hist[j] = s
+            below += s
+        hist[255] = k - below  # escapes: high part >= 255
+        est = _huffman_bits(hist, 1, True) + hist[255] * 16 + k * r
+        if est < best:
+            best_r = r
+            best = est
+    return best_r
+
+
+@_native.jit
+def _best_step_code(k: int, width: int, hz: np.ndarray) -> tuple[int, float, bool]:
+    """The best code width among 2, 4 and 8 bits (at most the dtype's width) by the estimate of
+    :meth:`PackedCodec._choose_code_bits`, its estimate in bits, and whether 16-bit codes could
+    do better (more than 1 in 64 steps need more than 8 bits) (compiled)."""
+    raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
+    cap = hz.size - 1
+    top = cap  # bins past the last non-zero one below cap add nothing to an estimate
+    while top > 0 and hz[top - 1] == 0:
+        top -= 1
+    n_raw = hz[0] + hz[cap]  # no step (z = 0) or a huge one
+    best_b = 0
+    best = np.inf
+    for b in (2, 4, 8):
+        if b > 8 * width:
+            break
+        M = (1 << b) - 1
+        code_hist = np.empty(M + 1, np.int64)  # code c = z - 1; c = M escapes
+        code_hist[:M] = hz[1 : M + 1]
+        code_hist[M] = hz[M + 1 :].sum() + hz[0]
+        est = _huffman_bits(code_hist, 8 // b, False) + n_raw * raw_cost
+        if top > M + 1:
+            est += _huffman_bits(hz[M + 1 : top], 1, False)
+        if est < best:
+            best_b = b
+            best = est
+    return best_b, best, width >= 2 and hz[256:].sum() * 64 >= k
+
+
+def _binary_entropy(p: float) -> float:
+    """Entropy in bits of a Bernoulli(``p``) variable: ``-p log2 p - (1-p) log2 (1-p)``."""
+    if p <= 0 or p >= 1:
+        return 0.0
+    return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+
+
+#: Change sets of 65536 changes and more cost their code widths on every 4th block of 4096 steps
+#: (the estimate needs the step distribution, not every step; the histogram pass is a third of
+#: the encoder's kernel time otherwise).
+_STEP_SAMPLE = 4
+
 # --- zstd streams -------------------------------------------------------------------------------
 
+_tls = threading.local()  # zstd contexts, one per thread (creating one costs ~8 us; not thread-safe)
 
-def _pack_stream(raw: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes, int]:
-    """``(method, payload, raw_len)``: zstd when the frame is smaller, else the bytes themselves."""
-    data = raw.tobytes()
-    if len(data) >= _MIN_ZSTD_BYTES:
-        frame = cctx.compress(data)
-        if len(frame) < len(data):
-            return METHOD_ZSTD, frame, len(data)
-    return METHOD_STORED, data, len(data)
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's zstd compressor at ``level``."""
+    cctx = getattr(_tls, "cctx", None)
+    if cctx is None or _tls.level != level:
+        if level == 1:  # level 1's fast strategy with a 1 KiB hash table and 7-byte matches
+            params = zstandard.ZstdCompressionParameters(
+                window_log=17, hash_log=10, chain_log=10, search_log=1, min_match=7, target_length=0,
+                strategy=zstandard.STRATEGY_FAST)
+            cctx = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cctx = zstandard.ZstdCompressor(level=level)
+        _tls.cctx, _tls.level = cctx, level
+    return cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor."""
+    dctx = getattr(_tls, "dctx", None)
+    if dctx is None:
+        dctx = _tls.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+
+def _pack_stream(raw: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes | np.ndarray, int]:
+    """``(method, payload, raw_len)``: zstd when the frame is smaller, else the bytes themselves
+    (``raw``, a flat contiguous uint8 array)."""
+    n = raw.size
+    if n >= _MIN_ZSTD_BYTES:
+        frame = cctx.compress(raw)
+        if len(frame) < n:
+            return METHOD_ZSTD, frame, n
+    return METHOD_STORED, raw, n
 
 
 def _unpack_stream(method: int, payload: memoryview, raw_len: int, what: str) -> np.ndarray:
@@ -316,7 +451,7 @@ def _unpack_stream(method: int, payload: memoryview, raw_len: int, what: str) ->
         # way we refuse before decompressing, so a frame can never expand beyond the checked size.
         raise CorruptObjectError(f"{what}: zstd frame declares {content} bytes, header says {raw_len}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len, allow_extra_data=False)
+        out = _decompressor().decompress(payload, max_output_size=raw_len, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise CorruptObjectError(f"{what}: corrupt zstd frame ({e})") from None
     if len(out) != raw_len:
@@ -341,15 +476,30 @@ class _Header:
 _HEADER_FIXED = 13
 
 
+_SMALL_VARINTS = [bytes([v]) for v in range(128)]
+
+
+def _varint_bytes(v: int) -> bytes:
+    """Unsigned LEB128 of one non-negative integer."""
+    if v < 128:
+        return _SMALL_VARINTS[v]
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
 def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int, base_checksum: int,
                   streams: list[tuple[int, bytes, int]]) -> bytes:
-    fields = [np.array([LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits], np.uint8),
-              np.frombuffer(base_checksum.to_bytes(8, "little"), np.uint8)]
+    parts = [bytes((LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits)), base_checksum.to_bytes(8, "little")]
     for method, payload, raw_len in streams:
-        fields.append(np.array([method], np.uint8))
-        lens = [raw_len] if method == METHOD_STORED else [raw_len, len(payload)]
-        fields.append(_leb128_encode(np.array(lens, np.uint64)))
-    return np.concatenate(fields).tobytes()
+        parts.append(_SMALL_VARINTS[method])
+        parts.append(_varint_bytes(raw_len))
+        if method != METHOD_STORED:
+            parts.append(_varint_bytes(len(payload)))
+    return b"".join(parts)
 
 
 def _read_header(data: memoryview, what: str) -> _Header:
@@ -420,7 +570,9 @@ class PackedCodec(Codec):
         level: zstd compression level for encoding (any level decodes with the same reader). The
             streams are near-random bytes whose gain comes from zstd's Huffman stage, not from
             matches, so the fastest level 1 is also the smallest here (0.3-0.5% below level 3 on
-            the change sets of ``tools/bench_codec.py``).
+            the change sets of ``tools/bench_codec.py``). Level 1 runs zstd's fast strategy with
+            a 1 KiB hash table and 7-byte minimum matches, which on these streams is twice as fast
+            as zstd's own level 1 and no larger.
 
     Supported inference dtypes: any of width 1, 2 or 4 bytes (fp8, bf16, fp16, fp32) code steps;
     8-byte dtypes (fp64) are always shipped as raw values.
@@ -450,103 +602,119 @@ class PackedCodec(Codec):
             numel: elements of the full tensor.
 
         Returns:
-            ``{"packed": uint8 (nbytes,)}`` on the CPU.
+            ``{"packed": uint8 (nbytes,)}`` on the CPU. The compiled kernels
+            (:mod:`~torch_deltasync._native`) and this numpy code write the same bytes.
 
         Raises:
             ValueError: positions not strictly increasing or outside ``[0, numel)``, or values and
                 old values of different shape or dtype.
         """
-        pos = positions.detach().to("cpu", torch.int64).reshape(-1).numpy()
-        new = values.detach().to("cpu").reshape(-1)
-        old = old_values.detach().to("cpu").reshape(-1)
+        pos = _flat_cpu(positions, torch.int64).numpy()
+        new, old = _flat_cpu(values), _flat_cpu(old_values)
         k = pos.size
         if new.numel() != k or old.numel() != k or new.dtype != old.dtype:
             raise ValueError(
                 f"positions ({k}), values ({new.numel()} {new.dtype}) and old values "
                 f"({old.numel()} {old.dtype}) must have the same length and dtype"
             )
+        native = _native.enabled()
         width = new.element_size()
-        cctx = zstandard.ZstdCompressor(level=self.level)
-        empty = (METHOD_STORED, b"", 0)
-        # What the receiver's old values must add up to before it applies relative steps.
-        base = checksum(old, torch.from_numpy(pos)) if k else 0
-
-        # Positions: split gaps, or the bitmap when the gaps are not clearly smaller.
-        gaps = np.diff(pos, prepend=-1) - 1
-        if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
+        cctx = _compressor(self.level)
+        new_u, old_u = _bit_pattern(new), _bit_pattern(old)
+        r_lo, r_hi = _gap_shift_window(pos, numel)
+        span = 255 << (r_hi - r_lo)
+        cap = 1 << 12  # steps with z >= cap are costed as raw values
+        every = _STEP_SAMPLE if k >= _STEP_SAMPLE * _native.BLOCK * 4 else 1  # blocks of steps costed
+        # The histograms for the choices below, and the base checksum: what the receiver's old
+        # values must add up to before it applies relative steps.
+        z = gaps = None
+        if native:
+            hist, ok, hz, n_costed, base = _native.encode_stats(pos, new_u, old_u, width, numel, r_lo, span, cap, every)
+            base = int(base)
+        else:
+            gaps = np.diff(pos, prepend=-1) - 1
+            ok = not k or (int(gaps.min()) >= 0 and int(pos[-1]) < numel)
+            if ok:
+                gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
+                hist = np.bincount(np.minimum(gaps >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
+                if width <= 4:
+                    z = self._zigzag_steps(new_u, old_u, width)
+                    sample = z.reshape(-1) if every == 1 else z[(np.arange(k) // _native.BLOCK) % every == 0]
+                    hz = np.bincount(np.minimum(sample, cap), minlength=cap + 1)
+                    n_costed = sample.size
+                base = checksum(old, torch.from_numpy(pos)) if k else 0
+        if not ok:
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
-        gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
-        r = self._choose_gap_shift(gaps)
-        high = gaps >> np.uint64(r)
-        pos_streams = [
-            _pack_stream(np.minimum(high, 255).astype(np.uint8), cctx),
-            _pack_stream(_leb128_encode(high[high >= 255] - np.uint64(255)), cctx),
-            _pack_stream(_pack_bits(gaps, r), cctx),
-        ]
-        pos_mode = POS_GAPS
-        bitmap_nbytes = -(-numel // 8)
-        if k and sum(len(x[1]) for x in pos_streams) * 4 > bitmap_nbytes:
-            mask = np.zeros(bitmap_nbytes * 8, np.uint8)
-            mask[pos] = 1
-            bm = _pack_stream(np.packbits(mask, bitorder="little"), cctx)
-            if len(bm[1]) < sum(len(x[1]) for x in pos_streams):
-                pos_mode, r, pos_streams = POS_BITMAP, 0, [bm, empty, empty]
 
-        # Values: raw bit patterns, or steps with the code width that the entropy estimate favours.
-        new_u = _bit_pattern(new)
-        z = b = None
+        # Positions: split gaps at the shift with the smallest estimate. Values: raw bit patterns,
+        # or steps with the code width that the estimate favours.
+        r = self._choose_gap_shift(k, r_lo, r_hi, hist)
+        b = 0
         if width <= 4:
-            z = self._zigzag_steps(new_u, _bit_pattern(old), width)
-            b = self._choose_code_bits(new_u, z, width)
-        if not b:
-            streams = pos_streams + [empty, empty, _pack_stream(_to_planes(new_u), cctx)]
-            return {"packed": self._blob(pos_mode, r, VAL_RAW, 0, base, streams)}
-        M = (1 << b) - 1
-        # z == 0 (an entry whose bits did not change) has no code: it is sent as a raw escape.
-        codes = np.where(z == 0, M, np.minimum(z - 1, M))
-        esc = codes == M
-        e = z[esc] - M  # >= 1 except for z == 0
-        raw_esc = (e <= 0) | (_varint_lengths(np.maximum(e, 0).astype(np.uint64)) > width)
-        ext = np.where(raw_esc, 0, e).astype(np.uint64)
-        streams = pos_streams + [
-            _pack_stream(_pack_codes(codes, b), cctx),
-            _pack_stream(_leb128_encode(ext), cctx),
-            _pack_stream(_to_planes(new_u[esc][raw_esc]), cctx),
-        ]
-        return {"packed": self._blob(pos_mode, r, VAL_STEPS, b, base, streams)}
+
+            def byte_histograms() -> np.ndarray:
+                if native:
+                    return _native.byte_histograms(new_u, width)
+                return np.stack([np.bincount((new_u >> (8 * j)) & 0xFF, minlength=256) for j in range(width)])
+
+            def code16_histograms() -> tuple[np.ndarray, int]:
+                if native:
+                    h16, n_esc16 = _native.code16_histograms(new_u, old_u, width)
+                    return h16, int(n_esc16)
+                c16 = np.where(z == 0, 0xFFFF, np.minimum(z - 1, 0xFFFF))
+                h16 = np.stack([np.bincount(c16 & 0xFF, minlength=256), np.bincount(c16 >> 8, minlength=256)])
+                return h16, int((c16 == 0xFFFF).sum())
+
+            b = self._choose_code_bits(int(n_costed), width, hz, byte_histograms, code16_histograms)
+        if native:
+            n_gap_esc, n_val_esc = _native.escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every)
+            raw_streams = _native.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
+            if raw_streams is None:  # cannot happen: the bounds above are exact or upper bounds
+                raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
+        else:
+            raw_streams = _gap_streams(gaps, r) + (_step_streams(new_u, width, b, z) if b else
+                                                   [np.empty(0, np.uint8)] * 2 + [_to_planes(new_u)])
+        streams = [_pack_stream(x, cctx) for x in raw_streams]
+
+        # The dense fallback for positions: a bitmap, when the gaps are not clearly smaller.
+        bitmap_nbytes = -(-numel // 8)
+        gap_nbytes = sum(len(x[1]) for x in streams[:3])
+        pos_mode = POS_GAPS
+        if k and gap_nbytes * 4 > bitmap_nbytes and gap_nbytes * 8 > 1.05 * numel * _binary_entropy(k / numel):
+            if native:
+                bm = np.zeros(bitmap_nbytes, np.uint8)
+                _native.bitmap_from_positions(pos, bm)
+            else:
+                mask = np.zeros(bitmap_nbytes * 8, np.uint8)
+                mask[pos] = 1
+                bm = np.packbits(mask, bitorder="little")
+            bm = _pack_stream(bm, cctx)
+            if len(bm[1]) < gap_nbytes:
+                empty = (METHOD_STORED, b"", 0)
+                pos_mode, r, streams[:3] = POS_BITMAP, 0, [bm, empty, empty]
+        return {"packed": self._blob(pos_mode, r, VAL_STEPS if b else VAL_RAW, b, base, streams)}
 
     @staticmethod
     def _blob(pos_mode: int, r: int, val_mode: int, b: int, base: int,
               streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
-        head = _write_header(pos_mode, r, val_mode, b, base, streams)
-        blob = head + b"".join(s[1] for s in streams)
-        return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        blob = bytearray(b"".join([_write_header(pos_mode, r, val_mode, b, base, streams)] + [s[1] for s in streams]))
+        return torch.frombuffer(blob, dtype=torch.uint8)
 
     @staticmethod
-    def _choose_gap_shift(gaps: np.ndarray) -> int:
+    def _choose_gap_shift(k: int, r_lo: int, r_hi: int, base: np.ndarray) -> int:
         """Shift ``r`` for the split gap coding, by estimated size: the high parts ``g >> r`` as
         Huffman-coded bytes (255 escapes to a varint, costed 16 bits), the low ``r`` bits as raw
         bits. The best ``r`` leaves high parts with a mean of a few dozen, where byte-wise Huffman
-        coding is within a few percent of the entropy of geometric gaps."""
-        k = gaps.size
-        if k == 0:
-            return 0
-        r0 = max(0, int(np.log2(max(float(gaps.mean()), 1.0) / 24)))
-        r_lo, r_hi = max(0, r0 - 1), min(MAX_GAP_SHIFT, r0 + 2)
-        # One histogram at the smallest shift serves every candidate: the high part at shift
-        # r_lo + d is the r_lo one divided by 2**d, so its bins are sums of 2**d adjacent bins.
-        span = 255 << (r_hi - r_lo)
-        base = np.bincount(np.minimum(gaps >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
-        best_r, best = 0, float("inf")
-        for r in range(r_lo, r_hi + 1):
-            f = 1 << (r - r_lo)
-            hist = np.empty(256, np.int64)
-            hist[:255] = base[: 255 * f].reshape(255, f).sum(1)
-            hist[255] = k - int(hist[:255].sum())  # escapes: high part >= 255
-            est = _huffman_bits(hist, 1, table=True) + int(hist[255]) * 16 + k * r
-            if est < best:
-                best_r, best = r, est
-        return best_r
+        coding is within a few percent of the entropy of geometric gaps.
+
+        Args:
+            k: number of gaps.
+            r_lo, r_hi: the candidate shifts (:func:`_gap_shift_window`).
+            base: the histogram of ``min(g >> r_lo, 255 << (r_hi - r_lo))``, int64: it serves every
+                candidate, since the high part at shift ``r_lo + d`` is the ``r_lo`` one divided
+                by ``2**d``, so its bins are sums of ``2**d`` adjacent bins.
+        """
+        return 0 if k == 0 else int(_best_gap_shift(k, r_lo, r_hi, base))
 
     @staticmethod
     def _zigzag_steps(new_u: np.ndarray, old_u: np.ndarray, width: int) -> np.ndarray:
@@ -557,48 +725,49 @@ class PackedCodec(Codec):
         return _zigzag(s)
 
     @staticmethod
-    def _choose_code_bits(new_u: np.ndarray, z: np.ndarray, width: int) -> int:
+    def _choose_code_bits(k: int, width: int, hz: np.ndarray, byte_histograms, code16_histograms) -> int:
         """Code width for the steps stream, or 0 for raw values, by estimated compressed size.
 
         Each byte stream is costed as zstd's Huffman literals would code it: its order-0 entropy,
         at least one bit per byte, plus Gallager's bound on Huffman redundancy, ``p_max + 0.086``
         bits per byte (R. G. Gallager, "Variations on a theme by Huffman", IEEE Trans. IT 24(6),
         1978). Packing four 2-bit codes per byte lowers ``p_max`` from ~0.44 to ~0.04, which is why
-        small codes win at RL learning rates.
+        small codes win at RL learning rates. Raw values win ties. Their estimate is at least
+        ``1 + 1/256 + 0.086`` bits per byte (the floor, the smallest ``p_max`` and Gallager's
+        constant), so their histograms are only computed when the best step coding costs more.
+
+        Args:
+            k: number of changes.
+            width: bytes per element (1, 2 or 4).
+            hz: histogram of ``min(z, cap)`` over the zigzag steps ``z``, int64 ``(cap + 1,)``.
+            byte_histograms: returns the histograms of the bytes of the new bit patterns, int64
+                ``(width, 256)``.
+            code16_histograms: returns the histograms of the low and high bytes of 16-bit codes,
+                ``(2, 256)``, and the number of escapes (code ``2**16 - 1``); called only when
+                16-bit codes could win.
         """
-        k = new_u.size
         if k == 0:
             return CODE_BITS[0]
-        best_b = 0
-        best = sum(_huffman_bits(np.bincount((new_u >> (8 * j)) & 0xFF, minlength=256), 1) for j in range(width))
-        raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
-        cap = 1 << 12  # steps with z >= cap are costed as raw values
-        hist = np.bincount(np.minimum(z, cap), minlength=cap + 1)
-        n_raw = int(hist[0]) + int(hist[cap])  # no step (z = 0) or a huge one
-        for b in CODE_BITS:
-            if b > 8 * width:
-                break
-            M = (1 << b) - 1
-            if b == 16:
-                if int(hist[256:].sum()) * 64 < k:
-                    continue  # almost every step fits 8 bits: 16-bit codes cannot win
-                c16 = np.where(z == 0, M, np.minimum(z - 1, M))
-                est = _huffman_bits(np.bincount(c16 & 0xFF, minlength=256), 1)
-                est += _huffman_bits(np.bincount(c16 >> 8, minlength=256), 1)
-                est += int((c16 == M).sum()) * raw_cost
-            else:
-                n_esc = int(hist[M + 1 :].sum()) + int(hist[0])
-                code_hist = np.append(hist[1 : M + 1], n_esc)  # code c = z - 1; c = M escapes
-                est = _huffman_bits(code_hist, 8 // b)
-                est += _huffman_bits(hist[M + 1 : cap], 1) + n_raw * raw_cost
+        best_b, best, try16 = _best_step_code(k, width, hz)
+        if try16:  # else almost every step fits 8 bits
+            h16, n_esc16 = code16_histograms()
+            est = _huffman_bits(h16[0], 1, False) + _huffman_bits(h16[1], 1, False) + n_esc16 * 8 * width
             if est < best:
-                best_b, best = b, est
-        return best_b
+                best_b, best = 16, est
+        if best >= k * width * (1 + 1 / 256 + 0.086):
+            hb = byte_histograms()
+            if sum(_huffman_bits(hb[j], 1, False) for j in range(width)) <= best:
+                best_b = 0
+        return int(best_b)
 
     # --- decode ---------------------------------------------------------------------------------
 
     def decode(self, parts: Mapping[str, torch.Tensor], *, numel: int, count: int, dtype: torch.dtype) -> TensorDelta:
         """Decode and validate one tensor's blob (see :meth:`Codec.decode` and ``docs/format.md``).
+
+        The compiled kernels (:mod:`~torch_deltasync._native`) validate what this numpy code
+        validates; when a kernel finds the blob invalid, the numpy code decodes it again and
+        raises the specific error.
 
         Returns:
             A :class:`TensorDelta` with CPU tensors: int64 positions; for step-coded entries
@@ -623,96 +792,221 @@ class PackedCodec(Codec):
         width = dtype.itemsize
         data = memoryview(t.contiguous().numpy().tobytes())
         h = _read_header(data, what)
+        native = _native.enabled()
 
         def stream(i: int, lo: int, hi: int) -> np.ndarray:
             method, raw_len, off, stored_len = h.streams[i]
-            name = f"{what}: {_STREAMS[i]} stream"
             if not lo <= raw_len <= hi:
                 raise CorruptObjectError(
-                    f"{name} declares {raw_len} bytes; {count} changes of a {numel}-element tensor allow {lo}..{hi}"
+                    f"{what}: {_STREAMS[i]} stream declares {raw_len} bytes; {count} changes of a "
+                    f"{numel}-element tensor allow {lo}..{hi}"
                 )
-            return _unpack_stream(method, data[off : off + stored_len], raw_len, name)
+            if method == METHOD_STORED and stored_len == raw_len:  # the common case, checked
+                return np.frombuffer(data, np.uint8, raw_len, off)
+            return _unpack_stream(method, data[off : off + stored_len], raw_len, f"{what}: {_STREAMS[i]} stream")
 
-        # Positions.
         if h.pos_mode == POS_GAPS:
-            r = h.gap_shift
-            max_gap = max(numel - 1, 0)
-            high_b = stream(0, count, count)
-            esc = high_b == 255
-            n_esc = int(esc.sum())
-            max_ext = (max_gap >> r) - 255  # largest high part the tensor allows, minus 255
-            if n_esc and max_ext < 0:
-                raise CorruptObjectError(f"{what}: gap escapes, but no gap of this tensor needs one")
-            ext_len = max(1, math.ceil(max(max_ext, 0).bit_length() / 7))
-            high = high_b.astype(np.uint64)
-            if n_esc:
-                ext = _leb128_decode(stream(1, n_esc, n_esc * ext_len), n_esc, max_ext, f"{what}: gap escapes")
-                high[esc] += ext
-            else:
-                stream(1, 0, 0)
-            n_low = -(-count * r // 8)
-            gaps = (high << np.uint64(r)) | _unpack_bits(stream(2, n_low, n_low), count, r, f"{what}: gap low bits")
-            if count and int(gaps.max()) > max_gap:
-                raise CorruptObjectError(f"{what}: gap {int(gaps.max())} in a {numel}-element tensor")
-            # Every gap < numel <= 2**63, so the running sum cannot wrap around 2**64 before some
-            # position reaches numel; that position is exact and the max below sees it. (Checking
-            # only the last position would miss a sum that wrapped back into range.)
-            pos = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
-            if count and int(pos.max()) >= numel:
-                raise CorruptObjectError(f"{what}: position {int(pos.max())} outside [0, {numel})")
-            pos = pos.astype(np.int64)
+            pos = _gap_positions_native(stream, h.gap_shift, numel, count, what) if native else None
+            if pos is None:
+                pos = _gap_positions(stream, h.gap_shift, numel, count, what)
         else:
             nbytes = -(-numel // 8)
             bm = stream(0, nbytes, nbytes)
             stream(1, 0, 0)
             stream(2, 0, 0)
-            mask = np.unpackbits(bm, bitorder="little")
-            if bool(mask[numel:].any()):
-                raise CorruptObjectError(f"{what}: bitmap bits set past the end of the tensor")
-            pos = np.flatnonzero(mask).astype(np.int64)
-            if pos.size != count:
-                raise CorruptObjectError(f"{what}: bitmap marks {pos.size} positions, the object declares {count}")
+            pos = None
+            if native:
+                pos = np.empty(count, np.int64)
+                if _native.bitmap_positions(bm, numel, count, pos) != _native.OK:
+                    pos = None
+            if pos is None:
+                pos = _bitmap_positions(bm, numel, count, what)
         positions = torch.from_numpy(pos)
 
         if h.val_mode == VAL_RAW:
             for i in (3, 4):
                 stream(i, 0, 0)
-            new_u = _from_planes(stream(5, count * width, count * width), count, width)
-            values = torch.from_numpy(new_u.view(f"i{width}").copy()).view(dtype)
-            return TensorDelta(positions, values, base_checksum=h.base_checksum)
+            new_u = _from_planes_any(stream(5, count * width, count * width), count, width, native)
+            return TensorDelta(positions, torch.from_numpy(new_u.view(f"i{width}")).view(dtype), base_checksum=h.base_checksum)
         if width > 4:
             raise CorruptObjectError(f"{what}: step-coded values for a {width}-byte dtype")
-
         b = h.code_bits
         if b > 8 * width:
             raise CorruptObjectError(f"{what}: code width {b} exceeds the {8 * width}-bit dtype")
-        M = (1 << b) - 1
-        n_code_bytes = count * b // 8 if b >= 8 else -(-count * b // 8)
-        work = np.int32 if width <= 2 else np.int64  # holds any zigzag step of the width
-        codes = _unpack_codes(stream(3, n_code_bytes, n_code_bytes), count, b, f"{what}: codes", work)
-        esc = codes == M
-        n_esc = int(esc.sum())
-        z_max = (1 << (8 * width)) - 1  # largest zigzag step of the dtype's width
-        e_max = z_max - M
-        e_len = max(1, math.ceil(e_max.bit_length() / 7))
-        ext = _leb128_decode(stream(4, n_esc, n_esc * e_len), n_esc, e_max, f"{what}: escapes").astype(work)
-        raw_esc = ext == 0
-        n_raw = int(raw_esc.sum())
-        raw_u = _from_planes(stream(5, n_raw * width, n_raw * width), n_raw, width)
+        out = _steps_native(stream, count, b, width, what) if native else None
+        if out is None:
+            out = _steps(stream, count, b, width, what)
+        steps, values_u, relative = out
+        if values_u is None:  # every entry relative: the values are placeholders (one zero, expanded)
+            values = _zero(dtype).expand(count)
+        else:
+            values = torch.from_numpy(values_u.view(f"i{width}")).view(dtype)
+        rel = None if relative is None else torch.from_numpy(relative)
+        return TensorDelta(positions, values, torch.from_numpy(steps), rel, h.base_checksum)
 
-        z = codes + 1
-        z[esc] = M + ext  # raw escapes get z = M; their step is ignored (relative is False)
-        s = _unzigzag(z)
-        steps = torch.from_numpy(s.astype(f"i{width}"))
-        relative = None
-        values = torch.from_numpy(np.zeros(count, dtype=f"i{width}")).view(dtype)  # placeholders
-        if n_raw:
-            raw_at = np.flatnonzero(esc)[raw_esc]
-            steps[torch.from_numpy(raw_at)] = 0
-            rel = np.ones(count, dtype=bool)
-            rel[raw_at] = False
-            relative = torch.from_numpy(rel)
-            vals_i = np.zeros(count, dtype=f"i{width}")
-            vals_i[raw_at] = raw_u.view(f"i{width}")
-            values = torch.from_numpy(vals_i).view(dtype)
-        return TensorDelta(positions, values, steps, relative, h.base_checksum)
+
+# --- encoder stream builders (numpy reference and compiled kernels) ------------------------------
+
+
+def _gap_shift_window(pos: np.ndarray, numel: int) -> tuple[int, int]:
+    """The candidate gap shifts ``r_lo .. r_hi`` around ``r0 = floor(log2(mean gap / 24))``
+    (``r0 - 1 .. r0 + 2``, within ``0 .. MAX_GAP_SHIFT``). The mean gap is exact from the last
+    position: the gaps of ``k`` positions add up to ``pos[-1] - (k - 1)``."""
+    k = pos.size
+    if k == 0:
+        return 0, 0
+    mean = (int(pos[-1]) - k + 1) / k
+    r0 = max(0, int(np.log2(max(mean, 1.0) / 24)))
+    r_hi = min(MAX_GAP_SHIFT, r0 + 2)
+    return min(max(0, r0 - 1), r_hi), r_hi
+
+
+def _gap_streams(gaps: np.ndarray, r: int) -> list[np.ndarray]:
+    """The positions, pos_ext and pos_low streams of gap mode with shift ``r`` (uncompressed)."""
+    high = gaps >> np.uint64(r)
+    return [np.minimum(high, 255).astype(np.uint8), _leb128_encode(high[high >= 255] - np.uint64(255)), _pack_bits(gaps, r)]
+
+
+def _from_planes_any(buf: np.ndarray, n: int, w: int, native: bool) -> np.ndarray:
+    """:func:`_from_planes` (by the kernel when ``native``)."""
+    if not native:
+        return _from_planes(buf, n, w)
+    out = np.empty(n, f"u{w}")
+    _native.from_planes(buf, n, w, out)
+    return out
+
+
+def _step_streams(new_u: np.ndarray, width: int, b: int, z: np.ndarray) -> list[np.ndarray]:
+    """The codes, ext and raw streams of steps mode with code width ``b`` (uncompressed)."""
+    M = (1 << b) - 1
+    # z == 0 (an entry whose bits did not change) has no code: it is sent as a raw escape.
+    codes = np.where(z == 0, M, np.minimum(z - 1, M))
+    esc = codes == M
+    e = z[esc] - M  # >= 1 except for z == 0
+    raw_esc = (e <= 0) | (_varint_lengths(np.maximum(e, 0).astype(np.uint64)) > width)
+    ext = np.where(raw_esc, 0, e).astype(np.uint64)
+    return [_pack_codes(codes, b), _leb128_encode(ext), _to_planes(new_u[esc][raw_esc])]
+
+
+# --- decoder stream readers (numpy reference and compiled kernels) -------------------------------
+# ``stream(i, lo, hi)`` checks stream i's declared length against [lo, hi] before decompressing it.
+
+
+def _gap_ext_limits(r: int, numel: int) -> tuple[int, int, int]:
+    """``(max_gap, max_ext, ext_len)``: the largest gap of the tensor, the largest escape varint
+    value (negative when no gap can need one) and the longest escape varint in bytes."""
+    max_gap = max(numel - 1, 0)
+    max_ext = (max_gap >> r) - 255  # largest high part the tensor allows, minus 255
+    ext_len = max(1, math.ceil(max(max_ext, 0).bit_length() / 7))
+    return max_gap, max_ext, ext_len
+
+
+def _gap_positions(stream, r: int, numel: int, count: int, what: str) -> np.ndarray:
+    """Positions of gap mode, int64 ``(count,)`` (numpy reference)."""
+    max_gap, max_ext, ext_len = _gap_ext_limits(r, numel)
+    high_b = stream(0, count, count)
+    esc = high_b == 255
+    n_esc = int(esc.sum())
+    if n_esc and max_ext < 0:
+        raise CorruptObjectError(f"{what}: gap escapes, but no gap of this tensor needs one")
+    high = high_b.astype(np.uint64)
+    if n_esc:
+        ext = _leb128_decode(stream(1, n_esc, n_esc * ext_len), n_esc, max_ext, f"{what}: gap escapes")
+        high[esc] += ext
+    else:
+        stream(1, 0, 0)
+    n_low = -(-count * r // 8)
+    gaps = (high << np.uint64(r)) | _unpack_bits(stream(2, n_low, n_low), count, r, f"{what}: gap low bits")
+    if count and int(gaps.max()) > max_gap:
+        raise CorruptObjectError(f"{what}: gap {int(gaps.max())} in a {numel}-element tensor")
+    # Every gap < numel <= 2**63, so the running sum cannot wrap around 2**64 before some
+    # position reaches numel; that position is exact and the max below sees it. (Checking
+    # only the last position would miss a sum that wrapped back into range.)
+    pos = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
+    if count and int(pos.max()) >= numel:
+        raise CorruptObjectError(f"{what}: position {int(pos.max())} outside [0, {numel})")
+    return pos.astype(np.int64)
+
+
+def _gap_positions_native(stream, r: int, numel: int, count: int, what: str) -> np.ndarray | None:
+    """:func:`_gap_positions` by the kernel; ``None`` when the kernel finds the streams invalid
+    (the caller then decodes them with the reference to raise the specific error)."""
+    max_gap, max_ext, ext_len = _gap_ext_limits(r, numel)
+    high_b = stream(0, count, count)
+    n_esc = int(np.count_nonzero(high_b == 255))
+    if n_esc and max_ext < 0:
+        return None
+    ext = stream(1, n_esc, n_esc * ext_len)
+    n_low = -(-count * r // 8)
+    low = stream(2, n_low, n_low)
+    pos = np.empty(count, np.int64)
+    limit = min(_MAX_VARINT_BYTES, max(1, math.ceil(max(max_ext, 1).bit_length() / 7)))
+    if _native.decode_gaps(high_b, ext, low, r, numel, max(max_ext, 0), limit, pos) != _native.OK:
+        return None
+    return pos
+
+
+def _bitmap_positions(bm: np.ndarray, numel: int, count: int, what: str) -> np.ndarray:
+    """Positions of bitmap mode, int64 ``(count,)`` (numpy reference)."""
+    mask = np.unpackbits(bm, bitorder="little")
+    if bool(mask[numel:].any()):
+        raise CorruptObjectError(f"{what}: bitmap bits set past the end of the tensor")
+    pos = np.flatnonzero(mask).astype(np.int64)
+    if pos.size != count:
+        raise CorruptObjectError(f"{what}: bitmap marks {pos.size} positions, the object declares {count}")
+    return pos
+
+
+def _step_limits(b: int, width: int, count: int) -> tuple[int, int, int, int]:
+    """``(M, code bytes, e_max, e_len)``: the escape code, the codes stream's length, the largest
+    escape varint value and the longest escape varint in bytes."""
+    M = (1 << b) - 1
+    n_code_bytes = count * b // 8 if b >= 8 else -(-count * b // 8)
+    e_max = (1 << (8 * width)) - 1 - M  # largest zigzag step of the width, minus M
+    return M, n_code_bytes, e_max, max(1, math.ceil(e_max.bit_length() / 7))
+
+
+def _steps(stream, count: int, b: int, width: int, what: str):
+    """``(steps, values, relative)`` of steps mode (numpy reference): signed steps of the width
+    (0 at raw escapes), the raw escapes' new bit patterns at their entries (``None`` without raw
+    escapes) and which entries are relative (``None``: all)."""
+    M, n_code_bytes, e_max, e_len = _step_limits(b, width, count)
+    work = np.int32 if width <= 2 else np.int64  # holds any zigzag step of the width
+    codes = _unpack_codes(stream(3, n_code_bytes, n_code_bytes), count, b, f"{what}: codes", work)
+    esc = codes == M
+    n_esc = int(esc.sum())
+    ext = _leb128_decode(stream(4, n_esc, n_esc * e_len), n_esc, e_max, f"{what}: escapes").astype(work)
+    raw_esc = ext == 0
+    n_raw = int(raw_esc.sum())
+    raw_u = _from_planes(stream(5, n_raw * width, n_raw * width), n_raw, width)
+    z = codes + 1
+    z[esc] = M + ext  # raw escapes get z = M; their step is ignored (relative is False)
+    steps = _unzigzag(z).astype(f"i{width}")
+    if not n_raw:
+        return steps, None, None
+    raw_at = np.flatnonzero(esc)[raw_esc]
+    steps[raw_at] = 0
+    rel = np.ones(count, dtype=bool)
+    rel[raw_at] = False
+    vals = np.zeros(count, dtype=f"u{width}")
+    vals[raw_at] = raw_u
+    return steps, vals, rel
+
+
+def _steps_native(stream, count: int, b: int, width: int, what: str):
+    """:func:`_steps` by the kernels; ``None`` when they find the streams invalid."""
+    M, n_code_bytes, e_max, e_len = _step_limits(b, width, count)
+    codes = stream(3, n_code_bytes, n_code_bytes)
+    n_esc = _native.count_code16(codes, count) if b == 16 else _native.count_code(codes, count, b)
+    if n_esc < 0:
+        return None
+    ext = stream(4, n_esc, n_esc * e_len)
+    n_raw = _native.scan_escapes(ext, n_esc, min(_MAX_VARINT_BYTES, e_len), e_max)
+    if n_raw < 0:
+        return None
+    raw = stream(5, n_raw * width, n_raw * width)
+    steps = np.empty(count, f"i{width}")
+    values = np.empty(count if n_raw else 0, f"u{width}")
+    relative = np.empty(count if n_raw else 0, np.bool_)
+    _native.decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relative)
+    return (steps, values, relative) if n_raw else (steps, None, None)

@@ -1,0 +1,487 @@
+"""The compiled kernels (torch_deltasync/_native.py) against the numpy/torch specification.
+
+Every fast path is run twice on the same input, once with the kernels (``_native.set_enabled(True)``)
+and once without (the numpy/torch code that is the executable specification), and the results are
+compared bit for bit: the same blob bytes from the encoder, the same positions, steps, values and
+relative marks (or the same error message) from the decoder, the same checksums, the same detected
+changes. Inputs are random (hypothesis), adversarial (special values, extreme positions, forced
+code widths and gap shifts) and corrupted (every mutation of the decoder fuzz tests).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_packed import DTYPES, GOOD, _blob, make_change_set
+
+from torch_deltasync import ChangeDetector, ChecksumMismatchError, CorruptObjectError, _native, get_codec
+from torch_deltasync import packed as packed_mod
+from torch_deltasync._dtypes import bits
+from torch_deltasync.checksum import checksum, checksum_change, tensor_checksum
+from torch_deltasync.packed import PackedCodec
+
+
+def both(fn):
+    """``(fn() with the kernels, fn() with the numpy/torch specification)``; an exception is
+    returned as ``(type, message)``."""
+
+    def run(on: bool):
+        prev = _native.set_enabled(on)
+        try:
+            return fn()
+        except (CorruptObjectError, ChecksumMismatchError, ValueError) as e:
+            return type(e), str(e)
+        finally:
+            _native.set_enabled(prev)
+
+    return run(True), run(False)
+
+
+def same_delta(a, b) -> bool:
+    """Two decode results are identical: the same error, or the same tensors bit for bit."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return a == b
+    if not torch.equal(a.positions, b.positions) or a.base_checksum != b.base_checksum:
+        return False
+    if (a.steps is None) != (b.steps is None) or (a.relative is None) != (b.relative is None):
+        return False
+    if a.steps is not None and not torch.equal(a.steps, b.steps):
+        return False
+    if a.relative is not None and not torch.equal(a.relative, b.relative):
+        return False
+    if a.relative is None and a.steps is not None:
+        return True  # every entry relative: the values are placeholders
+    return torch.equal(bits(a.values.contiguous()), bits(b.values.contiguous()))
+
+
+def encode_both(pos, new, old, numel):
+    codec = get_codec("packed")
+    return both(lambda: codec.encode(pos, new, old, numel=numel))
+
+
+def check_encode_decode(pos, new, old, numel):
+    fast, ref = encode_both(pos, new, old, numel)
+    assert not isinstance(fast, tuple), fast
+    assert torch.equal(fast["packed"], ref["packed"]), "the kernels wrote other bytes than the specification"
+    codec = get_codec("packed")
+    d_fast, d_ref = both(lambda: codec.decode(fast, numel=numel, count=pos.numel(), dtype=new.dtype))
+    assert same_delta(d_fast, d_ref)
+    assert torch.equal(d_fast.positions, pos)
+    r_fast, r_ref = both(lambda: d_fast.resolve(old))
+    assert torch.equal(bits(r_fast), bits(r_ref)) and torch.equal(bits(r_fast), bits(new))
+    return fast
+
+
+# --- encoder and decoder: valid input --------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from(list(DTYPES.values())),
+    numel=st.one_of(st.integers(0, 64), st.integers(65, 30_000)),
+    density=st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.01, 0.001]), st.floats(0.0, 1.0)),
+    mix=st.fixed_dictionaries({k: st.floats(0.0, 1.0) for k in ("ulp", "mid", "wide", "many", "flip", "special",
+                                                                 "random", "same")}),
+)
+def test_encode_decode_match_the_specification(seed, dtype, numel, density, mix):
+    mix["ulp"] += 1e-3
+    pos, new, old = make_change_set(seed, dtype, numel, density, mix)
+    check_encode_decode(pos, new, old, numel)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()))
+@pytest.mark.parametrize("b", [0, 2, 4, 8, 16])
+@pytest.mark.parametrize("r", [0, 3, 8, 9, 21])
+def test_every_code_width_and_gap_shift(monkeypatch, dtype, b, r):
+    # r = 8 and 9 straddle the kernels' whole-byte path for low bits; forcing r outside the
+    # estimator's window exercises the kernels' worst-case escape buffers.
+    monkeypatch.setattr(PackedCodec, "_choose_code_bits", staticmethod(lambda *a: b))
+    monkeypatch.setattr(PackedCodec, "_choose_gap_shift", staticmethod(lambda *a: r))
+    mix = {"ulp": 0.6, "mid": 0.2, "wide": 0.1, "many": 0.05, "flip": 0.02, "special": 0.02, "same": 0.01}
+    numel = 3_000_000
+    pos, new, old = make_change_set(b * 100 + r, dtype, numel, 0.003, mix)
+    blob = check_encode_decode(pos, new, old, numel)["packed"]
+    assert (blob[2].item(), blob[4].item()) == (r, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64] + [d for d in (getattr(torch, "float8_e4m3fn", None),) if d])
+def test_other_widths(dtype):
+    rng = np.random.default_rng(3)
+    numel = 9000
+    pos = torch.from_numpy(np.sort(rng.choice(numel, 4000, replace=False)))
+    old = torch.randn(4000, dtype=torch.float64).to(dtype)
+    new = (bits(old) + torch.from_numpy(rng.integers(-3, 4, size=4000)).to(bits(old).dtype)).view(dtype)
+    check_encode_decode(pos, new, old, numel)
+
+
+def test_extreme_positions_and_blocks():
+    # Gaps that need escapes and 56-bit shifts, and more changes than one kernel block (4096).
+    numel = 2**62
+    pos = torch.tensor([0, 1, 2**40, 2**61 + 7, numel - 2, numel - 1], dtype=torch.int64)
+    old = torch.full((6,), 0.5, dtype=torch.bfloat16)
+    new = (bits(old) + torch.tensor([1, 1, -1, 2, -3, 100], dtype=torch.int16)).view(torch.bfloat16)
+    check_encode_decode(pos, new, old, numel)
+    for k in (4095, 4096, 4097, 3 * 4096 + 5):
+        pos, new, old = make_change_set(k, torch.bfloat16, 2 * k, 0.5, {"ulp": 0.9, "many": 0.1})
+        check_encode_decode(pos, new, old, 2 * k)
+    pos = torch.arange(10_000)  # every element: dense bitmap and the kernels' bitmap path
+    old = torch.randn(10_000).to(torch.bfloat16)
+    new = torch.randn(10_000).to(torch.bfloat16)
+    check_encode_decode(pos, new, old, 10_000)
+
+
+@pytest.mark.parametrize("mix", [{"ulp": 0.9, "many": 0.1}, {"ulp": 0.5, "mid": 0.3, "same": 0.1, "flip": 0.1},
+                                 {"random": 1.0}])
+def test_long_change_sets(mix):
+    # From 65536 changes the code width is costed on a sample of the steps: the escapes the
+    # kernels write are not bounded by the sample (every 8th block here has all of them).
+    k = 300_000
+    pos, new, old = make_change_set(k, torch.bfloat16, 2 * k, 0.5, mix)
+    burst = (torch.arange(k) // 4096) % 8 == 5  # blocks the sample skips
+    new = torch.where(burst, (bits(old) ^ -0x8000).view(torch.bfloat16), new)  # sign flips: raw escapes
+    check_encode_decode(pos, new, old, 2 * k)
+
+
+def test_encoder_rejections_match():
+    v = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    for pos, numel in ((torch.tensor([5, 5]), 10), (torch.tensor([1, 10]), 10), (torch.tensor([3, 1]), 10),
+                       (torch.tensor([-1, 2]), 10)):
+        fast, ref = encode_both(pos, v, v, numel)
+        assert fast == ref and fast[0] is ValueError and "strictly increasing" in fast[1]
+
+
+# --- decoder: corrupt input ------------------------------------------------------------------------
+
+
+def _mutations(rng, blob: bytes, n: int):
+    for _ in range(n):
+        b = bytearray(blob)
+        op = rng.integers(0, 5)
+        if op == 0:
+            for _ in range(rng.integers(1, 4)):
+                i = rng.integers(0, len(b))
+                b[i] ^= 1 << int(rng.integers(0, 8))
+        elif op == 1:
+            i = rng.integers(0, min(len(b), 30))
+            b[i] = int(rng.integers(0, 256))
+        elif op == 2:
+            b = b[: rng.integers(0, len(b))]
+        elif op == 3:
+            i = rng.integers(0, len(b) + 1)
+            b[i:i] = bytes(rng.integers(0, 256, size=rng.integers(1, 5)).astype(np.uint8))
+        else:
+            i = rng.integers(0, len(b))
+            del b[i : i + rng.integers(1, 8)]
+        yield bytes(b)
+
+
+@pytest.fixture
+def fallbacks(monkeypatch):
+    """Record every call of the reference decoders as ``(name, raised, native mode)``: in native
+    mode they run only when a kernel refused the streams, and a kernel may only refuse what the
+    specification refuses."""
+    calls = []
+    for name in ("_gap_positions", "_steps", "_bitmap_positions"):
+        ref = getattr(packed_mod, name)
+
+        def wrapped(*a, _ref=ref, _name=name, **kw):
+            native = _native.enabled()
+            try:
+                out = _ref(*a, **kw)
+            except CorruptObjectError:
+                calls.append((_name, True, native))
+                raise
+            calls.append((_name, False, native))
+            return out
+
+        monkeypatch.setattr(packed_mod, name, wrapped)
+    return calls
+
+
+def refused_only_what_the_spec_refuses(calls) -> bool:
+    return all(raised for _, raised, native in calls if native)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mutated_blobs_same_outcome(dtype, fallbacks):
+    rng = np.random.default_rng(99)
+    codec = get_codec("packed")
+    outcomes = {"error": 0, "ok": 0}
+    for seed, numel, density, mix in [
+        (1, 6000, 0.02, {"ulp": 0.95, "many": 0.04, "flip": 0.01}),
+        (2, 300, 0.1, {"ulp": 0.8, "special": 0.2}),
+        (3, 2000, 0.9, {"random": 1.0}),
+        (4, 1 << 20, 0.001, {"ulp": 0.9, "mid": 0.1}),
+    ]:
+        pos, new, old = make_change_set(seed, dtype, numel, density, mix)
+        blob = codec.encode(pos, new, old, numel=numel)["packed"].numpy().tobytes()
+        for b in _mutations(rng, blob, 150):
+            for count in (pos.numel(), max(0, pos.numel() - 1)):
+                parts = {"packed": torch.tensor(list(b), dtype=torch.uint8)}
+                fallbacks.clear()
+                fast, ref = both(lambda: codec.decode(parts, numel=numel, count=count, dtype=dtype))
+                assert same_delta(fast, ref), (seed, b.hex(), count, fast if isinstance(fast, tuple) else "ok",
+                                               ref if isinstance(ref, tuple) else "ok")
+                assert refused_only_what_the_spec_refuses(fallbacks), fallbacks
+                outcomes["error" if isinstance(ref, tuple) else "ok"] += 1
+    assert outcomes["error"] > 300 and outcomes["ok"] > 50, outcomes
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    head=st.tuples(st.just(1), st.integers(0, 1), st.integers(0, 9), st.integers(0, 1), st.sampled_from([0, 2, 4, 8, 16])),
+    body=st.binary(max_size=80),
+    numel=st.integers(0, 3000),
+    count=st.integers(0, 60),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+)
+def test_arbitrary_bytes_same_outcome(head, body, numel, count, dtype):
+    count = min(count, numel)
+    parts = {"packed": torch.tensor(list(bytes(head) + body), dtype=torch.uint8)}
+    codec = get_codec("packed")
+    fast, ref = both(lambda: codec.decode(parts, numel=numel, count=count, dtype=dtype))
+    assert same_delta(fast, ref)
+
+
+@pytest.mark.parametrize("case", [
+    # (numel, count, blob fields): each is refused by a kernel and by the specification alike
+    (1024, 3, [GOOD[0], GOOD[1], bytes([3, 0, 5, 0x51])]),  # code padding bits set
+    (1024, 3, [GOOD[0], GOOD[1], bytes([3, 0, 5, 0x31])]),  # an escape code without escapes
+    (1024, 3, [GOOD[0], bytes([0, 3, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 255, 0xCD, 0x06, 0x11])]),  # gap > numel
+    (1024, 3, [bytes([1, 0, 2, 1, 2]) + bytes(8), bytes([0, 3, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0]),
+               bytes([254, 254, 0, 0x0F, 0x11])]),  # positions past the end
+    (1024, 3, [bytes([1, 0, 2, 1, 2]) + bytes(8), bytes([0, 3, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0]),
+               bytes([3, 0, 5, 0x40, 0x11])]),  # low-bit padding set
+    (1024, 3, [GOOD[0], bytes([0, 3, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0]), bytes([3, 0, 255, 0x80, 0x11])]),  # cut-off varint
+    (2**62, 5, [bytes([1, 0, 0, 1, 2]) + bytes(8)]),  # positions wrapping around 2**64 (filled below)
+    (8, 3, [bytes([1, 1, 0, 0, 0]) + bytes(8), bytes([0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6]),
+            bytes([0b111]) + bytes(6)]),  # a valid bitmap
+    (8, 2, [bytes([1, 1, 0, 0, 0]) + bytes(8), bytes([0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4]),
+            bytes([0b111]) + bytes(4)]),  # bitmap with another number of bits than the count
+    (5, 3, [bytes([1, 1, 0, 0, 0]) + bytes(8), bytes([0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6]),
+            bytes([0b1000_0011]) + bytes(6)]),  # bitmap bit past the end of the tensor
+])
+def test_handwritten_corruptions_same_outcome(case, fallbacks):
+    numel, count, fields = case
+    if numel == 2**62:
+        ext = packed_mod._leb128_encode(np.array([2**62 - 1 - 255] * 5, np.uint64)).tobytes()
+        fields = fields + [bytes([0, 5, 0, len(ext), 0, 0, 0, 2, 0, 0, 0, 0]), bytes([255] * 5), ext, bytes([0, 0])]
+    parts = _blob(*fields)
+    codec = get_codec("packed")
+    fast, ref = both(lambda: codec.decode(parts, numel=numel, count=count, dtype=torch.bfloat16))
+    assert same_delta(fast, ref)
+    assert refused_only_what_the_spec_refuses(fallbacks), fallbacks
+    # a blob the specification refuses was refused by a kernel too (unless a stream-length check,
+    # which runs before any kernel, refused it), and a valid one never fell back
+    kernel_refused = any(native for _, _, native in fallbacks)
+    assert kernel_refused == isinstance(ref, tuple) or "stream" in str(ref)
+
+
+def test_resolve_matches_and_refuses_a_drifted_base():
+    pos, new, old = make_change_set(5, torch.bfloat16, 50_000, 0.05, {"ulp": 0.9, "flip": 0.05, "special": 0.05})
+    codec = get_codec("packed")
+    d = codec.decode(codec.encode(pos, new, old, numel=50_000), numel=50_000, count=pos.numel(), dtype=torch.bfloat16)
+    assert d.relative is not None  # raw escapes present
+    fast, ref = both(lambda: d.resolve(old))
+    assert torch.equal(bits(fast), bits(new)) and torch.equal(bits(ref), bits(new))
+    drifted = old.clone()
+    drifted.view(torch.int16)[11] ^= 1
+    fast, ref = both(lambda: d.resolve(drifted))
+    assert fast == ref and fast[0] is ChecksumMismatchError and "base version" in fast[1]
+
+
+# --- checksums -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn])
+def test_checksums_match(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10_007, generator=g).to(dtype)
+    y = torch.randn(10_007, generator=g).to(dtype)
+    pos = torch.sort(torch.randint(0, 2**62, (10_007,), generator=g)).values
+    pos[-1] = 2**63 - 1  # the largest index
+    for fn in (lambda: checksum(x), lambda: checksum(x, start=2**40), lambda: checksum(x, pos),
+               lambda: checksum_change(pos, x, y), lambda: tensor_checksum(x.reshape(1, -1), chunk=1000),
+               lambda: checksum(x[:0], pos[:0])):
+        fast, ref = both(fn)
+        assert fast == ref
+
+
+# --- change detection ------------------------------------------------------------------------------
+
+
+def _special_fp32(n: int, seed: int) -> torch.Tensor:
+    """fp32 values that stress a bf16 cast: rounding ties, denormals, infinities, signed zeros,
+    the largest finite values (round up to infinity) and random bit patterns (no NaN)."""
+    rng = np.random.default_rng(seed)
+    u = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    kind = rng.integers(0, 6, size=n)
+    u = np.where(kind == 0, (u & ~np.uint32(0xFFFF)) | np.uint32(0x8000), u)  # exact ties
+    u = np.where(kind == 1, u & np.uint32(0x807FFFFF), u)  # denormals
+    u = np.where(kind == 2, np.uint32(0x7F7FFFFF) | (u & np.uint32(0x80000000)), u)  # +-max finite
+    u = np.where(kind == 3, np.uint32(0x7F800000) | (u & np.uint32(0x80000000)), u)  # +-inf
+    u = np.where(kind == 4, u & np.uint32(0x80000000), u)  # +-0
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    u = np.where(nan, u & np.uint32(0xFF7FFFFF), u)  # NaN -> finite
+    return torch.from_numpy(u.view(np.float32).copy())
+
+
+@pytest.mark.parametrize("src_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.float32), (torch.float16, torch.float16),
+                                             (torch.float32, torch.float16)])
+@pytest.mark.parametrize("n,chunk", [(0, None), (5, None), (4097, None), (20_011, 1000), (20_011, 7)])
+def test_detection_matches(src_dtype, dtype, n, chunk):
+    base = _special_fp32(n, n)
+    live = base.clone()
+    flip = torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.2
+    live[flip] = _special_fp32(n, n + 1)[flip]
+    base, live = base.to(src_dtype), live.to(src_dtype)
+
+    def run():
+        det = ChangeDetector(inference_dtype=dtype, chunk_numel=chunk)
+        det.reset("w", base)
+        ch = det.detect("w", live)
+        again = det.detect("w", live)  # sized from the first call's count
+        assert torch.equal(again.positions, ch.positions) and torch.equal(bits(again.values), bits(ch.values))
+        return ch.positions, bits(ch.values), bits(ch.old_values)
+
+    fast, ref = both(run)
+    for a, b in zip(fast, ref):
+        assert torch.equal(a, b)
+    expected = (bits(base.to(dtype)) != bits(live.to(dtype))).nonzero().squeeze(1)
+    assert torch.equal(fast[0], expected)
+
+
+def test_detection_with_nan_uses_torchs_cast():
+    w = torch.randn(10_000)
+    w[17] = float("nan")
+    w2 = w.clone()
+    w2[3] += 1.0
+    w2[17] = -float("nan")
+    w2[18] = float("nan")
+
+    def run():
+        det = ChangeDetector()
+        det.reset("w", w)
+        ch = det.detect("w", w2)
+        return ch.positions, bits(ch.values)
+
+    fast, ref = both(run)
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+    expected = (bits(w.to(torch.bfloat16)) != bits(w2.to(torch.bfloat16))).nonzero().squeeze(1)
+    assert torch.equal(fast[0], expected) and {3, 18} <= set(expected.tolist())
+
+
+# --- threads ---------------------------------------------------------------------------------------
+
+
+def test_encode_and_decode_many_match_one_by_one():
+    codec = get_codec("packed")
+    items = [make_change_set(s, torch.bfloat16, 40_000 + 1000 * s, 0.02 * (s + 1), {"ulp": 0.95, "many": 0.05})
+             + (40_000 + 1000 * s,) for s in range(6)]
+    items = [(p, n, o, numel) for p, n, o, numel in items]
+    serial = [codec.encode(p, n, o, numel=numel) for p, n, o, numel in items]
+    many = codec.encode_many(items, threads=3)
+    assert all(torch.equal(a["packed"], b["packed"]) for a, b in zip(serial, many))
+    decoded = codec.decode_many([(m, numel, p.numel(), torch.bfloat16) for m, (p, _, _, numel) in zip(many, items)],
+                                threads=3)
+    for d, (p, new, old, _) in zip(decoded, items):
+        assert torch.equal(d.positions, p) and torch.equal(bits(d.resolve(old)), bits(new))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        codec.encode_many(items[:2] + [(items[0][0].flip(0),) + items[0][1:]], threads=2)
+
+
+# --- without numba ---------------------------------------------------------------------------------
+
+
+def test_everything_works_without_numba(tmp_path):
+    """A platform without numba wheels: the package imports, the kernels are off, and the numpy /
+    torch specification encodes, decodes, detects and checksums (in a child process whose
+    ``import numba`` fails)."""
+    script = tmp_path / "no_numba.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['numba'] = None  # import numba raises ImportError\n"
+        "import torch\n"
+        "from torch_deltasync import _native, get_codec, ChangeDetector\n"
+        "from torch_deltasync._dtypes import bits\n"
+        "from torch_deltasync.checksum import checksum\n"
+        "assert not _native.AVAILABLE and not _native.enabled()\n"
+        "w = torch.randn(5000)\n"
+        "det = ChangeDetector()\n"
+        "det.reset('w', w)\n"
+        "w2 = w.clone(); w2[::9] += 0.01\n"
+        "ch = det.detect('w', w2)\n"
+        "assert ch.positions.tolist() == (bits(w.bfloat16()) != bits(w2.bfloat16())).nonzero().squeeze(1).tolist()\n"
+        "c = get_codec('packed')\n"
+        "p = c.encode(ch.positions, ch.values, ch.old_values, numel=5000)\n"
+        "d = c.decode(p, numel=5000, count=ch.numel, dtype=torch.bfloat16)\n"
+        "assert torch.equal(bits(d.resolve(ch.old_values)), bits(ch.values))\n"
+        "assert checksum(ch.values, ch.positions) == checksum(ch.values.clone(), ch.positions.clone())\n"
+        "try:\n"
+        "    _native.set_enabled(True)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'numba is not installed' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('set_enabled(True) without numba')\n"
+        "print('ok without numba')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0 and "ok without numba" in r.stdout, r.stdout + r.stderr
+
+
+# --- applying in place -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mix", [{"ulp": 1.0}, {"ulp": 0.8, "flip": 0.1, "same": 0.1}, {"random": 1.0}])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_to_matches_resolve_and_index_copy(mix, dtype):
+    numel = 40_000
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(3)).mul_(0.02).to(dtype)
+    rng = np.random.default_rng(4)
+    pos = torch.from_numpy(np.sort(rng.choice(numel, 5000, replace=False)))
+    _, new, _ = make_change_set(9, dtype, 5000, 1.0, mix)  # new values for 5000 entries
+    old = flat[pos]
+    new = torch.where(torch.rand(5000, generator=torch.Generator().manual_seed(5)) < 0.5, new,
+                      (bits(old) + 1).view(dtype))  # half of them one ULP away: step-coded
+    codec = get_codec("packed")
+    d = codec.decode(codec.encode(pos, new, old, numel=numel), numel=numel, count=5000, dtype=dtype)
+    want = flat.clone().index_copy_(0, pos, d.resolve(old) if d.needs_base else d.values)
+    fast, ref = both(lambda: (lambda f: (d.apply_to(f), f)[1])(flat.clone()))
+    assert torch.equal(bits(fast), bits(want)) and torch.equal(bits(ref), bits(want))
+    drifted = flat.clone()
+    drifted.view(bits(drifted).dtype)[pos[7]] ^= 1
+    if d.needs_base:
+        fast, ref = both(lambda: d.apply_to(drifted))
+        assert fast == ref and fast[0] is ChecksumMismatchError
+        assert torch.equal(bits(drifted)[pos[8:]], bits(flat)[pos[8:]]), "a refused delta wrote something"
+    with pytest.raises(ValueError, match="outside"):
+        d.apply_to(flat[: int(pos[-1])].clone())
+
+
+def test_kernels_refuse_inconsistent_deltas():
+    # The kernels index without bounds checks, so a hand-built delta with parts of other lengths
+    # or positions outside the tensor is refused before any of them runs.
+    from torch_deltasync.codec import TensorDelta
+
+    v = torch.zeros(4, dtype=torch.bfloat16)
+    d = TensorDelta(torch.arange(4), v, torch.ones(3, dtype=torch.int16), None, None)
+    with pytest.raises(ValueError, match="shapes"):
+        d.resolve(v)
+    flat = torch.zeros(10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="position -1 outside"):
+        TensorDelta(torch.tensor([-1, 2]), v[:2]).apply_to(flat)
+    with pytest.raises(ValueError, match="position 10 outside"):
+        TensorDelta(torch.tensor([10, 2]), v[:2]).apply_to(flat)
+    assert bool((flat == 0).all())

@@ -1,0 +1,102 @@
+"""GPU kernels of torch_deltasync/_gpu.py against HBM bandwidth and against the torch code they replace.
+
+On one CUDA device, for a tensor of ``--numel`` elements (fp32 live weights, bf16 snapshot) at each
+``--density``:
+
+* **detect**: ``_gpu.detect`` (two passes, each reading the fp32 tensor and the bf16 snapshot:
+  12 bytes per element) against the torch path of ``ChangeDetector.detect`` (cast, compare,
+  ``nonzero``, gathers); achieved bandwidth = bytes the kernels must move / time, as a fraction
+  of the device's copy bandwidth (``copy_`` of a 2 GiB buffer: bytes read + written / time);
+* **scatter** and **apply_steps**: ``_gpu.scatter`` / ``_gpu.apply_steps`` of the changes into a
+  bf16 tensor against ``index_copy_`` (and, for steps, a gather + add + ``index_copy_``).
+
+Issue 14's goal: >= 70% of HBM bandwidth for detection. Every result is checked bit for bit
+against the torch path. Prints a table and writes JSON.
+
+    python tools/bench_gpu_kernels.py --numel 500000000 --out runs/gpu/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch_deltasync import ChangeDetector, _gpu  # noqa: E402
+from torch_deltasync._dtypes import bits  # noqa: E402
+
+
+def cuda_time(fn, repeat: int = 5) -> float:
+    """Median seconds of ``fn`` on the current stream (CUDA events)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--numel", type=int, default=500_000_000)
+    ap.add_argument("--density", type=float, nargs="+", default=[0.01, 0.05])
+    ap.add_argument("--out", default="runs/gpu/kernels.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    n = args.numel
+    buf = torch.empty(1 << 30, dtype=torch.int16, device=dev)
+    buf2 = torch.empty_like(buf)
+    copy_bw = 2 * buf.numel() * 2 / cuda_time(lambda: buf2.copy_(buf))
+    del buf, buf2
+    rows = []
+    w0 = torch.randn(n, device=dev).mul_(0.02)
+    for p in args.density:
+        det = ChangeDetector()
+        det.reset("w", w0)
+        w = w0.clone()
+        m = torch.rand(n, device=dev) < p
+        w[m] += w[m].abs() * 2**-7
+        snap = bits(det.snapshot("w"))
+        got = _gpu.detect(w, snap, torch.bfloat16)
+        t_kernel = cuda_time(lambda: _gpu.detect(w, snap, torch.bfloat16))
+        avail = _gpu.available
+        _gpu.available = lambda d: False  # the torch path of the detector
+        try:
+            want = det.detect("w", w)
+            t_torch = cuda_time(lambda: det.detect("w", w))
+        finally:
+            _gpu.available = avail
+        assert torch.equal(got[0], want.positions) and torch.equal(bits(got[1]), bits(want.values))
+        k = got[0].numel()
+        flat = det.snapshot("w").clone()
+        t_scatter = cuda_time(lambda: _gpu.scatter(flat, got[0], got[1]))
+        t_index_copy = cuda_time(lambda: flat.index_copy_(0, got[0], got[1]))
+        steps = (bits(got[1]) - bits(got[2])).to(torch.int16)
+        t_steps = cuda_time(lambda: _gpu.apply_steps(flat, got[0], steps))
+        t_steps_torch = cuda_time(lambda: flat.index_copy_(0, got[0], (bits(flat[got[0]]) + steps).view(torch.bfloat16)))
+        row = {"numel": n, "density": k / n, "detect_s": t_kernel, "detect_torch_s": t_torch,
+               "detect_gbs": 12 * n / t_kernel / 1e9, "detect_over_copy_bw": 12 * n / t_kernel / copy_bw,
+               "copy_gbs": copy_bw / 1e9, "scatter_s": t_scatter, "index_copy_s": t_index_copy,
+               "apply_steps_s": t_steps, "apply_steps_torch_s": t_steps_torch,
+               "apply_ns_per_change": t_steps / max(k, 1) * 1e9}
+        rows.append(row)
+        print(f"density {k / n:.2%}: detect {t_kernel * 1e3:.2f} ms ({row['detect_gbs']:.0f} GB/s, "
+              f"{row['detect_over_copy_bw']:.0%} of copy bandwidth {copy_bw / 1e9:.0f} GB/s) vs torch "
+              f"{t_torch * 1e3:.2f} ms; scatter {t_scatter * 1e3:.2f} ms vs index_copy_ {t_index_copy * 1e3:.2f} ms; "
+              f"apply_steps {t_steps * 1e3:.2f} ms vs torch {t_steps_torch * 1e3:.2f} ms", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

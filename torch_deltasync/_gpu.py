@@ -1,0 +1,167 @@
+"""Triton kernels for change detection and for applying deltas on CUDA tensors.
+
+What they compute is specified by the CPU code: :meth:`ChangeDetector.detect
+<torch_deltasync.detect.ChangeDetector.detect>` (positions, new and old values of the elements
+whose bit pattern in the inference dtype differs from the snapshot) and ``flat.index_copy_(0,
+positions, values)`` / :meth:`TensorDelta.resolve <torch_deltasync.codec.TensorDelta.resolve>`
+(overwrite, or add steps to the bit patterns). ``tests/test_gpu_kernels.py`` runs them on the CPU
+under Triton's interpreter (``TRITON_INTERPRET=1``) against that code, and ``tools/gpu_check.sh``
+measures them against HBM bandwidth on a GPU (``tools/bench_gpu_kernels.py``).
+
+Detection is a stream compaction in two passes over the tensor: pass 1 casts each block (fp32 ->
+bf16 by round-to-nearest-even on the bit pattern, or no cast when the tensor is already in the
+inference dtype), compares bit patterns with the snapshot and writes the block's count of
+changes; an exclusive prefix sum of the counts gives each block its output offset; pass 2 casts
+and compares again and writes positions, new and old values in order. Both passes read the
+tensor and the snapshot (12 bytes per fp32 element in all), never a mask or a cast copy. A block
+holding a NaN reports it, and the caller falls back to torch's cast (its NaN bit pattern differs
+between torch's code paths; the CPU kernels do the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch's CUDA wheels
+    triton = None
+
+__all__ = ["available", "detect", "scatter", "apply_steps"]
+
+BLOCK = 1024  # elements per program
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device``: a CUDA device with triton importable, or any
+    device under Triton's interpreter (``TRITON_INTERPRET=1``, for tests on the CPU)."""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return True
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _changed(src_ptr, snap_ptr, offs, n, CAST: tl.constexpr):
+        """Mask of changed elements at ``offs``, their new and old bit patterns (the snapshot's
+        integer type), and whether an fp32 source holds a NaN there."""
+        inside = offs < n
+        old = tl.load(snap_ptr + offs, mask=inside, other=0)
+        if CAST:  # fp32 bits -> bf16 bits, round to nearest even (torch's cast except for NaN)
+            u = tl.load(src_ptr + offs, mask=inside, other=0)
+            nan = ((u & 0x7FFFFFFF) > 0x7F800000) & inside
+            new = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF).to(tl.int16)  # wraps to signed
+        else:
+            new = tl.load(src_ptr + offs, mask=inside, other=0)
+            nan = offs < 0
+        return (new != old) & inside, new, old, nan
+
+    @triton.jit
+    def _count_kernel(src_ptr, snap_ptr, counts_ptr, nans_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        changed, _, _, nan = _changed(src_ptr, snap_ptr, offs, n, CAST)
+        tl.store(counts_ptr + pid, tl.sum(changed.to(tl.int32), axis=0))
+        tl.store(nans_ptr + pid, tl.sum(nan.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _write_kernel(src_ptr, snap_ptr, starts_ptr, pos_ptr, new_ptr, old_ptr, n, base,
+                      CAST: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        changed, new, old, _ = _changed(src_ptr, snap_ptr, offs, n, CAST)
+        c = changed.to(tl.int32)
+        at = tl.load(starts_ptr + pid) + tl.cumsum(c, axis=0) - c  # exclusive prefix within the block
+        tl.store(pos_ptr + at, offs.to(tl.int64) + base, mask=changed)
+        tl.store(new_ptr + at, new.to(new_ptr.dtype.element_ty), mask=changed)
+        tl.store(old_ptr + at, old.to(old_ptr.dtype.element_ty), mask=changed)
+
+    @triton.jit
+    def _scatter_kernel(dst_ptr, pos_ptr, val_ptr, k, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < k
+        p = tl.load(pos_ptr + offs, mask=inside, other=0)
+        tl.store(dst_ptr + p, tl.load(val_ptr + offs, mask=inside), mask=inside)
+
+    @triton.jit
+    def _steps_kernel(dst_ptr, pos_ptr, step_ptr, rel_ptr, val_ptr, k, HAS_REL: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < k
+        p = tl.load(pos_ptr + offs, mask=inside, other=0)
+        old = tl.load(dst_ptr + p, mask=inside, other=0)
+        new = (old + tl.load(step_ptr + offs, mask=inside, other=0)).to(old.dtype)  # wraps
+        if HAS_REL:
+            rel = tl.load(rel_ptr + offs, mask=inside, other=1) != 0
+            new = tl.where(rel, new, tl.load(val_ptr + offs, mask=inside, other=0))
+        tl.store(dst_ptr + p, new, mask=inside)
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base: int = 0):
+    """Changed elements of ``flat`` cast to ``dtype`` against a snapshot, as
+    :meth:`ChangeDetector.detect <torch_deltasync.detect.ChangeDetector.detect>` finds them.
+
+    Args:
+        flat: the live tensor, 1-D contiguous: fp32 with ``dtype`` bf16, or already ``dtype``.
+        snap_bits: the snapshot's integer bit view (same width as ``dtype``), same length and device.
+        dtype: the inference dtype.
+        base: added to every position.
+
+    Returns:
+        ``(positions int64, new values, old values)`` in ``dtype`` on ``flat``'s device, or ``None``
+        for other dtype pairs and when a NaN needs torch's cast.
+    """
+    cast = flat.dtype == torch.float32 and dtype == torch.bfloat16
+    if not cast and flat.dtype != dtype:
+        return None
+    n = flat.numel()
+    dev = flat.device
+    src = flat.view(torch.int32) if cast else _int_view(flat)
+    blocks = max(1, triton.cdiv(n, BLOCK))
+    counts = torch.empty(blocks, dtype=torch.int32, device=dev)
+    nans = torch.empty(blocks, dtype=torch.int32, device=dev)
+    _count_kernel[(blocks,)](src, snap_bits, counts, nans, n, CAST=cast, BLOCK=BLOCK)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    k, n_nan = (int(x) for x in torch.stack([ends[-1], nans.sum(dtype=torch.int64)]).tolist())  # one sync
+    if n_nan:
+        return None
+    pos = torch.empty(k, dtype=torch.int64, device=dev)
+    new = torch.empty(k, dtype=snap_bits.dtype, device=dev)
+    old = torch.empty(k, dtype=snap_bits.dtype, device=dev)
+    if k:
+        _write_kernel[(blocks,)](src, snap_bits, ends - counts, pos, new, old, n, base, CAST=cast, BLOCK=BLOCK)
+    return pos, new.view(dtype), old.view(dtype)
+
+
+def scatter(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat.index_copy_(0, positions, values)`` for positions already validated (in range,
+    unique): one program per ``BLOCK`` changes, no bounds checks on the GPU."""
+    k = positions.numel()
+    if k:
+        _scatter_kernel[(triton.cdiv(k, BLOCK),)](_int_view(flat), positions, _int_view(values), k, BLOCK=BLOCK)
+
+
+def apply_steps(flat: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor,
+                relative: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+    """Apply a step-coded delta in place: ``flat[p] = bits(flat[p]) + step`` (wrapped) where
+    ``relative`` (all when ``None``), else ``values`` (:meth:`TensorDelta.resolve
+    <torch_deltasync.codec.TensorDelta.resolve>` followed by the write, in one pass; the caller
+    checks the base checksum first when it needs to)."""
+    k = positions.numel()
+    if not k:
+        return
+    dst = _int_view(flat)
+    has_rel = relative is not None
+    rel = relative.view(torch.uint8) if has_rel else positions
+    val = _int_view(values.contiguous()) if has_rel else steps
+    _steps_kernel[(triton.cdiv(k, BLOCK),)](dst, positions, steps.to(dst.dtype), rel, val, k, HAS_REL=has_rel,
+                                             BLOCK=BLOCK)

@@ -1,0 +1,857 @@
+"""Compiled CPU kernels (numba) for the hot loops of the codec, change detection and checksums.
+
+Each kernel here is a one-pass loop over the elements of one tensor that the numpy/torch code in
+:mod:`~torch_deltasync.packed`, :mod:`~torch_deltasync.detect` and :mod:`~torch_deltasync.checksum`
+does in several vectorised passes (each a full read and write of temporaries). That numpy/torch
+code stays the executable specification: the modules call these kernels only when
+:func:`enabled` is true and fall back to it otherwise, and ``tests/test_native.py`` checks every
+kernel against it bit for bit, on random and adversarial inputs.
+
+Kernels never raise on bad data. Decoding kernels validate every byte they read and return a
+non-zero status instead; the caller then runs the reference decoder on the same input, which
+raises the specific :class:`~torch_deltasync.errors.CorruptObjectError` (so the error messages
+are the specification's; ``tests/test_native.py`` checks that the kernels accept exactly the blobs
+the reference accepts, including every corruption the reference refuses). Encoding kernels write
+only into buffers the caller sized from exact counts or upper bounds, and check them.
+
+Why numba: it ships manylinux/macOS/Windows wheels (with llvmlite) for every supported Python, so
+a fresh machine installs it without a compiler, and the kernels stay Python source next to the
+numpy they mirror. Kernels compile on first use, once per machine: about 20 s for the bf16 paths
+on a 2-core machine, then cached on disk next to this file (``cache=True``; numba falls back to a
+per-user cache directory when that is not writable), which later processes load in ~0.5 s. They are compiled with ``nogil=True``, so threads that encode or decode several
+tensors at once run in parallel.
+
+Set ``TORCH_DELTASYNC_NATIVE=0`` to use the numpy/torch paths only (e.g. to compare, or on a
+platform without numba wheels: numba is then simply absent and :func:`enabled` is false).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:  # numba is a dependency, but a platform without its wheels still works (slower)
+    import numba
+    from numba.cpython.unsafe.numbers import trailing_zeros  # count trailing zero bits (an LLVM intrinsic)
+except ImportError:  # pragma: no cover - exercised only where numba does not install
+    numba = None
+
+__all__ = ["enabled", "set_enabled", "AVAILABLE"]
+
+#: Whether numba could be imported.
+AVAILABLE = numba is not None
+_enabled = AVAILABLE and os.environ.get("TORCH_DELTASYNC_NATIVE", "1") != "0"
+
+
+def enabled() -> bool:
+    """Whether callers should use the compiled kernels (numba importable and not switched off by
+    ``TORCH_DELTASYNC_NATIVE=0`` or :func:`set_enabled`)."""
+    return _enabled
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the compiled kernels on or off for this process (tests compare both paths).
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        RuntimeError: ``on`` is true but numba is not installed.
+    """
+    global _enabled
+    if on and not AVAILABLE:
+        raise RuntimeError("numba is not installed: the compiled kernels are unavailable (pip install numba)")
+    prev, _enabled = _enabled, bool(on)
+    return prev
+
+
+def jit(fn):
+    """Compile ``fn`` with numba (cached on disk, releasing the GIL) when numba is installed;
+    else return it unchanged (it then runs as Python). For code that both the numpy and the
+    native paths share, such as the codec's size estimates."""
+    if numba is None:
+        return fn
+    return numba.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(fn)
+
+
+_jit = jit
+
+
+_u64 = np.uint64
+
+# splitmix64 constants (checksum.py): golden-ratio increment, the two multipliers, and K3.
+_K0 = _u64(0x9E3779B97F4A7C15)
+_K1 = _u64(0xBF58476D1CE4E5B9)
+_K2 = _u64(0x94D049BB133111EB)
+_K3 = _u64(0x5BD1E995)
+_S30, _S27, _S31 = _u64(30), _u64(27), _u64(31)
+_U0, _U1, _U7, _U8 = _u64(0), _u64(1), _u64(7), _u64(8)
+_U7F, _U80 = _u64(0x7F), _u64(0x80)
+
+# Status codes of the decoding kernels (the caller re-runs the reference decoder to raise).
+OK = 0
+BAD = 1
+
+
+# --- checksums (checksum.py section 6 of docs/format.md) -----------------------------------------
+
+
+@_jit
+def _mix(p):
+    """splitmix64's finaliser of ``p + K0`` (uint64), as ``checksum._mix_``."""
+    h = p + _K0
+    h = (h ^ (h >> _S30)) * _K1
+    h = (h ^ (h >> _S27)) * _K2
+    return h ^ (h >> _S31)
+
+
+@_jit
+def checksum_at(pos, vals):
+    """``sum mix(pos[i]) * (vals[i] + K3) mod 2**64``; ``pos`` int64 ``(k,)``, ``vals`` the
+    unsigned bit patterns ``(k,)``. Returns uint64."""
+    s = _U0
+    for i in range(pos.size):
+        s += _mix(_u64(pos[i])) * (_u64(vals[i]) + _K3)
+    return s
+
+
+@_jit
+def checksum_range(start, vals):
+    """:func:`checksum_at` with positions ``start, start + 1, ...``."""
+    s = _U0
+    p = _u64(start)
+    for i in range(vals.size):
+        s += _mix(p) * (_u64(vals[i]) + _K3)
+        p += _U1
+    return s
+
+
+@_jit
+def checksum_diff(pos, old, new):
+    """``sum mix(pos[i]) * (new[i] - old[i]) mod 2**64`` (``checksum.checksum_change``)."""
+    s = _U0
+    for i in range(pos.size):
+        s += _mix(_u64(pos[i])) * (_u64(new[i]) - _u64(old[i]))
+    return s
+
+
+# --- change detection (detect.py) ---------------------------------------------------------------
+
+_BLOCK = 4096  # elements per inner block: the cast and mask of a block stay in L1
+BLOCK = _BLOCK  # scratch size the detection kernels need
+
+
+@_jit
+def _extract(bits, groups, base, vals, ref, pos_out, new_out, old_out, k):
+    """Append the entries of a block whose bit is set in ``bits`` (one uint64 per 64 entries:
+    position ``base + j``, ``vals[j]``, ``ref[j]``) at index ``k`` of the outputs, in order, by
+    walking the set bits (one iteration per change, none per unchanged element). Returns the new
+    ``k``."""
+    for g in range(groups):
+        w = bits[g]
+        while w:
+            j = 64 * g + trailing_zeros(w)
+            pos_out[k] = base + j
+            new_out[k] = vals[j]
+            old_out[k] = ref[j]
+            k += 1
+            w &= w - _U1
+    return k
+
+
+@_jit
+def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, bits):
+    """Changed elements of ``src`` (fp32 bit patterns, uint32 ``(n,)``) cast to bf16 against
+    ``snap`` (bf16 bit patterns, uint16 ``(n,)``).
+
+    The cast is round-to-nearest-even on the bit pattern, which is torch's fp32 -> bf16 cast for
+    every value but NaN (whose result differs between torch's scalar and vector code); a NaN in
+    ``src`` makes the kernel stop and return -1, and the caller uses torch's cast instead.
+
+    Writes the ``k`` changed positions (``base + i``), new and old bf16 patterns to the first ``k``
+    entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), block by block of
+    ``BLOCK`` elements, and stops before a block that might not fit in them. ``cast_tmp``
+    (uint16, ``BLOCK``) and ``bits`` (uint64, ``BLOCK / 64``) are scratch.
+
+    Returns:
+        ``(k, done)``: the changes written and the elements of ``src`` examined (``n`` when all;
+        call again on the rest with larger outputs), or ``(-1, 0)`` when ``src`` holds a NaN.
+    """
+    n = src.size
+    k = 0
+    for a in range(0, n, _BLOCK):
+        if k + _BLOCK > pos_out.size:
+            return k, a
+        s = src[a : a + _BLOCK]  # slices, not offsets: numba vectorises loops over views
+        ref = snap[a : a + _BLOCK]
+        m = s.size
+        top = np.uint32(0)
+        for g in range((m + 63) // 64):  # cast, compare, and one bit per element
+            w = _U0
+            if 64 * g + 64 <= m:
+                for q in range(64):  # vectorises
+                    u = s[64 * g + q]
+                    top = max(top, u & np.uint32(0x7FFFFFFF))
+                    c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    cast_tmp[64 * g + q] = c
+                    w |= _u64(c != ref[64 * g + q]) << _u64(q)
+            else:
+                for q in range(m - 64 * g):
+                    u = s[64 * g + q]
+                    top = max(top, u & np.uint32(0x7FFFFFFF))
+                    c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    cast_tmp[64 * g + q] = c
+                    w |= _u64(c != ref[64 * g + q]) << _u64(q)
+            bits[g] = w
+        if top > np.uint32(0x7F800000):
+            return -1, 0
+        k = _extract(bits, (m + 63) // 64, base + a, cast_tmp, ref, pos_out, new_out, old_out, k)
+    return k, n
+
+
+@_jit
+def detect_same(src, snap, base, pos_out, new_out, old_out, bits):
+    """:func:`detect_f32_bf16` for a source already in the inference dtype (``src`` and ``snap``
+    are bit patterns of the same width). Returns ``(k, done)``."""
+    n = src.size
+    k = 0
+    for a in range(0, n, _BLOCK):
+        if k + _BLOCK > pos_out.size:
+            return k, a
+        s = src[a : a + _BLOCK]
+        ref = snap[a : a + _BLOCK]
+        m = s.size
+        for g in range((m + 63) // 64):
+            w = _U0
+            if 64 * g + 64 <= m:
+                for q in range(64):
+                    w |= _u64(s[64 * g + q] != ref[64 * g + q]) << _u64(q)
+            else:
+                for q in range(m - 64 * g):
+                    w |= _u64(s[64 * g + q] != ref[64 * g + q]) << _u64(q)
+            bits[g] = w
+        k = _extract(bits, (m + 63) // 64, base + a, s, ref, pos_out, new_out, old_out, k)
+    return k, n
+
+
+# --- packed codec: encoding (packed.py) -----------------------------------------------------------
+
+
+@_jit
+def gap_histogram(pos, numel, r_lo, span):
+    """Histogram of ``min(g >> r_lo, span)`` over the gaps ``g`` of ``pos`` (int64, the encoder's
+    positions), int64 ``(span + 1,)``, and whether ``pos`` is strictly increasing in
+    ``[0, numel)``."""
+    # Four interleaved histograms for long inputs: most gaps fall in a few bins, and one histogram
+    # would make every increment wait for the previous one to the same bin.
+    ways = 4 if pos.size >= 8 * (span + 1) else 1  # zeroing and adding 4 histograms costs too
+    h4 = np.zeros((ways, span + 1), np.int64)
+    v = np.empty(_BLOCK, np.int64)
+    low = 0
+    for a in range(0, pos.size, _BLOCK):
+        p = pos[a : a + _BLOCK]
+        m = p.size
+        v[0] = p[0] - (pos[a - 1] if a else -1) - 1
+        for j in range(1, m):
+            v[j] = p[j] - p[j - 1] - 1
+        for j in range(m):  # vectorises
+            low = min(low, v[j])
+            v[j] = min(max(v[j], 0) >> r_lo, span)
+        for j in range(m):
+            h4[j & (ways - 1), v[j]] += 1
+    return h4.sum(axis=0), low >= 0 and (pos.size == 0 or pos[pos.size - 1] < numel)
+
+
+@_jit
+def _put_varint(out, at, v):
+    """Unsigned LEB128 of ``v`` (uint64) at ``out[at:]``; returns the next offset."""
+    while v >= _U80:
+        out[at] = np.uint8((v & _U7F) | _U80)
+        v >>= _U7
+        at += 1
+    out[at] = np.uint8(v)
+    return at + 1
+
+
+@_jit
+def _pack_low_bits(g, m, r, low, at):
+    """Append the low ``r`` bits (``1 <= r <= 8``) of ``g[:m]`` (``m`` a multiple of 8) to the
+    bit stream ``low`` at byte ``at``: every 8 fields fill exactly ``r`` bytes. Returns the next
+    byte offset."""
+    mask = (_U1 << _u64(r)) - _U1
+    for o in range(m // 8):
+        acc = _U0
+        for q in range(8):
+            acc |= (g[8 * o + q] & mask) << _u64(q * r)
+        for j in range(r):
+            low[at + j] = np.uint8((acc >> _u64(8 * j)) & _u64(0xFF))
+        at += r
+    return at
+
+
+@_jit
+def encode_gaps(pos, r, high, ext, low):
+    """The three position streams of gap mode (format "Positions, mode 0"): ``high`` (uint8
+    ``(k,)``) gets ``min(g >> r, 255)``, ``ext`` one varint ``(g >> r) - 255`` per 255 (sized by
+    the caller: 9 bytes per escape), ``low`` the ``r``-bit low parts as a little-endian bit stream
+    (``ceil(k r / 8)`` bytes). Returns the bytes written to ``ext`` (-1, writing nothing past it,
+    when it is too small)."""
+    k = pos.size
+    rr = _u64(r)
+    lmask = (_U1 << rr) - _U1
+    g = np.empty(_BLOCK, np.uint64)
+    e = 0
+    at = 0  # bytes of ``low`` written
+    acc = _U0  # bits not yet written (fields of the general r > 8 path and the tail)
+    nbits = 0
+    for a in range(0, k, _BLOCK):
+        p = pos[a : a + _BLOCK]
+        hb = high[a : a + _BLOCK]
+        m = p.size
+        g[0] = _u64(p[0] - (pos[a - 1] if a else -1) - 1)
+        for j in range(1, m):
+            g[j] = _u64(p[j] - p[j - 1] - 1)
+        n_esc = 0
+        for j in range(m):
+            h = g[j] >> rr
+            n_esc += h >= _u64(255)
+            hb[j] = np.uint8(min(h, _u64(255)))
+        if n_esc:
+            if e + 9 * n_esc > ext.size:
+                return -1  # the caller sized ext too small
+            for j in range(m):
+                if hb[j] == 255:
+                    e = _put_varint(ext, e, (g[j] >> rr) - _u64(255))
+        if r == 0:
+            continue
+        j0 = 0
+        if r <= 8 and nbits == 0:  # whole groups of 8 fields fill whole bytes
+            j0 = m // 8 * 8
+            at = _pack_low_bits(g, j0, r, low, at)
+        for j in range(j0, m):
+            acc |= (g[j] & lmask) << _u64(nbits)
+            nbits += r
+            while nbits >= 8:
+                low[at] = np.uint8(acc & _u64(0xFF))
+                acc >>= _U8
+                nbits -= 8
+                at += 1
+    if nbits > 0:
+        low[at] = np.uint8(acc & _u64(0xFF))
+    return e
+
+
+@_jit
+def _zigzag_step(n, o, full, half):
+    """Zigzag of ``n - o`` wrapped to the width (``full = 2**W``, ``half = 2**(W-1)``), int64."""
+    d = (((np.int64(n) - np.int64(o)) & (full - 1)) ^ half) - half  # sign-extended from W bits
+    return (d << 1) ^ (d >> 63)
+
+
+@_jit
+def step_histogram(new, old, width, cap, every):
+    """Histogram of ``min(z, cap)`` over the zigzag steps ``z`` of ``new - old`` (unsigned bit
+    patterns of ``width`` bytes: 1, 2 or 4) in every ``every``-th block of ``BLOCK`` changes
+    (the first, then every ``every``-th), int64 ``(cap + 1,)``."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    ways = 4 if new.size >= 8 * every * (cap + 1) else 1
+    h4 = np.zeros((ways, cap + 1), np.int64)
+    zc = np.empty(_BLOCK, np.int32)
+    n = new.size
+    for a in range(0, n, _BLOCK * every):
+        nb = new[a : a + _BLOCK]
+        ob = old[a : a + _BLOCK]
+        m = nb.size
+        if width == 2:  # 32-bit lanes: twice as many per vector
+            for j in range(m):
+                d = np.int32(np.int16(np.int32(nb[j]) - np.int32(ob[j])))
+                zc[j] = min(np.uint32((d << 1) ^ (d >> 31)), np.uint32(cap))
+        else:
+            for j in range(m):  # vectorises
+                zc[j] = min(_zigzag_step(nb[j], ob[j], full, half), cap)
+        for j in range(m):
+            h4[j & (ways - 1), zc[j]] += 1
+    return h4.sum(axis=0)
+
+
+@_jit
+def byte_histograms(v, width):
+    """Histograms of every byte of ``v`` (unsigned, ``width`` bytes), int64 ``(width, 256)``."""
+    h = np.zeros((width, 4, 256), np.int64)
+    for i in range(v.size):
+        x = np.int64(v[i])
+        for j in range(width):
+            h[j, i & 3, (x >> (8 * j)) & 0xFF] += 1
+    return h.sum(axis=1)
+
+
+@_jit
+def code16_histograms(new, old, width):
+    """Histograms of the low and high bytes of 16-bit codes (``b = 16``), int64 ``(2, 256)``, and
+    the number of escapes (code ``2**16 - 1``)."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    h = np.zeros((2, 256), np.int64)
+    n_esc = 0
+    for i in range(new.size):
+        z = _zigzag_step(new[i], old[i], full, half)
+        c = 65535 if z == 0 else min(z - 1, 65535)
+        h[0, c & 0xFF] += 1
+        h[1, c >> 8] += 1
+        n_esc += c == 65535
+    return h, n_esc
+
+
+@_jit
+def _varint_len(v):
+    n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+@_jit
+def encode_steps(new, old, width, b, codes, ext, raw):
+    """The value streams of steps mode (format "Values, mode 1") for code width ``b``: packed codes
+    into ``codes`` (``ceil(k b / 8)`` bytes; ``b = 16`` as two byte planes), escape varints into
+    ``ext`` (sized by the caller), and the new bit patterns of raw escapes, in order, into ``raw``
+    (same dtype as ``new``, ``(k,)``). Returns ``(ext bytes, raw escapes)`` (-1, -1 when ``ext``
+    is too small; nothing is written past it)."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    M = (1 << b) - 1
+    k = new.size
+    e_at = 0
+    n_raw = 0
+    c = np.zeros(_BLOCK, np.uint16)  # codes of one block, one per element
+    c8 = np.zeros(_BLOCK, np.uint8)
+    c16 = c8.view(np.uint16)
+    c32 = c8.view(np.uint32)
+    for a in range(0, k, _BLOCK):
+        nb = new[a : a + _BLOCK]
+        ob = old[a : a + _BLOCK]
+        m = nb.size
+        n_esc = 0
+        if width == 2:  # 32-bit lanes; z = 0 wraps to the largest unsigned value, code M
+            for j in range(m):
+                d = np.int32(np.int16(np.int32(nb[j]) - np.int32(ob[j])))
+                cj = np.uint16(min(np.uint32((d << 1) ^ (d >> 31)) - np.uint32(1), np.uint32(M)))
+                n_esc += cj == M
+                c[j] = cj
+        else:
+            for j in range(m):
+                z = _zigzag_step(nb[j], ob[j], full, half)
+                cj = np.uint16(min(np.uint32(z - 1), np.uint32(M)))
+                n_esc += cj == M
+                c[j] = cj
+        if n_esc:
+            if e_at + width * n_esc > ext.size:
+                return -1, -1  # the caller sized ext too small
+            for j in range(m):
+                if c[j] == M:
+                    z = _zigzag_step(nb[j], ob[j], full, half)
+                    if 0 < z - M < 0x80:  # the common escape: a one-byte varint
+                        ext[e_at] = np.uint8(z - M)
+                        e_at += 1
+                    elif z != 0 and _varint_len(z - M) <= width:
+                        e_at = _put_varint(ext, e_at, _u64(z - M))
+                    else:  # no step, or a varint longer than the value: the raw value
+                        ext[e_at] = 0
+                        e_at += 1
+                        raw[n_raw] = nb[j]
+                        n_raw += 1
+        if b == 16:
+            for j in range(m):
+                codes[a + j] = np.uint8(c[j] & 0xFF)
+                codes[k + a + j] = np.uint8(c[j] >> 8)
+            continue
+        for j in range(m):
+            c8[j] = np.uint8(c[j])
+        if b == 8:
+            codes[a : a + m] = c8[:m]
+            continue
+        c8[m : (m + 7) // 8 * 8] = 0
+        o0 = a * b // 8  # a is a multiple of _BLOCK, so whole bytes precede the block
+        if b == 2:  # four codes, one per byte of a uint32, into one byte
+            for o in range((m + 3) // 4):
+                w = c32[o]
+                codes[o0 + o] = np.uint8((w | (w >> 6) | (w >> 12) | (w >> 18)) & 0xFF)
+        else:  # b == 4: two codes, one per byte of a uint16
+            for o in range((m + 1) // 2):
+                w = c16[o]
+                codes[o0 + o] = np.uint8((w | (w >> 4)) & 0xFF)
+    return e_at, n_raw
+
+
+@_jit
+def encode_stats(pos, new, old, width, numel, r_lo, span, cap, every):
+    """What the packed encoder's choices and header need, from one call: the gap histogram and
+    validity of ``pos`` (:func:`gap_histogram`), the step histogram (:func:`step_histogram`;
+    empty for 8-byte values), the number of steps it counts, and the base checksum of ``old`` at
+    ``pos`` (uint64)."""
+    hist, ok = gap_histogram(pos, numel, r_lo, span)
+    hz = step_histogram(new, old, width, cap, every) if width <= 4 else np.zeros(0, np.int64)
+    return hist, ok, hz, hz.sum(), checksum_at(pos, old)
+
+
+@_jit
+def escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every):
+    """Upper bounds on the gap escapes at shift ``r`` and the step escapes at code width ``b``
+    (exact from the histograms of :func:`encode_stats`, else ``k``): the buffer sizes
+    :func:`encode_streams` needs."""
+    n_gap = k
+    if r_lo <= r <= r_hi:
+        n_gap = hist[255 << (r - r_lo) :].sum()
+    n_val = k
+    if 0 < b <= 8 and every == 1:
+        n_val = hz[0] + hz[(1 << b) :].sum()  # z = 0 or z > M = 2**b - 1
+    return n_gap, n_val
+
+
+@_jit
+def encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc):
+    """The six uncompressed streams of a packed blob in gap mode: positions, pos_ext, pos_low
+    (:func:`encode_gaps`, at most ``n_gap_esc`` gap escapes) and, for ``b`` > 0, codes, ext and raw
+    (:func:`encode_steps`, at most ``n_val_esc`` escapes; raw as byte planes), for ``b = 0`` the
+    new bit patterns as byte planes in raw. ``None`` when an escape bound was too small."""
+    k = pos.size
+    high = np.empty(k, np.uint8)
+    ext = np.empty(9 * n_gap_esc, np.uint8)
+    low = np.empty((k * r + 7) // 8, np.uint8)
+    n_ext = encode_gaps(pos, r, high, ext, low)
+    if n_ext < 0:
+        return None
+    if b == 0:
+        planes = np.empty(k * width, np.uint8)
+        to_planes(new, width, planes)
+        return high, ext[:n_ext], low, np.empty(0, np.uint8), np.empty(0, np.uint8), planes
+    codes = np.empty(k * b // 8 if b >= 8 else (k * b + 7) // 8, np.uint8)
+    vext = np.empty(n_val_esc * width, np.uint8)
+    raw = np.empty(k, new.dtype)
+    n_vext, n_raw = encode_steps(new, old, width, b, codes, vext, raw)
+    if n_vext < 0:
+        return None
+    planes = np.empty(n_raw * width, np.uint8)
+    to_planes(raw[:n_raw], width, planes)
+    return high, ext[:n_ext], low, codes, vext[:n_vext], planes
+
+
+@_jit
+def to_planes(v, width, out):
+    """``v`` (unsigned, ``(n,)``) as ``width`` little-endian byte planes into ``out`` (``n w``)."""
+    n = v.size
+    for i in range(n):
+        x = np.int64(v[i])
+        for j in range(width):
+            out[j * n + i] = np.uint8((x >> (8 * j)) & 0xFF)
+
+
+@_jit
+def from_planes(buf, n, width, out):
+    """Inverse of :func:`to_planes` into ``out`` (unsigned of ``width`` bytes, ``(n,)``)."""
+    for i in range(n):
+        x = _U0
+        for j in range(width):
+            x |= _u64(buf[j * n + i]) << _u64(8 * j)
+        out[i] = x
+
+
+@_jit
+def bitmap_from_positions(pos, out):
+    """Set bit ``p mod 8`` of byte ``p // 8`` of ``out`` (zeroed uint8) for every ``p`` in ``pos``."""
+    for i in range(pos.size):
+        p = pos[i]
+        out[p >> 3] |= np.uint8(1 << (p & 7))
+
+
+# --- packed codec: decoding ---------------------------------------------------------------------
+
+
+@_jit
+def _get_varint(buf, at, limit):
+    """One varint at ``buf[at:]`` of at most ``limit`` bytes, no overlong form: ``(value, next
+    offset)``, or ``(0, -1)`` when it is cut off, too long or overlong."""
+    v = _U0
+    n = buf.size
+    for j in range(limit):
+        if at + j >= n:
+            return _U0, -1
+        byte = buf[at + j]
+        v |= _u64(byte & 0x7F) << _u64(7 * j)
+        if byte < 0x80:
+            if j and byte == 0:
+                return _U0, -1
+            return v, at + j + 1
+    return _U0, -1
+
+
+@_jit
+def decode_gaps(high, ext, low, r, numel, max_ext, ext_limit, pos_out):
+    """Positions of gap mode into ``pos_out`` (int64 ``(k,)``), validating what the reference
+    decoder validates: exactly one varint (at most ``ext_limit`` bytes, not overlong, at most
+    ``max_ext``) per 255 byte filling ``ext``, zero padding bits in ``low``, every gap at most
+    ``numel - 1`` and every position below ``numel``. Returns ``OK`` or ``BAD``."""
+    k = high.size
+    rr = _u64(r)
+    lmask = (_U1 << rr) - _U1
+    max_gap = _u64(max(numel - 1, 0))
+    max_high = max_gap >> rr
+    unumel = _u64(numel)
+    g = np.empty(_BLOCK, np.uint64)
+    acc = _U0  # bit reader of the low parts (fields past whole groups of 8, and r > 8)
+    nbits = 0
+    li = 0
+    e = 0
+    p = _U0 - _U1  # the position before the first: p + g + 1 wraps to g
+    for a in range(0, k, _BLOCK):
+        hb = high[a : a + _BLOCK]
+        m = hb.size
+        n_esc = 0
+        for j in range(m):  # vectorises
+            g[j] = _u64(hb[j])
+            n_esc += hb[j] == 255
+        if n_esc:
+            for j in range(m):
+                if hb[j] == 255:
+                    x, e = _get_varint(ext, e, ext_limit)
+                    if e < 0 or x > _u64(max_ext):
+                        return BAD
+                    g[j] += x
+        top = _U0
+        for j in range(m):
+            top = max(top, g[j])
+        if top > max_high:  # also keeps the shifts below from overflowing
+            return BAD
+        j0 = 0
+        if 0 < r <= 8 and nbits == 0:  # whole groups of 8 fields fill r bytes
+            j0 = m // 8 * 8
+            for o in range(j0 // 8):
+                w = _U0
+                for q in range(r):
+                    w |= _u64(low[li + q]) << _u64(8 * q)
+                li += r
+                for q in range(8):
+                    g[8 * o + q] = (g[8 * o + q] << rr) | ((w >> _u64(q * r)) & lmask)
+        for j in range(j0, m):
+            lo = _U0
+            if r:
+                while nbits < r:
+                    acc |= _u64(low[li]) << _u64(nbits)
+                    li += 1
+                    nbits += 8
+                lo = acc & lmask
+                acc >>= rr
+                nbits -= r
+            g[j] = (g[j] << rr) | lo
+        out = pos_out[a : a + _BLOCK]
+        bad = False
+        for j in range(m):
+            bad |= g[j] > max_gap
+            p = p + g[j] + _U1  # cannot wrap: p < numel <= 2**63 and g <= numel - 1 (checked below)
+            bad |= p >= unumel
+            out[j] = np.int64(p)
+        if bad:
+            return BAD
+    if e != ext.size or li != low.size or acc != _U0:
+        return BAD
+    return OK
+
+
+@_jit
+def count_code(codes, count, b):
+    """Number of codes equal to ``M = 2**b - 1`` among the ``count`` codes of ``codes``
+    (``b`` = 2, 4, 8), or -1 when padding bits after the last code are set."""
+    M = (1 << b) - 1
+    per = 8 // b
+    lut = np.zeros(256, np.int64)  # escape codes in each byte value
+    for v in range(256):
+        for q in range(per):
+            lut[v] += ((v >> (q * b)) & M) == M
+    n = 0
+    for i in range(codes.size):
+        n += lut[codes[i]]
+    tail = count % per
+    if tail:
+        last = np.int64(codes[codes.size - 1])
+        if last >> (tail * b):
+            return -1
+    return n
+
+
+@_jit
+def count_code16(codes, count):
+    """:func:`count_code` for ``b = 16`` (two byte planes)."""
+    n = 0
+    for i in range(count):
+        n += codes[i] == 0xFF and codes[count + i] == 0xFF
+    return n
+
+
+@_jit
+def scan_escapes(ext, n_esc, limit, e_max):
+    """Validate the ext stream (exactly ``n_esc`` varints filling it, each at most ``limit``
+    bytes, not overlong, at most ``e_max``) and count its zeros (raw escapes); -1 when invalid."""
+    at = 0
+    zeros = 0
+    for _ in range(n_esc):
+        x, at = _get_varint(ext, at, limit)
+        if at < 0 or x > _u64(e_max):
+            return -1
+        zeros += x == _U0
+    if at != ext.size:
+        return -1
+    return zeros
+
+
+@_jit
+def _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative):
+    """Entry ``i`` with the escape code: its varint (already validated) and, for a 0, the next raw
+    value. Returns the next ext offset and raw index."""
+    first = ext[e_at]
+    if 0 < first < 0x80:  # the common escape: a one-byte varint, z = M + first
+        z = np.int64(M) + np.int64(first)
+        steps[i] = (z >> 1) ^ -(z & 1)
+        return e_at + 1, ri
+    x, e_at = _get_varint(ext, e_at, 9)
+    if x == _U0:
+        v = _U0
+        for j in range(width):
+            v |= _u64(raw[j * n_raw + ri]) << _u64(8 * j)
+        values[i] = v
+        steps[i] = 0
+        relative[i] = False
+        return e_at, ri + 1
+    z = np.int64(M) + np.int64(x)
+    steps[i] = (z >> 1) ^ -(z & 1)
+    return e_at, ri
+
+
+@_jit
+def decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relative):
+    """Steps, raw values and the relative mask from the value streams (already validated by
+    :func:`count_code` and :func:`scan_escapes`): ``steps`` (signed, ``(k,)``, 0 at raw
+    escapes) and, when there are raw escapes (else pass empty arrays), ``values`` (unsigned bit
+    patterns: the raw escapes' new values, else 0) and ``relative`` (bool, false at raw
+    escapes). ``raw`` holds the raw escapes as byte planes."""
+    M = (1 << b) - 1
+    if values.size:
+        values[:] = 0
+        relative[:] = True
+    e_at = 0
+    ri = 0
+    if b >= 8:
+        lut = np.empty(M, steps.dtype)  # code c < M is the step of zigzag z = c + 1
+        for c in range(M):
+            z = c + 1
+            lut[c] = (z >> 1) ^ -(z & 1)
+        for i in range(count):
+            c = np.int64(codes[i]) | (np.int64(codes[count + i]) << 8) if b == 16 else np.int64(codes[i])
+            if c == M:
+                e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+            else:
+                steps[i] = lut[c]
+        return
+    # b = 2 or 4: every byte value's steps from a table; bytes holding an escape code take the
+    # slow path
+    per = 8 // b
+    lut = np.zeros((256, 4), steps.dtype)
+    esc = np.zeros(256, np.bool_)
+    for v in range(256):
+        for q in range(per):
+            c = (v >> (q * b)) & M
+            if c == M:
+                esc[v] = True
+            else:
+                z = c + 1
+                lut[v, q] = (z >> 1) ^ -(z & 1)
+    whole = count // per
+    at = np.empty(whole + 1, np.int64)  # bytes holding an escape code, in order
+    n_at = 0
+    for o in range(whole):  # no branches: every byte's steps from the table
+        v = codes[o]
+        i = o * per
+        if per == 4:
+            steps[i] = lut[v, 0]
+            steps[i + 1] = lut[v, 1]
+            steps[i + 2] = lut[v, 2]
+            steps[i + 3] = lut[v, 3]
+        else:
+            steps[i] = lut[v, 0]
+            steps[i + 1] = lut[v, 1]
+        at[n_at] = o
+        n_at += esc[v]
+    for t in range(n_at):  # then the escapes, in order
+        o = at[t]
+        v = np.int64(codes[o])
+        for q in range(per):
+            if (v >> (q * b)) & M == M:
+                e_at, ri = _decode_escape(o * per + q, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+    for i in range(whole * per, count):
+        c = (np.int64(codes[i // per]) >> ((i % per) * b)) & M
+        if c == M:
+            e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+        else:
+            steps[i] = lut[c, 0]
+
+
+@_jit
+def bitmap_positions(bm, numel, count, pos_out):
+    """Positions of the set bits of a bitmap into ``pos_out`` (int64 ``(count,)``); ``BAD`` when
+    another number of bits is set or a bit at or past ``numel`` is set."""
+    k = 0
+    for byte_i in range(bm.size):
+        v = np.int64(bm[byte_i])
+        while v:
+            bit = 0
+            while not (v >> bit) & 1:
+                bit += 1
+            p = byte_i * 8 + bit
+            if p >= numel or k >= count:
+                return BAD
+            pos_out[k] = p
+            k += 1
+            v &= v - 1
+    return OK if k == count else BAD
+
+
+@_jit
+def resolve_steps(pos, old, steps, relative, values, check, base, new_out):
+    """New bit patterns ``old + steps`` (wrapped; ``values`` where ``relative`` is false) into
+    ``new_out``, and whether the checksum of ``old`` at ``pos`` equals ``base`` (uint64; always
+    true when not ``check``). ``relative`` may be empty (every entry relative)."""
+    if relative.size == 0:
+        for i in range(pos.size):
+            new_out[i] = old[i] + steps[i]
+    else:
+        for i in range(pos.size):
+            new_out[i] = old[i] + steps[i] if relative[i] else values[i]
+    return (not check) or checksum_at(pos, old) == base
+
+
+@_jit
+def apply_at(flat, pos, steps, relative, values, check, base):
+    """Write a decoded delta into ``flat`` (unsigned bit patterns of the whole tensor) in place:
+    ``flat[p] = flat[p] + step`` (wrapped) where relative, else the raw value; ``steps`` empty
+    means overwrite every entry with ``values``. With ``check``, the checksum of the old values at
+    ``pos`` must equal ``base`` (uint64) first, else nothing is written and False is returned.
+    ``pos`` must be in range (the decoder checked it against the tensor's size)."""
+    if check:
+        ck = _U0
+        for i in range(pos.size):
+            ck += _mix(_u64(pos[i])) * (_u64(flat[pos[i]]) + _K3)
+        if ck != base:
+            return False
+    if steps.size == 0:
+        for i in range(pos.size):
+            flat[pos[i]] = values[i]
+    elif relative.size == 0:
+        for i in range(pos.size):
+            flat[pos[i]] = flat[pos[i]] + steps[i]
+    else:
+        for i in range(pos.size):
+            p = pos[i]
+            flat[p] = flat[p] + steps[i] if relative[i] else values[i]
+    return True
