@@ -294,7 +294,13 @@ class DeltaReceiver:
         cached = self._manifests.get(version)
         if cached is not None and not fresh:
             return cached
-        m = self._reread(lambda: load_manifest(self.store, version))
+        try:
+            m = self._reread(lambda: load_manifest(self.store, version))
+        except VersionNotFoundError as e:
+            why = self.store.absent()  # a mistyped path reads differently from a version not published
+            if why:
+                raise VersionNotFoundError(f"{e}: {why}") from None
+            raise
         if cached is not None and cached != m:
             log.warning("%s: the manifest of version %d changed (a new run on a wiped prefix?); "
                         "forgetting every cached manifest", self.store.describe(), version)
