@@ -318,12 +318,18 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                                     "(is the path right?)", receiver.store.describe(), why)
                 # The readiness file and the metrics file are written from now on: a path that
                 # cannot be written is refused here, with nothing installed.
-                status = _Status(init_info.status_dir, rank)
+                try:
+                    status = _Status(init_info.status_dir, rank)
+                except OSError as e:
+                    raise ValueError(f"init_info 'status_dir' {init_info.status_dir!r} cannot be written: {e}") from e
                 metrics = Path(init_info.metrics_path.replace("{rank}", str(rank))) if init_info.metrics_path else None
                 if metrics is not None:
-                    metrics.parent.mkdir(parents=True, exist_ok=True)
-                    with open(metrics, "a"):
-                        pass
+                    try:
+                        metrics.parent.mkdir(parents=True, exist_ok=True)
+                        with open(metrics, "a"):
+                            pass
+                    except OSError as e:
+                        raise ValueError(f"init_info 'metrics_path' {str(metrics)!r} cannot be written: {e}") from e
             except BaseException:
                 receiver.close()
                 raise
