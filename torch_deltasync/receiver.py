@@ -461,6 +461,11 @@ class DeltaReceiver:
                 older = self.manifest(base)
                 if older.run_id != m.run_id:  # a cached copy may predate a wiped prefix: read it again
                     older = self.manifest(base, fresh=True)
+            except CorruptObjectError as e:
+                if best is not None:  # an anchor above the bad manifest is the way past it
+                    why = f"anchor: the manifest of version {base} on the delta chain is unreadable ({e})"
+                    break
+                raise
             except VersionNotFoundError:
                 if best is not None:
                     break  # retention removed the older chain; the candidates found suffice
