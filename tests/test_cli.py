@@ -224,7 +224,7 @@ def test_gc_keeps_the_versions_below_an_anchor_that_fails_its_check(anchored, ca
 
 
 def test_gc_right_after_a_run_says_there_is_nothing_to_delete(run, capsys):
-    store, _ = run
+    store, _, _ = run
     assert main(["gc", str(store.root)]) == 0  # default grace: 60 s, every anchor is younger
     out = capsys.readouterr().out
     assert "none" not in out and "no cut anchor: anchor 0 is only" in out
