@@ -120,6 +120,9 @@ def test_bad_init_info_installs_nothing(run):
         attach_llm(llm, run.bucket, poll_secs=1)
     with pytest.raises(DeltaSyncError, match="not attached to a run: call attach_llm first"):
         update_llm(llm, 0)
+    # an assumed version is trusted, so it is never rounded into one (0.9 is not version 0)
+    with pytest.raises(ValueError, match=r"init_info 'assume_version' must be a version \(int >= 0\) or null, got 0\.9"):
+        attach_llm(llm, run.bucket, assume_version=0.9)
     # paths the workers write from then on are checked by the init, and named
     blocker = run.path / "a-file"
     blocker.write_text("")
