@@ -135,6 +135,14 @@ def test_inspect_reports_malformed_objects_in_one_line(tmp_path, capsys, content
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+def test_inspect_refuses_what_is_not_a_regular_file(tmp_path, capsys):
+    # a folder, and a device that never ends (read whole, it would fill the memory)
+    for path in (str(tmp_path), "/dev/zero"):
+        assert main(["inspect", path]) == 2
+        assert f"{path} is not a regular file: give an object or a manifest" in capsys.readouterr().err
+
+
 def test_bad_arguments_are_refused_by_the_parser(capsys):
     for argv in (["demo", "--size", "nope"], ["demo", "--steps", "0"], ["follow", "x", "--poll", "-1"],
                  ["serve-buffer", "--port", "-1"], ["serve-buffer", "--port", "70000"]):

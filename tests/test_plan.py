@@ -191,3 +191,22 @@ def test_a_chain_that_crosses_runs_after_an_anchor_uses_the_anchor(tmp_path):
     assert r.update(6) == 6
     assert holds(r.target.tensors, states[6])
     assert list_versions(store) == list(range(7))
+
+
+def test_a_corrupt_manifest_below_an_anchor_is_passed_by_the_anchor(tmp_path):
+    """The manifest of v2 (between the held v1 and the anchor v4) is garbage: the receiver at v1
+    reaches v6 through the anchor v4, as a fresh receiver does; v3 (whose chain needs v2) is refused
+    with the manifest named, and the held weights stay."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    model = StepModel(seed=42)
+    states = publish(store, model, range(7), DeltaSender(model.tensors, store, anchor_every=4))
+    store.put(manifest_key(2), b'{"format": 1')  # truncated
+    r = receiver_at(store, states[1], 1)
+    with pytest.raises(CorruptObjectError, match=r"versions/000000000002\.json \(manifest of version 2\) is not valid JSON"):
+        r.update(3)
+    assert holds(r.target.tensors, states[1]) and r.version == 1
+    plan = r.plan(6)
+    assert plan.path == "anchor" and [s.version for s in plan.steps] == [4, 5, 6]
+    assert "manifest of version 2" in plan.steps[0].reason
+    assert r.update(6) == 6
+    assert holds(r.target.tensors, states[6])

@@ -89,3 +89,21 @@ def test_prepare_in_a_thread_while_the_model_is_read(store):
     t.join()
     assert receiver.commit(out["staged"]) == 3
     assert first_difference(trainer, replica) is None
+
+
+def test_an_update_staged_by_another_receiver_is_refused(store, tmp_path):
+    # Two fresh receivers of different models: the one that did not prepare the update must not
+    # write it (both start at "nothing held", so only the receiver's identity tells them apart).
+    from torch_deltasync import LocalStore
+
+    other_store = LocalStore(tmp_path / "other")
+    other_trainer = make_mlp(7)
+    DeltaSender(other_trainer, other_store).publish()
+    foreign = DeltaReceiver(make_mlp(8, torch.bfloat16), other_store).prepare()
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    before = state_bits(replica)
+    assert not receiver.is_current(foreign)
+    with pytest.raises(StaleUpdateError, match="another receiver staged it"):
+        receiver.commit(foreign)
+    assert _same_bits(state_bits(replica), before) and receiver.version is None

@@ -144,6 +144,12 @@ def test_a_missing_folder_reads_as_no_version_and_says_the_folder_does_not_exist
     with pytest.raises(VersionNotFoundError) as e:
         _receiver(str(existing)).update()
     assert str(e.value).endswith("no version has been published yet")  # a run that has not started
+    # an explicit version (e.g. the vLLM backend's assume_version) says so too
+    with pytest.raises(VersionNotFoundError, match=rf"version 0 is not visible: the folder {missing} does not exist"):
+        _receiver(str(missing)).update(0)
+    with pytest.raises(VersionNotFoundError) as e:
+        _receiver(str(existing)).update(0)
+    assert str(e.value).endswith("version 0 is not visible")
     assert not (tmp_path / "no").exists()  # readers create nothing
 
 
@@ -212,10 +218,10 @@ class _Hangs(LocalStore):
         super().__init__(root, fsync=False)
         self.release = threading.Event()
         self.entered = threading.Event()
-        self.armed = False  # hang only once armed (the writer's own reads answer)
+        self.hang = False  # set once the writer is done (its lease reads the store too)
 
     def get(self, key, *, start=None, end=None):
-        if self.armed:
+        if self.hang:
             self.entered.set()
             self.release.wait()
         return super().get(key, start=start, end=end)
@@ -235,8 +241,10 @@ def test_a_store_call_that_never_returns_fails_at_its_deadline(hangs):
     from torch_deltasync import DeltaReceiver, DeltaSender, TransientStoreError
     from torch_deltasync.store import DeadlineStore
 
-    DeltaSender({"w": torch.ones(3)}, hangs).publish()
-    hangs.armed = True
+    sender = DeltaSender({"w": torch.ones(3)}, hangs)
+    sender.publish()
+    sender.close()  # releases its lease; from here on every read hangs
+    hangs.hang = True
     receiver = DeltaReceiver({"w": torch.zeros(3, dtype=torch.bfloat16)}, open_store(hangs, timeout_s=0.2))
     with pytest.raises(TransientStoreError, match=r"cannot read '.*': no answer within 0\.2 s \(the store call deadline"):
         receiver.update()

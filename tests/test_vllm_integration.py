@@ -120,6 +120,16 @@ def test_bad_init_info_installs_nothing(run):
         attach_llm(llm, run.bucket, poll_secs=1)
     with pytest.raises(DeltaSyncError, match="not attached to a run: call attach_llm first"):
         update_llm(llm, 0)
+    # an assumed version is trusted, so it is never rounded into one (0.9 is not version 0)
+    with pytest.raises(ValueError, match=r"init_info 'assume_version' must be a version \(int >= 0\) or null, got 0\.9"):
+        attach_llm(llm, run.bucket, assume_version=0.9)
+    # paths the workers write from then on are checked by the init, and named
+    blocker = run.path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=rf"init_info 'metrics_path' '{blocker}/m-0.jsonl' cannot be written"):
+        attach_llm(llm, run.bucket, assume_version=run.v0, metrics_path=str(blocker / "m-{rank}.jsonl"))
+    with pytest.raises(ValueError, match=rf"init_info 'status_dir' '{blocker}/st' cannot be written"):
+        attach_llm(llm, run.bucket, assume_version=run.v0, status_dir=str(blocker / "st"))
     assert all(w.engine.receiver is None for w in run.workers)
 
 

@@ -52,6 +52,11 @@ def test_offline_llm_follows_versions_bit_exact(tmp_path, tp):
     assert "sha256" in res["corrupt_error"] and "version 4" in res["corrupt_error"]
     assert "version 999 is not visible" in res["missing_error"]
     assert res["version_after_corrupt"] == "3"
+    # refused on every worker (update before init, a bad init_info field, a string version), each
+    # naming what is wrong; the good calls after each (init, the recovery update) still succeed
+    assert "not initialised" in res["before_init_error"] and "init_weight_transfer_engine" in res["before_init_error"]
+    assert "'in_place' must be 'auto' or 'never', got 'sometimes'" in res["bad_init_error"]
+    assert "update_info 'version' must be a published version (int >= 0), got '4'" in res["bad_update_info_error"]
     # an engine that joins late catches up through the anchor path
     assert res["late_equal"] and res["late_version"] == "5"
 

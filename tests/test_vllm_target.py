@@ -323,6 +323,32 @@ def test_wrong_shape_is_refused_and_params_unchanged(tmp_path, published_qwen2):
     assert rec.version is None
 
 
+@pytest.mark.parametrize("engine_writes", [True, False])
+def test_engine_target_refuses_other_shapes_before_any_reload(tmp_path, published_qwen2, engine_writes):
+    # Modules VLLMEngineTarget reloads (every linear on vLLM's CPU build; all of them with
+    # in_place="never") are checked against the layer's sizes before anything is written, also
+    # when only the host copy is built (engine_writes=False: the backend's assume_version).
+    from torch_deltasync.targets.vllm_engine import VLLMEngineTarget
+
+    spec, _, anchor_state, _, vc = published_qwen2
+    other = dict(spec, intermediate_size=spec["intermediate_size"] * 2)  # a different model
+    store = LocalStore(tmp_path / "other")
+    _train_and_publish(hf_model(other, seed=6), store, steps=0)
+    model = build_vllm_model(vc, 1, 2)
+    load_hf_weights(model, anchor_state)
+    before = vllm_state_bits(model)
+    target = VLLMEngineTarget(model, vc.model_config, in_place="never")
+    target.engine_writes = engine_writes
+    rec = DeltaReceiver(target, store)
+    h, i = spec["hidden_size"], spec["intermediate_size"]
+    with pytest.raises(IncompatibleTargetError,
+                       match=rf"'model.layers.0.mlp.gate_proj.weight' has shape \({2 * i}, {h}\), the vLLM layer "
+                             rf"'model.layers.0.mlp.gate_up_proj' expects \({i}, {h}\): the run publishes another model"):
+        rec.update()
+    assert not _diff(before, vllm_state_bits(model))
+    assert rec.version is None and target.host == {}
+
+
 def test_direct_writes_outside_the_rank_are_refused(published_qwen2):
     spec, store, anchor_state, v, vc = published_qwen2
     model = build_vllm_model(vc, 0, 2)

@@ -141,7 +141,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
     store, key = _locate(args)
     if store is None:
-        data, where, version = Path(key).read_bytes(), key, None
+        path = Path(key)
+        if path.exists() and not path.is_file():  # a folder, or a device or pipe that never ends
+            raise ValueError(f"{key} is not a regular file: give an object or a manifest (or STORE KEY)")
+        data, where, version = path.read_bytes(), key, None
     else:
         data, where = store.get(key), f"{store.describe()}/{key}"
         version = parse_manifest_key(key)

@@ -29,6 +29,7 @@ device memory), the receiver marks its state unknown and the next update takes t
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -207,6 +208,9 @@ def _concat(parts: list[TensorDelta], what: str) -> TensorDelta:
                        base)
 
 
+_GENERATIONS = itertools.count()  # generations of every receiver's held state (DeltaReceiver._generation)
+
+
 def _check_version(version: object) -> int:
     """A version number from the caller: a non-negative ``int`` (``bool`` is not a version)."""
     if type(version) is not int:
@@ -250,7 +254,9 @@ class DeltaReceiver:
         self.store = open_store(store).sub(prefix)
         self.max_workers = max_workers
         self.metrics_path = Path(metrics_path) if metrics_path else None
-        self._generation = 0  # bumped whenever the held state changes; a staged update records it
+        # A new value whenever the held state changes; a staged update records it. Drawn from one
+        # counter for every receiver, so an update staged by another receiver is never current here.
+        self._generation = next(_GENERATIONS)
         self._version: int | None = None
         self.last_stats: UpdateStats | None = None
         self._checksums: dict[str, int] = {}  # full checksums of the held state (holds_all targets)
@@ -269,7 +275,7 @@ class DeltaReceiver:
     def version(self, value: int | None) -> None:
         # Setting it (e.g. to None to force an anchor rebuild) invalidates every staged update.
         self._version = value
-        self._generation += 1
+        self._generation = next(_GENERATIONS)
 
     # --- discovery -------------------------------------------------------------------------------
 
@@ -288,7 +294,13 @@ class DeltaReceiver:
         cached = self._manifests.get(version)
         if cached is not None and not fresh:
             return cached
-        m = self._reread(lambda: load_manifest(self.store, version))
+        try:
+            m = self._reread(lambda: load_manifest(self.store, version))
+        except VersionNotFoundError as e:
+            why = self.store.absent()  # a mistyped path reads differently from a version not published
+            if why:
+                raise VersionNotFoundError(f"{e}: {why}") from None
+            raise
         if cached is not None and cached != m:
             log.warning("%s: the manifest of version %d changed (a new run on a wiped prefix?); "
                         "forgetting every cached manifest", self.store.describe(), version)
@@ -449,6 +461,11 @@ class DeltaReceiver:
                 older = self.manifest(base)
                 if older.run_id != m.run_id:  # a cached copy may predate a wiped prefix: read it again
                     older = self.manifest(base, fresh=True)
+            except CorruptObjectError as e:
+                if best is not None:  # an anchor above the bad manifest is the way past it
+                    why = f"anchor: the manifest of version {base} on the delta chain is unreadable ({e})"
+                    break
+                raise
             except VersionNotFoundError:
                 if best is not None:
                     break  # retention removed the older chain; the candidates found suffice
@@ -538,7 +555,8 @@ class DeltaReceiver:
 
         Raises:
             StaleUpdateError: the target no longer holds ``staged.base_version`` (another update,
-                :meth:`assume` or a failure came in between); nothing is written. Prepare again.
+                :meth:`assume` or a failure came in between), or another receiver prepared
+                ``staged``; nothing is written. Prepare again.
             Exception: whatever a write raises (e.g. out of memory); the held state is then
                 unknown (``version`` is ``None``) and the next update takes the anchor path.
         """
@@ -546,7 +564,8 @@ class DeltaReceiver:
             if not self.is_current(staged):
                 raise StaleUpdateError(
                     f"{self.store.describe()}: version {staged.version} was staged on version "
-                    f"{staged.base_version}, but the target now holds {self.version}; prepare it again"
+                    f"{staged.base_version}, but the target now holds {self.version} (or another receiver "
+                    "staged it); prepare it again with this receiver"
                 )
             if staged.plan.path == "noop":
                 return self.version  # type: ignore[return-value]

@@ -50,6 +50,20 @@ def main() -> None:
     res = {"tp": tp, "checks": []}
 
     a = engine(d0, tp=tp)
+
+    def refused(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"[:2000]
+        return None
+
+    # Refused on every worker before init; each must leave vLLM's executor in step (with TP > 1 a
+    # failure raised by every worker used to leave stale answers queued for the next call).
+    res["before_init_error"] = refused(lambda: (a.start_weight_update(),
+                                                a.update_weights({"update_info": {"version": v0}})))
+    res["bad_init_error"] = refused(lambda: a.init_weight_transfer_engine(
+        {"init_info": {"store": bucket, "in_place": "sometimes"}}))
     a.init_weight_transfer_engine({"init_info": {"store": bucket, "assume_version": v0}})
 
     def commit(llm, v):
@@ -115,6 +129,8 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         res["missing_error"] = f"{type(e).__name__}: {e}"[:2000]
     compare("after_missing", v3)
+    res["bad_update_info_error"] = refused(lambda: (a.start_weight_update(),
+                                                    a.update_weights({"update_info": {"version": "4"}})))
 
     # v5 is an anchor (anchor_every=5): the way past the unreadable v4.
     perturb(model, seed=5)

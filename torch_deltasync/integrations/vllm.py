@@ -258,7 +258,7 @@ def _init_info(store: str | os.PathLike, prefix: str, assume_version: int | None
     if status_dir is not None:
         info["status_dir"] = str(status_dir)
     if assume_version is not None:
-        info["assume_version"] = int(assume_version)
+        info["assume_version"] = assume_version  # as given: the backend refuses a non-int, naming it
     return info, (None if status_dir is None else str(status_dir)), created
 
 

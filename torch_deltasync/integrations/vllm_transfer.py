@@ -273,7 +273,18 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._metrics: Path | None = None
         self._worker: Any = None  # weakref to the vLLM worker that owns this engine
 
-    def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+    def parse_init_info(self, init_dict: dict[str, Any]) -> DeltaSyncInitInfo | None:  # type: ignore[override]
+        """vLLM's parse (``DeltaSyncInitInfo(**init_dict)``), agreed across the engine's workers: a
+        bad field is raised by one worker only (:func:`_on_every_worker`), the others get ``None``
+        and :meth:`init_transfer_engine` does nothing with it, so vLLM's executor stays in step.
+
+        Raises:
+            ValueError: a missing, unknown or bad field (the message names it).
+        """
+        parse = super().parse_init_info
+        return _on_every_worker(lambda: parse(init_dict), "init_weight_transfer_engine (init_info)")
+
+    def init_transfer_engine(self, init_info: DeltaSyncInitInfo | None) -> None:
         """Follow the run ``init_info.store`` / ``prefix``: build the receiver (and, with
         ``assume_version``, the host copy of that version), then start staging in the background.
         On any error nothing is installed and a receiver from an earlier init stays.
@@ -285,6 +296,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         from ..receiver import DeltaReceiver
         from ..targets.vllm_engine import VLLMEngineTarget
 
+        if init_info is None:
+            return  # the init_info was refused; another worker raised the reason (parse_init_info)
         rank = _worker_rank()
 
         def build():
@@ -298,29 +311,69 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                         receiver.update(init_info.assume_version)
                     finally:
                         target.engine_writes = True
-                else:
-                    receiver.newest_version()  # the store answers (a bad URI or bucket fails here)
+                elif receiver.newest_version() is None:  # the store answers (a bad URI or bucket fails here)
+                    why = receiver.store.absent()
+                    if why:
+                        log.warning("deltasync: %s: %s; nothing is staged until a version is published there "
+                                    "(is the path right?)", receiver.store.describe(), why)
+                # The readiness file and the metrics file are written from now on: a path that
+                # cannot be written is refused here, with nothing installed.
+                try:
+                    status = _Status(init_info.status_dir, rank)
+                except OSError as e:
+                    raise ValueError(f"init_info 'status_dir' {init_info.status_dir!r} cannot be written: {e}") from e
+                metrics = Path(init_info.metrics_path.replace("{rank}", str(rank))) if init_info.metrics_path else None
+                if metrics is not None:
+                    try:
+                        metrics.parent.mkdir(parents=True, exist_ok=True)
+                        with open(metrics, "a"):
+                            pass
+                    except OSError as e:
+                        raise ValueError(f"init_info 'metrics_path' {str(metrics)!r} cannot be written: {e}") from e
             except BaseException:
                 receiver.close()
                 raise
-            return receiver
+            return receiver, status, metrics
 
         self._worker = _calling_worker(self)
-        receiver = _on_every_worker(build, "init_weight_transfer_engine")
-        if receiver is None:
+        built = _on_every_worker(build, "init_weight_transfer_engine")
+        if built is None:
             return  # another worker failed and raised for the engine: nothing is installed anywhere
         self.shutdown()
-        self.receiver = receiver
-        self._status = _Status(init_info.status_dir, rank)
-        self._status.update(held=receiver.version)
-        self._metrics = Path(init_info.metrics_path.replace("{rank}", str(rank))) if init_info.metrics_path else None
+        self.receiver, self._status, self._metrics = built
+        self._status.update(held=self.receiver.version)
+        receiver = self.receiver
         if init_info.stage_ahead:
             self._stager = _Stager(receiver, init_info.poll_s, self._status)
             self._stager.start()
 
     def start_weight_update(self) -> None:
-        """Nothing to set up (writes are in place or per-module reloads inside the update)."""
-        self._require()
+        """Nothing to set up (writes are in place or per-module reloads inside the update). An
+        engine that was never initialised is refused by ``update_weights``, where the workers agree
+        on the failure (raising here on every worker would put vLLM's executor out of step)."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's entry point: parse ``update_info`` and commit it (:meth:`receive_weights`). The
+        parse and the check that the backend is initialised are agreed across the workers, so a bad
+        ``update_info`` is raised by one worker only and the others end their session, as vLLM does
+        on the worker that raises (:func:`_on_every_worker`).
+
+        Raises:
+            ValueError: a missing, unknown or bad field of ``update_info`` (the message names it).
+            DeltaSyncError: the backend is not initialised on this engine.
+        """
+        def parse():
+            self._require()
+            return self.parse_update_info(update_info)
+
+        if self._worker is None:  # never initialised: find the worker whose session to end
+            self._worker = _calling_worker(self)
+        typed = _on_every_worker(parse, "update_weights")
+        if typed is None:
+            self._end_session()
+            return
+        self.receive_weights(typed)
+        torch.accelerator.synchronize()  # as vLLM's base update_weights does
 
     @torch.no_grad()
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
@@ -364,13 +417,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if self._status is not None:
             self._status.update(held=v)
         if self._metrics is not None:
-            self._metrics.parent.mkdir(parents=True, exist_ok=True)
-            with open(self._metrics, "a") as f:
-                f.write(json.dumps({"event": "commit", **stats}) + "\n")
+            try:
+                with open(self._metrics, "a") as f:
+                    f.write(json.dumps({"event": "commit", **stats}) + "\n")
+            except OSError as e:  # the commit landed on every worker: a lost stats line is no failure
+                log.warning("deltasync: cannot append to %s: %s", self._metrics, e)
 
     def finish_weight_update(self) -> None:
-        """Wake the stager: the next version may already be visible."""
-        self._require()
+        """Wake the stager: the next version may already be visible (nothing to do before init)."""
         if self._stager is not None:
             self._stager.wake()
 

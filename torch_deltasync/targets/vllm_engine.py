@@ -129,6 +129,15 @@ class VLLMEngineTarget(Target):
         if inplace:
             self._tp.check({n: shapes[n] for n in inplace},
                            {a: c for a, c in aliases.items() if c in inplace and a not in module_of}, dtype)
+        for name, path in module_of.items():
+            # The layer's own loader checks a reloaded tensor's shape only inside a reload, after
+            # the commit has begun: check it here, against the layer's full (unsharded) sizes.
+            expected = _full_shape(self._tp._module(path), self._tp._map_name(name))
+            got = tuple(shapes[aliases.get(name, name)])
+            if expected is not None and expected != got:
+                raise IncompatibleTargetError(
+                    f"published tensor {name!r} has shape {got}, the vLLM layer {path!r} expects {expected}: "
+                    "the run publishes another model than the engine serves (check the store and prefix)")
         loads: dict[str, list[tuple[str, str]]] = {}
         paths_of: dict[str, set[str]] = {}
         for name, path in module_of.items():
@@ -234,3 +243,40 @@ class VLLMEngineTarget(Target):
             log.debug("%s: reloaded (%s)", name, err)
             return False
         return not e.ignored and bool(e.places)
+
+
+def _full_shape(module: nn.Module | None, mapped: tuple[str, int | None] | None) -> tuple[int, ...] | None:
+    """The full HF shape a reloaded tensor must have, from its vLLM layer's unsharded sizes
+    (``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py``; the same attributes
+    the TP map of :mod:`torch_deltasync.targets.vllm` reads); ``None`` for layers not known here (the
+    layer's loader checks those at the reload)."""
+    from .vllm import _classes
+
+    if module is None or mapped is None:
+        return None
+    vname, shard = mapped
+    leaf = vname.rpartition(".")[2]
+    C = _classes()
+    cls = type(module)
+    if cls in (C.Vocab, C.LMHead):
+        return (int(module.org_vocab_size), int(module.embedding_dim)) if leaf == "weight" else None
+    if cls is C.QKV:
+        if shard not in (0, 1, 2):
+            return None
+        d = int(module.head_size)
+        heads = int(module.total_num_heads) if shard == 0 else int(module.total_num_kv_heads)
+        rows = heads * (int(getattr(module, "v_head_size", d)) if shard == 2 else d)
+    elif cls is C.Merged:
+        out = [int(o) for o in module.output_sizes]
+        if shard is None or not 0 <= shard < len(out):
+            return None
+        rows = out[shard]
+    elif cls in (C.Column, C.Row, C.Replicated):
+        if shard is not None:
+            return None
+        rows = int(module.output_size)
+    else:
+        return None
+    if leaf == "weight":
+        return (rows, int(module.input_size))
+    return (rows,) if leaf == "bias" else None
