@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a divisor of the world size)")
     p.add_argument("--dp-replicate", type=int, default=1,
                    help="HSDP replicas (a divisor of world / tp); the rest of the ranks shard (dp_shard)")
+    p.add_argument("--takeover", action="store_true",
+                   help="claim the run prefix even if a crashed earlier job's writer lease is still live (< 60 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", default=None, help="JSONL of PublishStats (rank 0)")
     p.add_argument("--save-final", default=None,
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_rank = parallelize(model, world, tp=args.tp, dp_replicate=args.dp_replicate, device_type=device.type)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     sender = DeltaSender(model, args.bucket, prefix=args.prefix, anchor_every=args.anchor_every,
-                         background=args.background, metrics_path=args.metrics)
+                         background=args.background, metrics_path=args.metrics, takeover=args.takeover)
     nparams = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"[rank 0] Qwen3-{args.size}: {nparams:,} parameters over {world} ranks (tp {args.tp}, dp_replicate "
