@@ -640,52 +640,30 @@ def test_stuck_worker_times_out(tmp_path, fork_start):
 # --- the LLM stack sender ---------------------------------------------------------------------------
 
 
-class FakeVLLMWorker:
-    """A tensor-parallel-1 stand-in for a vLLM worker running ``DeltaWorkerExtension``: the same
-    method names and results, applying into a Hugging Face model (no vLLM needed)."""
-
-    def __init__(self, rank: int, model: nn.Module) -> None:
-        self.rank, self.model, self.receiver = rank, model, None
-
-    def deltasync_attach(self, store, prefix="", **kwargs):
-        from torch_deltasync import DeltaReceiver
-
-        self.receiver = DeltaReceiver(self.model, store, prefix=prefix)
-        return {"rank": self.rank, "version": None}
-
-    def deltasync_update(self, version=None):
-        v = self.receiver.update(version)
-        return {"rank": self.rank, "version": v, "stats": self.receiver.last_stats.to_dict()}
-
-    def deltasync_checksums(self):
-        from torch_deltasync.checksum import format_checksum
-
-        m = self.receiver.manifest(self.receiver.version)
-        return {"rank": self.rank, "version": self.receiver.version,
-                "partials": {n: format_checksum(c) for n, c in self.receiver.partial_checksums().items()},
-                "expected": {t.name: format_checksum(t.checksum) for t in m.tensors}}
-
-
-class FakeEngine:
-    """``collective_rpc`` over replicas of workers, recording every call; results come back as one
-    future per replica, like torchrl's ``AsyncVLLM`` (which returns Ray futures)."""
+class ReplicatedEngine:
+    """``collective_rpc`` over replicas of scripted vLLM workers (``vllm_scripted``: real vLLM models
+    with real ``deltasync`` backend engines), recording every call; results come back as one future
+    per replica, like torchrl's ``AsyncVLLM`` (which returns Ray futures). Every worker runs the call
+    and a replica's future carries its first error, as vLLM's executor does."""
 
     def __init__(self, replicas: list[list]) -> None:
         self.replicas = replicas
         self.calls: list[tuple] = []
-        self.lie = False
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         from concurrent.futures import Future
 
-        self.calls.append((method, tuple(args), dict(kwargs or {})))
+        self.calls.append((method, dict(kwargs or {})))
         futures = []
         for workers in self.replicas:
-            f = Future()
-            res = [getattr(w, method)(*args, **(kwargs or {})) for w in workers]
-            if self.lie and method == "deltasync_update":
-                res[-1] = {**res[-1], "version": res[-1]["version"] - 1}
-            f.set_result(res)
+            f, errors = Future(), []
+            results = []
+            for w in workers:
+                try:
+                    results.append(getattr(w, method)(*args, **(kwargs or {})))
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+            f.set_exception(errors[0]) if errors else f.set_result(results)
             futures.append(f)
         return futures
 
@@ -694,17 +672,67 @@ class FakeEngine:
         return True
 
 
-def test_llm_sender_with_fake_engine(tmp_path):
+def _vllm_run(tmp_path, *, replicas: int, tp: int = 2, loaded=None):
+    """A tiny Qwen2 trainer and ``replicas`` x ``tp`` scripted vLLM workers (``loaded``: the HF
+    tensors they start from), plus a per-rank reference of vLLM's own ``load_weights``."""
+    from vllm_scripted import ScriptedWorker
+
+    from torch_deltasync.testing_vllm import TINY_VLLM_CONFIGS, build_vllm_model, hf_model, load_hf_weights, vllm_config
+
+    spec = TINY_VLLM_CONFIGS["qwen2"]
+    trainer = hf_model(spec, seed=11)
+    vc = vllm_config(spec, tmp_path / "cfg")
+    reps = [[ScriptedWorker(vc, r, tp, loaded(trainer) if loaded else None) for r in range(tp)]
+            for _ in range(replicas)]
+
+    def reference(rank, state):
+        from torch_deltasync.testing_vllm import vllm_state_bits
+
+        ref = build_vllm_model(vc, rank, tp)
+        load_hf_weights(ref, state)
+        return vllm_state_bits(ref)
+
+    def assert_serve(state, what):
+        for r in range(tp):
+            want = reference(r, state)
+            for workers in reps:
+                got = workers[r].bits()
+                bad = [n for n in want if not torch.equal(got[n], want[n])]
+                assert not bad, f"{what}, rank {r}: {bad[:4]}"
+
+    return trainer, reps, assert_serve
+
+
+def _bf16_state(model):
+    return {n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()}
+
+
+def test_llm_sender_with_replicated_engine(tmp_path):
+    """torchrl's wiring (``init_all_workers_group``, ``UpdateWeights``, a collector's
+    ``PolicyVersion``) over 2 replicas x TP 2: every update is vLLM's start/update/finish on every
+    worker, and each rank then equals vLLM's own ``load_weights`` of the trainer's bf16 weights; a
+    corrupted version is refused with nothing changed, and the next anchor repairs the chain."""
     from torchrl.envs.llm.transforms import PolicyVersion
     from torchrl.trainers import UpdateWeights
 
-    from torch_deltasync import DeltaSyncError
-    from torch_deltasync.testing import adam_step, tiny_qwen3
+    from torch_deltasync import CorruptObjectError
+    from torch_deltasync.testing import adam_step
 
-    trainer = tiny_qwen3("tiny", seed=0)
-    replicas = [[FakeVLLMWorker(r, tiny_qwen3("tiny", seed=10 + r, dtype=torch.bfloat16))] for r in range(2)]
-    engine = FakeEngine(replicas)
-    sender = DeltaVLLMWeightSender(str(tmp_path), prefix="grpo", anchor_every=2)
+    class CorruptingStore(PassThroughStore):
+        """Flips a byte of the delta objects it writes while ``on`` (before any worker can read them)."""
+
+        on = False
+
+        def put(self, key, data):
+            if self.on and "/delta-" in key:
+                data = bytearray(data)
+                data[len(data) // 2] ^= 0x40
+            self.inner.put(key, bytes(data))
+
+    trainer, replicas, assert_serve = _vllm_run(tmp_path, replicas=2)
+    engine = ReplicatedEngine(replicas)
+    store = CorruptingStore(LocalStore(tmp_path / "bucket"))
+    sender = DeltaVLLMWeightSender(store, prefix="grpo", worker_store=str(tmp_path / "bucket"), anchor_every=3)
     sender.register_model(trainer)
     sender.init_all_workers_group({}, vllm_engine=engine)  # torchrl's wiring call
 
@@ -716,71 +744,80 @@ def test_llm_sender_with_fake_engine(tmp_path):
     hook = UpdateWeights(sender=sender, update_weights_interval=1)
     opt = torch.optim.Adam(trainer.parameters(), 1e-3)
     gen = torch.Generator().manual_seed(0)
-    for step in range(4):
-        if step:
-            adam_step(trainer, opt, generator=gen)
-        hook()  # what GRPOTrainer runs after an optimizer step
-        assert sender.version == step == collector.policy_version_tracker.version
-        assert sender.last_update.version == step and sender.last_update.verified
-        want = state_bits(trainer, torch.bfloat16)
-        for workers in replicas:
-            for w in workers:
-                got = state_bits(w.model, torch.bfloat16)
-                assert all(torch.equal(got[n], want[n]) for n in want), f"worker {w.rank} differs at version {step}"
-    methods = [c[0] for c in engine.calls]
-    assert methods == ["deltasync_attach"] + ["deltasync_update", "reset_prefix_cache", "deltasync_checksums"] * 4
-    assert engine.calls[0][1] == (str(tmp_path), "grpo")
-    assert [c[1] for c in engine.calls if c[0] == "deltasync_update"] == [(0,), (1,), (2,), (3,)]
-    assert [w.receiver.last_stats.path for ws in replicas for w in ws] == ["delta"] * 2
-
-    engine.lie = True  # a worker that reports another version is an error, not a silent pass
-    adam_step(trainer, opt, generator=gen)
-    with pytest.raises(DeltaSyncError, match="workers report versions"):
-        sender.update_weights()
-    sender.shutdown()
-    sender.shutdown()
-
-
-def test_llm_sender_drives_vllm_workers(tmp_path):
-    """Real vLLM models built on CPU (2 replicas x TP 2) with ``DeltaWorkerExtension`` mixed in, as
-    vLLM does: after every update each rank equals vLLM's own ``load_weights`` of the trainer's
-    bf16 weights, and the partial checksums are combined per replica."""
-    from types import SimpleNamespace
-
-    from torch_deltasync.integrations.vllm import DeltaWorkerExtension
-    from torch_deltasync.testing import adam_step
-    from torch_deltasync.testing_vllm import (TINY_VLLM_CONFIGS, build_vllm_model, hf_model, load_hf_weights,
-                                              vllm_config, vllm_state_bits)
-
-    class Worker(DeltaWorkerExtension):
-        def __init__(self, model, rank):
-            self.model_runner = SimpleNamespace(get_model=lambda: model)
-            self.rank, self.device = rank, torch.device("cpu")
-
-    spec = TINY_VLLM_CONFIGS["qwen2"]
-    trainer = hf_model(spec, seed=11)
-    vc = vllm_config(spec, tmp_path / "cfg")
-    replicas = [[Worker(build_vllm_model(vc, r, 2), r) for r in range(2)] for _ in range(2)]
-    engine = FakeEngine(replicas)
-    sender = DeltaVLLMWeightSender(str(tmp_path / "bucket"), engine, anchor_every=10)
-    sender.register_model(trainer)
-    opt = torch.optim.Adam(trainer.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    for step in range(3):
+    for step in range(2):
         if step:
             adam_step(trainer, opt, batch=2, seq=16, generator=gen)
+        hook()  # what GRPOTrainer runs after an optimizer step
+        assert sender.version == step == collector.policy_version_tracker.version
+        assert sender.last_update.version == step
+        assert_serve(_bf16_state(trainer), f"version {step}")
+    assert [w.engine.last_commit["path"] for ws in replicas for w in ws] == ["delta"] * 4
+    calls = [c[0] for c in engine.calls]
+    assert calls == ["init_weight_transfer_engine"] + [
+        "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache"] * 2
+    init = engine.calls[0][1]["init_info"]
+    assert init["store"] == str(tmp_path / "bucket") and init["prefix"] == "grpo" and "status_dir" not in init
+    assert [c[1]["update_info"] for c in engine.calls if c[0] == "update_weights"] == [{"version": 0}, {"version": 1}]
+
+    served = _bf16_state(trainer)
+    store.on = True
+    adam_step(trainer, opt, batch=2, seq=16, generator=gen)
+    with pytest.raises(CorruptObjectError, match="version 2"):
+        sender.update_weights()
+    assert sender.version == 1 == collector.policy_version_tracker.version
+    assert_serve(served, "after the corrupted version 2")
+    store.on = False
+    adam_step(trainer, opt, batch=2, seq=16, generator=gen)
+    assert sender.update_weights() == 3  # an anchor (anchor_every=3): the way past version 2
+    assert [w.engine.last_commit["path"] for ws in replicas for w in ws] == ["anchor"] * 4
+    assert_serve(_bf16_state(trainer), "version 3")
+    sender.shutdown()
+    sender.shutdown()
+
+
+def test_llm_sender_names_an_engine_without_the_backend(tmp_path):
+    """torchrl 0.14's AsyncVLLM actor forces the "nccl" backend: the first update says so."""
+    from vllm_scripted import ScriptedWorker
+
+    from torch_deltasync import DeltaSyncError
+    from torch_deltasync.testing_vllm import TINY_VLLM_CONFIGS, hf_model, vllm_config
+
+    spec = TINY_VLLM_CONFIGS["qwen2"]
+    vc = vllm_config(spec, tmp_path / "cfg")
+    engine = ReplicatedEngine([[ScriptedWorker(vc, 0, 1, backend="nccl")]])
+    sender = DeltaVLLMWeightSender(str(tmp_path / "bucket"), engine)
+    trainer = hf_model(spec, seed=1)
+    sender.register_model(trainer)
+    with pytest.raises(DeltaSyncError, match=r"do not run the deltasync weight-transfer backend "
+                                             r"\(Invalid init_info for NCCLWeightTransferEngine"):
+        sender.update_weights()
+    assert sender.version is None
+    sender.shutdown()
+
+
+def test_llm_sender_with_offline_llm(tmp_path):
+    """A ``vllm.LLM``-shaped engine that loaded the trainer's first weights: the first update
+    assumes them (a delta), every commit waits for the workers' readiness files and sets the
+    engine's weight version."""
+    from vllm_scripted import ScriptedLLM
+
+    from torch_deltasync.testing import adam_step
+
+    trainer, replicas, assert_serve = _vllm_run(tmp_path, replicas=1, loaded=_bf16_state)
+    llm = ScriptedLLM(replicas[0])
+    sender = DeltaVLLMWeightSender(str(tmp_path / "bucket"), llm, init_info={"assume_version": 0})
+    sender.register_model(trainer)
+    opt = torch.optim.Adam(trainer.parameters(), 1e-3)
+    gen = torch.Generator().manual_seed(0)
+    assert sender.update_weights() == 0
+    for step in (1, 2):
+        adam_step(trainer, opt, batch=2, seq=16, generator=gen)
         assert sender.update_weights() == step
-        assert sender.last_update.verified and not sender.last_update.recovered
-        cast = {n: t.detach().to(torch.bfloat16) for n, t in trainer.state_dict().items()}
-        for r in range(2):
-            ref = build_vllm_model(vc, r, 2)
-            load_hf_weights(ref, cast)
-            want = vllm_state_bits(ref)
-            for workers in replicas:
-                got = vllm_state_bits(workers[r]._deltasync_model())
-                bad = [n for n in want if not torch.equal(got[n], want[n])]
-                assert not bad, f"version {step}, rank {r}: {bad[:4]}"
-    assert [w["stats"]["path"] for w in sender.last_update.workers] == ["delta"] * 4
+        u = sender.last_update
+        assert u.version == step and u.staged is True and llm.get_weight_version() == str(step)
+        assert [w.engine.last_commit["path"] for w in replicas[0]] == ["delta"] * 2
+        assert_serve(_bf16_state(trainer), f"version {step}")
+    assert llm.calls[0] == ("init_weight_transfer_engine",)
     sender.shutdown()
 
 

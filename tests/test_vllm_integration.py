@@ -1,287 +1,227 @@
-"""DeltaWorkerExtension and the client update protocol, without running vLLM inference (CPU).
+"""The client helpers (``integrations/vllm.py``) driving the real ``deltasync`` backend (CPU, no inference).
 
-The workers are real vLLM models built on CPU at each TP rank (``testing_vllm``) with the extension
-mixed in, as vLLM does with ``worker_extension_cls``. The engines are fakes that forward
-``collective_rpc`` to those workers (through JSON for the HTTP server, as vLLM's dev endpoint does)
-and record every call, so the protocol's order and arguments are checked, and the weights are
-checked bitwise against vLLM's own ``load_weights``.
+Each engine is scripted (``vllm_scripted``): its workers are real vLLM 0.33 models built at their TP
+rank, each with a real ``DeltaSyncWeightTransferEngine`` made by vLLM's factory, so the backend code
+runs as in an engine; the front ends record calls, and the HTTP tests go through vLLM's own RL
+routes served on loopback. Weights are compared bit for bit with vLLM's ``load_weights`` of the
+trainer's bf16 weights. The same helpers against a live engine: ``tests/test_vllm_live.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import socket
 from types import SimpleNamespace
-from urllib.parse import parse_qs, urlparse
 
 import pytest
 import torch
 
 import vllm  # noqa: F401  the CPU oracle; tools/setup.sh installs it, so a missing wheel fails here
 
-from torch_deltasync import ChecksumMismatchError, DeltaSender, LocalStore, VersionNotFoundError  # noqa: E402
-from torch_deltasync.integrations.vllm import (  # noqa: E402
-    DeltaWorkerExtension,
+from torch_deltasync import DeltaSender, DeltaSyncError, LocalStore, SyncTimeoutError, VersionNotFoundError
+from torch_deltasync.integrations.vllm import (
     attach_async_llm,
     attach_llm,
     attach_server,
-    check_worker_checksums,
+    read_readiness,
     update_async_llm,
     update_llm,
     update_server,
+    wait_staged,
 )
-from torch_deltasync.testing import adam_step  # noqa: E402
-from torch_deltasync.testing_vllm import (  # noqa: E402
-    TINY_VLLM_CONFIGS,
-    build_vllm_model,
-    hf_model,
-    load_hf_weights,
-    vllm_config,
-    vllm_state_bits,
-)
+from torch_deltasync.testing import adam_step
+from torch_deltasync.testing_vllm import (TINY_VLLM_CONFIGS, build_vllm_model, hf_model, load_hf_weights, vllm_config,
+                                          vllm_state_bits)
+from vllm_scripted import RLServer, ScriptedAsyncLLM, ScriptedLLM, ScriptedWorker
 
-CPU_MOE = ["TRITON", "BATCHED_TRITON", "CPU"]
 TP = 2
 
 
-class FakeWorker(DeltaWorkerExtension):
-    """What vLLM's worker looks like to the extension: ``model_runner.get_model()`` and ``rank``."""
-
-    def __init__(self, model, rank: int) -> None:
-        self.model_runner = SimpleNamespace(get_model=lambda: model)
-        self.rank = rank
-        self.device = torch.device("cpu")
-
-
-class FakeLLM:
-    """Offline ``vllm.LLM`` surface the protocol uses; records calls."""
-
-    def __init__(self, workers) -> None:
-        self.workers, self.calls = workers, []
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append(("rpc", method, tuple(args), dict(kwargs or {})))
-        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
-
-    def sleep(self, level=1, mode="abort"):
-        self.calls.append(("sleep", level, mode))
-
-    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
-        self.calls.append(("reset_prefix_cache", reset_running_requests))
-        return True
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-        return True
-
-
-class FakeAsyncLLM:
-    """``AsyncLLM`` surface the protocol uses; records calls."""
-
-    def __init__(self, workers) -> None:
-        self.workers, self.calls = workers, []
-
-    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append(("rpc", method))
-        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
-
-    async def pause_generation(self, *, mode="abort", clear_cache=True):
-        self.calls.append(("pause_generation", mode, clear_cache))
-
-    async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
-        self.calls.append(("reset_prefix_cache", reset_running_requests))
-        return True
-
-    async def resume_generation(self):
-        self.calls.append(("resume_generation",))
+def _bf16(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()}
 
 
 @pytest.fixture
-def engine_setup(tmp_path):
-    """A run with an anchor and 2 deltas, and TP workers that loaded the anchor with vLLM."""
+def run(tmp_path):
+    """A trainer (tiny Qwen2) that published anchor v0, and TP workers that loaded v0 with vLLM."""
     spec = TINY_VLLM_CONFIGS["qwen2"]
     hf = hf_model(spec, seed=11)
-    store = LocalStore(tmp_path / "bucket")
-    sender = DeltaSender(hf, store, anchor_every=1000)
-    anchor = {n: t.detach().to(torch.bfloat16) for n, t in hf.state_dict().items()}
-    versions = [sender.publish()]
-    opt = torch.optim.Adam(hf.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        adam_step(hf, opt, batch=2, seq=16, generator=g)
-        versions.append(sender.publish())
-    final = {n: t.detach().to(torch.bfloat16) for n, t in hf.state_dict().items()}
+    bucket = str(tmp_path / "bucket")
+    sender = DeltaSender(hf, LocalStore(bucket), anchor_every=1000)
+    v0 = sender.publish()
+    anchor = _bf16(hf)
     vc = vllm_config(spec, tmp_path / "cfg")
-    workers = []
-    for r in range(TP):
-        m = build_vllm_model(vc, r, TP)
-        load_hf_weights(m, anchor)
-        workers.append(FakeWorker(m, r))
+    workers = [ScriptedWorker(vc, r, TP, anchor) for r in range(TP)]
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
 
-    def reference(r):
-        ref = build_vllm_model(vc, r, TP)
-        load_hf_weights(ref, final)
-        return vllm_state_bits(ref)
+    def step() -> int:
+        """One Adam step on the trainer, published; returns the version."""
+        adam_step(hf, opt, batch=2, seq=16, generator=gen)
+        return sender.publish()
 
-    return SimpleNamespace(store=store, versions=versions, workers=workers, reference=reference, path=tmp_path)
+    def assert_serves(state: dict[str, torch.Tensor]) -> None:
+        """Every worker's parameters equal vLLM's own load_weights of ``state`` at its rank."""
+        for w in workers:
+            ref = build_vllm_model(vc, w.rank, TP)
+            load_hf_weights(ref, state)
+            want, got = vllm_state_bits(ref), w.bits()
+            bad = [n for n in want if not torch.equal(got[n], want[n])]
+            assert not bad, f"rank {w.rank}: {bad[:5]}"
+
+    yield SimpleNamespace(hf=hf, bucket=bucket, v0=v0, anchor=anchor, workers=workers, step=step,
+                          assert_serves=assert_serves, path=tmp_path)
+    for w in workers:
+        w.shutdown_weight_transfer_engine()
 
 
-def _assert_matches(setup):
-    for r, w in enumerate(setup.workers):
-        got = vllm_state_bits(w._deltasync_model())
-        ref = setup.reference(r)
-        bad = [n for n in ref if not torch.equal(got[n], ref[n])]
-        assert not bad, f"rank {r}: {bad[:5]}"
+def test_offline_llm_commits_the_staged_version(run):
+    llm = ScriptedLLM(run.workers)
+    info = attach_llm(llm, run.bucket, assume_version=run.v0)
+    assert info["store"] == run.bucket and info["assume_version"] == run.v0
+    assert sorted(read_readiness(info["status_dir"])) == ["rank-0", "rank-1"]
+    run.step()
+    v2 = run.step()
+    out = update_llm(llm)  # the newest version in the store
+    assert out.version == v2 and out.staged is True and out.mode is None
+    assert llm.calls[1:] == [("start_weight_update",), ("update_weights", {"version": v2}),
+                             ("finish_weight_update", str(v2)), ("reset_prefix_cache", True)]
+    # the commit found the update staged: the pause would have covered the writes only
+    assert [w.engine.last_commit["staged_ahead"] for w in run.workers] == [True, True]
+    assert [w.engine.last_commit["path"] for w in run.workers] == ["delta", "delta"]
+    assert 0 <= out.stall_ms <= out.total_ms and 0 <= out.wait_ms <= out.total_ms
+    assert llm.get_weight_version() == str(v2)
+    assert {s["held"] for s in read_readiness(info["status_dir"]).values()} == {v2}
+    run.assert_serves(_bf16(run.hf))
+    json.dumps(out.to_dict())
 
 
-def test_offline_llm_protocol(engine_setup):
-    s = engine_setup
-    llm = FakeLLM(s.workers)
-    attached = attach_llm(llm, str(s.path / "bucket"), assume_version=s.versions[0], moe_backends=CPU_MOE)
-    assert [a["rank"] for a in attached] == [0, 1] and {a["version"] for a in attached} == {s.versions[0]}
+def test_failed_update_changes_nothing_and_names_the_version(run):
+    llm = ScriptedLLM(run.workers)
+    attach_llm(llm, run.bucket, assume_version=run.v0)
+    v1 = run.step()
+    update_llm(llm, v1)
     llm.calls.clear()
-
-    out = update_llm(llm)
-    assert out.version == s.versions[-1] and out.verified and not out.recovered and out.cache_reset
-    assert [w["version"] for w in out.workers] == [s.versions[-1]] * TP
-    assert all(w["stats"]["path"] == "delta" and w["stats"]["changed"] > 0 for w in out.workers)
-    steps = [c[:2] if c[0] == "rpc" else c for c in llm.calls]
-    assert steps == [
-        ("rpc", "deltasync_status"),  # newest version, chosen once for all workers
-        ("sleep", 0, "wait"),
-        ("rpc", "deltasync_update"),
-        ("rpc", "deltasync_checksums"),
-        ("reset_prefix_cache", True),
-        ("wake_up", ["scheduling"]),
-    ]
-    assert llm.calls[2][2] == (s.versions[-1],)
-    _assert_matches(s)
-    json.dumps(out.to_dict())  # JSON-able results (they also travel over HTTP)
+    with pytest.raises(VersionNotFoundError, match="version 999 is not visible"):
+        update_llm(llm, 999)
+    assert llm.calls == [("start_weight_update",), ("update_weights", {"version": 999})]
+    assert llm.get_weight_version() == str(v1)
+    run.assert_serves(_bf16(run.hf))
+    # the session was closed by the error: the next update goes through
+    v2 = run.step()
+    assert update_llm(llm, v2).version == v2
+    run.assert_serves(_bf16(run.hf))
 
 
-def test_wrong_assumed_version_is_caught(engine_setup):
-    s = engine_setup
-    with pytest.raises(ChecksumMismatchError):
-        attach_llm(FakeLLM(s.workers), str(s.path / "bucket"), assume_version=s.versions[1], moe_backends=CPU_MOE)
+def test_bad_init_info_installs_nothing(run):
+    llm = ScriptedLLM(run.workers)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'poll_secs'"):
+        attach_llm(llm, run.bucket, poll_secs=1)
+    with pytest.raises(DeltaSyncError, match="not attached to a run: call attach_llm first"):
+        update_llm(llm, 0)
+    assert all(w.engine.receiver is None for w in run.workers)
 
 
-def test_corruption_is_detected_and_recovered_from_the_anchor(engine_setup):
-    s = engine_setup
-    llm = FakeLLM(s.workers)
-    attach_llm(llm, str(s.path / "bucket"), assume_version=s.versions[0], moe_backends=CPU_MOE)
-    update_llm(llm, s.versions[1])
-    # Bits flip in rank 1's weights behind the receiver's back (more than the next delta rewrites).
-    p = s.workers[1]._deltasync_model().model.layers[0].mlp.down_proj.weight
-    p.data.view(torch.int16).bitwise_xor_(1)
-    with pytest.raises(ChecksumMismatchError):
-        check_worker_checksums(llm.collective_rpc("deltasync_checksums"))
-    with pytest.raises(ChecksumMismatchError):
-        update_llm(llm, s.versions[2], recover=False)
-    assert llm.calls[-1] == ("wake_up", ["scheduling"])  # resumed even though it failed
-    out = update_llm(llm, s.versions[2])
-    assert out.recovered and out.verified
-    assert all(w["stats"]["path"] == "anchor" for w in out.workers)
-    _assert_matches(s)
+def test_async_llm_pauses_commits_and_always_resumes(run):
+    engine = ScriptedAsyncLLM(run.workers)
 
-
-def test_resume_runs_when_the_update_fails(engine_setup):
-    s = engine_setup
-    llm = FakeLLM(s.workers)
-    attach_llm(llm, str(s.path / "bucket"), assume_version=s.versions[0], moe_backends=CPU_MOE)
-    llm.calls.clear()
-    with pytest.raises(VersionNotFoundError):
-        update_llm(llm, 999, mode="keep")
-    assert llm.calls[0] == ("sleep", 0, "keep") and llm.calls[-1] == ("wake_up", ["scheduling"])
-
-
-def test_async_llm_protocol(engine_setup):
-    s = engine_setup
-    engine = FakeAsyncLLM(s.workers)
-
-    async def run():
-        await attach_async_llm(engine, str(s.path / "bucket"), assume_version=s.versions[0], moe_backends=CPU_MOE)
+    async def go():
+        await attach_async_llm(engine, run.bucket, assume_version=run.v0)
+        v1 = run.step()
         engine.calls.clear()
-        return await update_async_llm(engine, mode="keep")
+        out = await update_async_llm(engine, mode="keep")
+        assert out.version == v1 and out.staged is True and out.mode == "keep"
+        assert engine.calls == [("pause_generation", "keep", True), ("start_weight_update",),
+                                ("update_weights", {"version": v1}), ("finish_weight_update", str(v1)),
+                                ("resume_generation",)]
+        run.assert_serves(_bf16(run.hf))
+        engine.calls.clear()
+        with pytest.raises(VersionNotFoundError, match="version 7 is not visible"):
+            await update_async_llm(engine, 7, mode="abort")
+        assert engine.calls[0] == ("pause_generation", "abort", True)
+        assert engine.calls[-1] == ("resume_generation",) and not engine.paused
+        assert ("finish_weight_update", "7") not in engine.calls
+        assert await engine.get_weight_version() == str(v1)
+        run.assert_serves(_bf16(run.hf))
+        engine.calls.clear()
+        with pytest.raises(ValueError, match="mode must be one of"):
+            await update_async_llm(engine, v1, mode="drain")
+        assert engine.calls == []  # nothing paused
 
-    out = asyncio.run(run())
-    assert out.version == s.versions[-1] and out.verified
-    assert engine.calls == [
-        ("rpc", "deltasync_status"),
-        ("pause_generation", "keep", True),
-        ("rpc", "deltasync_update"),
-        ("rpc", "deltasync_checksums"),
-        ("reset_prefix_cache", True),
-        ("resume_generation",),
-    ]
-    _assert_matches(s)
-
-
-def _serve(workers, log):
-    """A stand-in for ``vllm serve`` with VLLM_SERVER_DEV_MODE=1: the dev/RL routes the protocol
-    uses, with collective_rpc args and results going through JSON as vLLM's do."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            url = urlparse(self.path)
-            query = {k: v[0] for k, v in parse_qs(url.query).items()}
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            log.append((url.path, query, json.loads(body) if body else None))
-            if url.path == "/collective_rpc":
-                req = json.loads(body)
-                try:
-                    results = [getattr(w, req["method"])(*req.get("args", []), **req.get("kwargs", {})) for w in workers]
-                except Exception as e:  # vLLM answers 500 with the error text
-                    self.send_response(500)
-                    self.end_headers()
-                    self.wfile.write(str(e).encode())
-                    return
-                payload = {"results": results}
-            elif url.path == "/reset_prefix_cache":
-                payload = {"success": True}
-            elif url.path in ("/pause", "/resume"):
-                payload = None
-            else:
-                self.send_response(404)
-                self.end_headers()
-                return
-            data = b"" if payload is None else json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    asyncio.run(go())
 
 
-def test_http_server_protocol(engine_setup):
-    s = engine_setup
-    log: list = []
-    server = _serve(s.workers, log)
+def test_http_server_through_vllm_rl_routes_only(run):
+    engine = ScriptedAsyncLLM(run.workers)
+    server = RLServer(engine)
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        attach_server(url, str(s.path / "bucket"), assume_version=s.versions[0], moe_backends=CPU_MOE, timeout=60)
-        log.clear()
-        out = update_server(url, timeout=60)
+        with pytest.raises(DeltaSyncError, match=r"HTTP 400: Invalid init_info .*unexpected keyword argument 'bogus'"):
+            attach_server(server.url, run.bucket, bogus=1)
+        attach_server(server.url, run.bucket, assume_version=run.v0)
+        v1 = run.step()
+        server.requests.clear()
+        out = update_server(server.url, mode="wait")
+        assert out.version == v1 and out.staged is True
+        assert server.requests == [
+            ("POST", "/pause", "mode=wait&clear_cache=true"),
+            ("POST", "/start_weight_update", ""),
+            ("POST", "/update_weights", ""),
+            ("POST", "/finish_weight_update", ""),
+            ("POST", "/resume", ""),
+            ("GET", "/weight_info", ""),
+        ]
+        assert engine.calls[-2:] == [("finish_weight_update", str(v1)), ("resume_generation",)]
+        run.assert_serves(_bf16(run.hf))
+        # a version never published: the server's reason comes back, the engine keeps serving v1
+        server.requests.clear()
+        with pytest.raises(DeltaSyncError, match=r"/update_weights: HTTP 500: .*version 999 is not visible"):
+            update_server(server.url, 999, mode="keep")
+        assert [p for _, p, _ in server.requests] == ["/pause", "/start_weight_update", "/update_weights", "/resume"]
+        assert not engine.paused and asyncio.run(engine.get_weight_version()) == str(v1)
+        run.assert_serves(_bf16(run.hf))
     finally:
-        server.shutdown()
-        server.server_close()
-    assert out.version == s.versions[-1] and out.verified and out.cache_reset
-    assert [(p, q) for p, q, _ in log] == [
-        ("/collective_rpc", {}),
-        ("/pause", {"mode": "wait", "clear_cache": "true"}),
-        ("/collective_rpc", {}),
-        ("/collective_rpc", {}),
-        ("/reset_prefix_cache", {"reset_running_requests": "true"}),
-        ("/resume", {}),
-    ]
-    assert [b["method"] for p, _, b in log if p == "/collective_rpc"] == [
-        "deltasync_status", "deltasync_update", "deltasync_checksums"]
-    assert log[2][2]["args"] == [s.versions[-1]]
-    _assert_matches(s)
+        server.close()
+
+
+def test_unreachable_server_is_named():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there now
+    with pytest.raises(DeltaSyncError, match=r"POST http://127\.0\.0\.1:\d+/pause\?mode=wait&clear_cache=true: "
+                       r"cannot reach the server \(.*Connection refused"):
+        update_server(url, 3, timeout=5)
+
+
+def _write(d, rank, **state):
+    (d / f"rank-{rank}.json").write_text(json.dumps({"held": None, "staged": None, "newest": None, "error": None,
+                                                     **state}))
+
+
+def test_wait_staged_reads_every_worker(tmp_path):
+    _write(tmp_path, 0, held=3, staged=4, newest=4)
+    _write(tmp_path, 1, held=3, staged=3, newest=4)
+    with pytest.raises(SyncTimeoutError, match=r"did not stage version 4 within 0 s \(rank-1: staged 3, held 3"):
+        wait_staged(tmp_path, 4, timeout_s=0)
+    _write(tmp_path, 1, held=3, staged=4, newest=4)
+    assert sorted(wait_staged(tmp_path, 4, timeout_s=0)) == ["rank-0", "rank-1"]
+    with pytest.raises(SyncTimeoutError, match="2 of 3 readiness files present"):
+        wait_staged(tmp_path, 4, timeout_s=0, workers=3)
+    _write(tmp_path, 2, held=4, newest=4)  # holds it already
+    assert len(wait_staged(tmp_path, 4, timeout_s=0, workers=3)) == 3
+    # a worker that saw the version and failed to stage it does not hold the driver up: the commit
+    # will raise its reason
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    _write(failed, 0, held=3, staged=5, newest=5)
+    _write(failed, 1, held=3, newest=5, error="CorruptObjectError: sha256 mismatch in version 5")
+    assert wait_staged(failed, 5, timeout_s=0, workers=2)["rank-1"]["error"].startswith("CorruptObjectError")
+    _write(failed, 1, held=3, newest=4, error="CorruptObjectError: sha256 mismatch in version 4")
+    with pytest.raises(SyncTimeoutError, match="error CorruptObjectError"):  # not seen yet: still waiting
+        wait_staged(failed, 5, timeout_s=0)
+    (tmp_path / "rank-9.json").write_text("[1, 2")
+    with pytest.raises(DeltaSyncError, match="rank-9.json: unreadable readiness file"):
+        wait_staged(tmp_path, 4, timeout_s=0)
+    with pytest.raises(ValueError, match="version must be a published version"):
+        wait_staged(tmp_path, -1)

@@ -53,3 +53,40 @@ def test_offline_llm_follows_versions_bit_exact(tmp_path, tp):
     assert res["version_after_corrupt"] == "3"
     # an engine that joins late catches up through the anchor path
     assert res["late_equal"] and res["late_version"] == "5"
+
+
+def test_async_llm_syncs_with_requests_in_flight(tmp_path):
+    res = run_live("async_llm.py", str(tmp_path))
+    # keep: every request finished its 32 tokens; it left the engine's own v0 outputs at step k, no
+    # earlier than the tokens it had streamed when the sync began and before its end, and from k on
+    # equals a fresh v1 engine continuing prompt + tokens[:k] (tokens and top-20 log-probs)
+    for c in res["keep_check"]:
+        assert c["finish_reason"] == "length" and c["length"] == 32
+        assert c["seen_before_sync"] <= c["split"] < 32, c
+        assert c["tail_equal"], f"the continuation after the commit differs from a fresh v1 engine: {c}"
+    assert res["v1_differs_from_v0"]  # so the split is where the weights changed, and can be found
+    # wait: the requests drained under v1 before the commit
+    assert all(c["equal_v1"] and c["finish_reason"] == "length" for c in res["wait_check"])
+    # abort: the requests ended early, aborted; then the engine serves v3 exactly
+    assert all(c["finish_reason"] == "abort" and c["length"] < 32 for c in res["abort_check"])
+    assert res["final_equal_v3"]
+    assert res["weight_versions"] == {"keep": "1", "wait": "2", "abort": "3"}
+    # every sync was staged before the pause, and the commit inside it used the staged update
+    assert all(u["staged"] is True and u["stall_ms"] <= u["total_ms"] for u in res["updates"].values())
+    assert [c["version"] for c in res["commits"]] == [1, 2, 3] and all(c["staged_ahead"] for c in res["commits"])
+
+
+def test_server_through_rl_routes(tmp_path):
+    res = run_live("server.py", str(tmp_path))
+    assert res["server_stopped"]
+    assert res["readiness_files"] == ["rank-0.json"]
+    u = res["update"]
+    assert u["version"] == res["v2"] == 2 and u["staged"] is True and u["mode"] == "wait"
+    assert res["weight_info"] == "2"
+    # completions through /v1/completions equal a fresh engine on the trainer's v2 weights, which differ
+    # from v0's
+    assert res["outputs_equal"] and res["oracle_differs_from_v0"]
+    assert [c["version"] for c in res["commits"]] == [2] and res["commits"][0]["staged_ahead"]
+    # a version never published: the server's reason comes back; the engine keeps serving v2
+    assert "HTTP 500" in res["missing_error"] and "version 999 is not visible" in res["missing_error"]
+    assert res["weight_info_after_missing"] == "2" and res["outputs_equal_after_missing"]

@@ -24,9 +24,9 @@ timeout 420 $PY tools/bench_core.py --device cuda --synthetic --sizes 1b 7b --st
 #    built with the CPU oracle's TP stub, moved to the GPU); needs only tools/setup.sh.
 VLLM_TARGET_DEVICE=cpu timeout 300 $PY tools/bench_vllm_apply.py --device cuda --sizes 100m 500m 1b \
     --nnz 1e4 1e5 1e6 1e7 --tp 2 --rank 1 --out "$OUT/vllm_apply_gpu.json" 2>&1 | tee "$OUT/vllm_apply_gpu.log"
-# 2) a real LLM (CUDA graphs on) updated in place through DeltaWorkerExtension + update_llm, with
-#    checksums combined across workers and tokens compared against a fresh engine on the final
-#    checkpoint. Needs vLLM's CUDA dependencies (a full `pip install vllm==0.33.0`); skipped with a
+# 2) a real LLM (CUDA graphs on) running the deltasync weight-transfer backend, updated with
+#    update_llm (staged ahead, committed in place); tokens and vLLM's own weight checksums compared
+#    against a fresh engine on the final checkpoint. Needs vLLM's CUDA dependencies (a full `pip install vllm==0.33.0`); skipped with a
 #    note when the engine cannot start.
 if $PY -c "import vllm, importlib.util as u; assert u.find_spec('vllm._C') or u.find_spec('vllm._C_stable_libtorch')" 2>/dev/null; then
     timeout 420 $PY tools/gpu_vllm_check.py --out "$OUT/vllm_engine.json" --workdir "$OUT/vllm_engine" 2>&1 \

@@ -7,10 +7,11 @@ swaps the Hugging Face engine for vLLM without touching the actor, the buffer or
 - ``"hf"`` (:class:`HFGenerator`, the default, tested): Hugging Face ``generate`` on CPU; the bf16
   weights are a plain ``nn.Module`` that a :class:`~torch_deltasync.DeltaReceiver` updates in place.
 - ``"vllm"`` (:class:`VLLMGenerator`, GPU only, **not exercised by this repository's tests**, which
-  run on CPU): an offline ``vllm.LLM`` launched with ``torch_deltasync``'s worker extension; versions
-  are applied by every tensor-parallel worker straight onto vLLM's parameters
-  (:func:`torch_deltasync.integrations.vllm.update_llm`: pause, apply, verify checksums, reset the
-  prefix cache, resume). Needs ``--model PATH`` (vLLM serves a checkpoint).
+  run on CPU): an offline ``vllm.LLM`` running ``torch_deltasync``'s ``deltasync`` weight-transfer
+  backend; every tensor-parallel worker stages each version in the background (verified against
+  the manifest's checksums) and commits it onto vLLM's parameters
+  (:func:`torch_deltasync.integrations.vllm.update_llm`: wait until staged, start, update, finish,
+  reset the prefix cache). Needs ``--model PATH`` (vLLM serves a checkpoint).
 
 Add another engine with :func:`register_backend`.
 """
@@ -103,12 +104,13 @@ class HFGenerator:
 
 
 class VLLMGenerator:
-    """An offline ``vllm.LLM`` on GPU, updated in place by ``torch_deltasync``'s worker extension.
+    """An offline ``vllm.LLM`` on GPU, updated by ``torch_deltasync``'s ``deltasync`` weight-transfer
+    backend.
 
-    Not exercised by this repository's tests (they run on CPU without vLLM); the weight path it
-    uses (:func:`~torch_deltasync.integrations.vllm.attach_llm` /
-    :func:`~torch_deltasync.integrations.vllm.update_llm` with ``VLLMTarget``) is tested against
-    vLLM's own layouts in ``tests/test_vllm_*.py``.
+    Not exercised by this repository's tests (they run on CPU); the weight path it uses
+    (:func:`~torch_deltasync.integrations.vllm.attach_llm` /
+    :func:`~torch_deltasync.integrations.vllm.update_llm`) is tested against vLLM's own layouts in
+    ``tests/test_vllm_*.py`` and against a live CPU engine in ``tests/test_vllm_live.py``.
 
     Args:
         cfg: run configuration; ``cfg.model_path`` is the checkpoint vLLM loads (its weights are
@@ -132,7 +134,7 @@ class VLLMGenerator:
             gpu_memory_utilization=min(0.9, 0.8 / cfg.generators),
             # Sampled-token log-probs of the distribution actually sampled from (after temperature).
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="torch_deltasync.integrations.vllm.DeltaWorkerExtension",
+            weight_transfer_config={"backend": "deltasync"},
         )
         self.version: int | None = None
 
@@ -144,9 +146,11 @@ class VLLMGenerator:
     def update(self, version: int) -> dict[str, Any]:
         from torch_deltasync.integrations.vllm import update_llm
 
-        r = update_llm(self.llm, version, mode="wait", verify=True)
+        r = update_llm(self.llm, version)
         self.version = r.version
-        return {"version": r.version, "apply_ms": r.update_ms, "total_ms": r.total_ms, "verified": r.verified}
+        # apply_ms: the commit (start_weight_update -> prefix-cache reset); staging ran beforehand
+        return {"version": r.version, "apply_ms": r.stall_ms, "wait_ms": r.wait_ms, "total_ms": r.total_ms,
+                "staged": r.staged}
 
     def generate(self, prompt_ids, prompt_mask, *, max_new_tokens, temperature):
         from vllm import SamplingParams
@@ -169,8 +173,9 @@ class VLLMGenerator:
         return ids, mask, lp
 
     def fingerprint(self) -> dict[str, Any]:
-        # update_llm(verify=True) combined every worker's checksums and checked them against the
-        # manifest, i.e. against the trainer's bf16 weights at this version.
+        # Before committing a version every worker checked the full per-tensor checksums of the
+        # state it installs (its host copy, in HF layout) against the manifest, i.e. against the
+        # trainer's bf16 weights at this version.
         return {"checksums_verified": self.version}
 
 

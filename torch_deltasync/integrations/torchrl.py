@@ -34,8 +34,9 @@ Architecture (collectors)::
 
 Architecture (LLM stack): :class:`DeltaVLLMWeightSender` has the shape of torchrl's vLLM senders
 (``register_model``, ``register_collector``, ``update_weights``), so ``GRPOTrainer(weight_sync_sender=...)``
-and ``UpdateWeights(sender=...)`` drive it; it publishes a version and has every vLLM worker apply
-it through ``collective_rpc`` into ``torch_deltasync.integrations.vllm.DeltaWorkerExtension``.
+and ``UpdateWeights(sender=...)`` drive it; it publishes a version and has every vLLM worker commit
+it through vLLM's weight-transfer calls with the ``deltasync`` backend
+(:func:`torch_deltasync.integrations.vllm.update_llm`).
 
 ``docs/torchrl.md`` has the configuration guide; ``research/torchrl-weight-sync.md`` the torchrl
 0.14.1 API this module follows (``weight_update/weight_sync_schemes.py`` line numbers cited there).
@@ -1128,42 +1129,58 @@ async def _await(x: Any) -> Any:
 
 
 class _ReplicatedEngine:
-    """The surface :func:`torch_deltasync.integrations.vllm.update_llm` drives, over an engine whose
-    ``collective_rpc`` returns one future per replica: torchrl's ``AsyncVLLM`` (Ray actors, one per
-    replica, ``modules/llm/backends/vllm/vllm_async.py``) or anything shaped like it.
+    """``vllm.LLM``'s weight-transfer surface (what :func:`torch_deltasync.integrations.vllm.update_llm`
+    drives) over an engine whose ``collective_rpc`` returns one future per replica: torchrl's
+    ``AsyncVLLM`` (Ray actors, one per replica, ``modules/llm/backends/vllm/vllm_async.py``) or
+    anything shaped like it.
 
-    Each replica is its own tensor-parallel group, so the workers' partial checksums must be
-    combined per replica (:meth:`replicas`), never across replicas. There is no engine-wide pause:
+    Each call is vLLM's own worker method of the same name (``vllm/v1/worker/gpu_worker.py``), run by
+    every worker of every replica through its ``deltasync`` backend. There is no engine-wide pause:
     vLLM runs ``collective_rpc`` between engine steps, and torchrl's own storage-based path
-    (``VLLMDoubleBufferWeightReceiver``) does not pause either.
+    (``VLLMDoubleBufferWeightReceiver``) does not pause either. The weight version is not set on
+    the replicas (no worker method does that).
     """
 
     def __init__(self, engine: Any, timeout: float | None) -> None:
         self.engine, self.timeout = engine, timeout
 
-    def replicas(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[list[dict[str, Any]]]:
-        """Per-replica, per-worker results of ``method`` on every worker."""
-        call: dict[str, Any] = {"args": tuple(args), "kwargs": dict(kwargs or {})}
+    def _all(self, method: str, kwargs: dict | None = None) -> list[Any]:
+        """``method`` on every worker of every replica; waits for every replica, then raises the
+        first error (so no replica is left in the middle of a call)."""
+        call: dict[str, Any] = {"args": (), "kwargs": dict(kwargs or {})}
         if self.timeout is not None:
             call["timeout"] = self.timeout
-        result = _resolve(self.engine.collective_rpc(method, **call))
+        result = self.engine.collective_rpc(method, **call)
         items = list(result) if isinstance(result, (list, tuple)) else [result]
-        if all(isinstance(r, dict) for r in items):
-            return [items]  # one engine: a flat list of its workers' results
-        out = []
+        out, errors = [], []
         for r in items:
-            r = _resolve(r)
-            out.append(list(r) if isinstance(r, (list, tuple)) else [r])
+            try:
+                out.append(_resolve(r))
+            except Exception as e:  # noqa: BLE001 (raised below, after every replica answered)
+                errors.append(e)
+        if errors:
+            raise errors[0]
         return out
 
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        return [w for rep in self.replicas(method, args, kwargs) for w in rep]
+    def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        try:
+            self._all("init_weight_transfer_engine", {"init_info": request["init_info"]})
+        except Exception as e:
+            if "Invalid init_info for" in str(e) and "DeltaSync" not in str(e):
+                raise DeltaSyncError(
+                    f"the engine's workers do not run the deltasync weight-transfer backend ({e}): launch them "
+                    "with weight_transfer_config={'backend': 'deltasync'}; torchrl 0.14's AsyncVLLM actor sets "
+                    "'nccl' itself (docs/torchrl.md)") from e
+            raise
 
-    def sleep(self, level: int = 0, mode: str = "wait") -> None:
-        pass
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        pass
+    def update_weights(self, request: dict[str, Any]) -> None:
+        self._all("update_weights", {"update_info": request["update_info"]})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update")
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool | None:
         # Prefix caches are keyed by prompt content, not by weights: entries computed with the old
@@ -1180,53 +1197,53 @@ class _ReplicatedEngine:
 
 
 def _is_offline_llm(engine: Any) -> bool:
-    """A ``vllm.LLM`` (or its shape): one engine whose ``collective_rpc`` returns the workers'
-    results, with ``sleep``/``wake_up`` to pause scheduling around an update."""
-    return all(callable(getattr(engine, m, None)) for m in ("collective_rpc", "sleep", "wake_up")) and \
+    """A ``vllm.LLM`` (or its shape): one engine with vLLM's weight-transfer methods."""
+    return all(callable(getattr(engine, m, None)) for m in ("init_weight_transfer_engine", "start_weight_update",
+                                                            "update_weights", "finish_weight_update")) and \
         hasattr(engine, "llm_engine")
 
 
 class DeltaVLLMWeightSender:
-    """Weight sender for torchrl's LLM stack: publish a version, have every vLLM worker apply it.
+    """Weight sender for torchrl's LLM stack: publish a version, have every vLLM worker commit it.
 
     Duck-typed like torchrl's ``VLLMWeightSender`` / ``VLLMDoubleBufferWeightSender``
     (``weight_update/llm/``): ``GRPOTrainer(weight_sync_sender=sender)`` and
     ``UpdateWeights(sender=sender)`` call :meth:`update_weights` after optimizer steps. The vLLM
-    engine must run :class:`torch_deltasync.integrations.vllm.DeltaWorkerExtension` as its worker
-    extension (``AsyncEngineArgs(worker_extension_cls=...)`` then ``AsyncVLLM.launch``, or
-    ``vllm.LLM(worker_extension_cls=...)``; torchrl's ``make_async_vllm_engine`` hard-codes its own).
+    engine must run the ``deltasync`` weight-transfer backend
+    (``weight_transfer_config={"backend": "deltasync"}``, :mod:`torch_deltasync.integrations.vllm_transfer`).
 
     Per :meth:`update_weights`:
 
     1. publish the trainer's weights (``state_dict`` names = HF names, cast to ``inference_dtype``)
        as version ``v``;
-    2. run the update protocol of :func:`torch_deltasync.integrations.vllm.update_llm` on the
-       engine: ``collective_rpc("deltasync_update", args=(v,))`` (every TP worker of every replica
-       downloads and applies its share of ``v`` in place; the first call attaches the workers with
-       ``deltasync_attach``), check that every worker reports ``v``, check the workers' partial
-       checksums against the manifest (per replica; ``verify``), reset the prefix cache. A
-       ``vllm.LLM`` is paused around it (``sleep(level=0, mode=pause_mode)`` / ``wake_up``);
-       torchrl's ``AsyncVLLM`` (one Ray future per replica) is not;
+    2. commit ``v`` on the engine with :func:`torch_deltasync.integrations.vllm.update_llm`
+       (``start_weight_update`` → ``update_weights({"version": v})`` → ``finish_weight_update(str(v))``
+       → prefix-cache reset; the first call attaches the workers with ``init_weight_transfer_engine``).
+       Every TP worker of every replica stages each version in the background and verifies it
+       against the manifest's checksums before anything is written; a ``vllm.LLM`` also waits until
+       its workers have staged ``v`` (readiness files) before the commit. torchrl's ``AsyncVLLM``
+       (one Ray future per replica) is driven through the same worker methods with
+       ``collective_rpc`` (its replicas share worker ranks, so they do not keep readiness files);
     3. set every registered collector's policy version to ``v``.
 
-    Only small JSON-able control messages go through ``collective_rpc``; the weights travel through
-    the store, so trainer and engines need no NCCL group and no rendezvous (torchrl's NCCL path
-    deadlocks when ranks join in the wrong order, pytorch/rl #3574).
+    Only small JSON-able control messages go to the engine; the weights travel through the store,
+    so trainer and engines need no NCCL group and no rendezvous (torchrl's NCCL path deadlocks when
+    ranks join in the wrong order, pytorch/rl #3574).
 
     Args:
         store: where versions go (URI or :class:`~torch_deltasync.Store`).
-        engine: the vLLM engine (``AsyncVLLM``, ``vllm.LLM`` or anything with
-            ``collective_rpc(method, timeout=, args=, kwargs=)``); can be given later with
-            :meth:`register_engine` or ``init_all_workers_group(..., vllm_engine=engine)``.
+        engine: the vLLM engine (``vllm.LLM``, torchrl's ``AsyncVLLM``, or anything with
+            ``collective_rpc(method, timeout=, args=, kwargs=)`` returning one result per replica);
+            can be given later with :meth:`register_engine` or ``init_all_workers_group(...,
+            vllm_engine=engine)``.
         prefix: the run's sub-path in the store.
         worker_store: the store URI as the vLLM workers must open it (default: ``store`` if it is
             a string, else its ``describe()``).
-        attach_kwargs: extra keyword arguments for ``deltasync_attach`` (``assume_version``: the
-            engine loaded that version's checkpoint, so the first update is a delta; ``strict``, ...).
-        verify: check the workers' combined partial checksums after each update (``O(model)`` per
-            worker on its device); a mismatch is repaired once from an anchor.
-        pause_mode: how a ``vllm.LLM`` pauses (``"wait"``, ``"keep"``, ``"abort"``).
-        rpc_timeout_s: timeout for each ``collective_rpc`` (seconds; ``None``: the engine's).
+        init_info: extra fields of the backend's ``init_info`` (``assume_version``: the engine
+            loaded that version's checkpoint, so the first update is a delta; ``in_place``,
+            ``max_workers``, ``metrics_path``, ...; see ``DeltaSyncInitInfo``).
+        rpc_timeout_s: timeout for each ``collective_rpc`` of an ``AsyncVLLM`` (seconds; ``None``:
+            the engine's).
         anchor_every, anchor_policy, inference_dtype, codec, snapshot_device, background, retention,
             metrics_path: as for :class:`~torch_deltasync.DeltaSender` (``codec=None``: its default).
 
@@ -1244,9 +1261,7 @@ class DeltaVLLMWeightSender:
         *,
         prefix: str = "",
         worker_store: str | None = None,
-        attach_kwargs: dict[str, Any] | None = None,
-        verify: bool = True,
-        pause_mode: Literal["wait", "keep", "abort"] = "wait",
+        init_info: dict[str, Any] | None = None,
         rpc_timeout_s: float | None = None,
         anchor_every: int | None = 10,
         anchor_policy: AnchorPolicy | None = None,
@@ -1260,21 +1275,22 @@ class DeltaVLLMWeightSender:
         self.store = open_store(store)
         self.prefix = prefix
         self.worker_store = worker_store or (store if isinstance(store, str) else self.store.describe())
-        self.attach_kwargs = dict(attach_kwargs or {})
-        self.verify = verify
-        self.pause_mode = pause_mode
+        self.init_info = dict(init_info or {})
         self.rpc_timeout_s = rpc_timeout_s
         self._sender_kwargs = dict(anchor_every=anchor_every, anchor_policy=anchor_policy,
                                    inference_dtype=inference_dtype, snapshot_device=snapshot_device,
                                    background=background, retention=retention, metrics_path=metrics_path,
                                    **({} if codec is None else {"codec": codec}))
-        self._engine = engine
+        self._engine = None
+        self._llm: Any = None  # what update_llm drives: the engine, or _ReplicatedEngine over it
         self._model_ref: weakref.ReferenceType | None = None
         self._sender: DeltaSender | None = None
         self._attached = False
         self._collectors: list[Any] = []
         self.version: int | None = None
         self.last_update = None  # EngineUpdate of the newest update
+        if engine is not None:
+            self.register_engine(engine)
 
     def register_model(self, model: Any) -> None:
         """The model whose weights are published: an HF ``nn.Module`` (its names are the ones
@@ -1288,6 +1304,7 @@ class DeltaVLLMWeightSender:
     def register_engine(self, engine: Any) -> None:
         """The vLLM engine the workers belong to (replaces any previous one; workers re-attach)."""
         self._engine = engine
+        self._llm = engine if _is_offline_llm(engine) else _ReplicatedEngine(engine, self.rpc_timeout_s)
         self._attached = False
 
     def init_all_workers_group(self, model_metadata: Any = None, vllm_engine: Any = None) -> None:
@@ -1301,7 +1318,7 @@ class DeltaVLLMWeightSender:
         self._collectors.append(collector)
 
     def update_weights(self, weights: Any = None) -> int | None:
-        """Publish the weights as the next version and apply it on every worker of the engine.
+        """Publish the weights as the next version and commit it on every worker of the engine.
 
         Args:
             weights: ``None`` (the registered model), an ``nn.Module``, a ``TensorDict`` or a state
@@ -1313,12 +1330,12 @@ class DeltaVLLMWeightSender:
         Raises:
             RuntimeError: no model registered and no ``weights`` given.
             PublishError: the store failed.
-            DeltaSyncError: a worker reported another version after the update.
-            ChecksumMismatchError: ``verify`` found workers that differ from the version, even
-                after rebuilding them from an anchor.
+            DeltaSyncError (``VersionNotFoundError``, ``CorruptObjectError``, ...): a worker could
+                not commit the version; it keeps serving the one it had, and neither
+                :attr:`version` nor the collectors' versions move.
         """
         # Modules are read through state_dict (HF checkpoint names, persistent tensors only): the
-        # names vLLM's load_weights and the worker extension expect.
+        # names vLLM's load_weights and the backend expect.
         if weights is None:
             source: Any = self._model_ref() if self._model_ref is not None else None
             if source is None:
@@ -1336,7 +1353,7 @@ class DeltaVLLMWeightSender:
             return None
         if self._sender.background:
             self._sender.flush()  # the workers read it right away
-        if self._engine is not None:
+        if self._llm is not None:
             self.last_update = self._update_engine(v)
         self.version = v
         for c in self._collectors:
@@ -1351,42 +1368,14 @@ class DeltaVLLMWeightSender:
         return v
 
     def _update_engine(self, version: int):
-        from .vllm import attach_llm, check_worker_checksums, update_llm
+        from .vllm import attach_llm, update_llm
 
-        offline = _is_offline_llm(self._engine)
-        llm = self._engine if offline else _ReplicatedEngine(self._engine, self.rpc_timeout_s)
-        # With several replicas the partial checksums add up per replica, so they are checked here
-        # replica by replica instead of by update_llm (which combines all workers it is given).
-        per_replica = not offline and self.verify
         if not self._attached:
-            attach_llm(llm, str(self.worker_store), self.prefix, verify=self.verify and not per_replica,
-                       timeout=self.rpc_timeout_s, **self.attach_kwargs)
+            # Replicas of a torchrl AsyncVLLM share worker ranks: their readiness files would collide.
+            status = None if self._llm is self._engine else False
+            attach_llm(self._llm, str(self.worker_store), self.prefix, status_dir=status, **self.init_info)
             self._attached = True
-            if per_replica and self.attach_kwargs.get("assume_version") is not None:
-                for rep in llm.replicas("deltasync_checksums"):
-                    check_worker_checksums(rep)
-        out = update_llm(llm, version, mode=self.pause_mode, verify=self.verify and not per_replica,
-                         timeout=self.rpc_timeout_s)
-        if per_replica:
-            from ..errors import ChecksumMismatchError
-
-            t = time.perf_counter()
-            try:
-                for rep in llm.replicas("deltasync_checksums"):
-                    check_worker_checksums(rep)
-            except ChecksumMismatchError as e:  # repair once from an anchor, as update_llm does
-                torchrl_logger.warning(f"DeltaVLLMWeightSender: {e}; rebuilding the workers from an anchor")
-                llm.replicas("deltasync_reset")
-                out.workers = llm.collective_rpc("deltasync_update", args=(int(version),))
-                for rep in llm.replicas("deltasync_checksums"):
-                    check_worker_checksums(rep)
-                # update_llm reset the prefix caches before this check: entries computed since with
-                # the bad weights must go too
-                out.cache_reset = llm.reset_prefix_cache(reset_running_requests=True)
-                out.recovered = True
-            out.verified = True
-            out.verify_ms = (time.perf_counter() - t) * 1e3
-        return out
+        return update_llm(self._llm, version)
 
     def shutdown(self) -> None:
         """Flush a background publish and forget engine and collectors. Idempotent."""
@@ -1394,4 +1383,4 @@ class DeltaVLLMWeightSender:
         if sender is not None:
             sender.close()
         self._collectors.clear()
-        self._engine = None
+        self._engine = self._llm = None
