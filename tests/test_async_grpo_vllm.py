@@ -55,8 +55,11 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def assert_no_server_left(tmp_path: Path, server_pids: list[int]) -> None:
-    """Neither a supervisor nor an API server nor any process of the servers' groups is alive."""
+def assert_no_server_left(tmp_path: Path, setup: dict) -> None:
+    """Neither a supervisor nor an API server nor any process of the servers' groups is alive, and
+    every server's temporary checkpoint is gone."""
+    server_pids = setup["server_pids"]
+    assert setup["server_dirs"] and [d for d in setup["server_dirs"] if Path(d).exists()] == []
     assert [p for p in server_pids if pid_alive(p)] == []
     assert [m for p in server_pids for m in group_members(p)] == []
     assert processes_mentioning(str(tmp_path)) == []
@@ -111,7 +114,7 @@ def test_vllm_engine_keep_syncs_in_flight_bit_exact_and_leaves_no_server(tmp_pat
     # no server left: not the supervisors, not the API servers, not their engine processes
     [setup] = events(tmp_path, "setup")
     assert len(setup["server_pids"]) == 4
-    assert_no_server_left(tmp_path, setup["server_pids"])
+    assert_no_server_left(tmp_path, setup)
 
 
 @pytest.mark.slow
@@ -128,7 +131,7 @@ def test_vllm_engine_drain_and_abort(tmp_path, mode):
     else:  # partial rollouts were dropped at a commit and regenerated on the new version
         assert s["inflight_syncs"] > 0 and s["dropped_tokens"] > 0
     [setup] = events(tmp_path, "setup")
-    assert_no_server_left(tmp_path, setup["server_pids"])
+    assert_no_server_left(tmp_path, setup)
 
 
 @pytest.mark.slow
@@ -146,4 +149,4 @@ def test_ctrl_c_leaves_no_server(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=300)
     assert proc.returncode == 130
-    assert_no_server_left(tmp_path, setup["server_pids"])
+    assert_no_server_left(tmp_path, setup)

@@ -235,7 +235,8 @@ class GeneratorActor(Actor):
             if close is not None:
                 close()
             raise
-        return {"pid": os.getpid(), "index": self.index, "server_pids": list(getattr(self.backend, "server_pids", []))}
+        return {"pid": os.getpid(), "index": self.index, "server_pids": list(getattr(self.backend, "server_pids", [])),
+                "server_dir": getattr(self.backend, "workdir", None)}
 
     @endpoint
     async def update_weights(self, version: int) -> dict[str, Any]:

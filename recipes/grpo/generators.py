@@ -145,7 +145,8 @@ class VLLMServerGenerator:
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"vllm-{os.getpid()}.log"
-        self.server = VLLMServer(self.workdir, self.log_path, python=cfg.vllm_python, seed=seed)
+        self.server = VLLMServer(self.workdir, self.log_path, python=cfg.vllm_python, seed=seed,
+                                 remove_when_done=self.workdir)
         self.version: int | None = None
         self.status_dir: str | None = None
 

@@ -10,7 +10,8 @@ Process tree (one per generator replica)::
 The supervisor holds the only reference to the server's process group. It ends the group (SIGTERM,
 then SIGKILL after ``--grace`` seconds) when its stdin reaches end-of-file, which happens whenever the
 actor's process goes away, however it goes (``stop()``, an exception, Ctrl-C, SIGKILL: the kernel
-closes the pipe), and when it receives SIGTERM/SIGINT itself. When the server exits on its own the
+closes the pipe), and when it receives SIGTERM/SIGINT itself; then it deletes ``--remove-when-done``
+(the temporary checkpoint the server loaded). When the server exits on its own the
 supervisor exits with its status, so :meth:`VLLMServer.alive` turns false and the actor reports the
 replica as lost.
 
@@ -80,6 +81,8 @@ class VLLMServer:
             fresh oracle).
         start_timeout_s: seconds to wait for ``/health``.
         extra_args: further server flags.
+        remove_when_done: a folder the supervisor deletes once the server has ended (e.g. the
+            temporary checkpoint it loaded), whichever way the server ends.
 
     Raises:
         ServerDied: the server exited before answering ``/health``, or did not answer within
@@ -89,7 +92,7 @@ class VLLMServer:
 
     def __init__(self, model_dir: str, log_path: str | Path, *, python: str | None = None, seed: int = 0,
                  max_model_len: int | None = None, deltasync: bool = True, start_timeout_s: float = 600.0,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, remove_when_done: str | None = None) -> None:
         python = python or default_vllm_python()
         if not Path(python).exists():
             raise FileNotFoundError(f"vLLM interpreter {python} does not exist: run `bash tools/setup.sh` (it builds "
@@ -108,7 +111,10 @@ class VLLMServer:
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(
                        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([python, __file__, "--log", str(self.log_path), "--", *args], env=env,
+        sup = [python, __file__, "--log", str(self.log_path)]
+        if remove_when_done:
+            sup += ["--remove-when-done", str(remove_when_done)]
+        self.proc = subprocess.Popen([*sup, "--", *args], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         self.server_pid: int | None = None
@@ -221,6 +227,7 @@ def _supervise(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description="run a vLLM OpenAI server; end it when stdin closes")
     p.add_argument("--log", required=True)
     p.add_argument("--grace", type=float, default=20.0)
+    p.add_argument("--remove-when-done", default=None)
     p.add_argument("server_args", nargs=argparse.REMAINDER)
     ns = p.parse_args(argv)
     args = [a for a in ns.server_args if a != "--"] if ns.server_args[:1] == ["--"] else ns.server_args
@@ -260,6 +267,10 @@ def _supervise(argv: list[str]) -> int:
     threading.Thread(target=watch_stdin, daemon=True).start()
     rc = child.wait()
     end()  # the group's other processes (engine core) go with the server
+    if ns.remove_when_done:
+        import shutil
+
+        shutil.rmtree(ns.remove_when_done, ignore_errors=True)
     return rc
 
 
