@@ -7,6 +7,7 @@ replicas, 1 trainer process, 200 GRPO steps; a few minutes on a 2-core CPU)::
     python -m recipes.async_grpo --steps 50 --generators 3 --max-staleness 1 --run-name quick
     python -m recipes.async_grpo --trainer-procs 2     # FSDP2 over gloo, every rank publishes its shard
     python -m recipes.async_grpo --bucket s3://bucket/runs --model /path/to/hf/checkpoint
+    python -m recipes.async_grpo --engine vllm         # a vLLM server per replica, commits in flight
 
 Architecture (one host; every box is a Monarch actor, every arrow an endpoint call)::
 
@@ -33,12 +34,19 @@ Architecture (one host; every box is a Monarch actor, every arrow an endpoint ca
   than the trainer's newest version; rollouts pause while the buffer already holds enough fresh
   samples (back-pressure). Optional truncated importance sampling (``--tis-cap``) corrects for
   the lag and for bf16 generation using the stored generation log-probs.
+* ``--engine vllm``: each replica runs a vLLM OpenAI server (``.venv-vllm``) that its actor starts
+  and stops (:mod:`recipes.grpo.vllm_server`); versions reach it through vLLM's RL routes and the
+  ``deltasync`` backend, staged in the background and committed between chunks of tokens while
+  rollouts are in flight (``--interrupt keep``, :mod:`recipes.grpo.inflight`); every token carries
+  the version that produced it (``token_version``), and staleness is bounded by a sample's oldest
+  token.
 * Faults: a generator replica that dies is reported with its pid and the error, and the run
   continues on the remaining replicas; when none is left, or the trainer fails, or any call
   exceeds ``--call-timeout``, the run stops with a message and exit status 1 (never a hang).
 
 Outputs in ``runs/<run-name>/``: ``metrics.jsonl`` (one event per line: ``publish``, ``update``,
 ``rollout``, ``step``, ``generator_lost``, ...), ``summary.json``, ``reward.png``, ``sync.png``,
+``lag.png`` (trained tokens by version lag), ``logs/`` (vLLM server logs),
 ``weights/`` (at the end: ``trainer.safetensors``, the policy as trained, and ``generator<i>.safetensors``,
 each live HF generator's weights as served), ``warmstart/`` (the cached supervised warm start) and
 ``bucket/`` (the default store).
@@ -63,6 +71,7 @@ from typing import Any
 from recipes.grpo.config import GRPOConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SERVER_START_S = 900.0  # generator setup with --engine vllm: the server's start timeout plus its setup
 
 log = logging.getLogger("recipes.async_grpo")
 
@@ -103,11 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
       help="truncated importance-sampling cap on pi_old/pi_gen; 0 turns the correction off")
     a("--anchor-every", type=int, default=d.anchor_every, help="full anchor every N versions (0: first only)")
     a("--codec", default=d.codec, help="delta codec")
-    a("--generator-backend", default=d.generator_backend, help="generator engine: hf (CPU) or vllm (GPU slot)")
+    a("--engine", "--generator-backend", dest="generator_backend", default=d.generator_backend,
+      help="generator engine: hf (transformers in the replica), vllm (a vLLM server per replica, .venv-vllm), "
+           "vllm-offline (in-process vllm.LLM, GPU)")
+    a("--interrupt", default=d.interrupt, choices=["keep", "drain", "abort"],
+      help="rollouts in flight at a new version: keep (continue on the new weights), drain (finish first), "
+           "abort (restart); default: keep with vllm, drain with hf")
+    a("--sync-chunk", type=int, default=d.sync_chunk, help="tokens per rollout piece (commits happen between pieces)")
+    a("--vllm-python", default=d.vllm_python, help="python of the vLLM environment (default: .venv-vllm)")
     a("--max-buffered", type=int, default=d.max_buffered, help="fresh buffered samples at which rollouts pause (default: train batch)")
     a("--call-timeout", dest="call_timeout_s", type=float, default=d.call_timeout_s, help="seconds before an unanswered actor call stops the run")
     a("--kill-generator", type=int, default=None, help="fault injection: SIGKILL this generator replica ...")
     a("--kill-at-step", type=int, default=None, help="... at this GRPO step")
+    a("--kill-target", default=d.kill_target, choices=["actor", "server"],
+      help="... its actor process, or (--engine vllm) its vLLM server")
     a("--log-every", type=int, default=1, help="print a step line every N steps")
     a("--no-progress", action="store_true", help="no progress bars (logs and CI)")
     return p
@@ -144,7 +162,11 @@ def _free_port() -> int:
 
 def _first_line(e: BaseException) -> str:
     """``Type: message`` on one line (Monarch's supervision errors span several), at most ~400 characters."""
-    detail = " ".join(str(e).split())
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) > 1 and "Traceback" in text:  # a remote error: its last line is the exception itself
+        return f"{type(e).__name__}: {lines[-1][:400]}"
+    detail = " ".join(text.split())
     return f"{type(e).__name__}: {detail[:400]}"
 
 
@@ -167,6 +189,7 @@ class Controller:
         self.fresh = 0
         self.pending_apply_ms: list[float] = []
         self.samples_generated = 0
+        self.server_pids: list[int] = []
         self.bar = None
 
     # -- output helpers -------------------------------------------------------------------------
@@ -231,7 +254,13 @@ class Controller:
                 return
             try:
                 target = self.latest_version
-                if self.gen_version[i] is None or self.gen_version[i] < target:
+                held = self.gen_version[i]
+                # drain: apply the newest version between batches. keep/abort: the generator commits
+                # staged versions itself between chunks (from the batch's first one on); it is brought
+                # up to date here only at the start and when it fell behind the staleness bound.
+                behind = held is None or held < target if cfg.interrupt_mode == "drain" else \
+                    held is None or target - held > cfg.max_staleness
+                if behind:
                     # Soft pause: the previous batch has finished; apply the delta, then go on.
                     st = await self.call(gen.update_weights.call_one(target), f"generator {i} update_weights({target})")
                     self.gen_version[i] = st["version"]
@@ -247,8 +276,11 @@ class Controller:
             if self.stopping:
                 return
             n = len(out["batch"]["reward"])
-            self.metrics.write("rollout", generator=i, version=out["version"], reward=out["reward_mean"],
-                               gen_ms=out["gen_ms"], samples=n)
+            for st in out["syncs"]:  # versions committed while this batch was generated
+                self.metrics.write("update", generator=i, in_batch=True, **st)
+            self.gen_version[i] = out["version_end"]
+            self.metrics.write("rollout", generator=i, version=out["version"], version_end=out["version_end"],
+                               reward=out["reward_mean"], gen_ms=out["gen_ms"], samples=n, syncs=len(out["syncs"]))
             self.samples_generated += n
             try:
                 st = await self.call(self.rb.extend.call_one(out["batch"]), "replay buffer extend")
@@ -284,15 +316,19 @@ class Controller:
         if cfg.kill_generator is None or self.step != cfg.kill_at_step:
             return
         i = cfg.kill_generator
+        what = "generator"
         pid = self.gen_pids[i]
-        self.say(f"!! fault injection: SIGKILL generator {i} (pid {pid}) at GRPO step {self.step}")
-        self.metrics.write("fault_injected", generator=i, pid=pid, step=self.step)
+        if cfg.kill_target == "server":
+            what, pid = "the vLLM server of generator", self.gen_server_pids[i][-1]
+        self.say(f"!! fault injection: SIGKILL {what} {i} (pid {pid}) at GRPO step {self.step}")
+        self.metrics.write("fault_injected", generator=i, pid=pid, step=self.step, target=cfg.kill_target)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
     async def train_loop(self) -> None:
+        from recipes.grpo.inflight import tokens_by_lag
         from recipes.grpo.report import STEP_HEADER, step_line
 
         cfg = self.cfg
@@ -312,6 +348,7 @@ class Controller:
                 raise RunAborted(f"the trainer failed at GRPO step {step}: {_first_line(e)}") from e
             out = res.item(procs=0)
             lag = batch["lag"].float()
+            by_lag = tokens_by_lag(batch["token_version"], batch["response_mask"], self.latest_version)
             pub = out.pop("publish", None)
             if pub is not None:
                 self.latest_version = pub["version"]
@@ -324,7 +361,7 @@ class Controller:
                 "step", step=step, version=self.latest_version, reward=reward, reward_std=float(batch["reward"].std()),
                 lag_max=int(lag.max()), lag_mean=float(lag.mean()), wait_ms=wait_ms, apply_ms=apply_ms,
                 generators_alive=sum(self.alive), fresh=self.fresh, dropped_stale=got["stats"]["dropped_stale"],
-                publish=pub, **out,
+                tokens_by_lag=by_lag, publish=pub, **out,
             )
             if step % self.log_every == 0 or step == cfg.steps - 1:
                 self.say(step_line(rec))
@@ -337,6 +374,17 @@ class Controller:
     # -- the run ----------------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
+        """The whole run; returns the summary. On Ctrl-C (the task is cancelled) the meshes are shut
+        down first (the generators stop their engine servers), then the cancellation goes on."""
+        try:
+            return await self._run()
+        except asyncio.CancelledError:
+            self.stopping = True
+            self.say("!! interrupted: stopping the generators' engines and the meshes")
+            await self.shutdown()
+            raise
+
+    async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         t_start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -385,15 +433,20 @@ class Controller:
 
         setup_t, setup_g = await asyncio.gather(
             self.call(self.trainer.setup.call(), "trainer setup"),
-            self.call(self.gens.setup.call(), "generator setup"),
+            # a vLLM server may take minutes to come up on a busy CPU (it has its own start timeout)
+            self.call(self.gens.setup.call(), "generator setup",
+                      timeout=max(cfg.call_timeout_s, SERVER_START_S) if cfg.generator_backend == "vllm" else None),
         )
         t0_info = setup_t.item(procs=0)
         gens = sorted(setup_g.values(), key=lambda x: x["index"])
         self.gen_pids = [g["pid"] for g in gens]
+        self.gen_server_pids = [g.get("server_pids", []) for g in gens]
+        self.server_pids = [p for g in gens for p in g.get("server_pids", [])]
         self.alive = [True] * cfg.generators
         self.gen_version = [None] * cfg.generators
         self.metrics.write("publish", step=-1, **t0_info["publish"])
         self.metrics.write("setup", trainer_pids=[v["pid"] for v in setup_t.values()], generator_pids=self.gen_pids,
+                           server_pids=self.server_pids, server_dirs=[g["server_dir"] for g in gens if g.get("server_dir")],
                            params=t0_info["params"], seconds=time.perf_counter() - t0,
                            trainer_times=[v["times"] for v in setup_t.values()])
         self.say(f"policy: {t0_info['params']:,} parameters; trainer procs {cfg.trainer_procs} "
@@ -440,7 +493,7 @@ class Controller:
             pass
         await self.shutdown()
 
-        from recipes.grpo.report import plot_reward, plot_sync, summarize
+        from recipes.grpo.report import plot_lag, plot_reward, plot_sync, summarize
 
         summary = summarize(self.metrics, cfg=cfg.to_dict(), extra={
             "dropped_stale": rb_stats.get("dropped_stale"),
@@ -466,6 +519,7 @@ class Controller:
         try:
             plot_reward(self.metrics, self.run_dir / "reward.png")
             plot_sync(self.metrics, self.run_dir / "sync.png")
+            plot_lag(self.metrics, self.run_dir / "lag.png")
         except Exception as e:  # noqa: BLE001 - plots are a convenience; the summary is the record
             self.say(f"(plots skipped: {type(e).__name__}: {e})")
         return summary
@@ -475,7 +529,13 @@ class Controller:
         v = self.latest_version
         trainer_digest = (await self.call(self.trainer.digest.call(), "trainer digest")).item(procs=0)
         digests: dict[str, Any] = {"version": v, "trainer": trainer_digest}
+        # The weights themselves, for checks outside the recipe: <run_dir>/weights/trainer.safetensors
+        # (fp32, as trained) and generator<i>.safetensors (bf16, as served; HF backend only).
+        folder = self.run_dir / "weights"
+        folder.mkdir(parents=True, exist_ok=True)
+        await self.call(self.trainer.save_weights.call(str(folder / "trainer.safetensors")), "trainer weights")
         ok = any(self.alive)
+        oracle = None
         for i, alive in enumerate(self.alive):
             if not alive:
                 continue
@@ -490,31 +550,54 @@ class Controller:
             if "digest" in fp:  # bitwise: sha256 of the bf16 bit patterns, same as the trainer's
                 same = fp["version"] == v and fp["digest"] == trainer_digest
                 digests[f"generator{i}"] = fp["digest"]
-            else:  # engine checksums were checked against version v's manifest (vLLM backend)
+            else:  # a vLLM engine: checksums checked against the manifest at every commit, and outputs
+                if oracle is None and "probe" in fp:
+                    oracle = await self.fresh_engine_probe(folder / "trainer.safetensors", trainer_digest)
+                    digests["fresh_engine"] = oracle["digest"]
                 same = fp["version"] == v and fp.get("checksums_verified") == v
-                digests[f"generator{i}"] = f"checksums verified at version {fp.get('checksums_verified')}"
+                if "probe" in fp:
+                    same = same and oracle["digest"] == trainer_digest and fp["probe"] == oracle["probe"]
+                digests[f"generator{i}"] = (f"checksums verified at version {fp.get('checksums_verified')}; outputs "
+                                            f"{'equal' if fp.get('probe') == (oracle or {}).get('probe') else 'DIFFER from'} "
+                                            "a fresh engine on the trainer's weights")
             ok = ok and same
         ok = ok and any(self.alive)
         self.metrics.write("bit_exact", ok=ok, **digests)
-        # The weights themselves, for checks outside the recipe: <run_dir>/weights/trainer.safetensors
-        # (fp32, as trained) and generator<i>.safetensors (bf16, as served; HF backend only).
-        folder = self.run_dir / "weights"
-        folder.mkdir(parents=True, exist_ok=True)
-        await self.call(self.trainer.save_weights.call(str(folder / "trainer.safetensors")), "trainer weights")
         for i, alive in enumerate(self.alive):
             if alive:
                 await self.call(self.gens.slice(procs=i).save_weights.call_one(str(folder / f"generator{i}.safetensors")),
                                 f"generator {i} weights")
         return ok, digests
 
+    async def fresh_engine_probe(self, weights: Path, trainer_digest: str) -> dict[str, Any]:
+        """The probe outputs of a fresh vLLM server (no weight transfer) started from the trainer's
+        weights cast to bf16, and the sha256 of that checkpoint's bits (it must equal the trainer's)."""
+        from recipes.grpo.generators import fresh_engine_probe
+
+        return await asyncio.to_thread(fresh_engine_probe, self.cfg, weights, self.run_dir / "logs" / "vllm-fresh.log")
+
     async def shutdown(self) -> None:
-        for what, fut in (("trainer close", lambda: self.trainer.close.call()),
-                          ("trainer procs stop", lambda: self.trainer_procs.stop()),
-                          ("generator procs stop", lambda: self.gen_procs.stop())):
+        """Stop every live generator's engine (``close``), then the trainer and both meshes; best
+        effort, once. A generator process that is gone took its engine server with it (the server's
+        supervisor ends it when the actor's pipe closes)."""
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
+        steps = []
+        if hasattr(self, "gens"):
+            steps += [(f"generator {i} close", lambda i=i: self.gens.slice(procs=i).close.call_one())
+                      for i, alive in enumerate(self.alive or [True] * self.cfg.generators) if alive]
+        if hasattr(self, "trainer"):
+            steps += [("trainer close", lambda: self.trainer.close.call()),
+                      ("trainer procs stop", lambda: self.trainer_procs.stop())]
+        if hasattr(self, "gen_procs"):
+            steps.append(("generator procs stop", lambda: self.gen_procs.stop()))
+        for what, fut in steps:
             try:
                 await self.call(fut(), what, timeout=60)
             except Exception as e:  # noqa: BLE001 - best effort; the summary is already complete
-                self.metrics.write("shutdown_error", what=what, error=_first_line(e))
+                if hasattr(self, "metrics"):
+                    self.metrics.write("shutdown_error", what=what, error=_first_line(e))
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -530,6 +613,10 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"(whole update {f(s['mean_update_ms'], '.1f')} ms)")
     print(f"staleness: max policy lag {s['max_policy_lag']} (bound {s['max_staleness']}), dropped stale "
           f"{s['dropped_stale']}; generators alive {s['generators_alive']}/{s['generators']}")
+    print(f"engine {s['engine']} ({s['interrupt']}): syncs {s['syncs']} ({s['inflight_syncs']} in flight), stall mean "
+          f"{f(s['mean_stall_ms'], '.1f')} / max {f(s['max_stall_ms'], '.1f')} ms, "
+          f"{f(None if s['sync_time_frac'] is None else 100 * s['sync_time_frac'], '.2f')}% of generation time; "
+          f"trained tokens by version lag {s['tokens_by_lag']}")
     print(f"bit-exact (every live generator vs trainer bf16): {'YES' if s['bit_exact'] else 'NO'}")
     if s.get("message"):
         print(f"message: {s['message']}")
@@ -551,8 +638,11 @@ def main(argv: list[str] | None = None) -> int:
     except RunAborted as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     _print_summary(summary)
-    print(f"outputs: {cfg.run_dir}/metrics.jsonl, summary.json, reward.png, sync.png")
+    print(f"outputs: {cfg.run_dir}/metrics.jsonl, summary.json, reward.png, sync.png, lag.png")
     return 0 if summary["status"] == "ok" and summary["bit_exact"] else 1
 
 

@@ -228,23 +228,38 @@ class GeneratorActor(Actor):
         self.max_new_tokens = max_new_tokens(cfg, self.tok)
         # the backend seeds torch with this: it is also the replica's sampling seed
         self.backend = make_backend(cfg.generator_backend, cfg, self.tok, seed=cfg.seed + 1000 + self.index)
-        self.backend.attach(self.bucket, self.prefix)
-        return {"pid": os.getpid(), "index": self.index}
+        try:
+            self.backend.attach(self.bucket, self.prefix)
+        except BaseException:
+            close = getattr(self.backend, "close", None)
+            if close is not None:
+                close()
+            raise
+        return {"pid": os.getpid(), "index": self.index, "server_pids": list(getattr(self.backend, "server_pids", [])),
+                "server_dir": getattr(self.backend, "workdir", None)}
 
     @endpoint
     async def update_weights(self, version: int) -> dict[str, Any]:
         """Apply versions up to ``version`` (bit-exact, all or nothing). Returns the update stats."""
         before = self.backend.version
-        return {**self.backend.update(version), "from_version": before}
+        t0 = time.perf_counter()
+        st = self.backend.update(version)
+        # blocked_ms: the replica generated nothing meanwhile (it updates between batches)
+        return {**st, "from_version": before, "blocked_ms": (time.perf_counter() - t0) * 1e3}
 
     @endpoint
     async def generate(self, batch_index: int) -> dict[str, Any]:
         """Sample ``group_size`` completions for each of ``prompts_per_batch`` fresh prompts with
-        the weights held now, and score them.
+        the weights held now (and, with ``--interrupt keep|abort``, the versions committed while
+        they are generated), and score them.
 
         Returns:
-            ``{"batch": {name: tensor}, "version", "reward_mean", "gen_ms"}``; the batch keys are
-            those of the replay buffer plus top-level ``reward`` / ``done`` ``[N]``.
+            ``{"batch": {name: tensor}, "version", "version_end", "syncs", "reward_mean", "gen_ms"}``:
+            ``version`` / ``version_end`` are those served at the start / end (they differ when
+            versions were committed in flight, one record per commit in ``syncs``); the batch keys
+            are those of the replay buffer plus ``token_version`` ``[N, T]`` (int64, the version
+            that produced each token, -1 past the end) and top-level ``reward`` / ``done`` ``[N]``.
+            ``policy_version`` is the version of each sample's oldest token.
         """
         from .policy import encode_prompts
 
@@ -258,24 +273,40 @@ class GeneratorActor(Actor):
         prompts = [p for p, _ in problems for _ in range(cfg.group_size)]
         answers = [a for _, a in problems for _ in range(cfg.group_size)]
         pids, pmask = encode_prompts(self.tok, prompts)
-        rids, rmask, lp = self.backend.generate(pids, pmask, max_new_tokens=self.max_new_tokens,
-                                                temperature=cfg.temperature)
+        syncs: list[dict[str, Any]] = []
+        if hasattr(self.backend, "generate_versioned"):
+            r = self.backend.generate_versioned(pids, pmask, max_new_tokens=self.max_new_tokens,
+                                                interrupt=cfg.interrupt_mode)
+            rids, rmask, lp, tver, syncs = r.ids, r.mask, r.logprobs, r.token_version, r.syncs
+        else:  # one version for the whole batch (drain)
+            rids, rmask, lp = self.backend.generate(pids, pmask, max_new_tokens=self.max_new_tokens,
+                                                    temperature=cfg.temperature)
+            tver = torch.where(rmask.bool(), version, -1).long()
         rewards = torch.tensor([self.task.reward(self.tok.decode(r.tolist()), a) for r, a in zip(rids, answers)])
         n = len(prompts)
         first_group = (self.index + 1) * 10**12 + batch_index * cfg.prompts_per_batch
+        # A sample's staleness is that of its oldest token: the buffer's gate then bounds every token.
+        oldest = torch.where(rmask.bool(), tver, torch.iinfo(torch.long).max).amin(dim=1)
         batch = {
             "prompt_ids": pids, "prompt_mask": pmask, "response_ids": rids, "response_mask": rmask,
-            "gen_logprobs": lp, "policy_version": torch.full((n,), version, dtype=torch.long),
+            "gen_logprobs": lp, "policy_version": oldest, "token_version": tver,
             "group_id": torch.arange(first_group, first_group + cfg.prompts_per_batch).repeat_interleave(cfg.group_size),
             "reward": rewards.float(), "done": torch.ones(n, dtype=torch.bool),
         }
-        return {"batch": batch, "version": version, "reward_mean": float(rewards.mean()),
-                "gen_ms": (time.perf_counter() - t0) * 1e3}
+        return {"batch": batch, "version": version, "version_end": self.backend.version, "syncs": syncs,
+                "reward_mean": float(rewards.mean()), "gen_ms": (time.perf_counter() - t0) * 1e3}
 
     @endpoint
     async def fingerprint(self) -> dict[str, Any]:
         """The version held and the backend's evidence of its weights (see ``GeneratorBackend``)."""
         return {"version": self.backend.version, **self.backend.fingerprint()}
+
+    @endpoint
+    async def close(self) -> None:
+        """Stop the backend's engine process, if it has one (the vLLM server)."""
+        close = getattr(getattr(self, "backend", None), "close", None)
+        if close is not None:
+            close()
 
     @endpoint
     async def save_weights(self, path: str) -> bool:

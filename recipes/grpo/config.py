@@ -92,7 +92,19 @@ class GRPOConfig:
     generators: int = 2
     """Generator replicas, one process each, each with its own model copy and ``DeltaReceiver``."""
     generator_backend: str = "hf"
-    """Generator engine: ``"hf"`` (Hugging Face transformers on CPU); ``"vllm"`` is the GPU slot."""
+    """Generator engine (``--engine``): ``"hf"`` (Hugging Face transformers in the replica's process);
+    ``"vllm"`` (a vLLM OpenAI server process per replica, from ``.venv-vllm``, weights through its RL
+    routes); ``"vllm-offline"`` (an in-process ``vllm.LLM``, GPU only)."""
+    interrupt: str | None = None
+    """What a new version does to rollouts in flight (:mod:`recipes.grpo.inflight`): ``"keep"``
+    (commit between chunks, partial rollouts continue on the new weights), ``"abort"`` (commit between
+    chunks, partial rollouts restart from their prompt), ``"drain"`` (commit between batches only).
+    ``None``: ``keep`` with ``vllm``, ``drain`` otherwise (the only mode of the other engines)."""
+    sync_chunk: int = 2
+    """Tokens per piece of a rollout with ``keep`` / ``abort``: commits happen between pieces, so every
+    token's version is exact; smaller pieces commit sooner at the cost of more requests."""
+    vllm_python: str | None = None
+    """Interpreter of the vLLM environment (``None``: ``$TORCH_DELTASYNC_VLLM_PYTHON`` or ``.venv-vllm``)."""
 
     # --- robustness --------------------------------------------------------------------------------
     call_timeout_s: float = 300.0
@@ -103,6 +115,8 @@ class GRPOConfig:
     """Fault injection (tests): SIGKILL this generator replica ..."""
     kill_at_step: int | None = None
     """... when the trainer reaches this GRPO step."""
+    kill_target: str = "actor"
+    """... its actor process (``"actor"``) or, with ``vllm``, its vLLM server process (``"server"``)."""
 
     def __post_init__(self) -> None:
         positive = ("steps", "train_batch", "minibatches", "prompts_per_batch", "publish_every",
@@ -137,6 +151,15 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.warmstart_steps must be >= 0, got {self.warmstart_steps}")
         if self.max_buffered is not None and self.max_buffered < 1:
             raise ValueError(f"GRPOConfig.max_buffered must be >= 1, got {self.max_buffered}")
+        from .inflight import INTERRUPT_MODES
+
+        if self.interrupt is not None and self.interrupt not in INTERRUPT_MODES:
+            raise ValueError(f"--interrupt must be one of {list(INTERRUPT_MODES)}, got {self.interrupt!r}")
+        if self.interrupt_mode != "drain" and self.generator_backend != "vllm":
+            raise ValueError(f"--interrupt {self.interrupt} needs --engine vllm (the {self.generator_backend!r} engine "
+                             "updates between batches only: --interrupt drain)")
+        if self.sync_chunk < 1:
+            raise ValueError(f"GRPOConfig.sync_chunk must be >= 1 token, got {self.sync_chunk}")
         from torch_deltasync import codec_names
 
         if self.codec not in codec_names():
@@ -149,12 +172,23 @@ class GRPOConfig:
                              "in separate processes; use a folder, file://, s3:// or hf://buckets/...")
         if (self.kill_generator is None) != (self.kill_at_step is None):
             raise ValueError("--kill-generator and --kill-at-step go together")
+        if self.kill_target not in ("actor", "server"):
+            raise ValueError(f"--kill-target must be 'actor' or 'server', got {self.kill_target!r}")
+        if self.kill_target == "server" and self.generator_backend != "vllm":
+            raise ValueError("--kill-target server needs --engine vllm (only it runs a server process)")
         if self.kill_generator is not None and not 0 <= self.kill_generator < self.generators:
             raise ValueError(f"--kill-generator {self.kill_generator} is not a replica index in [0, {self.generators})")
 
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run_name
+
+    @property
+    def interrupt_mode(self) -> str:
+        """``interrupt`` with its default filled in (``keep`` for ``vllm``, else ``drain``)."""
+        if self.interrupt is not None:
+            return self.interrupt
+        return "keep" if self.generator_backend == "vllm" else "drain"
 
     @property
     def buffered_limit(self) -> int:

@@ -6,7 +6,12 @@ swaps the Hugging Face engine for vLLM without touching the actor, the buffer or
 
 - ``"hf"`` (:class:`HFGenerator`, the default, tested): Hugging Face ``generate`` on CPU; the bf16
   weights are a plain ``nn.Module`` that a :class:`~torch_deltasync.DeltaReceiver` updates in place.
-- ``"vllm"`` (:class:`VLLMGenerator`, GPU only, **not exercised by this repository's tests**, which
+- ``"vllm"`` (:class:`VLLMServerGenerator`, tested on vLLM's CPU build): a vLLM OpenAI server process
+  (``.venv-vllm``) on 127.0.0.1 that the replica starts and stops; weights reach it only through
+  vLLM's RL routes and the ``deltasync`` backend (:func:`torch_deltasync.integrations.vllm.update_server`),
+  and versions are committed while rollouts are in flight, between chunks of tokens
+  (:mod:`.inflight`), every token tagged with its version.
+- ``"vllm-offline"`` (:class:`VLLMGenerator`, GPU only, **not exercised by this repository's tests**, which
   run on CPU): an offline ``vllm.LLM`` running ``torch_deltasync``'s ``deltasync`` weight-transfer
   backend; every tensor-parallel worker stages each version in the background (verified against
   the manifest's checksums) and commits it onto vLLM's parameters
@@ -18,6 +23,7 @@ Add another engine with :func:`register_backend`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
@@ -26,7 +32,7 @@ from .config import GRPOConfig
 from .policy import build_policy, sample
 from .task import Tokenizer
 
-__all__ = ["GeneratorBackend", "HFGenerator", "VLLMGenerator", "register_backend", "make_backend", "backend_names"]
+__all__ = ["GeneratorBackend", "HFGenerator", "VLLMServerGenerator", "VLLMGenerator", "register_backend", "make_backend", "backend_names"]
 
 
 class GeneratorBackend(Protocol):
@@ -101,6 +107,165 @@ class HFGenerator:
         from safetensors.torch import save_file
 
         save_file({n: t.detach().clone().contiguous() for n, t in self.model.state_dict().items()}, path)
+
+
+class VLLMServerGenerator:
+    """A vLLM OpenAI-compatible server (``.venv-vllm``, 127.0.0.1) as the replica's engine.
+
+    The server starts from a checkpoint of the policy's architecture with random weights (written to
+    a temporary folder); the first update installs the run's anchor through the ``deltasync``
+    backend, so every weight it serves has arrived through the store and vLLM's RL routes. The
+    backend stages each newer version in the background; :meth:`sync` commits a staged version
+    (``POST /pause?mode=keep&clear_cache=true`` → start / update / finish → ``/resume``), which is the
+    only time the engine stops generating.
+
+    Args:
+        cfg: run configuration (``run_dir`` for the server log, ``vllm_python``, ``temperature``).
+        tok: tokenizer (end-of-sequence id).
+        seed: the engine's sampling seed and the initialisation seed of the placeholder weights.
+
+    Raises:
+        ServerDied: the server did not come up (the message names its log).
+    """
+
+    #: Prompts of the end-of-run comparison with a fresh engine (token ids of the built-in tokenizer's range).
+    PROBES = [[1, 3, 4, 5], [1, 7, 6, 5, 4], [1, 4, 4, 10, 12, 3]]
+
+    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> None:
+        import os
+        import tempfile
+
+        from .vllm_server import VLLMServer
+
+        self.cfg, self.tok = cfg, tok
+        self.workdir = tempfile.mkdtemp(prefix="grpo-vllm-")
+        model = build_policy(cfg, tok, dtype=torch.bfloat16, seed=seed, load_weights=False)
+        model.save_pretrained(self.workdir, safe_serialization=True)
+        del model
+        logs = cfg.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"vllm-{os.getpid()}.log"
+        self.server = VLLMServer(self.workdir, self.log_path, python=cfg.vllm_python, seed=seed,
+                                 remove_when_done=self.workdir)
+        self.version: int | None = None
+        self.status_dir: str | None = None
+
+    @property
+    def server_pids(self) -> list[int]:
+        """The supervisor's and the server's pids."""
+        return [p for p in (self.server.proc.pid, self.server.server_pid) if p]
+
+    def attach(self, store: str, prefix: str) -> None:
+        from torch_deltasync.integrations.vllm import attach_server
+
+        info = attach_server(self.server.url, store, prefix)
+        self.status_dir = info.get("status_dir")
+
+    def update(self, version: int) -> dict[str, Any]:
+        """Commit ``version`` after every worker staged it (drain: nothing is in flight)."""
+        from torch_deltasync.integrations.vllm import update_server
+
+        self.server.check_alive()
+        before = self.version
+        if before is not None and before >= version:
+            return {"version": before}
+        r = update_server(self.server.url, version, mode="wait")
+        self.version = r.version
+        return {"version": r.version, "apply_ms": r.stall_ms, "stall_ms": r.stall_ms, "wait_ms": r.wait_ms,
+                "total_ms": r.total_ms, "staged": r.staged}
+
+    def sync(self) -> dict[str, Any] | None:
+        """Commit the newest version every worker has staged, if newer than the served one (no
+        waiting for staging: the pause covers the commit only). ``None``: nothing staged."""
+        from torch_deltasync.integrations.vllm import read_readiness, update_server
+
+        self.server.check_alive()
+        if self.status_dir is None:
+            return None
+        states = read_readiness(self.status_dir).values()
+        staged = [s.get("staged") for s in states]
+        if not staged or not all(isinstance(v, int) for v in staged):
+            return None
+        v = min(staged)
+        if self.version is not None and v <= self.version:
+            return None
+        r = update_server(self.server.url, v, mode="keep")
+        before, self.version = self.version, r.version
+        return {"version": r.version, "from_version": before, "stall_ms": r.stall_ms, "apply_ms": r.stall_ms,
+                "total_ms": r.total_ms, "staged": r.staged}
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+        return self.server.complete(prompts, max_tokens=max_tokens, temperature=self.cfg.temperature,
+                                    stop_token_ids=[self.tok.eos_id])
+
+    def generate(self, prompt_ids, prompt_mask, *, max_new_tokens, temperature):
+        r = self.generate_versioned(prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, interrupt="drain")
+        return r.ids, r.mask, r.logprobs
+
+    def generate_versioned(self, prompt_ids, prompt_mask, *, max_new_tokens: int, interrupt: str):
+        """:func:`.inflight.generate_chunked` on this server (chunks of ``cfg.sync_chunk`` tokens)."""
+        from .inflight import generate_chunked
+
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+        return generate_chunked(self, prompts, max_new_tokens=max_new_tokens, chunk=self.cfg.sync_chunk,
+                                interrupt=interrupt, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
+
+    def probe(self) -> list[dict[str, Any]]:
+        """Greedy completions of :attr:`PROBES` with the top-5 log-probs of every step (exact float bits)."""
+        return probe(self.server)
+
+    def fingerprint(self) -> dict[str, Any]:
+        # Before committing a version the worker checked the per-tensor checksums of what it
+        # installs against the manifest; the controller also compares outputs with a fresh engine.
+        return {"checksums_verified": self.version, "probe": self.probe()}
+
+    def close(self) -> None:
+        import shutil
+
+        self.server.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def probe(server) -> list[dict[str, Any]]:
+    """Greedy completions (8 tokens, top-5 log-probs as float hex) of :attr:`VLLMServerGenerator.PROBES`
+    on a :class:`.vllm_server.VLLMServer`."""
+    return server.complete(VLLMServerGenerator.PROBES, max_tokens=8, temperature=0.0, logprobs=5, top_logprobs=True)
+
+
+def fresh_engine_probe(cfg: GRPOConfig, weights: str | Path, log_path: str | Path) -> dict[str, Any]:
+    """The end-of-run oracle of the ``vllm`` engine: the trainer's weights (a safetensors file, any
+    float dtype) cast to bf16 into a checkpoint of the policy, served by a fresh vLLM server without
+    weight transfer.
+
+    Returns:
+        ``{"probe": :func:`probe` outputs, "digest": sha256 of the checkpoint's bf16 bits}``
+        (:func:`torch_deltasync.testing.state_digest`, comparable with the trainer's digest).
+    """
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from torch_deltasync.testing import state_digest
+
+    from .policy import build_tokenizer
+    from .vllm_server import VLLMServer
+
+    tok = build_tokenizer(cfg)
+    model = build_policy(cfg, tok, dtype=torch.bfloat16, load_weights=False)
+    sd = {k: t.to(torch.bfloat16) for k, t in load_file(str(weights)).items()}
+    model.load_state_dict(sd, strict=True)
+    digest = state_digest(model)
+    folder = tempfile.mkdtemp(prefix="grpo-vllm-fresh-")
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+        server = VLLMServer(folder, log_path, python=cfg.vllm_python, seed=cfg.seed, deltasync=False)
+        try:
+            return {"probe": probe(server), "digest": digest}
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class VLLMGenerator:
@@ -179,7 +344,8 @@ class VLLMGenerator:
         return {"checksums_verified": self.version}
 
 
-_BACKENDS: dict[str, Callable[..., GeneratorBackend]] = {"hf": HFGenerator, "vllm": VLLMGenerator}
+_BACKENDS: dict[str, Callable[..., GeneratorBackend]] = {"hf": HFGenerator, "vllm": VLLMServerGenerator,
+                                                          "vllm-offline": VLLMGenerator}
 
 
 def register_backend(name: str, factory: Callable[..., GeneratorBackend]) -> None:

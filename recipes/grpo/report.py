@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["MetricsLog", "summarize", "plot_reward", "plot_sync", "STEP_HEADER", "step_line"]
+__all__ = ["MetricsLog", "summarize", "plot_reward", "plot_sync", "plot_lag", "STEP_HEADER", "step_line"]
 
 
 class MetricsLog:
@@ -65,6 +65,12 @@ def step_line(step: dict[str, Any]) -> str:
 def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """The run summary (``summary.json``).
 
+    Syncs: ``stall`` of a sync is the time it kept its engine from generating: the pause around a
+    commit between chunks (``in_batch`` updates), or the whole update for one between batches.
+    ``sync_time_frac`` is their sum over the generators' generation time plus the between-batch
+    updates. ``inflight_syncs`` counts commits while some rollout of the batch was partial;
+    ``tokens_by_lag`` counts trained tokens by ``trainer version - token version``.
+
     ``reward_first`` / ``reward_last`` average the per-step mean reward of the trained batches over
     the first / last 10% of GRPO steps (at least one step). ``bytes_ratio`` is the bytes of every
     version after the initial anchor divided by the bytes of as many full bf16 copies;
@@ -75,6 +81,18 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
     k = max(1, math.ceil(0.1 * len(rewards))) if rewards else 0
     pubs = [e for e in log.of("publish") if e["version"] > 0]
     updates = log.of("update")
+    live = [u for u in updates if not u.get("final")]
+    in_batch = [u for u in live if u.get("in_batch")]
+    between = [u for u in live if not u.get("in_batch") and u.get("blocked_ms") is not None]
+    # the time each sync kept its engine from generating: the pause of a commit between chunks, or
+    # the whole update between batches (the replica waits for it)
+    stalls = [u["stall_ms"] for u in in_batch] + [u["blocked_ms"] for u in between]
+    gen_ms = sum(r["gen_ms"] for r in log.of("rollout"))
+    lost = sum(stalls)
+    by_lag: dict[int, int] = {}
+    for st in steps:
+        for lag, c in (st.get("tokens_by_lag") or {}).items():
+            by_lag[int(lag)] = by_lag.get(int(lag), 0) + c
     return {
         "steps": len(steps),
         "versions_published": len(log.of("publish")),
@@ -91,6 +109,15 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
         "mean_apply_ms": _mean(u["apply_ms"] for u in updates if u.get("apply_ms") is not None),
         "mean_update_ms": _mean(u["total_ms"] for u in updates if u.get("total_ms") is not None),
         "generator_updates": len(updates),
+        "engine": cfg.get("generator_backend"),
+        "interrupt": cfg.get("interrupt") or ("keep" if cfg.get("generator_backend") == "vllm" else "drain"),
+        "syncs": len(stalls),
+        "inflight_syncs": sum(1 for u in in_batch if u.get("inflight")),
+        "mean_stall_ms": _mean(stalls),
+        "max_stall_ms": max(stalls, default=None),
+        "sync_time_frac": lost / (gen_ms + sum(u["blocked_ms"] for u in between)) if gen_ms else None,
+        "dropped_tokens": sum(u.get("dropped_tokens", 0) for u in in_batch),
+        "tokens_by_lag": dict(sorted(by_lag.items())),
         **extra,
     }
 
@@ -155,6 +182,39 @@ def plot_sync(log: MetricsLog, path: Path) -> None:
     ax3.set_xlabel("version")
     ax3.grid(alpha=0.3)
     ax3.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_lag(log: MetricsLog, path: Path) -> None:
+    """``lag.png``: trained tokens by version lag (trainer version - the version that produced the
+    token), in total and per GRPO step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = log.of("step")
+    lags = sorted({int(k) for s in steps for k in (s.get("tokens_by_lag") or {})})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [1, 2]})
+    totals = [sum((s.get("tokens_by_lag") or {}).get(str(k), (s.get("tokens_by_lag") or {}).get(k, 0))
+                  for s in steps) for k in lags]
+    ax1.bar([str(k) for k in lags], totals)
+    ax1.set_xlabel("version lag at training time")
+    ax1.set_ylabel("trained tokens")
+    ax1.set_title("tokens by version lag")
+    ax1.grid(alpha=0.3, axis="y")
+    x = [s["step"] for s in steps]
+    bottom = [0] * len(steps)
+    for k in lags:
+        ys = [(s.get("tokens_by_lag") or {}).get(str(k), (s.get("tokens_by_lag") or {}).get(k, 0)) for s in steps]
+        ax2.bar(x, ys, bottom=bottom, width=1.0, label=f"lag {k}")
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax2.set_xlabel("GRPO step")
+    ax2.set_ylabel("tokens")
+    ax2.set_title("per step")
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,152 @@
+"""``python -m recipes.async_grpo --engine vllm``: generator replicas that are vLLM OpenAI servers
+(``.venv-vllm``, CPU build), weights through vLLM's RL routes and the ``deltasync`` backend, versions
+committed while rollouts are in flight.
+
+The CI run (two replicas, a few steps) kills one replica's server on the way: the replica is
+reported lost, the run goes on, and no server process is left afterwards. The end-of-run proof is
+the recipe's own (checksums at every commit, outputs equal to a fresh engine on the trainer's
+weights); the test checks the digest of that fresh engine's checkpoint against the trainer's and
+the outputs comparison, and counts token versions from the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.grpo.vllm_server import default_vllm_python
+from tests.test_async_grpo import REPO, SMALL, events, run_recipe
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention ``text`` (zombies excluded)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(f"{d.name}: {cmd[:300]}")
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid`` (a vLLM server's engine processes share its group)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def assert_no_server_left(tmp_path: Path, setup: dict) -> None:
+    """Neither a supervisor nor an API server nor any process of the servers' groups is alive, and
+    every server's temporary checkpoint is gone."""
+    server_pids = setup["server_pids"]
+    assert setup["server_dirs"] and [d for d in setup["server_dirs"] if Path(d).exists()] == []
+    assert [p for p in server_pids if pid_alive(p)] == []
+    assert [m for p in server_pids for m in group_members(p)] == []
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env():
+    py = default_vllm_python()
+    assert Path(py).exists(), f"{py} is missing: run `bash tools/setup.sh` (it builds .venv-vllm)"
+
+
+def test_vllm_engine_keep_syncs_in_flight_bit_exact_and_leaves_no_server(tmp_path):
+    steps = 8
+    proc, s = run_recipe(tmp_path, "--engine", "vllm", "--steps", str(steps), "--generators", "2",
+                         "--max-staleness", "2", "--kill-generator", "1", "--kill-at-step", "3",
+                         "--kill-target", "server", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert s["status"] == "ok" and s["steps"] == steps
+    assert s["engine"] == "vllm" and s["interrupt"] == "keep"
+    # the killed server is reported like a lost replica; the other one finishes the run
+    [lost] = s["generators_lost"]
+    assert lost["generator"] == 1 and lost["step"] >= 3
+    assert "ServerDied" in lost["error"] or "POST http://127.0.0.1" in lost["error"], lost
+    assert s["generators_alive"] == 1
+    # the proof: generator 0 committed version `steps` (checksums checked against the manifest) and
+    # its outputs equal a fresh engine's started from the trainer's weights, whose bits are the trainer's
+    d = s["digests"]
+    assert s["bit_exact"] is True and d["version"] == steps
+    assert d["fresh_engine"] == d["trainer"]
+    assert "outputs equal a fresh engine" in d["generator0"] and "generator1" not in d
+    # commits while rollouts were partial, and trained tokens of more than one version lag, each
+    # within the staleness bound
+    ups = events(tmp_path, "update")
+    inflight = [u for u in ups if u.get("in_batch") and u.get("inflight")]
+    assert s["inflight_syncs"] == len(inflight) > 0
+    assert all(u["partial_rollouts"] > 0 and u["staged"] is True for u in inflight)
+    by_lag = {int(k): v for k, v in s["tokens_by_lag"].items()}
+    assert len([k for k, v in by_lag.items() if v > 0]) > 1
+    assert max(by_lag) <= 2 and min(by_lag) >= 0
+    step_tokens = [sum(e["tokens_by_lag"].values()) for e in events(tmp_path, "step")]
+    assert sum(step_tokens) == sum(by_lag.values())
+    assert s["mean_stall_ms"] > 0 and 0 < s["sync_time_frac"] < 1
+    assert (tmp_path / "t" / "lag.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # no server left: not the supervisors, not the API servers, not their engine processes
+    [setup] = events(tmp_path, "setup")
+    assert len(setup["server_pids"]) == 4
+    assert_no_server_left(tmp_path, setup)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["drain", "abort"])
+def test_vllm_engine_drain_and_abort(tmp_path, mode):
+    proc, s = run_recipe(tmp_path, "--engine", "vllm", "--interrupt", mode, "--steps", "6", "--generators", "1",
+                         timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert s["bit_exact"] is True and s["interrupt"] == mode
+    ups = [u for u in events(tmp_path, "update") if not u.get("final")]
+    if mode == "drain":  # every batch from one version: commits only between batches
+        assert s["inflight_syncs"] == 0 and not any(u.get("in_batch") for u in ups)
+        assert all(e["version"] == e["version_end"] for e in events(tmp_path, "rollout"))
+    else:  # partial rollouts were dropped at a commit and regenerated on the new version
+        assert s["inflight_syncs"] > 0 and s["dropped_tokens"] > 0
+    [setup] = events(tmp_path, "setup")
+    assert_no_server_left(tmp_path, setup)
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_no_server(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL,
+         "--engine", "vllm", "--steps", "200", "--generators", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # the step table starts once the servers serve
+        if line.lstrip().startswith("0 "):
+            break
+    [setup] = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
+               if '"setup"' in x]
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=300)
+    assert proc.returncode == 130
+    assert_no_server_left(tmp_path, setup)
