@@ -27,20 +27,36 @@ platform without numba wheels: numba is then simply absent and :func:`enabled` i
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+import threading
 
 import numpy as np
 
-try:  # numba is a dependency, but a platform without its wheels still works (slower)
-    import numba
-    from numba.cpython.unsafe.numbers import trailing_zeros  # count trailing zero bits (an LLVM intrinsic)
-except ImportError:  # pragma: no cover - exercised only where numba does not install
-    numba = None
-
 __all__ = ["enabled", "set_enabled", "AVAILABLE"]
 
-#: Whether numba could be imported.
-AVAILABLE = numba is not None
+
+def _numba_installed() -> bool:
+    if "numba" in sys.modules:
+        return sys.modules["numba"] is not None
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):  # pragma: no cover
+        return False
+
+
+#: Whether numba is installed (a dependency, but a platform without its wheels still works, slower).
+AVAILABLE = _numba_installed()
+
+# numba itself is imported on the first call of a kernel, not with this module: vLLM 0.32's CPU
+# workers scan every imported module at start-up for Triton kernels to override
+# (vllm/triton_utils/dispatcher.py), and that scan fails on an llvmlite object, so a script that
+# imports torch_deltasync before it starts a vLLM engine (spawned workers re-import it) would stop
+# every engine from starting.
+numba = None
+_DEFERRED: list["_Deferred"] = []
+_MATERIALIZE = threading.Lock()
 _enabled = AVAILABLE and os.environ.get("TORCH_DELTASYNC_NATIVE", "1") != "0"
 
 
@@ -66,13 +82,50 @@ def set_enabled(on: bool) -> bool:
     return prev
 
 
+class _Deferred:
+    """A kernel whose numba dispatcher is made on the first call of any kernel (:func:`jit`)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.dispatcher = fn, None
+        self.__doc__, self.__name__ = fn.__doc__, fn.__name__
+
+    def __call__(self, *args, **kwargs):
+        if self.dispatcher is None:
+            _materialize()
+        return self.dispatcher(*args, **kwargs)
+
+
+def _materialize() -> None:
+    """Import numba and give every deferred kernel its dispatcher, also in the namespace that
+    defines it, so kernels that call each other compile against dispatchers."""
+    global numba
+    with _MATERIALIZE:
+        if numba is not None:
+            return
+        import numba as nb
+        from numba.cpython.unsafe.numbers import trailing_zeros  # count trailing zero bits (an LLVM intrinsic)
+
+        globals()["trailing_zeros"] = trailing_zeros
+        for proxy in _DEFERRED:
+            proxy.dispatcher = nb.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(proxy.fn)
+            namespace = proxy.fn.__globals__
+            if namespace.get(proxy.fn.__name__) is proxy:
+                namespace[proxy.fn.__name__] = proxy.dispatcher
+        numba = nb
+
+
 def jit(fn):
     """Compile ``fn`` with numba (cached on disk, releasing the GIL) when numba is installed;
     else return it unchanged (it then runs as Python). For code that both the numpy and the
-    native paths share, such as the codec's size estimates."""
-    if numba is None:
+    native paths share, such as the codec's size estimates. numba is imported, and every such
+    function gets its dispatcher, on the first call of any of them."""
+    if not AVAILABLE:
         return fn
-    return numba.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(fn)
+    if numba is not None:  # defined after the first call
+        return numba.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(fn)
+    proxy = _Deferred(fn)
+    _DEFERRED.append(proxy)
+    return proxy
 
 
 _jit = jit

@@ -4,9 +4,9 @@ vLLM lets an out-of-tree backend plug into its RL weight-sync calls
 (``vllm/distributed/weight_transfer/base.py``): a worker-side :class:`WeightTransferEngine` and a
 trainer-side :class:`TrainerWeightTransferEngine`, registered by name in
 ``WeightTransferEngineFactory`` / ``WeightTransferTrainerFactory`` and chosen with
-``weight_transfer_config={"backend": "deltasync"}``. This package registers both from the
-``vllm.general_plugins`` entry point ``deltasync`` (``pyproject.toml``), so every vLLM process
-(engine core and workers) knows the backend without an extra flag.
+``weight_transfer_config={"backend": "deltasync"}``. Both are registered from the
+``vllm.general_plugins`` entry point ``deltasync`` (``pyproject.toml``, :mod:`torch_deltasync_vllm`),
+so every vLLM process (engine core and workers) knows the backend without an extra flag.
 
 Data path::
 
@@ -79,14 +79,11 @@ BACKEND = "deltasync"
 
 
 def register() -> None:
-    """Register the ``deltasync`` worker and trainer engines with vLLM (idempotent). Called by vLLM
-    in every process through the ``vllm.general_plugins`` entry point."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    """Register the ``deltasync`` engines with vLLM (idempotent); the entry point vLLM calls is
+    :func:`torch_deltasync_vllm.register`, which does the same without importing this package."""
+    from torch_deltasync_vllm import register as _register
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DeltaSyncWeightTransferEngine")
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, __name__, "DeltaSyncTrainerWeightTransferEngine")
+    _register()
 
 
 # --- worker side -------------------------------------------------------------------------------------
