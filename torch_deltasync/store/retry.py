@@ -318,7 +318,53 @@ def call_with_retry(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-class RetryingStore(Store):
+class _CallWrappingStore(Store):
+    """A store that forwards every call to ``inner`` through ``self._call(op, key, fn, nbytes)``
+    (``op`` and ``key`` name the call in errors; ``nbytes``: bytes it moves, for deadlines)."""
+
+    inner: Store
+
+    def _call(self, op: str, key: str, fn: Callable[[], T], nbytes: int = 0) -> T:
+        raise NotImplementedError
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("write", key, lambda: self.inner.put(key, data), len(data))
+
+    def put_new(self, key: str, data: bytes) -> None:
+        self._call("write", key, lambda: self.inner.put_new(key, data), len(data))
+
+    def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        n = (end - (start or 0)) if end is not None else 0
+        return self._call("read", key, lambda: self.inner.get(key, start=start, end=end), n)
+
+    def exists(self, key: str) -> bool:
+        return self._call("stat", key, lambda: self.inner.exists(key))
+
+    def size(self, key: str) -> int:
+        return self._call("stat", key, lambda: self.inner.size(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self._call("list", prefix or "/", lambda: self.inner.list(prefix))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, lambda: self.inner.delete(key))
+
+    def delete_many(self, keys: list[str]) -> None:
+        keys = list(keys)
+        if keys:
+            self._call("delete", f"{keys[0]} (+{len(keys) - 1} more)", lambda: self.inner.delete_many(keys))
+
+    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
+        return self._call("sweep", prefix or "/", lambda: self.inner.sweep_temporaries(older_than_s, prefix))
+
+    def absent(self) -> str | None:
+        return self._call("stat", "/", self.inner.absent)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+class RetryingStore(_CallWrappingStore):
     """Any store, with :func:`call_with_retry` around every call.
 
     Remote stores retry on their own; wrap a store in this when it raises
@@ -343,47 +389,11 @@ class RetryingStore(Store):
         return call_with_retry(fn, policy=self.policy, store=self.inner.describe(), op=op, key=key,
                                nbytes=nbytes)
 
-    def put(self, key: str, data: bytes) -> None:
-        self._call("write", key, lambda: self.inner.put(key, data), len(data))
-
-    def put_new(self, key: str, data: bytes) -> None:
-        self._call("write", key, lambda: self.inner.put_new(key, data), len(data))
-
-    def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
-        n = (end - (start or 0)) if end is not None else 0
-        return self._call("read", key, lambda: self.inner.get(key, start=start, end=end), n)
-
-    def exists(self, key: str) -> bool:
-        return self._call("stat", key, lambda: self.inner.exists(key))
-
-    def size(self, key: str) -> int:
-        return self._call("stat", key, lambda: self.inner.size(key))
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self._call("list", prefix, lambda: self.inner.list(prefix))
-
-    def delete(self, key: str) -> None:
-        self._call("delete", key, lambda: self.inner.delete(key))
-
-    def delete_many(self, keys: list[str]) -> None:
-        keys = list(keys)
-        if keys:
-            self._call("delete", f"{keys[0]} (+{len(keys) - 1} more)", lambda: self.inner.delete_many(keys))
-
-    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
-        return self._call("sweep", prefix or "/", lambda: self.inner.sweep_temporaries(older_than_s, prefix))
-
-    def absent(self) -> str | None:
-        return self._call("stat", "/", self.inner.absent)
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
     def __repr__(self) -> str:
         return f"RetryingStore({self.inner!r}, {self.policy!r})"
 
 
-class DeadlineStore(Store):
+class DeadlineStore(_CallWrappingStore):
     """Any store, with a deadline on every call and nothing else (no retries, errors unchanged).
 
     :func:`~torch_deltasync.open_store` wraps every store whose :attr:`Store.needs_deadline` is
@@ -424,42 +434,6 @@ class DeadlineStore(Store):
                 f"{self.inner.describe()}: cannot {op} {key!r}: no answer within {deadline:.1f} s (the store "
                 "call deadline: raise it with open_store(store, timeout_s=...) or deltasync --timeout)"
             ) from None
-
-    def put(self, key: str, data: bytes) -> None:
-        self._call("write", key, lambda: self.inner.put(key, data), len(data))
-
-    def put_new(self, key: str, data: bytes) -> None:
-        self._call("write", key, lambda: self.inner.put_new(key, data), len(data))
-
-    def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
-        n = (end - (start or 0)) if end is not None else 0
-        return self._call("read", key, lambda: self.inner.get(key, start=start, end=end), n)
-
-    def exists(self, key: str) -> bool:
-        return self._call("stat", key, lambda: self.inner.exists(key))
-
-    def size(self, key: str) -> int:
-        return self._call("stat", key, lambda: self.inner.size(key))
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self._call("list", prefix or "/", lambda: self.inner.list(prefix))
-
-    def delete(self, key: str) -> None:
-        self._call("delete", key, lambda: self.inner.delete(key))
-
-    def delete_many(self, keys: list[str]) -> None:
-        keys = list(keys)
-        if keys:
-            self._call("delete", f"{keys[0]} (+{len(keys) - 1} more)", lambda: self.inner.delete_many(keys))
-
-    def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
-        return self._call("sweep", prefix or "/", lambda: self.inner.sweep_temporaries(older_than_s, prefix))
-
-    def absent(self) -> str | None:
-        return self._call("stat", "/", self.inner.absent)
-
-    def describe(self) -> str:
-        return self.inner.describe()
 
     def __repr__(self) -> str:
         return f"DeadlineStore({self.inner!r}, timeout_s={self.timeout_s:g})"
