@@ -223,3 +223,21 @@ def test_any_object_with_the_target_members_is_a_target(tmp_path):
         receiver.update(run.step())
     assert duck.writes and same(bf16_bits(replica), bf16_bits(run.trainer))
     receiver.verify()
+
+
+def test_a_packed_delta_reads_each_changed_tensor_once(tmp_path):
+    """Relative steps need the old values and so does the checksum check: one read serves both."""
+    run = Run(LocalStore(tmp_path / "b"), anchor_every=10)  # packed: steps on the old values
+    replica = make_mlp(1)
+    duck = _DuckTarget(replica)
+    reads: list[str] = []
+    inner_read = duck.read
+    duck.read = lambda name, positions, dtype: reads.append(name) or inner_read(name, positions, dtype)
+    receiver = DeltaReceiver(duck, run.sender.store)
+    receiver.update(run.step())  # the anchor
+    reads.clear()
+    v = run.step()
+    changed = [t.name for t in receiver.manifest(v).tensors if t.changed]
+    receiver.update(v)
+    assert changed and sorted(reads) == sorted(changed)
+    assert same(bf16_bits(replica), bf16_bits(run.trainer))
