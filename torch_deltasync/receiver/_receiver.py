@@ -435,6 +435,7 @@ class DeltaReceiver:
                     )
             self._checksums = sums
             self.version = version
+            self._held_runs[version] = m.run_id  # as an update records it: never a delta base of another run
 
     def verify(self) -> None:
         """Recompute every tensor's checksum from the target and compare with the held version's
