@@ -601,7 +601,7 @@ def test_a_dying_worker_cannot_silence_the_others(fork_start):
     """Regression: with one queue shared by all workers, a worker killed while its feeder thread held
     the queue's write lock silenced every other worker's acknowledgements for good (the sender then
     waited out ack_timeout_s). Each worker now has its own queue."""
-    from torch_deltasync.integrations.torchrl import _QueueAcks
+    from torch_deltasync.integrations.torchrl._acks import QueueAcks as _QueueAcks
 
     ctx = mp.get_context()
     acks = _QueueAcks(ctx, 2)
