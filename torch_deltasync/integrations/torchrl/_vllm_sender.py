@@ -83,12 +83,12 @@ class DeltaVLLMWeightSender:
         rpc_timeout_s: float | None = None,
         **sender_options: Any,
     ) -> None:
+        self.sender_options = check_sender_options(sender_options, "DeltaVLLMWeightSender")
         self.store = open_store(store)
         self.prefix = prefix
         self.worker_store = worker_store or (store if isinstance(store, str) else self.store.describe())
         self.init_info = dict(init_info or {})
         self.rpc_timeout_s = rpc_timeout_s
-        self.sender_options = check_sender_options(sender_options, "DeltaVLLMWeightSender")
         self._engine = None
         self._llm: Any = None  # what update_llm drives: the engine, or a ReplicatedEngine over it
         self._readiness = True  # whether the engine's workers keep readiness files
