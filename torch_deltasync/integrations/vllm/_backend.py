@@ -35,6 +35,10 @@ Readiness: with ``status_dir`` set, every worker keeps ``<status_dir>/rank-<r>.j
 ``{"held": int|null, "staged": int|null, "newest": int|null, "error": str|null}`` current
 (written atomically), so a driver on the same host can pause only once every worker has staged the
 version (:func:`torch_deltasync.integrations.vllm.wait_staged`).
+
+This module holds the worker engine and its init/update info; the background stager and the
+readiness file are :mod:`._stager`, the trainer engine :mod:`._trainer` (re-exported here, because
+:mod:`torch_deltasync_vllm` registers both engines by this module's path).
 """
 
 from __future__ import annotations

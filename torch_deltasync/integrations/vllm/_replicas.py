@@ -45,15 +45,27 @@ class ReplicatedEngine:
     it with ``status_dir=False`` (:func:`as_llm` says which engines need this). Every replica
     stages and verifies each version itself (the backend's all-or-nothing commit, per replica).
 
+    Each call is vLLM's own worker method of the same name (``vllm/v1/worker/gpu_worker.py``), run by
+    every worker of every replica through its ``deltasync`` backend; every replica's result is
+    awaited before the first error is raised, so no replica is left in the middle of a call. There
+    is no engine-wide pause: vLLM runs ``collective_rpc`` between engine steps, and torchrl's own
+    storage-based path (``VLLMDoubleBufferWeightReceiver``) does not pause either. The weight version
+    is not set on the replicas (no worker method does that).
+
     Args:
-        engine: the multi-replica engine (``collective_rpc(method, timeout=, args=, kwargs=)``).
+        engine: the multi-replica engine (``collective_rpc(method, timeout=, args=, kwargs=)``
+            returning one result per replica: a Ray ``ObjectRef``, a future, an awaitable or a value).
         timeout: seconds for each ``collective_rpc`` (``None``: the engine's).
 
-    Each call is vLLM's own worker method of the same name (``vllm/v1/worker/gpu_worker.py``), run by
-    every worker of every replica through its ``deltasync`` backend. There is no engine-wide pause:
-    vLLM runs ``collective_rpc`` between engine steps, and torchrl's own storage-based path
-    (``VLLMDoubleBufferWeightReceiver``) does not pause either. The weight version is not set on
-    the replicas (no worker method does that).
+    Raises (from each call):
+        DeltaSyncError: ``init_weight_transfer_engine`` found workers that do not run the
+            ``deltasync`` backend (the message says how to launch them); otherwise the first
+            replica's error as raised there.
+
+    Example:
+        >>> llm, readiness = as_llm(async_vllm)            # a ReplicatedEngine, readiness False
+        >>> attach_llm(llm, "s3://bucket/grpo", "run1", status_dir=False)
+        >>> update_llm(llm, 12)
     """
 
     def __init__(self, engine: Any, timeout: float | None) -> None:
