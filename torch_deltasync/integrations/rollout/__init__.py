@@ -50,13 +50,17 @@ network, or put TLS in front.
 
 ``fastapi``, ``uvicorn`` and ``httpx`` are imported lazily (the ``service`` extra); the buffer
 itself needs only torch, tensordict and torchrl.
+
+Modules (private; the public names are re-exported here): ``_config`` (limits and policies),
+``_episodes`` (validation, collation), ``_buffer`` (the replay buffer and its accounting), ``_app``
+(the FastAPI app, running it), ``_client`` (the HTTP client).
 """
 
 from ._app import ServiceHandle, create_app, read_token, serve, start_service
 from ._buffer import AddResult, BufferFull, EpisodeBuffer
 from ._config import RolloutServiceConfig
 from ._episodes import collate_episodes, validate_episodes
-from ._rclient import RolloutClient
+from ._client import RolloutClient
 
 __all__ = [
     # configuration
