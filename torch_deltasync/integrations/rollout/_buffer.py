@@ -69,7 +69,7 @@ class EpisodeBuffer:
     def __init__(self, config: RolloutServiceConfig) -> None:
         from torchrl.data import ListStorage, ReplayBuffer
 
-        from ..torchrl._replay import StalenessGatedSampler
+        from ..torchrl import StalenessGatedSampler
 
         self.config = config
         cap = config.capacity

@@ -44,8 +44,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'torch-deltasync[torchrl]'"
     ) from e
 
-__all__ = ["StalenessGatedSampler", "VersionSource"]
-
 #: Where policy versions come from when they are not in the storage: a tensor indexed by storage
 #: index (int64 ``[capacity]``), or a callable mapping storage indices (int64 ``[k]``) to versions
 #: (int64 ``[k]``).
