@@ -12,6 +12,7 @@ from torchrl._utils import logger as torchrl_logger
 from ...sender import DeltaSender
 from ...store import Store, open_store
 from .._sender_options import check_sender_options
+from ..vllm import as_llm, attach_llm, update_llm
 from ._collectors import int_tracker
 from ._tensors import flat_tensors
 
@@ -112,8 +113,6 @@ class DeltaVLLMWeightSender:
 
     def register_engine(self, engine: Any) -> None:
         """The vLLM engine the workers belong to (replaces any previous one; workers re-attach)."""
-        from ..vllm import as_llm
-
         self._engine = engine
         self._llm, self._readiness = as_llm(engine, self.rpc_timeout_s)
         self._attached = False
@@ -179,8 +178,6 @@ class DeltaVLLMWeightSender:
         return v
 
     def _update_engine(self, version: int):
-        from ..vllm import attach_llm, update_llm
-
         if not self._attached:
             status = None if self._readiness else False  # replicas share worker ranks (as_llm)
             attach_llm(self._llm, str(self.worker_store), self.prefix, status_dir=status, **self.init_info)
