@@ -1,4 +1,4 @@
-"""The client helpers (``integrations/vllm.py``) driving the real ``deltasync`` backend (CPU, no inference).
+"""The client helpers (``integrations/vllm/``) driving the real ``deltasync`` backend (CPU, no inference).
 
 Each engine is scripted (``vllm_scripted``): its workers are real vLLM 0.33 models built at their TP
 rank, each with a real ``DeltaSyncWeightTransferEngine`` made by vLLM's factory, so the backend code

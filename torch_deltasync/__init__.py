@@ -46,7 +46,7 @@ from .receiver import DeltaReceiver, StagedUpdate, UpdatePlan, UpdateStats
 from .targets import ModuleTarget, Target, VLLMTarget
 
 # LoRA adapters (peft is imported lazily)
-from .lora import AdapterReceiver, AdapterSender, materialize_adapter
+from .integrations.peft import AdapterReceiver, AdapterSender, materialize_adapter
 
 __version__ = "0.1.0"
 
