@@ -11,7 +11,8 @@ import torch
 
 from helpers import PassThroughStore
 
-from torch_deltasync import DeltaSender, LocalStore, TransientStoreError, VersionNotFoundError
+from torch_deltasync import DeltaSender, LocalStore
+from torch_deltasync.errors import TransientStoreError, VersionNotFoundError
 from torch_deltasync.cli import main
 from torch_deltasync.follow import follow
 from torch_deltasync.manifest import load_manifest

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from helpers import make_mlp, train_step
-from torch_deltasync import (
-    AnchorPolicy, ChecksumMismatchError, DeltaReceiver, DeltaSender, IncompatibleTargetError, LocalStore, ModuleTarget,
-)
+from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore, ModuleTarget
+from torch_deltasync.errors import ChecksumMismatchError, IncompatibleTargetError
 
 
 def bf16_bits(model_or_sd) -> dict[str, torch.Tensor]:

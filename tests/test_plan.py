@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from torch_deltasync import CorruptObjectError, DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync.errors import CorruptObjectError
 from torch_deltasync.keys import list_versions, manifest_key
 from torch_deltasync.manifest import Manifest, load_manifest
 

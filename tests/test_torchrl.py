@@ -37,7 +37,8 @@ from torchrl.data.replay_buffers.samplers import StalenessAwareSampler
 from torchrl.envs.custom.pendulum import PendulumEnv
 from torchrl.weight_update import WeightSyncScheme
 
-from torch_deltasync import LocalStore, SyncTimeoutError, WorkerError
+from torch_deltasync import LocalStore
+from torch_deltasync.errors import SyncTimeoutError, WorkerError
 from torch_deltasync.integrations.torchrl import DeltaVLLMWeightSender, DeltaWeightSyncScheme
 from torch_deltasync._dtypes import bits
 from torch_deltasync.store.base import Store
@@ -727,7 +728,7 @@ def test_llm_sender_with_replicated_engine(tmp_path):
     from torchrl.envs.llm.transforms import PolicyVersion
     from torchrl.trainers import UpdateWeights
 
-    from torch_deltasync import CorruptObjectError
+    from torch_deltasync.errors import CorruptObjectError
     from torch_deltasync.testing import adam_step
 
     class CorruptingStore(PassThroughStore):

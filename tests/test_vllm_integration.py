@@ -19,7 +19,8 @@ import torch
 
 import vllm  # noqa: F401  the CPU oracle; tools/setup.sh installs it, so a missing wheel fails here
 
-from torch_deltasync import DeltaSender, DeltaSyncError, LocalStore, SyncTimeoutError, VersionNotFoundError
+from torch_deltasync import DeltaSender, DeltaSyncError, LocalStore
+from torch_deltasync.errors import SyncTimeoutError, VersionNotFoundError
 from torch_deltasync.integrations.vllm import (
     attach_async_llm,
     attach_llm,

@@ -43,7 +43,8 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, ro
          chain_ratio: float | None = None) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from torch_deltasync import AdapterReceiver, AdapterSender, AnchorPolicy, LocalStore
+    from torch_deltasync import AnchorPolicy, LocalStore
+    from torch_deltasync.integrations.peft import AdapterReceiver, AdapterSender
     from torch_deltasync.testing import adam_step, tiny_qwen3
 
     model = get_peft_model(tiny_qwen3(size, seed=0), LoraConfig(

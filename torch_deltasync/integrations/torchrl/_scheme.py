@@ -69,8 +69,8 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
             waits for. Receivers configured with it write their acknowledgements to the store.
         ack_timeout_s: seconds ``send`` waits for acknowledgements before giving up on a worker.
         on_worker_failure: what ``send`` does when a worker died, reported an error, or timed out:
-            ``"raise"`` (:class:`~torch_deltasync.WorkerError` /
-            :class:`~torch_deltasync.SyncTimeoutError`) or ``"skip"`` (log a warning, stop waiting
+            ``"raise"`` (:class:`~torch_deltasync.errors.WorkerError` /
+            :class:`~torch_deltasync.errors.SyncTimeoutError`) or ``"skip"`` (log a warning, stop waiting
             for that worker until it acknowledges again, carry on with the others).
         poll_interval_s: how often receivers look for a new version (seconds). Each poll reads
             ``LATEST`` and checks one manifest: raise it for remote stores (e.g. 1-5 s on S3).

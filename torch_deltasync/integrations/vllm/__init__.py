@@ -66,5 +66,7 @@ def __getattr__(name: str):
     if name in _BACKEND_NAMES:
         from . import _backend
 
-        return getattr(_backend, name)
+        obj = getattr(_backend, name)
+        obj.__module__ = __name__  # the public path; pickles resolve it through this function
+        return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
