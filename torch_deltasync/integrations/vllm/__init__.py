@@ -67,6 +67,7 @@ def __getattr__(name: str):
         from . import _backend
 
         obj = getattr(_backend, name)
-        obj.__module__ = __name__  # the public path; pickles resolve it through this function
+        if isinstance(obj, type):
+            obj.__module__ = __name__  # the public path; pickles resolve it through this function
         return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
