@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore
-from torch_deltasync.manifest import list_versions, load_manifest
+from torch_deltasync.keys import list_versions
+from torch_deltasync.manifest import load_manifest
 
 from helpers import delta_payloads
 from remote_helpers import StepModel

@@ -214,7 +214,7 @@ def test_gc_keeps_the_versions_below_an_anchor_that_fails_its_check(anchored, ca
 
     from torch_deltasync import DeltaReceiver
     from torch_deltasync.manifest import load_manifest
-    from torch_deltasync.manifest import list_versions
+    from torch_deltasync.keys import list_versions
 
     store, model = anchored
     _flip(store, load_manifest(store, 10).anchor_objects[0].key)

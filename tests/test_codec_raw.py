@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_deltasync import CorruptObjectError, get_codec
-from torch_deltasync.codec import codec_names
+from torch_deltasync.codecs import codec_names
 
 RAW = get_codec("raw")
 

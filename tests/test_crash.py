@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from torch_deltasync import DeltaReceiver, DeltaSender, VersionNotFoundError, open_store
-from torch_deltasync.manifest import list_versions, load_manifest
+from torch_deltasync.keys import list_versions
+from torch_deltasync.manifest import load_manifest
 
 from remote_helpers import StepModel, assert_holds, bits_of, empty_target, same_bits
 from s3_server import S3_ENV, make_bucket

@@ -11,7 +11,7 @@ import time
 
 from torch_deltasync import (CorruptObjectError, DeltaReceiver, DeltaSender, DeltaSyncError, LocalStore, PublishError,
                              RetentionPolicy, RetryPolicy, StoreError, VersionNotFoundError)
-from torch_deltasync.manifest import manifest_key
+from torch_deltasync.keys import manifest_key
 from torch_deltasync.store import RetryingStore
 from torch_deltasync.store.faults import FaultyStore
 

@@ -16,7 +16,8 @@ from torch_deltasync import (
     PublishError, StoreError, VersionNotFoundError,
 )
 from torch_deltasync.format import read_header, sha256_hex
-from torch_deltasync.manifest import manifest_key, seal_manifest
+from torch_deltasync.keys import manifest_key
+from torch_deltasync.manifest import seal_manifest
 from torch_deltasync.testing import first_difference, state_bits
 
 
@@ -310,7 +311,7 @@ def test_a_failed_latest_write_does_not_hide_newer_versions(store):
 
 
 def test_version_numbers_end_cleanly(store):
-    from torch_deltasync.manifest import MAX_VERSION
+    from torch_deltasync.keys import MAX_VERSION
 
     store.put(manifest_key(MAX_VERSION), b"{}")  # a stray manifest with the largest number
     sender = DeltaSender(make_mlp(0), store)
@@ -325,7 +326,8 @@ def test_overlapping_anchor_blocks_are_refused(store):
     from torch_deltasync.checksum import tensor_checksum
     from torch_deltasync.format import encode_anchor
     from torch_deltasync.layout import TensorSlice
-    from torch_deltasync.manifest import ObjectEntry, TensorEntry, object_key
+    from torch_deltasync.keys import object_key
+    from torch_deltasync.manifest import ObjectEntry, TensorEntry
 
     w = torch.randn(4, 3).to(torch.bfloat16)
     objects = []

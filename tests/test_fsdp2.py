@@ -527,7 +527,7 @@ def _failures(rank: int, world: int, bucket: str) -> dict:
     import torch.distributed as dist
 
     from torch_deltasync import DeltaReceiver, DeltaSender, PublishError
-    from torch_deltasync.manifest import list_versions
+    from torch_deltasync.keys import list_versions
     from torch_deltasync.testing import first_difference
 
     model = TinyLM(seed=0)
@@ -621,7 +621,7 @@ def _crash_then_restart(rank: int, world: int, bucket: str, phase: str, out_file
     from safetensors.torch import save_file
 
     from torch_deltasync import DeltaSender
-    from torch_deltasync.manifest import list_versions
+    from torch_deltasync.keys import list_versions
 
     model = TinyLM(seed=0)
     _shard(model, "fsdp", world)
@@ -664,7 +664,7 @@ def test_crashed_rank_then_restarted_job(tmp_path):
     from safetensors.torch import load_file
 
     from torch_deltasync import DeltaReceiver, LocalStore
-    from torch_deltasync.manifest import list_versions
+    from torch_deltasync.keys import list_versions
 
     bucket = str(tmp_path / "bucket")
     res = run_ranks(_crash_then_restart, 2, bucket, "crash", "", timeout_s=300, allow_exit=(1,))
@@ -698,7 +698,8 @@ def _dense_on_one_rank(rank: int, world: int, bucket: str) -> dict:
     """``AnchorPolicy.max_delta_ratio`` with shards: one rank's dense shard makes the version an
     anchor (without a delta) on every rank; a rank failing detection with the rule on hangs nobody."""
     from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore, PublishError
-    from torch_deltasync.manifest import list_versions, load_manifest
+    from torch_deltasync.keys import list_versions
+    from torch_deltasync.manifest import load_manifest
     from torch_deltasync.testing import first_difference
 
     model = TinyLM(seed=0)

@@ -14,7 +14,8 @@ import torch
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, PrefixInUseError
 from torch_deltasync._ranks import run_ranks
 from torch_deltasync.lease import OWNER_KEY, PrefixLease, read_owner
-from torch_deltasync.manifest import list_versions, load_manifest
+from torch_deltasync.keys import list_versions
+from torch_deltasync.manifest import load_manifest
 
 from remote_helpers import StepModel, bits_of, empty_target
 

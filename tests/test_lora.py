@@ -25,7 +25,8 @@ from torch_deltasync.lora import (  # noqa: E402
     materialize_adapter,
     parse_adapter_config,
 )
-from torch_deltasync.manifest import list_versions, load_manifest  # noqa: E402
+from torch_deltasync.keys import list_versions
+from torch_deltasync.manifest import load_manifest  # noqa: E402
 from torch_deltasync.sender import AnchorPolicy  # noqa: E402
 from torch_deltasync.testing import tiny_qwen3  # noqa: E402
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from torch_deltasync import CorruptObjectError, Manifest
-from torch_deltasync.manifest import (ObjectEntry, TensorEntry, manifest_key, object_key, parse_manifest_key,
-                                      seal_manifest)
+from torch_deltasync.keys import manifest_key, object_key, parse_manifest_key
+from torch_deltasync.manifest import ObjectEntry, TensorEntry, seal_manifest
 
 SHA = "ab" * 32
 

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from test_packed import DTYPES, GOOD, _blob, make_change_set
 
 from torch_deltasync import ChangeDetector, ChecksumMismatchError, CorruptObjectError, _native, get_codec
-from torch_deltasync import packed as packed_mod
+from torch_deltasync.codecs import _bits, _packed as packed_mod
 from torch_deltasync._dtypes import bits
 from torch_deltasync.checksum import checksum, checksum_change, tensor_checksum
-from torch_deltasync.packed import PackedCodec
+from torch_deltasync.codecs import PackedCodec
 
 
 def both(fn):
@@ -273,7 +273,7 @@ def test_arbitrary_bytes_same_outcome(head, body, numel, count, dtype):
 def test_handwritten_corruptions_same_outcome(case, fallbacks):
     numel, count, fields = case
     if numel == 2**62:
-        ext = packed_mod._leb128_encode(np.array([2**62 - 1 - 255] * 5, np.uint64)).tobytes()
+        ext = _bits.leb128_encode(np.array([2**62 - 1 - 255] * 5, np.uint64)).tobytes()
         fields = fields + [bytes([0, 5, 0, len(ext), 0, 0, 0, 2, 0, 0, 0, 0]), bytes([255] * 5), ext, bytes([0, 0])]
     parts = _blob(*fields)
     codec = get_codec("packed")
@@ -473,7 +473,7 @@ def test_apply_to_matches_resolve_and_index_copy(mix, dtype):
 def test_kernels_refuse_inconsistent_deltas():
     # The kernels index without bounds checks, so a hand-built delta with parts of other lengths
     # or positions outside the tensor is refused before any of them runs.
-    from torch_deltasync.codec import TensorDelta
+    from torch_deltasync.codecs import TensorDelta
 
     v = torch.zeros(4, dtype=torch.bfloat16)
     d = TensorDelta(torch.arange(4), v, torch.ones(3, dtype=torch.int16), None, None)

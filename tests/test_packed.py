@@ -1,4 +1,4 @@
-"""Tests of the ``packed`` codec (torch_deltasync/packed.py, docs/format.md "Codec packed").
+"""Tests of the ``packed`` codec (torch_deltasync/codecs/_packed.py, docs/format.md "Codec packed").
 
 Round trips are checked bit-exactly on integer views: the decoded positions must equal the encoded
 ones and ``TensorDelta.resolve(old)`` must reproduce the new bit patterns. Golden blobs are written
@@ -23,9 +23,10 @@ from torch_deltasync import (
     get_codec,
 )
 from torch_deltasync._dtypes import bits
-from torch_deltasync.codec import TensorDelta
+from torch_deltasync.codecs import TensorDelta
 from torch_deltasync.manifest import load_manifest, seal_manifest
-from torch_deltasync.packed import PackedCodec, _leb128_decode, _leb128_encode
+from torch_deltasync.codecs import PackedCodec
+from torch_deltasync.codecs._bits import leb128_decode as _leb128_decode, leb128_encode as _leb128_encode
 from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -390,7 +391,7 @@ def test_leb128_rejects(buf, n, limit, why):
 @pytest.mark.parametrize("r", [1, 3, 8, 13, 56])
 def test_bit_fields_roundtrip_across_chunks(r):
     # More fields than one encoder chunk (2**18), and a count that does not fill the last byte.
-    from torch_deltasync.packed import _pack_bits, _unpack_bits
+    from torch_deltasync.codecs._bits import pack_bits as _pack_bits, unpack_bits as _unpack_bits
 
     n = (1 << 18) + 13
     v = np.random.default_rng(r).integers(0, 1 << r, size=n, dtype=np.uint64)
@@ -671,7 +672,7 @@ def test_receiver_refuses_a_tampered_packed_object(tmp_path, tamper):
     from safetensors.torch import save as st_save
 
     from torch_deltasync.format import read_header, sha256_hex
-    from torch_deltasync.manifest import manifest_key
+    from torch_deltasync.keys import manifest_key
     from torch_deltasync.testing import state_bits
 
     model = tiny_qwen3("tiny", seed=0)

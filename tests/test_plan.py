@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from torch_deltasync import CorruptObjectError, DeltaReceiver, DeltaSender, LocalStore
-from torch_deltasync.manifest import Manifest, list_versions, load_manifest, manifest_key
+from torch_deltasync.keys import list_versions, manifest_key
+from torch_deltasync.manifest import Manifest, load_manifest
 
 from remote_helpers import StepModel, assert_holds, bits_of, empty_target
 

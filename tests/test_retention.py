@@ -12,7 +12,8 @@ import pytest
 from torch_deltasync import (DeltaReceiver, DeltaSender, LocalStore, PublishError, RetentionPolicy, StoreError,
                              VersionNotFoundError, collect_garbage)
 from torch_deltasync.cli import main as cli_main
-from torch_deltasync.manifest import list_versions, load_manifest, manifest_key, seal_manifest
+from torch_deltasync.keys import list_versions, manifest_key
+from torch_deltasync.manifest import load_manifest, seal_manifest
 from torch_deltasync.retention import apply_retention, plan_retention
 from torch_deltasync.store.base import Store
 

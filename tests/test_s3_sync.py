@@ -6,7 +6,8 @@ from __future__ import annotations
 
 
 from torch_deltasync import DeltaReceiver, DeltaSender, RetentionPolicy, RetryPolicy, open_store
-from torch_deltasync.manifest import list_versions, load_manifest
+from torch_deltasync.keys import list_versions
+from torch_deltasync.manifest import load_manifest
 
 from remote_helpers import StepModel, assert_holds, empty_target
 from s3_server import make_bucket

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, PublishError
-from torch_deltasync.manifest import list_versions
+from torch_deltasync.keys import list_versions
 from torch_deltasync.testing import first_difference
 
 

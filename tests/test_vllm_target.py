@@ -31,7 +31,8 @@ from torch_deltasync import (  # noqa: E402
 )
 from torch_deltasync.checksum import check_partials, tensor_checksum  # noqa: E402
 from torch_deltasync.format import read_header, sha256_hex  # noqa: E402
-from torch_deltasync.manifest import load_manifest, manifest_key, seal_manifest  # noqa: E402
+from torch_deltasync.keys import manifest_key
+from torch_deltasync.manifest import load_manifest, seal_manifest  # noqa: E402
 from torch_deltasync.targets.vllm import VLLMTarget  # noqa: E402
 from torch_deltasync.testing import adam_step  # noqa: E402
 from torch_deltasync.testing_vllm import (  # noqa: E402

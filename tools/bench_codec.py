@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_deltasync import _native  # noqa: E402
 from torch_deltasync._dtypes import bits  # noqa: E402
-from torch_deltasync.codec import get_codec  # noqa: E402
+from torch_deltasync.codecs import get_codec  # noqa: E402
 from torch_deltasync.format import encode_delta  # noqa: E402
 
 ChangeSet = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]  # name -> pos, old, new, numel

@@ -36,8 +36,7 @@ from .retention import RetentionPolicy, collect_garbage
 
 # Detection, codecs, wire format
 from .detect import ChangeDetector, Changes
-from .codec import Codec, TensorDelta, codec_names, get_codec, register_codec
-from .packed import PackedCodec
+from .codecs import Codec, PackedCodec, TensorDelta, codec_names, get_codec, register_codec
 from .layout import TensorSlice
 from .manifest import Manifest
 

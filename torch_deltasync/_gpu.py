@@ -3,7 +3,7 @@
 What they compute is specified by the CPU code: :meth:`ChangeDetector.detect
 <torch_deltasync.detect.ChangeDetector.detect>` (positions, new and old values of the elements
 whose bit pattern in the inference dtype differs from the snapshot) and ``flat.index_copy_(0,
-positions, values)`` / :meth:`TensorDelta.resolve <torch_deltasync.codec.TensorDelta.resolve>`
+positions, values)`` / :meth:`TensorDelta.resolve <torch_deltasync.codecs.TensorDelta.resolve>`
 (overwrite, or add steps to the bit patterns). ``tests/test_gpu_kernels.py`` runs them on the CPU
 under Triton's interpreter (``TRITON_INTERPRET=1``) against that code, and ``tools/gpu_check.sh``
 measures them against HBM bandwidth on a GPU (``tools/bench_gpu_kernels.py``).
@@ -154,7 +154,7 @@ def apply_steps(flat: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor
                 relative: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
     """Apply a step-coded delta in place: ``flat[p] = bits(flat[p]) + step`` (wrapped) where
     ``relative`` (all when ``None``), else ``values`` (:meth:`TensorDelta.resolve
-    <torch_deltasync.codec.TensorDelta.resolve>` followed by the write, in one pass; the caller
+    <torch_deltasync.codecs.TensorDelta.resolve>` followed by the write, in one pass; the caller
     checks the base checksum first when it needs to)."""
     k = positions.numel()
     if not k:

@@ -1,7 +1,7 @@
 """Compiled CPU kernels (numba) for the hot loops of the codec, change detection and checksums.
 
 Each kernel here is a one-pass loop over the elements of one tensor that the numpy/torch code in
-:mod:`~torch_deltasync.packed`, :mod:`~torch_deltasync.detect` and :mod:`~torch_deltasync.checksum`
+the ``packed`` codec (:mod:`~torch_deltasync.codecs`), :mod:`~torch_deltasync.detect` and :mod:`~torch_deltasync.checksum`
 does in several vectorised passes (each a full read and write of temporaries). That numpy/torch
 code stays the executable specification: the modules call these kernels only when
 :func:`enabled` is true and fall back to it otherwise, and ``tests/test_native.py`` checks every

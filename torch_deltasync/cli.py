@@ -116,7 +116,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 def _locate(args: argparse.Namespace):
     """``(store, key)`` of what ``deltasync inspect`` names, or ``(None, path)`` for a plain local
     file outside any store layout."""
-    from .manifest import manifest_key
+    from .keys import manifest_key
 
     if args.key is not None or args.version is not None:
         if args.key is not None and args.version is not None:
@@ -137,7 +137,8 @@ def _locate(args: argparse.Namespace):
 def _inspect(args: argparse.Namespace) -> int:
     from .errors import CorruptObjectError, DeltaSyncError
     from .format import _json_meta, read_header, sha256_hex
-    from .manifest import Manifest, load_manifest, parse_manifest_key
+    from .keys import parse_manifest_key
+    from .manifest import Manifest, load_manifest
 
     store, key = _locate(args)
     if store is None:
@@ -217,7 +218,8 @@ def _store_args(p: argparse.ArgumentParser) -> None:
 
 @command("ls", "list the versions in a store", _store_args)
 def _ls(args: argparse.Namespace) -> int:
-    from .manifest import list_versions, load_manifest
+    from .keys import list_versions
+    from .manifest import load_manifest
     store = _open_existing(args)
     versions = list_versions(store)
     if not versions:
@@ -251,7 +253,8 @@ def _verify(args: argparse.Namespace) -> int:
     objects (a new receiver's only way in once older versions are collected), and the delta part
     of an anchor reached through the anchor has its objects checked (size, sha256, structure)."""
     from .errors import DeltaSyncError
-    from .manifest import list_versions, load_manifest
+    from .keys import list_versions
+    from .manifest import load_manifest
     from .receiver import DeltaReceiver
     store = _open_existing(args)
     versions = list_versions(store)

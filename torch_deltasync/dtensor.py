@@ -95,15 +95,12 @@ import datetime
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from .errors import UnsupportedLayoutError
-from .layout import TensorBlock, TensorSlice
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .sender import _Source
+from .layout import Source, TensorBlock, TensorSlice
 
 __all__ = ["block_of", "local_source", "plan_uploads", "UploadPlan", "anchor_parts", "default_group",
            "DistributedGroup"]
@@ -223,7 +220,7 @@ def _describe(dtensor: Any, coordinate: Any) -> str:
             f"{tuple(coordinate) if coordinate is not None else None}")
 
 
-def local_source(name: str, dtensor: Any) -> "_Source":
+def local_source(name: str, dtensor: Any) -> "Source":
     """This rank's view of one DTensor parameter, for :class:`~torch_deltasync.DeltaSender`.
 
     Args:
@@ -231,7 +228,7 @@ def local_source(name: str, dtensor: Any) -> "_Source":
         dtensor: a ``torch.distributed.tensor.DTensor`` (e.g. an FSDP2 parameter), detached.
 
     Returns:
-        A ``_Source`` whose ``local`` is ``dtensor.to_local()`` (no copy, no communication), whose
+        A ``Source`` whose ``local`` is ``dtensor.to_local()`` (no copy, no communication), whose
         ``slice`` is the :class:`~torch_deltasync.layout.TensorBlock` it holds (:func:`block_of`),
         with ``distributed=True``. When the local tensor's shape disagrees with the block (the
         DTensor's metadata does not describe its data, e.g. a padded local tensor or the uneven
@@ -254,8 +251,6 @@ def local_source(name: str, dtensor: Any) -> "_Source":
         >>> src.slice.to_global(torch.tensor([0, 64]))  # local rows 0 and 1, column 0
         tensor([32064, 32128])
     """
-    from .sender import _Source
-
     mesh = dtensor.device_mesh
     coordinate = mesh.get_coordinate()
     shape = tuple(int(s) for s in dtensor.shape)
@@ -265,7 +260,7 @@ def local_source(name: str, dtensor: Any) -> "_Source":
         # ranks of the mesh cover the tensor (plan_uploads checks that they do).
         if local.numel() != 0 or not shape:
             raise UnsupportedLayoutError(f"tensor {name!r}: this rank is outside its mesh {mesh} but holds data")
-        return _Source(name, local, TensorBlock(shape, tuple(() for _ in shape)), upload=False, distributed=True)
+        return Source(name, local, TensorBlock(shape, tuple(() for _ in shape)), upload=False, distributed=True)
     spec = getattr(dtensor, "_spec", None)
     # With a _StridedShard the placements encode the order themselves (shard_order is None then).
     order = getattr(spec, "shard_order", None)
@@ -283,7 +278,7 @@ def local_source(name: str, dtensor: Any) -> "_Source":
             "The DTensor's metadata does not describe its data: e.g. fully_shard over a tensor-parallel dim "
             "that dp x tp does not divide evenly; pad that dim to a multiple of dp x tp"
         )
-    return _Source(name, local, block, upload=True, distributed=True, problem=problem)
+    return Source(name, local, block, upload=True, distributed=True, problem=problem)
 
 
 @dataclass(frozen=True)
@@ -304,7 +299,7 @@ class UploadPlan:
     slots: int = 1
 
 
-def plan_uploads(group: Any, sources: Sequence["_Source"]) -> UploadPlan:
+def plan_uploads(group: Any, sources: Sequence["Source"]) -> UploadPlan:
     """Decide, once for all ranks, which rank uploads which block of every tensor.
 
     Several ranks may hold the same block: ``Replicate()`` mesh dims (HSDP replicas), and copies
@@ -330,7 +325,7 @@ def plan_uploads(group: Any, sources: Sequence["_Source"]) -> UploadPlan:
     Raises:
         UnsupportedLayoutError: the ranks list different tensors or global shapes, the blocks chosen
             for a tensor do not add up to its element count, or a rank's local shard disagrees with
-            its placements (``_Source.problem``). Raised on every rank.
+            its placements (``Source.problem``). Raised on every rank.
 
     Example:
         FSDP x TP on a ``(dp=2, tp=2)`` mesh: ``norm.weight`` sits on the ``dp`` sub-mesh, so ranks

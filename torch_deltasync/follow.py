@@ -113,7 +113,8 @@ def follow(
         StoreError: the store failed other than transiently (e.g. ``StoreNotFoundError``).
     """
     from .errors import DeltaSyncError, TransientStoreError, VersionNotFoundError
-    from .manifest import list_versions, load_manifest
+    from .keys import list_versions
+    from .manifest import load_manifest
     from .receiver import DeltaReceiver
     from .store import open_store
 

@@ -30,7 +30,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from ._dtypes import dtype_name
-from .codec import TensorDelta, get_codec
+from .codecs import TensorDelta, get_codec
 from .errors import CorruptObjectError
 from .layout import TensorSlice
 from .manifest import FORMAT, FORMAT_VERSION, Manifest, ObjectEntry

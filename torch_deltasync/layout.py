@@ -37,7 +37,7 @@ import torch
 
 from .errors import CorruptObjectError
 
-__all__ = ["TensorSlice", "TensorBlock"]
+__all__ = ["TensorSlice", "TensorBlock", "Source"]
 
 
 @dataclass(frozen=True)
@@ -358,3 +358,15 @@ class TensorBlock:
             return cls(tuple(global_shape), tuple(tuple((int(a), int(n)) for a, n in rs) for rs in obj))  # type: ignore[union-attr]
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad block runs {obj!r} for shape {tuple(global_shape)}: {e}") from None
+
+
+@dataclass
+class Source:
+    """One tensor as this rank sees it: its local block, the block's place, and whether to upload."""
+
+    name: str
+    local: torch.Tensor
+    slice: TensorBlock
+    upload: bool = True  # False where another rank holding the same block uploads it (plan_uploads)
+    distributed: bool = False  # a DTensor: the sender needs torch.distributed collectives
+    problem: str | None = None  # why the block cannot be placed (refused on every rank; see dtensor.py)

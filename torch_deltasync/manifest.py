@@ -1,4 +1,4 @@
-"""The version manifest (JSON) and the bucket key layout (format 1).
+"""The version manifest (JSON, format 1). Where it lives: :mod:`torch_deltasync.keys`.
 
 Layout under a run's prefix (``docs/format.md`` has the full specification)::
 
@@ -21,14 +21,15 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ._dtypes import dtype_from_name, dtype_name
 from .checksum import format_checksum, parse_checksum
-from .codec import codec_names
+from .codecs import codec_names
 from .errors import CorruptObjectError
+from .keys import MAX_VERSION, Kind, manifest_key, parse_object_key
 from .store.base import check_key
 
 __all__ = [
@@ -37,21 +38,12 @@ __all__ = [
     "Manifest",
     "ObjectEntry",
     "TensorEntry",
-    "object_key",
-    "manifest_key",
-    "LATEST_KEY",
-    "VERSIONS_DIR",
-    "parse_manifest_key",
-    "list_versions",
-    "next_free_version",
     "load_manifest",
     "seal_manifest",
 ]
 
 FORMAT = "torch_deltasync"
 FORMAT_VERSION = 1
-LATEST_KEY = "LATEST"
-VERSIONS_DIR = "versions"
 
 #: Largest manifest we parse (bytes). A 1T-parameter model has ~10^5 tensors at ~200 B each.
 MAX_MANIFEST_BYTES = 256 << 20
@@ -66,38 +58,6 @@ _UNSEALED_FIELDS = frozenset({
     "format", "format_version", "version", "kind", "base_version", "anchor_version", "codec",
     "inference_dtype", "run_id", "created_at", "objects", "tensors", "aliases", "stats",
 })
-#: Largest version number (fits the 12-digit key field).
-MAX_VERSION = 10**12 - 1
-
-Kind = Literal["anchor", "delta"]
-_MANIFEST_RE = re.compile(r"versions/([0-9]{12})\.json")
-_OBJECT_RE = re.compile(r"objects/([0-9]{12})/(anchor|delta)-r([0-9]{5})-of([0-9]{5})\.safetensors")
-
-
-def object_key(version: int, kind: Kind, rank: int = 0, world: int = 1) -> str:
-    """Key of one rank's object of a version, relative to the run prefix."""
-    return f"objects/{version:012d}/{kind}-r{rank:05d}-of{world:05d}.safetensors"
-
-
-def manifest_key(version: int) -> str:
-    """Key of a version's manifest, relative to the run prefix."""
-    return f"{VERSIONS_DIR}/{version:012d}.json"
-
-
-def list_versions(store) -> list[int]:
-    """Every version whose manifest is visible in ``store`` (a run's prefix), ascending."""
-    return sorted(v for v in (parse_manifest_key(k) for k in store.list(VERSIONS_DIR)) if v is not None)
-
-
-def next_free_version(store) -> int:
-    """The first version number nothing in ``store`` uses yet: after the newest manifest and after
-    any objects a crashed or concurrent writer left without a manifest."""
-    used = list_versions(store)
-    for key in store.list("objects"):
-        m = _OBJECT_RE.fullmatch(key)
-        if m:
-            used.append(int(m.group(1)))
-    return max(used) + 1 if used else 0
 
 
 def load_manifest(store, version: int) -> "Manifest":
@@ -186,12 +146,6 @@ def _check_digest(data: bytes, where: str) -> dict:
                 f"{where}: no digest, and members a manifest without one never has: {unknown[:5]} (a damaged "
                 "digest member?)")
     return doc
-
-
-def parse_manifest_key(key: str) -> int | None:
-    """The version named by a manifest key, or ``None`` for any other key."""
-    m = _MANIFEST_RE.fullmatch(key)
-    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -434,13 +388,13 @@ class Manifest:
         seen_keys = set()
         for o in _list(doc["objects"], "objects"):
             key = check_key(o["key"])
-            m = _OBJECT_RE.fullmatch(key)
-            if not m or int(m.group(1)) != version or (m.group(2) == "anchor" and kind != "anchor") or (
-                m.group(2) == "delta" and base is None
+            parsed = parse_object_key(key)
+            if parsed is None or parsed[0] != version or (parsed[1] == "anchor" and kind != "anchor") or (
+                parsed[1] == "delta" and base is None
             ):
                 raise CorruptObjectError(f"object key {key!r} does not belong to {kind} version {version}")
             rank, world = _int(o["rank"], "rank", 0, 99999), _int(o["world"], "world", 1, 99999)
-            if (int(m.group(3)), int(m.group(4))) != (rank, world) or rank >= world:
+            if parsed[2:] != (rank, world) or rank >= world:
                 raise CorruptObjectError(f"object key {key!r} does not match rank {rank} of {world}")
             sha = o["sha256"]
             if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):

@@ -43,7 +43,8 @@ import time
 from dataclasses import dataclass
 
 from .errors import CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
-from .manifest import Manifest, list_versions, load_manifest, manifest_key
+from .keys import list_versions, manifest_key
+from .manifest import Manifest, load_manifest
 from .store.base import Store
 
 __all__ = ["RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention", "collect_garbage"]

@@ -197,7 +197,7 @@ class _Attachment:
 
     def newest(self) -> int:
         """The newest version published in the run (the store's listing)."""
-        from ..manifest import list_versions
+        from ..keys import list_versions
 
         versions = list_versions(self._store())
         if not versions:
@@ -207,7 +207,7 @@ class _Attachment:
     def _published(self, version: int) -> bool:
         """Whether ``version``'s manifest is in the store (``True`` when the store cannot be read
         from here: the workers will tell)."""
-        from ..manifest import manifest_key
+        from ..keys import manifest_key
 
         try:
             return self._store().exists(manifest_key(version))

@@ -38,27 +38,43 @@ run as a few compiled one-pass loops per tensor instead, which write and accept 
 bytes (``tests/test_native.py``); a kernel that finds a blob invalid hands it back to the numpy
 decoder, which raises the specific error. The size estimates behind the encoder's choices are
 compiled (when numba is there) and shared by both paths. Kernels and zstd release the GIL, so
-:meth:`~torch_deltasync.codec.Codec.encode_many` / ``decode_many`` run tensors on several threads.
+:meth:`~torch_deltasync.codecs.Codec.encode_many` / ``decode_many`` run tensors on several threads.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 import torch
-import zstandard
 
-from . import _native
-from ._dtypes import bits
-from .checksum import checksum
-from .codec import Codec, TensorDelta, check_parts, register_codec
-from .errors import CorruptObjectError
+from .. import _native
+from .._dtypes import bits
+from ..checksum import checksum
+from ..errors import CorruptObjectError
+from ._base import Codec, TensorDelta, check_parts, register_codec
+from ._bits import (
+    MAX_VARINT_BYTES,
+    METHOD_STORED,
+    METHOD_ZSTD,
+    compressor,
+    from_planes,
+    leb128_decode,
+    leb128_encode,
+    pack_bits,
+    pack_codes,
+    pack_stream,
+    to_planes,
+    unpack_bits,
+    unpack_codes,
+    unpack_stream,
+    unzigzag,
+    varint_lengths,
+    zigzag,
+)
 
-__all__ = ["PackedCodec", "LAYOUT_VERSION", "CODE_BITS"]
 
 #: Version byte of a packed tensor blob (byte 0). Decoders refuse any other value.
 LAYOUT_VERSION = 1
@@ -67,154 +83,9 @@ CODE_BITS = (2, 4, 8, 16)
 
 POS_GAPS, POS_BITMAP = 0, 1
 VAL_RAW, VAL_STEPS = 0, 1
-METHOD_STORED, METHOD_ZSTD = 0, 1
 _STREAMS = ("positions", "pos_ext", "pos_low", "codes", "ext", "raw")
 #: Largest gap shift ``r``: an ``r``-bit field plus its bit offset within a byte fits 64 bits.
 MAX_GAP_SHIFT = 56
-
-# Longest varint this codec reads: 9 bytes carry 63 bits, enough for any gap (< numel <= 2**63)
-# and any escape (< 2**32); a 10th byte could overflow uint64 arithmetic.
-_MAX_VARINT_BYTES = 9
-# Streams shorter than this are always stored (a zstd frame costs ~10 bytes of its own).
-_MIN_ZSTD_BYTES = 24
-
-
-# --- LEB128 varints (vectorised) ---------------------------------------------------------------
-
-
-def _varint_lengths(v: np.ndarray) -> np.ndarray:
-    """Bytes of the unsigned LEB128 encoding of every element of ``v`` (uint64), int64 ``(n,)``."""
-    lens = np.ones(v.shape, dtype=np.int64)
-    for j in range(1, _MAX_VARINT_BYTES + 1):
-        t = v >= np.uint64(1 << (7 * j))
-        if not t.any():
-            break
-        lens += t
-    return lens
-
-
-def _leb128_encode(v: np.ndarray) -> np.ndarray:
-    """Unsigned LEB128 of each element of ``v`` (uint64 ``(n,)``, all ``< 2**63``), concatenated.
-
-    Byte ``j`` of a varint holds bits ``7j .. 7j+6`` of the value; the high bit is set on every
-    byte but the last.
-    """
-    v = np.ascontiguousarray(v, dtype=np.uint64)
-    big = np.flatnonzero(v >= np.uint64(0x80))
-    low = (v & np.uint64(0x7F)).astype(np.uint8)
-    if big.size == 0:
-        return low  # fast path: every value is one byte
-    # Only the multi-byte values (a minority at any useful density) take the slower paths.
-    big_lens = _varint_lengths(v[big])
-    lens = np.ones(v.size, dtype=np.int64)
-    lens[big] = big_lens
-    starts = np.cumsum(lens)
-    starts -= lens
-    out = np.empty(int(starts[-1] + lens[-1]), np.uint8)
-    low[big] |= np.uint8(0x80)
-    out[starts] = low
-    sub_starts, sub_v, sub_lens = starts[big], v[big], big_lens
-    for j in range(1, int(big_lens.max())):
-        keep = sub_lens > j
-        sub_starts, sub_v, sub_lens = sub_starts[keep], sub_v[keep], sub_lens[keep]
-        byte = ((sub_v >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8)
-        byte[sub_lens > j + 1] |= np.uint8(0x80)
-        out[sub_starts + j] = byte
-    return out
-
-
-def _leb128_decode(buf: np.ndarray, n: int, max_value: int, what: str) -> np.ndarray:
-    """Exactly ``n`` unsigned LEB128 varints filling ``buf`` (uint8), each ``<= max_value``.
-
-    Returns:
-        uint64 ``(n,)``.
-
-    Raises:
-        CorruptObjectError: a different number of varints, a varint cut off at the end, one longer
-            than needed for ``max_value`` or overlong (a trailing zero byte), or a value above
-            ``max_value``.
-    """
-    if n == 0:
-        if buf.size:
-            raise CorruptObjectError(f"{what}: {buf.size} bytes where no varint is expected")
-        return np.empty(0, np.uint64)
-    if buf.size == n:  # every varint is one byte
-        if bool((buf >= 0x80).any()):
-            raise CorruptObjectError(f"{what}: varint cut off at the end of the stream")
-        vals = buf.astype(np.uint64)
-    else:
-        ends = np.flatnonzero(buf < 0x80)
-        if ends.size != n or int(ends[-1]) != buf.size - 1:
-            raise CorruptObjectError(
-                f"{what}: expected {n} varints, found {ends.size} complete ones in {buf.size} bytes"
-                + ("" if ends.size == 0 or int(ends[-1]) == buf.size - 1 else " and a cut-off one")
-            )
-        lens = np.diff(ends, prepend=-1)
-        limit = min(_MAX_VARINT_BYTES, max(1, math.ceil(max(max_value, 1).bit_length() / 7)))
-        multi = np.flatnonzero(lens > 1)
-        multi_lens = lens[multi]
-        if int(multi_lens.max()) > limit:
-            raise CorruptObjectError(f"{what}: varint of {int(multi_lens.max())} bytes (at most {limit} allowed)")
-        if bool((buf[ends[multi]] == 0).any()):
-            raise CorruptObjectError(f"{what}: overlong varint (trailing zero byte)")
-        starts = ends - lens + 1
-        vals = (buf[starts] & np.uint8(0x7F)).astype(np.uint64)
-        sub, sub_starts, sub_lens = multi, starts[multi], multi_lens
-        for j in range(1, int(multi_lens.max())):
-            keep = sub_lens > j
-            sub, sub_starts, sub_lens = sub[keep], sub_starts[keep], sub_lens[keep]
-            vals[sub] |= (buf[sub_starts + j] & np.uint8(0x7F)).astype(np.uint64) << np.uint64(7 * j)
-    if int(vals.max()) > max_value:
-        raise CorruptObjectError(f"{what}: value {int(vals.max())} above the limit {max_value}")
-    return vals
-
-
-# --- other stream layouts ----------------------------------------------------------------------
-
-
-def _pack_codes(codes: np.ndarray, b: int) -> np.ndarray:
-    """``b``-bit codes (uint16 ``(n,)``) as bytes: ``8 // b`` codes per byte, least significant bits
-    first, the last byte zero-padded (``b`` < 8); one byte each (``b`` = 8); two byte planes, low
-    bytes first (``b`` = 16)."""
-    if b == 16:
-        return _to_planes(codes.astype(np.uint16))
-    if b == 8:
-        return codes.astype(np.uint8)
-    per = 8 // b
-    c = np.zeros(-(-codes.size // per) * per, np.uint8)
-    c[: codes.size] = codes
-    c = c.reshape(-1, per)
-    out = c[:, 0].copy()
-    for j in range(1, per):
-        out |= c[:, j] << np.uint8(b * j)
-    return out
-
-
-def _unpack_codes(buf: np.ndarray, n: int, b: int, what: str, dtype=np.int64) -> np.ndarray:
-    """Inverse of :func:`_pack_codes`: ``n`` codes as ``dtype`` (``buf`` has the checked length)."""
-    if b == 16:
-        return _from_planes(buf, n, 2).astype(dtype)
-    if b == 8:
-        return buf.astype(dtype)
-    per = 8 // b
-    shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
-    codes = ((buf[:, None] >> shifts) & np.uint8((1 << b) - 1)).reshape(-1)
-    if bool(codes[n:].any()):
-        raise CorruptObjectError(f"{what}: padding bits after the last code are not zero")
-    return codes[:n].astype(dtype)
-
-
-def _to_planes(v: np.ndarray) -> np.ndarray:
-    """Little-endian unsigned integers ``(n,)`` of width ``w`` bytes as ``w`` byte planes:
-    byte 0 of every value, then byte 1 of every value, ... (zstd codes each plane's statistics)."""
-    w = v.dtype.itemsize
-    return np.ascontiguousarray(v.astype(v.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w).T).reshape(-1)
-
-
-def _from_planes(buf: np.ndarray, n: int, w: int) -> np.ndarray:
-    """Inverse of :func:`_to_planes`: ``n`` unsigned little-endian integers of ``w`` bytes."""
-    udt = np.dtype(f"<u{w}")
-    return np.ascontiguousarray(buf.reshape(w, n).T).view(udt).reshape(-1).astype(udt.newbyteorder("="))
 
 
 _ZEROS: dict[torch.dtype, torch.Tensor] = {}
@@ -241,54 +112,6 @@ def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
     """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view)."""
     return bits(t).numpy().view(f"u{t.element_size()}")
-
-
-def _pack_bits(v: np.ndarray, r: int) -> np.ndarray:
-    """The low ``r`` bits of every element of ``v`` (uint64 ``(n,)``) as a little-endian bit
-    stream: field ``i`` at bit offset ``i * r``, least significant bit first, the last byte
-    zero-padded. ``ceil(n * r / 8)`` bytes."""
-    if r == 0 or v.size == 0:
-        return np.empty(0, np.uint8)
-    chunk = 1 << 18  # elements per pass (a multiple of 8, so every chunk ends on a byte boundary)
-    out = []
-    for start in range(0, v.size, chunk):
-        part = v[start : start + chunk]
-        bitmat = np.empty((part.size, r), np.uint8)  # one byte per bit, r bytes per field
-        for j in range(r):
-            bitmat[:, j] = (part >> np.uint64(j)) & np.uint64(1)
-        out.append(np.packbits(bitmat.reshape(-1), bitorder="little"))
-    return np.concatenate(out)
-
-
-def _unpack_bits(buf: np.ndarray, n: int, r: int, what: str) -> np.ndarray:
-    """Inverse of :func:`_pack_bits` (``r <= MAX_GAP_SHIFT``; ``buf`` has the checked length):
-    ``n`` fields as uint64. Each field is read from the 8 bytes at its first byte, so the work and
-    memory stay ``O(n)`` whatever ``r`` is."""
-    if r == 0 or n == 0:
-        return np.zeros(n, np.uint64)
-    tail = (n * r) % 8
-    if tail and int(buf[-1]) >> tail:
-        raise CorruptObjectError(f"{what}: padding bits after the last field are not zero")
-    padded = np.zeros(buf.size + 8, np.uint8)
-    padded[: buf.size] = buf
-    bitpos = np.arange(n, dtype=np.uint64) * np.uint64(r)
-    first = (bitpos >> np.uint64(3)).astype(np.int64)
-    word = np.zeros(n, np.uint64)
-    for j in range((r + 7 + 7) // 8):  # bytes touched by an r-bit field at bit offset 0..7
-        word |= padded[first + j].astype(np.uint64) << np.uint64(8 * j)
-    return (word >> (bitpos & np.uint64(7))) & np.uint64((1 << r) - 1)
-
-
-def _zigzag(s: np.ndarray) -> np.ndarray:
-    """Signed -> non-negative: 0, -1, 1, -2, 2, ... -> 0, 1, 2, 3, 4, ... (as in protobuf).
-
-    ``s`` must be a signed integer array at least one bit wider than the values it holds."""
-    return (s << 1) ^ (s >> (8 * s.dtype.itemsize - 1))
-
-
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`_zigzag`."""
-    return (z >> 1) ^ -(z & 1)
 
 
 @_native.jit
@@ -394,71 +217,6 @@ def _binary_entropy(p: float) -> float:
 #: the encoder's kernel time otherwise).
 _STEP_SAMPLE = 4
 
-# --- zstd streams -------------------------------------------------------------------------------
-
-_tls = threading.local()  # zstd contexts, one per thread (creating one costs ~8 us; not thread-safe)
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """This thread's zstd compressor at ``level``."""
-    cctx = getattr(_tls, "cctx", None)
-    if cctx is None or _tls.level != level:
-        if level == 1:  # level 1's fast strategy with a 1 KiB hash table and 7-byte matches
-            params = zstandard.ZstdCompressionParameters(
-                window_log=17, hash_log=10, chain_log=10, search_log=1, min_match=7, target_length=0,
-                strategy=zstandard.STRATEGY_FAST)
-            cctx = zstandard.ZstdCompressor(compression_params=params)
-        else:
-            cctx = zstandard.ZstdCompressor(level=level)
-        _tls.cctx, _tls.level = cctx, level
-    return cctx
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's zstd decompressor."""
-    dctx = getattr(_tls, "dctx", None)
-    if dctx is None:
-        dctx = _tls.dctx = zstandard.ZstdDecompressor()
-    return dctx
-
-
-
-def _pack_stream(raw: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes | np.ndarray, int]:
-    """``(method, payload, raw_len)``: zstd when the frame is smaller, else the bytes themselves
-    (``raw``, a flat contiguous uint8 array)."""
-    n = raw.size
-    if n >= _MIN_ZSTD_BYTES:
-        frame = cctx.compress(raw)
-        if len(frame) < n:
-            return METHOD_ZSTD, frame, n
-    return METHOD_STORED, raw, n
-
-
-def _unpack_stream(method: int, payload: memoryview, raw_len: int, what: str) -> np.ndarray:
-    """Decode one stream whose ``raw_len`` the caller has already bounded."""
-    if method == METHOD_STORED:
-        if len(payload) != raw_len:
-            raise CorruptObjectError(f"{what}: stored stream of {len(payload)} bytes, header says {raw_len}")
-        return np.frombuffer(payload, dtype=np.uint8)
-    if raw_len == 0:
-        raise CorruptObjectError(f"{what}: an empty stream must be stored, not compressed")
-    try:
-        content = zstandard.frame_content_size(payload)
-    except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"{what}: not a zstd frame ({e})") from None
-    if content != raw_len:
-        # -1: the frame does not declare its size; anything else disagrees with the header. Either
-        # way we refuse before decompressing, so a frame can never expand beyond the checked size.
-        raise CorruptObjectError(f"{what}: zstd frame declares {content} bytes, header says {raw_len}")
-    try:
-        out = _decompressor().decompress(payload, max_output_size=raw_len, allow_extra_data=False)
-    except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"{what}: corrupt zstd frame ({e})") from None
-    if len(out) != raw_len:
-        raise CorruptObjectError(f"{what}: zstd frame holds {len(out)} bytes, header says {raw_len}")
-    return np.frombuffer(out, dtype=np.uint8)
-
-
 # --- header -------------------------------------------------------------------------------------
 
 
@@ -524,7 +282,7 @@ def _read_header(data: memoryview, what: str) -> _Header:
     def varint() -> int:
         nonlocal at
         v = 0
-        for j in range(_MAX_VARINT_BYTES):
+        for j in range(MAX_VARINT_BYTES):
             if at >= len(data):
                 raise CorruptObjectError(f"{what}: header cut off")
             byte = data[at]
@@ -534,7 +292,7 @@ def _read_header(data: memoryview, what: str) -> _Header:
                 if j and byte == 0:
                     raise CorruptObjectError(f"{what}: overlong varint in the header")
                 return v
-        raise CorruptObjectError(f"{what}: header varint longer than {_MAX_VARINT_BYTES} bytes")
+        raise CorruptObjectError(f"{what}: header varint longer than {MAX_VARINT_BYTES} bytes")
 
     entries = []
     for name in _STREAMS:
@@ -619,7 +377,7 @@ class PackedCodec(Codec):
             )
         native = _native.enabled()
         width = new.element_size()
-        cctx = _compressor(self.level)
+        cctx = compressor(self.level)
         new_u, old_u = _bit_pattern(new), _bit_pattern(old)
         r_lo, r_hi = _gap_shift_window(pos, numel)
         span = 255 << (r_hi - r_lo)
@@ -673,8 +431,8 @@ class PackedCodec(Codec):
                 raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
         else:
             raw_streams = _gap_streams(gaps, r) + (_step_streams(new_u, width, b, z) if b else
-                                                   [np.empty(0, np.uint8)] * 2 + [_to_planes(new_u)])
-        streams = [_pack_stream(x, cctx) for x in raw_streams]
+                                                   [np.empty(0, np.uint8)] * 2 + [to_planes(new_u)])
+        streams = [pack_stream(x, cctx) for x in raw_streams]
 
         # The dense fallback for positions: a bitmap, when the gaps are not clearly smaller.
         bitmap_nbytes = -(-numel // 8)
@@ -688,7 +446,7 @@ class PackedCodec(Codec):
                 mask = np.zeros(bitmap_nbytes * 8, np.uint8)
                 mask[pos] = 1
                 bm = np.packbits(mask, bitorder="little")
-            bm = _pack_stream(bm, cctx)
+            bm = pack_stream(bm, cctx)
             if len(bm[1]) < gap_nbytes:
                 empty = (METHOD_STORED, b"", 0)
                 pos_mode, r, streams[:3] = POS_BITMAP, 0, [bm, empty, empty]
@@ -722,7 +480,7 @@ class PackedCodec(Codec):
         change). int32 for widths up to 2 bytes (half the memory traffic), else int64."""
         work = np.int32 if width <= 2 else np.int64
         s = (new_u - old_u).view(f"i{width}").astype(work)  # unsigned subtraction wraps mod 2**(8w)
-        return _zigzag(s)
+        return zigzag(s)
 
     @staticmethod
     def _choose_code_bits(k: int, width: int, hz: np.ndarray, byte_histograms, code16_histograms) -> int:
@@ -803,7 +561,7 @@ class PackedCodec(Codec):
                 )
             if method == METHOD_STORED and stored_len == raw_len:  # the common case, checked
                 return np.frombuffer(data, np.uint8, raw_len, off)
-            return _unpack_stream(method, data[off : off + stored_len], raw_len, f"{what}: {_STREAMS[i]} stream")
+            return unpack_stream(method, data[off : off + stored_len], raw_len, f"{what}: {_STREAMS[i]} stream")
 
         if h.pos_mode == POS_GAPS:
             pos = _gap_positions_native(stream, h.gap_shift, numel, count, what) if native else None
@@ -864,13 +622,13 @@ def _gap_shift_window(pos: np.ndarray, numel: int) -> tuple[int, int]:
 def _gap_streams(gaps: np.ndarray, r: int) -> list[np.ndarray]:
     """The positions, pos_ext and pos_low streams of gap mode with shift ``r`` (uncompressed)."""
     high = gaps >> np.uint64(r)
-    return [np.minimum(high, 255).astype(np.uint8), _leb128_encode(high[high >= 255] - np.uint64(255)), _pack_bits(gaps, r)]
+    return [np.minimum(high, 255).astype(np.uint8), leb128_encode(high[high >= 255] - np.uint64(255)), pack_bits(gaps, r)]
 
 
 def _from_planes_any(buf: np.ndarray, n: int, w: int, native: bool) -> np.ndarray:
-    """:func:`_from_planes` (by the kernel when ``native``)."""
+    """:func:`from_planes` (by the kernel when ``native``)."""
     if not native:
-        return _from_planes(buf, n, w)
+        return from_planes(buf, n, w)
     out = np.empty(n, f"u{w}")
     _native.from_planes(buf, n, w, out)
     return out
@@ -883,9 +641,9 @@ def _step_streams(new_u: np.ndarray, width: int, b: int, z: np.ndarray) -> list[
     codes = np.where(z == 0, M, np.minimum(z - 1, M))
     esc = codes == M
     e = z[esc] - M  # >= 1 except for z == 0
-    raw_esc = (e <= 0) | (_varint_lengths(np.maximum(e, 0).astype(np.uint64)) > width)
+    raw_esc = (e <= 0) | (varint_lengths(np.maximum(e, 0).astype(np.uint64)) > width)
     ext = np.where(raw_esc, 0, e).astype(np.uint64)
-    return [_pack_codes(codes, b), _leb128_encode(ext), _to_planes(new_u[esc][raw_esc])]
+    return [pack_codes(codes, b), leb128_encode(ext), to_planes(new_u[esc][raw_esc])]
 
 
 # --- decoder stream readers (numpy reference and compiled kernels) -------------------------------
@@ -911,12 +669,12 @@ def _gap_positions(stream, r: int, numel: int, count: int, what: str) -> np.ndar
         raise CorruptObjectError(f"{what}: gap escapes, but no gap of this tensor needs one")
     high = high_b.astype(np.uint64)
     if n_esc:
-        ext = _leb128_decode(stream(1, n_esc, n_esc * ext_len), n_esc, max_ext, f"{what}: gap escapes")
+        ext = leb128_decode(stream(1, n_esc, n_esc * ext_len), n_esc, max_ext, f"{what}: gap escapes")
         high[esc] += ext
     else:
         stream(1, 0, 0)
     n_low = -(-count * r // 8)
-    gaps = (high << np.uint64(r)) | _unpack_bits(stream(2, n_low, n_low), count, r, f"{what}: gap low bits")
+    gaps = (high << np.uint64(r)) | unpack_bits(stream(2, n_low, n_low), count, r, f"{what}: gap low bits")
     if count and int(gaps.max()) > max_gap:
         raise CorruptObjectError(f"{what}: gap {int(gaps.max())} in a {numel}-element tensor")
     # Every gap < numel <= 2**63, so the running sum cannot wrap around 2**64 before some
@@ -940,7 +698,7 @@ def _gap_positions_native(stream, r: int, numel: int, count: int, what: str) -> 
     n_low = -(-count * r // 8)
     low = stream(2, n_low, n_low)
     pos = np.empty(count, np.int64)
-    limit = min(_MAX_VARINT_BYTES, max(1, math.ceil(max(max_ext, 1).bit_length() / 7)))
+    limit = min(MAX_VARINT_BYTES, max(1, math.ceil(max(max_ext, 1).bit_length() / 7)))
     if _native.decode_gaps(high_b, ext, low, r, numel, max(max_ext, 0), limit, pos) != _native.OK:
         return None
     return pos
@@ -972,16 +730,16 @@ def _steps(stream, count: int, b: int, width: int, what: str):
     escapes) and which entries are relative (``None``: all)."""
     M, n_code_bytes, e_max, e_len = _step_limits(b, width, count)
     work = np.int32 if width <= 2 else np.int64  # holds any zigzag step of the width
-    codes = _unpack_codes(stream(3, n_code_bytes, n_code_bytes), count, b, f"{what}: codes", work)
+    codes = unpack_codes(stream(3, n_code_bytes, n_code_bytes), count, b, f"{what}: codes", work)
     esc = codes == M
     n_esc = int(esc.sum())
-    ext = _leb128_decode(stream(4, n_esc, n_esc * e_len), n_esc, e_max, f"{what}: escapes").astype(work)
+    ext = leb128_decode(stream(4, n_esc, n_esc * e_len), n_esc, e_max, f"{what}: escapes").astype(work)
     raw_esc = ext == 0
     n_raw = int(raw_esc.sum())
-    raw_u = _from_planes(stream(5, n_raw * width, n_raw * width), n_raw, width)
+    raw_u = from_planes(stream(5, n_raw * width, n_raw * width), n_raw, width)
     z = codes + 1
     z[esc] = M + ext  # raw escapes get z = M; their step is ignored (relative is False)
-    steps = _unzigzag(z).astype(f"i{width}")
+    steps = unzigzag(z).astype(f"i{width}")
     if not n_raw:
         return steps, None, None
     raw_at = np.flatnonzero(esc)[raw_esc]
@@ -1001,7 +759,7 @@ def _steps_native(stream, count: int, b: int, width: int, what: str):
     if n_esc < 0:
         return None
     ext = stream(4, n_esc, n_esc * e_len)
-    n_raw = _native.scan_escapes(ext, n_esc, min(_MAX_VARINT_BYTES, e_len), e_max)
+    n_raw = _native.scan_escapes(ext, n_esc, min(MAX_VARINT_BYTES, e_len), e_max)
     if n_raw < 0:
         return None
     raw = stream(5, n_raw * width, n_raw * width)

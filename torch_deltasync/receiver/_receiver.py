@@ -35,27 +35,25 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import torch
 from torch import nn
 
-from .checksum import checksum_change, combine, tensor_checksum
-from .codec import TensorDelta
-from .errors import (
+from ..errors import (
     ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, StaleUpdateError, SyncTimeoutError,
     VersionNotFoundError,
 )
-from .format import decode_anchor, decode_delta, verify_bytes
-from .manifest import LATEST_KEY, MAX_VERSION, Manifest, list_versions, load_manifest, manifest_key
-from .store import Store, open_store
-from .targets import ModuleTarget, Target
+from ..format import verify_bytes
+from ..keys import LATEST_KEY, MAX_VERSION, list_versions, manifest_key
+from ..manifest import Manifest, load_manifest
+from ..store import Store, open_store
+from ..targets import ModuleTarget, Target
+from ._plan import PlanStep, UpdatePlan, check_version, walk_chain
+from ._stage import StagedUpdate, UpdateStats, stage_anchor, stage_deltas, verify_checksums
 
-__all__ = ["DeltaReceiver", "UpdatePlan", "PlanStep", "StagedUpdate", "UpdateStats"]
-
-log = logging.getLogger(__name__)
+log = logging.getLogger("torch_deltasync.receiver")
 T = TypeVar("T")
 
 #: Reads of one object before a size/sha256 mismatch counts as corruption (not a bad transfer).
@@ -64,160 +62,7 @@ _REREAD_ATTEMPTS = 3
 _REPLAN_ATTEMPTS = 3
 
 
-@dataclass(frozen=True)
-class PlanStep:
-    """One version to download and apply, and why.
-
-    Attributes:
-        kind: ``"anchor"`` (rebuild from the anchor objects) or ``"delta"`` (apply the delta objects).
-        objects: the objects of this version to download (a version can carry both kinds).
-    """
-
-    version: int
-    kind: str
-    nbytes: int
-    reason: str
-    objects: tuple = ()
-
-
-@dataclass(frozen=True)
-class UpdatePlan:
-    """How a receiver gets from ``from_version`` to ``to_version``.
-
-    Attributes:
-        from_version: the version held now (``None``: nothing held yet).
-        to_version: the version it will hold.
-        path: ``"noop"``, ``"delta"`` (from the version held) or ``"anchor"`` (from an anchor).
-        steps: the versions to apply, oldest first.
-    """
-
-    from_version: int | None
-    to_version: int
-    path: str
-    steps: tuple[PlanStep, ...]
-    manifests: tuple[Manifest, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes to download."""
-        return sum(s.nbytes for s in self.steps)
-
-    def __str__(self) -> str:
-        lines = [f"update {self.from_version} -> {self.to_version} via {self.path} path, {self.nbytes:,} bytes"]
-        lines += [f"  v{s.version:<8d} {s.kind:<6s} {s.nbytes:>14,d} B  {s.reason}" for s in self.steps]
-        return "\n".join(lines)
-
-
-@dataclass
-class UpdateStats:
-    """Numbers of one update. Times in milliseconds."""
-
-    version: int
-    from_version: int | None
-    path: str
-    versions_applied: int
-    nbytes: int  # downloaded
-    changed: int  # elements written (delta path) or elements of the model (anchor path)
-    plan_ms: float = 0.0
-    download_ms: float = 0.0
-    decode_ms: float = 0.0
-    verify_ms: float = 0.0
-    apply_ms: float = 0.0  # commit: every write, plus the target's finish (e.g. a vLLM re-pack)
-    total_ms: float = 0.0
-    recovered: bool = False  # a delta path failed verification and the anchor path was used
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(eq=False)
-class StagedUpdate:
-    """A version downloaded, decoded, validated and checked against the published checksums, not yet
-    written: the result of :meth:`DeltaReceiver.prepare`, the input of :meth:`DeltaReceiver.commit`.
-
-    Attributes:
-        plan: how it was reached (``plan.path == "noop"``: nothing to write).
-        base_version: the version the target held when it was staged (``None``: nothing).
-        version: the version a commit makes the target hold.
-        stats: times so far (plan, download, decode, verify; ms); ``commit`` adds the apply time.
-        written: HF names of the tensors a commit writes.
-        nbytes_staged: bytes of staged positions and values held in memory (host).
-    """
-
-    plan: UpdatePlan
-    base_version: int | None
-    stats: UpdateStats | None
-    _dense: dict[str, torch.Tensor] | None = None
-    _sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-    _checksums: dict[str, int] | None = None
-    _generation: int = -1
-
-    @property
-    def version(self) -> int:
-        return self.plan.to_version
-
-    @property
-    def written(self) -> frozenset[str]:
-        if self._dense is not None:
-            return frozenset(self._dense)
-        return frozenset(n for n, (pos, _) in (self._sparse or {}).items() if pos.numel())
-
-    @property
-    def nbytes_staged(self) -> int:
-        if self._dense is not None:
-            return sum(t.numel() * t.element_size() for t in self._dense.values())
-        return sum(p.numel() * p.element_size() + v.numel() * v.element_size()
-                   for p, v in (self._sparse or {}).values())
-
-
-def _merge(pos_a: torch.Tensor, val_a: torch.Tensor, pos_b: torch.Tensor, val_b: torch.Tensor):
-    """Union of two sorted change sets; where both have a position, ``b`` (the later) wins."""
-    if pos_a.numel() == 0:
-        return pos_b, val_b
-    if pos_b.numel() == 0:
-        return pos_a, val_a
-    pos = torch.cat([pos_a, pos_b])
-    val = torch.cat([val_a, val_b])
-    pos, order = torch.sort(pos, stable=True)
-    val = val[order]
-    last = torch.ones_like(pos, dtype=torch.bool)
-    last[:-1] = pos[1:] != pos[:-1]  # keep the last of equal positions: b's, by stability
-    return pos[last], val[last]
-
-
-def _concat(parts: list[TensorDelta], what: str) -> TensorDelta:
-    """One tensor's changes from several rank objects (disjoint positions) as one sorted delta."""
-    if len(parts) == 1:
-        return parts[0]
-    pos = torch.cat([p.positions for p in parts])
-    val = torch.cat([p.values for p in parts])
-    steps = rel = None
-    if any(p.steps is not None for p in parts):
-        steps = torch.cat([p.steps if p.steps is not None else torch.zeros(p.numel, dtype=torch.int64) for p in parts])
-        rel = torch.cat([
-            (p.relative if p.relative is not None else torch.ones(p.numel, dtype=torch.bool))
-            if p.steps is not None else torch.zeros(p.numel, dtype=torch.bool)
-            for p in parts
-        ])
-    pos, order = torch.sort(pos)
-    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
-        raise CorruptObjectError(f"{what}: two objects change the same element")
-    # Partial checksums of disjoint position sets add up (mod 2**64) to the checksum of the union.
-    base = combine(*(p.base_checksum for p in parts)) if all(p.base_checksum is not None for p in parts) else None
-    return TensorDelta(pos, val[order], None if steps is None else steps[order], None if rel is None else rel[order],
-                       base)
-
-
 _GENERATIONS = itertools.count()  # generations of every receiver's held state (DeltaReceiver._generation)
-
-
-def _check_version(version: object) -> int:
-    """A version number from the caller: a non-negative ``int`` (``bool`` is not a version)."""
-    if type(version) is not int:
-        raise TypeError(f"a version is an int, got {type(version).__name__} {version!r}")
-    if not 0 <= version <= MAX_VERSION:
-        raise VersionNotFoundError(f"invalid version {version}: versions are 0 ... {MAX_VERSION}")
-    return version
 
 
 class DeltaReceiver:
@@ -290,7 +135,7 @@ class DeltaReceiver:
             VersionNotFoundError: no such version is visible (never published, or not retained).
             CorruptObjectError: the manifest is malformed.
         """
-        _check_version(version)
+        check_version(version)
         cached = self._manifests.get(version)
         if cached is not None and not fresh:
             return cached
@@ -378,7 +223,7 @@ class DeltaReceiver:
             CorruptObjectError: ``T``'s chain crosses into another run before any anchor, so
                 nothing can rebuild it (two writers shared the prefix).
         """
-        target = self.newest_version() if version is None else _check_version(version)
+        target = self.newest_version() if version is None else check_version(version)
         if target is None:
             why = self.store.absent()  # a mistyped path reads differently from a run not started yet
             raise VersionNotFoundError(f"{self.store.describe()}: no version has been published yet"
@@ -389,7 +234,10 @@ class DeltaReceiver:
         self._held_runs[target] = head.run_id
         while len(self._held_runs) > 64:
             self._held_runs.pop(next(iter(self._held_runs)))
-        chain, start, path, why = self._walk(head, None if force_anchor else self.version)
+        held = None if force_anchor else self.version
+        chain, start, path, why = walk_chain(
+            head, held, held_run=self._held_runs.get(held) if held is not None else None,
+            manifest=self.manifest, where=self.store.describe())
         ms = chain[start::-1]
         held = self.version
         first_reason = (
@@ -410,81 +258,6 @@ class DeltaReceiver:
             for i, m in enumerate(ms)
         )
         return UpdatePlan(self.version, target, path, steps, tuple(ms))
-
-    def _walk(self, head: Manifest, held: int | None) -> tuple[list[Manifest], int, str, str]:
-        """The chain walk of :meth:`plan`, from ``head`` back along ``base_version`` links.
-
-        Args:
-            head: the target version's manifest.
-            held: the version to start a delta path from (``None``: anchors only).
-
-        Returns:
-            ``(chain, start, path, why)``: the manifests walked, newest first; the index in it of the
-            cheapest start (the anchor whose anchor part is used, or the first version after
-            ``held``); ``"delta"`` or ``"anchor"``; and, for an anchor path from a held version,
-            why no delta path was taken.
-        """
-        held_run = self._held_runs.get(held) if held is not None else None
-        chain: list[Manifest] = []
-        best: tuple[int, int, str] | None = None  # (bytes, index in chain, path)
-        why = f"anchor: version {held} is not on the chain of {head.version}"
-        deltas = 0  # bytes of the delta parts of the versions walked so far
-        m = head
-        while True:
-            chain.append(m)
-            i = len(chain) - 1
-            if m.kind == "anchor" and (best is None or deltas + m.anchor_nbytes < best[0]):
-                best = (deltas + m.anchor_nbytes, i, "anchor")
-            if not m.has_delta:
-                break  # a run's first anchor (or one after a reshape): nothing older leads here
-            deltas += m.delta_nbytes
-            base = m.base_version
-            if held is not None and base == held:
-                if held_run is not None and held_run != m.run_id:
-                    # The number was reused by another run (a wiped prefix): the held state is not
-                    # this chain's version `held`. Anchors only from here.
-                    why = (f"anchor: the held version {held} belongs to run {held_run!r}, version "
-                           f"{head.version} to run {m.run_id!r}")
-                    held = None
-                else:
-                    if best is None or deltas <= best[0]:
-                        best = (deltas, i, "delta")
-                    else:
-                        why = f"anchor: cheaper than the delta chain from {held}"
-                    break  # anything older costs these deltas and more
-            if best is not None and held is not None and base > held and deltas >= best[0]:
-                why = f"anchor: cheaper than any delta chain from {held}"
-                break
-            if best is not None and (held is None or base < held or deltas >= best[0]):
-                break  # no cheaper candidate can follow: older anchors cost as much plus more deltas
-            try:
-                older = self.manifest(base)
-                if older.run_id != m.run_id:  # a cached copy may predate a wiped prefix: read it again
-                    older = self.manifest(base, fresh=True)
-            except CorruptObjectError as e:
-                if best is not None:  # an anchor above the bad manifest is the way past it
-                    why = f"anchor: the manifest of version {base} on the delta chain is unreadable ({e})"
-                    break
-                raise
-            except VersionNotFoundError:
-                if best is not None:
-                    break  # retention removed the older chain; the candidates found suffice
-                raise VersionNotFoundError(
-                    f"{self.store.describe()}: version {head.version} needs version {base}, which is not "
-                    "retained; update to the newest version instead"
-                ) from None
-            if older.run_id != m.run_id:
-                if best is not None:
-                    break
-                raise CorruptObjectError(
-                    f"{self.store.describe()}: version {m.version} (run {m.run_id!r}) is a delta on version "
-                    f"{base} of another run ({older.run_id!r}), and no anchor of run {m.run_id!r} leads to "
-                    f"version {head.version}: two writers shared this prefix. Receivers never cross runs "
-                    "without an anchor; give every writer its own prefix"
-                )
-            m = older
-        assert best is not None  # the walk ends at an anchor (Manifest: every delta has a base)
-        return chain, best[1], best[2], why
 
     # --- update ----------------------------------------------------------------------------------
 
@@ -752,134 +525,18 @@ class DeltaReceiver:
 
         t = time.perf_counter()
         if plan.path == "anchor":
-            dense = self._stage_anchor(plan, blobs, shapes)
+            dense = stage_anchor(plan, blobs, shapes)
             sparse = None
         else:
-            sparse = self._stage_deltas(plan.manifests, blobs, dtype)
+            sparse = stage_deltas(self.target, plan.manifests, blobs, dtype)
             dense = None
         del blobs
         decode_ms = (time.perf_counter() - t) * 1e3
 
         t = time.perf_counter()
-        new_checksums = self._verify(final, dense, sparse, checksums)
+        new_checksums = verify_checksums(self.target, final, dense, sparse, checksums)
         verify_ms = (time.perf_counter() - t) * 1e3
         stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
                             download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms)
         return StagedUpdate(plan, plan.from_version, stats, dense, sparse, new_checksums)
 
-    def _decode_version(self, m: Manifest, blobs: dict[str, bytes]) -> dict[str, TensorDelta]:
-        """Decode every delta object of ``m`` and check the counts against the manifest."""
-        per_tensor: dict[str, list[TensorDelta]] = {}
-        for o in m.delta_objects:
-            for name, d in decode_delta(blobs[o.key], m, o).items():
-                per_tensor.setdefault(name, []).append(d)
-        out = {}
-        for entry in m.tensors:
-            parts = per_tensor.get(entry.name, [])
-            n = sum(p.numel for p in parts)
-            if n != entry.changed:
-                raise CorruptObjectError(
-                    f"version {m.version}: tensor {entry.name!r} has {n} changes in its objects, manifest says {entry.changed}"
-                )
-            if parts:
-                out[entry.name] = _concat(parts, f"version {m.version} tensor {entry.name!r}")
-        return out
-
-    def _stage_deltas(self, manifests: tuple[Manifest, ...], blobs: dict[str, bytes], dtype: torch.dtype):
-        """Compose a delta chain into ``{name: (positions, final values)}`` without touching the target."""
-        staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        target = self.target
-        for m in manifests:
-            for name, d in self._decode_version(m, blobs).items():
-                if not target.holds_all:
-                    d = d.select(target.owned(name, d.positions))
-                if d.needs_base:
-                    d_old = self._lookup(name, staged.get(name), d.positions, dtype)
-                    new = d.resolve(d_old)
-                else:
-                    new = d.values
-                if name in staged:
-                    staged[name] = _merge(*staged[name], d.positions, new)
-                else:
-                    staged[name] = (d.positions, new)
-        return staged
-
-    def _lookup(self, name: str, staged: tuple[torch.Tensor, torch.Tensor] | None, pos: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-        """Values at ``pos`` as of the staged state: staged values where present, else the target's."""
-        if staged is None:
-            return self.target.read(name, pos, dtype)
-        spos, sval = staged
-        out = torch.empty(pos.shape, dtype=dtype)
-        if spos.numel():
-            i = torch.searchsorted(spos, pos).clamp_(max=spos.numel() - 1)
-            hit = spos[i] == pos
-        else:
-            i = torch.zeros_like(pos)
-            hit = torch.zeros_like(pos, dtype=torch.bool)
-        out[hit] = sval[i[hit]]
-        miss = ~hit
-        if bool(miss.any()):
-            out[miss] = self.target.read(name, pos[miss], dtype)
-        return out
-
-    def _stage_anchor(self, plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tuple[int, ...]]):
-        """Rebuild full tensors from the anchor's blocks, then apply the chain's deltas to them."""
-        anchor = plan.manifests[0]
-        blocks: dict[str, list] = {}
-        for o in anchor.anchor_objects:
-            for name, sb in decode_anchor(blobs[o.key], anchor, o).items():
-                blocks.setdefault(name, []).append(sb)
-        dense: dict[str, torch.Tensor] = {}
-        for name, shape in shapes.items():
-            parts = blocks.get(name)
-            if not parts:
-                raise CorruptObjectError(f"version {anchor.version}: anchor has no data for tensor {name!r}")
-            if len(parts) == 1 and parts[0][0].is_full:
-                dense[name] = parts[0][1].reshape(shape)
-                continue
-            full = torch.empty(shape, dtype=anchor.inference_dtype)
-            cover = torch.zeros(shape, dtype=torch.bool)  # every element exactly once
-            for s, block in parts:
-                idx = tuple(slice(off, off + n) for off, n in zip(s.offsets, s.shape))
-                if bool(cover[idx].any()):
-                    raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap")
-                full[idx] = block
-                cover[idx] = True
-            if not bool(cover.all()):
-                raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap or leave gaps")
-            dense[name] = full
-        for m in plan.manifests[1:]:
-            for name, d in self._decode_version(m, blobs).items():
-                flat = dense[name].view(-1)
-                new = d.resolve(flat[d.positions]) if d.needs_base else d.values
-                flat.index_copy_(0, d.positions, new)
-        return dense
-
-    def _verify(self, final: Manifest, dense, staged, checksums: dict[str, int]) -> dict[str, int]:
-        """Checksums of the staged state, from the held state's ``checksums`` and the changes;
-        raise if they differ from ``final``'s manifest."""
-        if not self.target.holds_all:
-            return {}  # partial holders cannot see whole tensors; sha256 protected the bytes
-        new: dict[str, int] = {}
-        bad = []
-        for entry in final.tensors:
-            if dense is not None:
-                c = tensor_checksum(dense[entry.name])
-            else:
-                c = checksums.get(entry.name)
-                if c is None:
-                    raise CorruptObjectError(f"no checksum held for {entry.name!r}")
-                if entry.name in staged:
-                    pos, val = staged[entry.name]
-                    old = self.target.read(entry.name, pos, final.inference_dtype)
-                    c = combine(c, checksum_change(pos, old, val))
-            if c != entry.checksum:
-                bad.append(entry.name)
-            new[entry.name] = c
-        if bad:
-            raise ChecksumMismatchError(
-                f"version {final.version}: the staged state differs from the published checksums for "
-                f"{len(bad)} tensors, e.g. {bad[:3]}; nothing was applied"
-            )
-        return new

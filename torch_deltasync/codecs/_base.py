@@ -11,7 +11,7 @@ receivers look it up with :func:`get_codec`. Built in:
 * ``raw`` (format 1, the seed format): ``<name>:idx`` holds the sorted, unique global flat indices
   (int32 when the tensor has fewer than ``2**31`` elements, else int64) and ``<name>:val`` the new
   values in the inference dtype. 4 + 2 = 6 bytes per changed bf16 element.
-* ``packed`` (:mod:`torch_deltasync.packed`, the default of ``DeltaSender``): ``<name>:packed``,
+* ``packed`` (``torch_deltasync/codecs/_packed.py``, the default of ``DeltaSender``): ``<name>:packed``,
   gap-coded positions and step-coded values with zstd, about 1 byte per changed bf16 element.
 """
 
@@ -26,11 +26,10 @@ from typing import Callable, ClassVar, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import _native
-from ._dtypes import bits, int_view_dtype
-from .errors import ChecksumMismatchError, CorruptObjectError
+from .. import _native
+from .._dtypes import bits, int_view_dtype
+from ..errors import ChecksumMismatchError, CorruptObjectError
 
-__all__ = ["TensorDelta", "Codec", "RawCodec", "register_codec", "get_codec", "codec_names"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class TensorDelta:
                 old_values = old_values.to(self.values.dtype)
             return self._resolve_native(old_values if old_values.is_contiguous() else old_values.contiguous())
         if self.base_checksum is not None:
-            from .checksum import checksum  # lazy: checksum is independent of codecs
+            from ..checksum import checksum  # lazy: checksum is independent of codecs
 
             got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
             if got != self.base_checksum:
@@ -163,7 +162,7 @@ class TensorDelta:
 
     def _mismatch(self, old_values: torch.Tensor) -> None:
         """Raise the :class:`ChecksumMismatchError` of :meth:`resolve` for ``old_values``."""
-        from .checksum import checksum  # lazy: checksum is independent of codecs
+        from ..checksum import checksum  # lazy: checksum is independent of codecs
 
         got = checksum(old_values.to(self.values.dtype).reshape(-1), self.positions.to(old_values.device))
         raise ChecksumMismatchError(
@@ -335,34 +334,3 @@ def check_positions(idx: torch.Tensor, numel: int, what: str) -> torch.Tensor:
 def check_parts(parts: Mapping[str, torch.Tensor], expected: set[str], what: str) -> None:
     if set(parts) != expected:
         raise CorruptObjectError(f"{what}: expected parts {sorted(expected)}, got {sorted(parts)}")
-
-
-@register_codec
-class RawCodec(Codec):
-    """Format 1: sorted global flat indices (``idx``: int32, or int64 from ``2**31`` elements) and
-    the new values in the inference dtype (``val``). 6 bytes per changed bf16 element."""
-
-    name = "raw"
-
-    def encode(self, positions, values, old_values, *, numel):
-        idx_dtype = torch.int32 if numel < 2**31 else torch.int64
-        return {"idx": positions.to(device="cpu", dtype=idx_dtype), "val": values.to("cpu")}
-
-    def decode(self, parts, *, numel, count, dtype):
-        what = "raw codec"
-        check_parts(parts, {"idx", "val"}, what)
-        idx, val = parts["idx"], parts["val"]
-        if numel >= 2**31 and idx.dtype != torch.int64:
-            raise CorruptObjectError(f"{what}: tensors of {numel} elements need int64 positions")
-        if val.dtype != dtype or val.dim() != 1:
-            raise CorruptObjectError(f"{what}: values must be 1-D {dtype}, got {val.dtype} {tuple(val.shape)}")
-        if idx.numel() != count or val.numel() != count:
-            raise CorruptObjectError(
-                f"{what}: declared {count} changes, found {idx.numel()} positions and {val.numel()} values"
-            )
-        return TensorDelta(check_positions(idx, numel, what), val)
-
-
-# Built-in codecs that live in their own modules register on import; importing them here makes
-# them known wherever manifests are parsed (manifest.py checks codec names against the registry).
-from . import packed as _packed  # noqa: E402,F401  (circular by design: packed needs Codec above)

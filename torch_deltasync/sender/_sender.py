@@ -30,223 +30,35 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
-from ._dtypes import as_dtype
-from .checksum import checksum_change, combine, tensor_checksum
-from .codec import get_codec
-from .detect import Changes, ChangeDetector
-from .errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
-from .format import encode_anchor, encode_delta, sha256_hex
-from .layout import TensorBlock
-from .lease import DEFAULT_LEASE_S, PrefixLease, read_owner
-from .manifest import (
-    LATEST_KEY, MAX_VERSION, Manifest, ObjectEntry, TensorEntry, manifest_key, next_free_version,
-    object_key,
-)
-from .retention import RetentionPolicy, collect_garbage
-from .store import Store, open_store
-
-__all__ = ["DeltaSender", "AnchorPolicy", "PublishStats"]
+from .._dtypes import as_dtype
+from ..checksum import checksum_change, combine, tensor_checksum
+from ..codecs import get_codec
+from ..detect import ChangeDetector
+from ..errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
+from ..format import encode_anchor, encode_delta, sha256_hex
+from ..layout import TensorBlock
+from ..lease import DEFAULT_LEASE_S, PrefixLease
+from ..keys import MAX_VERSION, next_free_version, object_key
+from ..manifest import ObjectEntry
+from ..retention import RetentionPolicy, collect_garbage
+from ..store import Store, open_store
+from ._claim import claim_prefix
+from ._commit import put_once, write_latest, write_manifest
+from ._group import Group, SingleProcess
+from ._job import Job
+from ._policy import AnchorPolicy
+from ._sources import collect_sources
+from ._stats import PublishStats
 
 log = logging.getLogger(__name__)
 
 
-# --- configuration -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class AnchorPolicy:
-    """When a version is an anchor (full weights) instead of a delta.
-
-    The first version of a sender is always an anchor, and so is the first one after a failed
-    anchor. Otherwise a version is an anchor when either rule fires.
-    """
-
-    every: int | None = 10
-    """Anchor when ``version - last_anchor >= every`` (versions). ``None`` or ``0``: never by cadence."""
-
-    chain_ratio: float | None = None
-    """Anchor when the bytes of the delta objects published since the last anchor reach
-    ``chain_ratio`` times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
-    anchors' worth). ``None``: off."""
-
-    max_delta_ratio: float | None = None
-    """Decided per version, after change detection: publish a full anchor *without* a delta when this
-    version's delta, as the sender's codec encodes it (the bytes of its encoded tensors), would take at
-    least ``max_delta_ratio`` times the bytes of a full copy in the inference dtype (e.g. ``1.0``:
-    never ship a delta larger than the weights; with the ``raw`` codec, 4 + 2 bytes per changed bf16
-    element, that is about 1/3 density). An anchor due by ``every`` / ``chain_ratio`` then drops the
-    delta it would carry, too. The delta is then encoded in ``publish()`` itself (also
-    with ``background=True``; the upload stays in the background). Dense updates are the norm for
-    LoRA adapters (``docs/lora.md``). With several ranks, one rank over the ratio makes the version
-    an anchor on all. ``None``: off."""
-
-    def __post_init__(self) -> None:
-        if self.every is not None and (type(self.every) is not int):
-            raise TypeError(f"AnchorPolicy.every must be an int or None, got {self.every!r}")
-        if self.every is not None and self.every < 0:
-            raise ValueError(f"AnchorPolicy.every must be >= 0 or None, got {self.every}")
-        if self.chain_ratio is not None and not self.chain_ratio > 0:
-            raise ValueError(f"AnchorPolicy.chain_ratio must be > 0 or None, got {self.chain_ratio}")
-        if self.max_delta_ratio is not None and not self.max_delta_ratio > 0:
-            raise ValueError(f"AnchorPolicy.max_delta_ratio must be > 0 or None, got {self.max_delta_ratio}")
-
-    def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
-        if self.every and version - last_anchor >= self.every:
-            return True
-        return bool(self.chain_ratio and anchor_nbytes and chain_nbytes >= self.chain_ratio * anchor_nbytes)
-
-
-@dataclass
-class PublishStats:
-    """Numbers of one publish (all ranks summed where it says so). Times in milliseconds."""
-
-    version: int
-    kind: str
-    base_version: int | None
-    changed: int  # elements whose bits changed since the base version (all ranks)
-    numel: int  # elements of the model
-    nbytes: int  # bytes of this version's objects + manifest (all ranks)
-    full_nbytes: int  # bytes of the model in the inference dtype
-    detect_ms: float = 0.0
-    encode_ms: float = 0.0
-    upload_ms: float = 0.0
-    publish_ms: float = 0.0
-    coalesced: int = 0  # publishes skipped into this one because an upload was in flight
-
-    @property
-    def density(self) -> float:
-        return self.changed / self.numel if self.numel else 0.0
-
-    @property
-    def ratio(self) -> float:
-        """Bytes shipped / bytes of a full copy."""
-        return self.nbytes / self.full_nbytes if self.full_nbytes else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["density"] = self.density
-        d["ratio"] = self.ratio
-        return d
-
-
-# --- what a rank publishes ---------------------------------------------------------------------
-
-
-@dataclass
-class _Source:
-    """One tensor as this rank sees it: its local block, the block's place, and whether to upload."""
-
-    name: str
-    local: torch.Tensor
-    slice: TensorBlock
-    upload: bool = True  # False where another rank holding the same block uploads it (plan_uploads)
-    distributed: bool = False  # a DTensor: the sender needs torch.distributed collectives
-    problem: str | None = None  # why the block cannot be placed (refused on every rank; see dtensor.py)
-
-
-class _Group(Protocol):
-    """The collectives a sender needs; single-process by default (FSDP2 plugs in torch.distributed)."""
-
-    rank: int
-    world: int
-
-    def gather(self, obj: Any) -> list[Any] | None: ...
-
-    def broadcast(self, obj: Any) -> Any: ...
-
-    def any(self, flag: bool) -> bool: ...
-
-
-class _SingleProcess:
-    rank = 0
-    world = 1
-
-    def gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def broadcast(self, obj: Any) -> Any:
-        return obj
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-
-def _tensors_of(model: Any) -> Mapping[str, torch.Tensor]:
-    if isinstance(model, nn.Module):
-        return model.state_dict(keep_vars=True)
-    if callable(model) and not isinstance(model, Mapping):
-        return model()
-    if isinstance(model, Mapping):
-        return model
-    raise TypeError(f"expected an nn.Module, a state dict or a callable returning one, got {type(model).__name__}")
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def collect_sources(model: Any) -> tuple[list[_Source], dict[str, str]]:
-    """The floating tensors of ``model`` as sources, and tied aliases ``{alias: canonical}``.
-
-    Plain tensors are whole (:meth:`TensorBlock.full`); ``DTensor`` parameters (FSDP2) are
-    described by :func:`torch_deltasync.dtensor.local_source`. Non-floating entries (integer
-    buffers) are not synced.
-    """
-    sources: list[_Source] = []
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, t in _tensors_of(model).items():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            continue
-        param, t = t, t.detach()
-        if type(t).__name__ == "DTensor":
-            from .dtensor import local_source
-
-            src = local_source(name, t)
-            if src.local.numel():
-                key = ("dtensor", _storage_key(src.local), tuple(src.slice.global_shape))
-            else:  # empty shards share no storage to compare: tied parameters are the same object
-                key = ("dtensor-empty", id(param))
-        else:
-            if t.is_sparse or t.layout != torch.strided:
-                raise UnsupportedLayoutError(f"tensor {name!r} has layout {t.layout}; only strided tensors sync")
-            src = _Source(name, t, TensorBlock.full(t.shape))
-            key = _storage_key(t)
-        if key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        sources.append(src)
-    return sources, aliases
-
-
 # --- the sender --------------------------------------------------------------------------------
-
-
-@dataclass
-class _Job:
-    """Everything a publish needs after the live weights have been read."""
-
-    version: int
-    kind: str
-    base_version: int | None
-    anchor_version: int
-    sources: list[_Source] = field(default_factory=list)
-    aliases: dict[str, str] = field(default_factory=dict)
-    changes: dict[str, Changes] = field(default_factory=dict)
-    global_positions: dict[str, torch.Tensor] = field(default_factory=dict)
-    anchors: dict[str, torch.Tensor] = field(default_factory=dict)
-    partials: dict[str, int] = field(default_factory=dict)  # name -> local partial checksum after v
-    counts: dict[str, int] = field(default_factory=dict)  # name -> changed elements (local, uploaded)
-    delta_parts: dict[str, dict[str, torch.Tensor]] | None = None  # encoded early (max_delta_ratio)
-    stats: PublishStats | None = None
 
 
 class DeltaSender:
@@ -264,7 +76,7 @@ class DeltaSender:
         inference_dtype: dtype receivers serve (bf16 default; fp16, fp32 work too).
         snapshot_device: where the last-published snapshot lives: ``None`` = each tensor's device,
             ``"cpu"`` = (pinned) host memory. Costs ``element_size`` bytes per element.
-        codec: name of the delta codec (see :func:`torch_deltasync.codec.codec_names`): ``"packed"``
+        codec: name of the delta codec (see :func:`torch_deltasync.codecs.codec_names`): ``"packed"``
             (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes).
         background: default for ``publish(background=...)``.
         run_id: identifies this writer in manifests (random by default). Receivers cross from one
@@ -312,7 +124,7 @@ class DeltaSender:
         background: bool = False,
         run_id: str | None = None,
         metrics_path: str | Path | None = None,
-        group: _Group | None = None,
+        group: Group | None = None,
         retention: RetentionPolicy | None = None,
         takeover: bool = False,
         lease_s: float = DEFAULT_LEASE_S,
@@ -337,23 +149,24 @@ class DeltaSender:
                     f"tensor {s.name[:80]!r}: names must be 1-1024 characters and tensors at most 8-D to publish"
                 )
         if group is None and any(s.distributed for s in sources):
-            from .dtensor import default_group
+            from ..dtensor import default_group
 
             group = default_group()
-        self.group: _Group = group or _SingleProcess()
+        self.group: Group = group or SingleProcess()
         # Several ranks: decide once which rank ships which block (replicas outside a DTensor's mesh
         # and plain tensors are held by several ranks; exactly one of them uploads each block).
         self._uploads: dict[str, bool] | None = None
         self._layout: dict[str, TensorBlock] = {}
         self._slots = 1  # object slots per rank (dtensor.UploadPlan.slots)
         if self.group.world > 1:
-            from .dtensor import plan_uploads
+            from ..dtensor import plan_uploads
 
             plan = plan_uploads(self.group, sources)
             self._uploads, self._slots = plan.uploads, plan.slots
             self._layout = {s.name: s.slice for s in sources}
         self._lease_s = lease_s
-        self._lease: PrefixLease | None = self._claim_prefix(takeover)
+        self._lease: PrefixLease | None
+        self._lease, self.run_id = claim_prefix(self.group, self.store, self.run_id, lease_s=lease_s, takeover=takeover)
         self._in_use: str | None = None  # set on every rank once another writer took the prefix over
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
@@ -498,55 +311,6 @@ class DeltaSender:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _claim_prefix(self, takeover: bool) -> PrefixLease | None:
-        """Rank 0 claims the prefix (:class:`PrefixLease`); with several ranks every rank then reads
-        the owner record back from the store it opened, so ranks that address different stores or
-        prefixes (a temporary folder per rank) are refused on every rank before anything is
-        published. Every rank adopts rank 0's ``run_id``. Returns rank 0's lease (``None`` elsewhere).
-        """
-        g = self.group
-        lease, claim = None, None
-        if g.rank == 0:
-            try:
-                lease = PrefixLease(self.store, self.run_id, lease_s=self._lease_s, takeover=takeover)
-                claim = {"ok": True, "session": lease.session, "run_id": self.run_id, "store": self.store.describe()}
-            except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
-                if g.world == 1:
-                    raise
-                claim = {"ok": False, "in_use": isinstance(e, PrefixInUseError), "error": f"{type(e).__name__}: {e}"}
-        if g.world == 1:
-            return lease
-        claim = g.broadcast(claim)
-        if not claim["ok"]:
-            raise (PrefixInUseError if claim["in_use"] else PublishError)(f"rank 0: {claim['error']}")
-        seen = {"ok": True}
-        if g.rank != 0:
-            try:
-                rec = read_owner(self.store)
-                if rec is None or rec.session != claim["session"]:
-                    found = "no owner record" if rec is None else f"another writer's record (run {rec.run_id!r})"
-                    seen = {"ok": False, "why": f"rank {g.rank} opened {self.store.describe()} and finds {found} there"}
-            except Exception as e:  # noqa: BLE001
-                seen = {"ok": False, "why": f"rank {g.rank} cannot read {self.store.describe()}: {type(e).__name__}: {e}"}
-        gathered = g.gather(seen)
-        verdict = None
-        if g.rank == 0:
-            bad = [r["why"] for r in gathered if not r["ok"]]
-            verdict = {"ok": not bad}
-            if bad:
-                lease.release()
-                verdict["error"] = (
-                    f"the ranks do not address the same store and prefix: rank 0 claimed {claim['store']} (wrote its "
-                    f"OWNER record), but {'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} ({len(bad)} of {g.world} "
-                    "ranks). Every rank must open the same store and prefix: a shared file system path or a remote "
-                    "URL such as s3://bucket/runs, not a folder per rank (e.g. tempfile.mkdtemp() on each rank)"
-                )
-        verdict = g.broadcast(verdict)
-        if not verdict["ok"]:
-            raise ValueError(verdict["error"])
-        self.run_id = claim["run_id"]
-        return lease
-
     def _check_owner(self) -> None:
         """Rank 0, before a manifest: the prefix is still ours (claimed again after ``close()``).
 
@@ -596,7 +360,7 @@ class DeltaSender:
             return True
         return self.policy.wants_anchor(version, self._last_anchor, self._chain_nbytes, self._anchor_nbytes)
 
-    def _prepare(self, version: int) -> _Job:
+    def _prepare(self, version: int) -> Job:
         """Read the live weights: detect changes (and cast anchors). Runs on the caller's thread."""
         sources, aliases = collect_sources(self.model)
         for src in sources:
@@ -621,7 +385,7 @@ class DeltaSender:
         # An anchor after a published version also carries the delta against it, so receivers that
         # hold that version never download the anchor.
         base = None if reshaped else self.version
-        job = _Job(version, kind, base, version if kind == "anchor" else self._last_anchor, sources, aliases)
+        job = Job(version, kind, base, version if kind == "anchor" else self._last_anchor, sources, aliases)
         numel = changed = 0
         for src in sources:
             numel += src.slice.global_numel
@@ -645,7 +409,7 @@ class DeltaSender:
         self._coalesced = 0
         return job
 
-    def _cast_anchors(self, job: _Job, *, whole: bool = False) -> int:
+    def _cast_anchors(self, job: Job, *, whole: bool = False) -> int:
         """Cast every block of ``job`` for an anchor object; returns the elements newly counted as
         changed: tensors without a detected delta (or all, with ``whole``) count whole."""
         added = 0
@@ -662,7 +426,7 @@ class DeltaSender:
             added += src.slice.numel
         return added
 
-    def _delta_too_large(self, job: _Job) -> bool:
+    def _delta_too_large(self, job: Job) -> bool:
         """Whether this rank's encoded delta of ``job`` (a delta, or an anchor that would carry one)
         reaches ``max_delta_ratio`` x the bytes of its blocks in the inference dtype. Encodes the
         delta now (on the caller's thread); the upload reuses it."""
@@ -674,7 +438,7 @@ class DeltaSender:
         delta = sum(t.numel() * t.element_size() for parts in self._delta_parts(job).values() for t in parts.values())
         return delta >= self.policy.max_delta_ratio * full
 
-    def _convert_to_anchor(self, job: _Job) -> None:
+    def _convert_to_anchor(self, job: Job) -> None:
         """Publish ``job`` as an anchor without a delta (``AnchorPolicy.max_delta_ratio``): a delta
         becomes an anchor, an anchor drops the delta it would carry. The live weights are still
         those detection read, so the cast blocks are exactly that state, whose checksums the
@@ -693,10 +457,10 @@ class DeltaSender:
         """``(rank, world)`` of this rank's object ``part`` (``dtensor.UploadPlan.slots``)."""
         return self.group.rank * self._slots + part, self.group.world * self._slots
 
-    def _encode(self, job: _Job) -> list[tuple[str, int, int, bytes]]:
+    def _encode(self, job: Job) -> list[tuple[str, int, int, bytes]]:
         """This rank's objects for ``job`` as ``[(kind, rank, world, bytes)]`` (empty when it
         uploads nothing); ``rank`` and ``world`` name the object (``_slot``)."""
-        from .dtensor import anchor_parts
+        from ..dtensor import anchor_parts
 
         if not any(s.upload for s in job.sources):
             return []
@@ -711,7 +475,7 @@ class DeltaSender:
             out.append(("delta", *self._slot(), self._encode_delta(job)))
         return out
 
-    def _delta_parts(self, job: _Job) -> dict[str, dict[str, torch.Tensor]]:
+    def _delta_parts(self, job: Job) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's changed tensors of ``job``, encoded by the codec: ``{name: {part: tensor}}``."""
         if job.delta_parts is None:
             job.delta_parts = {
@@ -721,21 +485,21 @@ class DeltaSender:
             }
         return job.delta_parts
 
-    def _encode_delta(self, job: _Job) -> bytes:
+    def _encode_delta(self, job: Job) -> bytes:
         parts = self._delta_parts(job)
         counts = {name: job.changes[name].numel for name in parts}
         rank, world = self._slot()
         return encode_delta(parts, counts, version=job.version, base_version=job.base_version,
                             codec=self.codec.name, dtype=self.dtype, rank=rank, world=world)
 
-    def _finish_background(self, job: _Job, t0: float) -> None:
+    def _finish_background(self, job: Job, t0: float) -> None:
         try:
             self._finish(job, t0)
         except BaseException as e:  # noqa: BLE001 - reported on the next publish()/flush()
             with self._lock:
                 self._error = e
 
-    def _finish(self, job: _Job, t0: float) -> None:
+    def _finish(self, job: Job, t0: float) -> None:
         """Encode, upload this rank's object, let rank 0 write the manifest, then commit."""
         g = self.group
         stats = job.stats
@@ -748,7 +512,7 @@ class DeltaSender:
             local["objects"] = []
             for kind, rank, world, data in blobs:
                 key = object_key(job.version, kind, rank, world)
-                self._put_once(key, data)
+                put_once(self.store, key, data)
                 local["objects"].append(ObjectEntry(key, len(data), sha256_hex(data), rank, world).to_json())
             stats.upload_ms = (time.perf_counter() - t) * 1e3
             local["partials"] = job.partials
@@ -796,88 +560,25 @@ class DeltaSender:
         except Exception as e:  # noqa: BLE001 - old versions are only garbage; never fail a publish
             log.warning("retention after version %s failed (%s); retrying after the next anchor", self.version, e)
 
-    def _write_manifest(self, job: _Job, gathered: list[dict]) -> dict[str, Any]:
+    def _write_manifest(self, job: Job, gathered: list[dict]) -> dict[str, Any]:
         """Rank 0: combine per-rank metadata, write the manifest last and ``LATEST``."""
-        errors = [r["error"] for r in gathered if not r["ok"]]
         try:  # first: a version number taken by the writer that took the prefix over is no collision
             self._check_owner()
         except PrefixInUseError as e:
             return {"ok": False, "in_use": True, "error": str(e)}
         except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
             return {"ok": False, "error": f"rank 0 owner record: {type(e).__name__}: {e}"}
-        if any(r.get("taken") for r in gathered):
-            return self._taken(job.version)
-        if errors:
-            return {"ok": False, "error": "; ".join(errors)}
-        try:
-            objects = [ObjectEntry(**o) for r in gathered for o in r["objects"]]
-            partials: dict[str, list[int]] = {}
-            counts: dict[str, int] = {}
-            for r in gathered:
-                for name, p in r["partials"].items():
-                    partials.setdefault(name, []).append(p)
-                for name, c in r["counts"].items():
-                    counts[name] = counts.get(name, 0) + c
-            tensors = tuple(
-                TensorEntry(s.name, s.slice.global_shape, combine(*partials[s.name]), counts.get(s.name, 0))
-                for s in job.sources
-            )
-            st = job.stats
-            manifest = Manifest(
-                version=job.version, kind=job.kind, base_version=job.base_version,
-                anchor_version=job.anchor_version, codec=self.codec.name, inference_dtype=self.dtype,
-                run_id=self.run_id, tensors=tensors, objects=tuple(objects), aliases=dict(job.aliases),
-                stats={"changed": sum(counts.values()), "numel": st.numel,
-                       "objects_nbytes": sum(o.nbytes for o in objects), "world": self.group.world},
-                created_at=time.time(),
-            )
-            data = manifest.to_json()
-            try:
-                self._put_once(manifest_key(job.version), data)  # manifests are immutable
-            except ObjectExistsError:
-                return self._taken(job.version)
-        except Exception as e:  # noqa: BLE001
-            return {"ok": False, "error": f"rank 0 manifest: {type(e).__name__}: {e}"}
-        self._write_latest(job.version)
-        return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values()),
-                "anchor_nbytes": manifest.anchor_nbytes, "delta_nbytes": manifest.delta_nbytes}
-
-    def _put_once(self, key: str, data: bytes) -> None:
-        """Create ``key``; never replace an existing object (a retry of our own put that succeeded
-        before its reply was lost finds our own bytes there, which is fine).
-
-        Raises:
-            ObjectExistsError: another writer's object holds the key.
-        """
-        try:
-            self.store.put_new(key, data)
-        except ObjectExistsError:
-            if self.store.get(key) != data:
-                raise
-
-    def _taken(self, version: int) -> dict[str, Any]:
-        """Rank 0: another writer uses ``version``; skip past everything it wrote."""
-        return {"ok": False, "next_version": next_free_version(self.store),
-                "error": f"another writer already uses version {version} on {self.store.describe()}; "
-                         "two writers must not share a prefix. This sender continues after the newest "
-                         "version, with an anchor"}
+        outcome = write_manifest(self.store, job, gathered, codec=self.codec.name, dtype=self.dtype,
+                                 run_id=self.run_id, world=self.group.world)
+        if outcome["ok"]:
+            self._write_latest(job.version)
+        return outcome
 
     def _write_latest(self, version: int) -> None:
-        """Rank 0: point ``LATEST`` at ``version``. It is advisory; if it cannot be written, remove
-        it so that readers list ``versions/`` rather than trust a stale pointer, and try again at
-        the next publish or ``flush()``."""
-        try:
-            self.store.put(LATEST_KEY, str(version).encode())
-            self._latest_pending = None
-        except Exception as e:  # noqa: BLE001 - receivers fall back to listing
-            log.warning("could not update LATEST to %d: %s", version, e)
-            self._latest_pending = version
-            try:
-                self.store.delete(LATEST_KEY)
-            except Exception:  # noqa: BLE001
-                pass
+        """Rank 0: point ``LATEST`` at ``version``, or retry at the next publish or ``flush()``."""
+        self._latest_pending = None if write_latest(self.store, version) else version
 
-    def _commit(self, job: _Job, outcome: dict[str, Any]) -> None:
+    def _commit(self, job: Job, outcome: dict[str, Any]) -> None:
         """The version is visible: advance snapshots, checksums and the anchor policy state."""
         self._shapes = {s.name: s.slice for s in job.sources}
         det = self.detector

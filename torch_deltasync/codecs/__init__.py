@@ -1,0 +1,33 @@
+"""Codecs: how one tensor's change set (positions + new values) is stored in a delta object.
+
+A codec turns the changes of one tensor into a few named tensors (stored in the delta object as
+``<name>:<part>``) and back; decoders treat their input as untrusted. Codecs register by name with
+:func:`register_codec`; the manifest names the codec of a version and receivers look it up with
+:func:`get_codec`. Built in: ``raw`` (the seed format, 6 bytes per changed bf16 element) and
+``packed`` (the default, about 1 byte). ``docs/format.md`` specifies both byte for byte.
+
+Modules: ``_base`` (:class:`TensorDelta`, :class:`Codec`, the registry), ``_raw``, ``_packed`` and
+``_bits`` (the bit-stream primitives ``packed`` is built from).
+"""
+
+from ._base import Codec, TensorDelta, codec_names, get_codec, register_codec
+from ._packed import CODE_BITS, LAYOUT_VERSION, PackedCodec
+from ._raw import RawCodec
+
+__all__ = [
+    # interface and registry
+    "Codec",
+    "TensorDelta",
+    "register_codec",
+    "get_codec",
+    "codec_names",
+    # built-in codecs
+    "RawCodec",
+    "PackedCodec",
+    "LAYOUT_VERSION",
+    "CODE_BITS",
+]
+
+for _name in ("Codec", "TensorDelta", "register_codec", "get_codec", "codec_names", "RawCodec", "PackedCodec"):
+    globals()[_name].__module__ = __name__
+del _name

@@ -1,0 +1,34 @@
+"""The ``raw`` codec (format 1, the seed format): sorted global flat indices and new values."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CorruptObjectError
+from ._base import Codec, TensorDelta, check_parts, check_positions, register_codec
+
+
+@register_codec
+class RawCodec(Codec):
+    """Format 1: sorted global flat indices (``idx``: int32, or int64 from ``2**31`` elements) and
+    the new values in the inference dtype (``val``). 6 bytes per changed bf16 element."""
+
+    name = "raw"
+
+    def encode(self, positions, values, old_values, *, numel):
+        idx_dtype = torch.int32 if numel < 2**31 else torch.int64
+        return {"idx": positions.to(device="cpu", dtype=idx_dtype), "val": values.to("cpu")}
+
+    def decode(self, parts, *, numel, count, dtype):
+        what = "raw codec"
+        check_parts(parts, {"idx", "val"}, what)
+        idx, val = parts["idx"], parts["val"]
+        if numel >= 2**31 and idx.dtype != torch.int64:
+            raise CorruptObjectError(f"{what}: tensors of {numel} elements need int64 positions")
+        if val.dtype != dtype or val.dim() != 1:
+            raise CorruptObjectError(f"{what}: values must be 1-D {dtype}, got {val.dtype} {tuple(val.shape)}")
+        if idx.numel() != count or val.numel() != count:
+            raise CorruptObjectError(
+                f"{what}: declared {count} changes, found {idx.numel()} positions and {val.numel()} values"
+            )
+        return TensorDelta(check_positions(idx, numel, what), val)

@@ -1,0 +1,64 @@
+"""The bucket key layout of a run (format 1): where objects, manifests and ``LATEST`` live.
+
+Keys are relative to the run's prefix (``docs/format.md`` §2)::
+
+    objects/<version:012d>/anchor-r<rank:05d>-of<world:05d>.safetensors
+    objects/<version:012d>/delta-r<rank:05d>-of<world:05d>.safetensors
+    versions/<version:012d>.json      # the manifest, written last, immutable
+    LATEST                            # advisory pointer to the newest version
+
+A version exists for readers exactly when its manifest key exists (:mod:`torch_deltasync.manifest`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+LATEST_KEY = "LATEST"
+VERSIONS_DIR = "versions"
+OBJECTS_DIR = "objects"
+#: Largest version number (fits the 12-digit key field).
+MAX_VERSION = 10**12 - 1
+
+Kind = Literal["anchor", "delta"]
+_MANIFEST_RE = re.compile(r"versions/([0-9]{12})\.json")
+_OBJECT_RE = re.compile(r"objects/([0-9]{12})/(anchor|delta)-r([0-9]{5})-of([0-9]{5})\.safetensors")
+
+
+def object_key(version: int, kind: Kind, rank: int = 0, world: int = 1) -> str:
+    """Key of one rank's object of a version, relative to the run prefix."""
+    return f"objects/{version:012d}/{kind}-r{rank:05d}-of{world:05d}.safetensors"
+
+
+def manifest_key(version: int) -> str:
+    """Key of a version's manifest, relative to the run prefix."""
+    return f"{VERSIONS_DIR}/{version:012d}.json"
+
+
+def list_versions(store) -> list[int]:
+    """Every version whose manifest is visible in ``store`` (a run's prefix), ascending."""
+    return sorted(v for v in (parse_manifest_key(k) for k in store.list(VERSIONS_DIR)) if v is not None)
+
+
+def next_free_version(store) -> int:
+    """The first version number nothing in ``store`` uses yet: after the newest manifest and after
+    any objects a crashed or concurrent writer left without a manifest."""
+    used = list_versions(store)
+    for key in store.list(OBJECTS_DIR):
+        parsed = parse_object_key(key)
+        if parsed is not None:
+            used.append(parsed[0])
+    return max(used) + 1 if used else 0
+
+
+def parse_manifest_key(key: str) -> int | None:
+    """The version named by a manifest key, or ``None`` for any other key."""
+    m = _MANIFEST_RE.fullmatch(key)
+    return int(m.group(1)) if m else None
+
+
+def parse_object_key(key: str) -> tuple[int, Kind, int, int] | None:
+    """``(version, kind, rank, world)`` named by an object key, or ``None`` for any other key."""
+    m = _OBJECT_RE.fullmatch(key)
+    return (int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))) if m else None

@@ -1,0 +1,118 @@
+"""Rank 0's half of a publish: the manifest, written last, then the advisory ``LATEST`` pointer.
+
+Objects and manifests are immutable (:func:`put_once`); the manifest names every object with its
+size and sha256, so a version is visible exactly when its manifest is (``docs/design.md``,
+invariants 1-3). A version number another writer already used is never overwritten: the outcome
+says where to continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ..checksum import combine
+from ..errors import ObjectExistsError
+from ..keys import LATEST_KEY, manifest_key, next_free_version
+from ..manifest import Manifest, ObjectEntry, TensorEntry
+from ..store import Store
+from ._job import Job
+
+log = logging.getLogger("torch_deltasync.sender")
+
+
+def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, dtype: torch.dtype,
+                   run_id: str, world: int) -> dict[str, Any]:
+    """Combine the per-rank metadata ``gathered`` of ``job`` and create its manifest (never replacing one).
+
+    Args:
+        store: the sender's store (prefix applied).
+        job: the publish, as rank 0 sees it (sources, version, kind, stats).
+        gathered: one record per rank: ``{"ok": True, "objects": [ObjectEntry json], "partials":
+            {name: partial checksum}, "counts": {name: changed elements}}`` or ``{"ok": False,
+            "error": str, "taken"?: True}``.
+        codec, dtype, run_id, world: recorded in the manifest.
+
+    Returns:
+        The outcome rank 0 broadcasts: ``{"ok": True, "nbytes", "changed", "anchor_nbytes",
+        "delta_nbytes"}``, or ``{"ok": False, "error"}`` (plus ``"next_version"`` when another writer
+        already uses this version number: continue after it, with an anchor). Never raises.
+    """
+    if any(r.get("taken") for r in gathered):
+        return taken(store, job.version)
+    errors = [r["error"] for r in gathered if not r["ok"]]
+    if errors:
+        return {"ok": False, "error": "; ".join(errors)}
+    try:
+        objects = [ObjectEntry(**o) for r in gathered for o in r["objects"]]
+        partials: dict[str, list[int]] = {}
+        counts: dict[str, int] = {}
+        for r in gathered:
+            for name, p in r["partials"].items():
+                partials.setdefault(name, []).append(p)
+            for name, c in r["counts"].items():
+                counts[name] = counts.get(name, 0) + c
+        tensors = tuple(
+            TensorEntry(s.name, s.slice.global_shape, combine(*partials[s.name]), counts.get(s.name, 0))
+            for s in job.sources
+        )
+        manifest = Manifest(
+            version=job.version, kind=job.kind, base_version=job.base_version,
+            anchor_version=job.anchor_version, codec=codec, inference_dtype=dtype,
+            run_id=run_id, tensors=tensors, objects=tuple(objects), aliases=dict(job.aliases),
+            stats={"changed": sum(counts.values()), "numel": job.stats.numel,
+                   "objects_nbytes": sum(o.nbytes for o in objects), "world": world},
+            created_at=time.time(),
+        )
+        data = manifest.to_json()
+        try:
+            put_once(store, manifest_key(job.version), data)  # manifests are immutable
+        except ObjectExistsError:
+            return taken(store, job.version)
+    except Exception as e:  # noqa: BLE001 - reported to every rank through the outcome
+        return {"ok": False, "error": f"rank 0 manifest: {type(e).__name__}: {e}"}
+    return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values()),
+            "anchor_nbytes": manifest.anchor_nbytes, "delta_nbytes": manifest.delta_nbytes}
+
+
+def put_once(store: Store, key: str, data: bytes) -> None:
+    """Create ``key``; never replace an existing object (a retry of our own put that succeeded
+    before its reply was lost finds our own bytes there, which is fine).
+
+    Raises:
+        ObjectExistsError: another writer's object holds the key.
+    """
+    try:
+        store.put_new(key, data)
+    except ObjectExistsError:
+        if store.get(key) != data:
+            raise
+
+
+def taken(store: Store, version: int) -> dict[str, Any]:
+    """The outcome when another writer uses ``version``: skip past everything it wrote."""
+    return {"ok": False, "next_version": next_free_version(store),
+            "error": f"another writer already uses version {version} on {store.describe()}; "
+                     "two writers must not share a prefix. This sender continues after the newest "
+                     "version, with an anchor"}
+
+
+def write_latest(store: Store, version: int) -> bool:
+    """Point ``LATEST`` at ``version``; ``False`` if it could not be written.
+
+    ``LATEST`` is advisory: if it cannot be written it is removed, so that readers list
+    ``versions/`` rather than trust a stale pointer; the caller tries again later.
+    """
+    try:
+        store.put(LATEST_KEY, str(version).encode())
+        return True
+    except Exception as e:  # noqa: BLE001 - receivers fall back to listing
+        log.warning("could not update LATEST to %d: %s", version, e)
+        try:
+            store.delete(LATEST_KEY)
+        except Exception:  # noqa: BLE001
+            pass
+        return False

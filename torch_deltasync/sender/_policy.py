@@ -1,0 +1,48 @@
+"""``AnchorPolicy``: when a version is an anchor (full weights) instead of a delta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnchorPolicy:
+    """When a version is an anchor (full weights) instead of a delta.
+
+    The first version of a sender is always an anchor, and so is the first one after a failed
+    anchor. Otherwise a version is an anchor when either rule fires.
+    """
+
+    every: int | None = 10
+    """Anchor when ``version - last_anchor >= every`` (versions). ``None`` or ``0``: never by cadence."""
+
+    chain_ratio: float | None = None
+    """Anchor when the bytes of the delta objects published since the last anchor reach
+    ``chain_ratio`` times that anchor's bytes (e.g. ``1.0``: a fresh receiver never downloads more than about two
+    anchors' worth). ``None``: off."""
+
+    max_delta_ratio: float | None = None
+    """Decided per version, after change detection: publish a full anchor *without* a delta when this
+    version's delta, as the sender's codec encodes it (the bytes of its encoded tensors), would take at
+    least ``max_delta_ratio`` times the bytes of a full copy in the inference dtype (e.g. ``1.0``:
+    never ship a delta larger than the weights; with the ``raw`` codec, 4 + 2 bytes per changed bf16
+    element, that is about 1/3 density). An anchor due by ``every`` / ``chain_ratio`` then drops the
+    delta it would carry, too. The delta is then encoded in ``publish()`` itself (also
+    with ``background=True``; the upload stays in the background). Dense updates are the norm for
+    LoRA adapters (``docs/lora.md``). With several ranks, one rank over the ratio makes the version
+    an anchor on all. ``None``: off."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None and (type(self.every) is not int):
+            raise TypeError(f"AnchorPolicy.every must be an int or None, got {self.every!r}")
+        if self.every is not None and self.every < 0:
+            raise ValueError(f"AnchorPolicy.every must be >= 0 or None, got {self.every}")
+        if self.chain_ratio is not None and not self.chain_ratio > 0:
+            raise ValueError(f"AnchorPolicy.chain_ratio must be > 0 or None, got {self.chain_ratio}")
+        if self.max_delta_ratio is not None and not self.max_delta_ratio > 0:
+            raise ValueError(f"AnchorPolicy.max_delta_ratio must be > 0 or None, got {self.max_delta_ratio}")
+
+    def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
+        if self.every and version - last_anchor >= self.every:
+            return True
+        return bool(self.chain_ratio and anchor_nbytes and chain_nbytes >= self.chain_ratio * anchor_nbytes)
