@@ -493,11 +493,12 @@ class DeltaSender:
     def _delta_parts(self, job: Job) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's changed tensors of ``job``, encoded by the codec: ``{name: {part: tensor}}``."""
         if job.delta_parts is None:
-            job.delta_parts = {
-                s.name: self.codec.encode(job.global_positions[s.name], job.changes[s.name].values,
-                                          job.changes[s.name].old_values, numel=s.slice.global_numel)
-                for s in job.sources if s.upload and job.counts.get(s.name)
-            }
+            changed = [s for s in job.sources if s.upload and job.counts.get(s.name)]
+            # the tensors on a thread pool (largest first): the compiled kernels and zstd release the GIL
+            encoded = self.codec.encode_many([(job.global_positions[s.name], job.changes[s.name].values,
+                                               job.changes[s.name].old_values, s.slice.global_numel)
+                                              for s in changed])
+            job.delta_parts = {s.name: parts for s, parts in zip(changed, encoded)}
         return job.delta_parts
 
     def _encode_delta(self, job: Job) -> bytes:
