@@ -324,6 +324,58 @@ def thread_scaling(cs: ChangeSet, trials: int) -> dict:
     return out
 
 
+def gil_free_share(cs: ChangeSet) -> dict:
+    """Share of one thread's CPU time that ``packed`` encode / decode+resolve spend outside the GIL
+    (in the compiled kernels and in zstd), measured with ``time.thread_time`` around those calls
+    in a one-thread run: unlike a wall-time speedup, it does not depend on what else runs on the
+    machine. With a share ``f`` spread over 2 threads, Amdahl's law bounds the speedup by
+    ``1 / ((1 - f) + f / 2)`` (the GIL-held Python of all tensors runs one thread at a time);
+    the largest tensor's share of the changes bounds it too (a tensor is not split). Torch and
+    numpy calls outside the kernels count as GIL-held here although many release it, so the bound
+    is conservative."""
+    from torch_deltasync.codecs import _base, _packed
+
+    codec = get_codec("packed")
+    items = [(pos, new, old, numel) for pos, old, new, numel in cs.values() if pos.numel()]
+    spent = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.thread_time() - t
+        return wrapper
+
+    kernels = {n: f for n, f in vars(_native).items() if hasattr(f, "py_func") or isinstance(f, _native._Deferred)}
+    patched = [(_native, n, f) for n, f in kernels.items()]
+    patched += [(_packed, "pack_stream", _packed.pack_stream), (_packed, "unpack_stream", _packed.unpack_stream)]
+    parts = codec.encode_many(items, threads=1)
+    dec_items = [(p, numel, pos.numel(), torch.bfloat16) for p, (pos, _, _, numel) in zip(parts, items)]
+    for d, (_, _, old, _) in zip(codec.decode_many(dec_items, threads=1), items):  # load every kernel first
+        d.resolve(old) if d.needs_base else d.values
+    out = {}
+    try:
+        for mod, n, f in patched:
+            setattr(mod, n, timed(f))
+        for what, fn in (("encode", lambda: codec.encode_many(items, threads=1)),
+                         ("decode", lambda: [d.resolve(old) if d.needs_base else d.values for d, (_, _, old, _)
+                                             in zip(codec.decode_many(dec_items, threads=1), items)])):
+            spent[0] = 0.0
+            t = time.thread_time()
+            fn()
+            f = spent[0] / (time.thread_time() - t)
+            out[f"{what}_gil_free"] = f
+            out[f"{what}_2threads_bound"] = 1 / ((1 - f) + f / 2)
+    finally:
+        for mod, n, f in patched:
+            setattr(mod, n, f)
+    k = [pos.numel() for pos, _, _, _ in items]
+    out["largest_tensor_share"] = max(k) / sum(k)
+    return out
+
+
 def full_sync_cpu_ns(numel: int = 1 << 25) -> float:
     """CPU per element of a full bf16 snapshot sync, ns: the sender casts fp32 to bf16 and hashes
     the bytes (sha256), the receiver hashes them and copies them into its weights."""
@@ -484,6 +536,7 @@ def main() -> int:
             "encode_over_copy": med(r["encode_s_1"] / r["copy_s"] for r in pr),
             "decode_over_copy": med(r["decode_s_1"] / r["copy_s"] for r in pr),
             **thread_scaling(cs, args.scaling_trials),
+            **gil_free_share(cs),
             "spec_encode_ns": spec["reps"][0]["encode_s_1"] / k * 1e9,
             "spec_decode_ns": spec["reps"][0]["decode_s_1"] / k * 1e9,
             "raw_encode_ns": med(r["encode_s_1"] for r in raw["reps"]) / k * 1e9,
@@ -520,6 +573,16 @@ def main() -> int:
               f"{r['decode_2threads_speedup']:.2f}x | {r['load_avg'][0]:.1f} / {r['load_avg'][1]:.1f} | {r['spec_encode_ns']:.1f} | {r['spec_decode_ns']:.1f} | "
               f"{r['raw_encode_ns']:.1f} | {r['raw_decode_ns']:.1f} | {r['u16_zstd_encode_ns']:.1f} | "
               f"{r['u16_zstd_decode_ns']:.1f} |")
+    print("\n2 threads over the tensors, independent of the load: share of one thread's CPU time outside the "
+          "GIL (kernels, zstd) and the Amdahl bound it sets on a 2-core machine with nothing else running\n")
+    print("| change set | tensors' largest share of changes | encode: outside the GIL | 2-thread bound | "
+          "decode+resolve: outside the GIL | 2-thread bound | measured here: enc | dec | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['set']} | {r['largest_tensor_share']:.1%} | {r['encode_gil_free']:.1%} | "
+              f"{r['encode_2threads_bound']:.2f}x | {r['decode_gil_free']:.1%} | {r['decode_2threads_bound']:.2f}x | "
+              f"{r['encode_2threads_speedup']:.2f}x | {r['decode_2threads_speedup']:.2f}x | "
+              f"{r['load_avg'][0]:.1f} / {r['load_avg'][1]:.1f} |")
     fit = per_tensor_fit(copy, args.repeat)
     print(f"\nper tensor + per change (one tensor at a time, 10K-10M elements at 2%): encode {fit['encode_fixed_us']:.0f} us + "
           f"{fit['encode_marginal_ns']:.2f} ns/change ({fit['encode_marginal_over_copy']:.1f}x the DRAM copy of "
