@@ -17,7 +17,7 @@ random tokens) it measures, in one run on the same machine:
   publish + update over the baseline's publish + update;
 * **apply per change**: the receiver's in-place write alone (``target.write`` of the staged
   changes, a ``ModuleTarget`` on a bf16 replica) in ns per changed element, and over a plain
-  ``index_copy_`` of the same changes into a scratch tensor of each tensor's size (CPU time);
+  ``index_copy_`` of the same changes into the same tensors (CPU time);
 * **memory**: extra peak RSS of ``publish()`` and of ``update()`` / model bytes in bf16, for the
   anchor and for steady-state deltas (peak RSS reset through ``/proc/self/clear_refs``).
 
@@ -139,14 +139,13 @@ class FullSnapshotSync:
 def apply_vs_index_copy(target, sparse: dict, device: str, repeat: int = 3) -> tuple[float, float, int]:
     """``(apply_s, index_copy_s, changes)``: the receiver's apply step alone (``target.write`` of
     every staged tensor: positions -> live parameter, as ``commit()`` does) against a plain
-    ``index_copy_`` of the same positions and values into a scratch tensor of the same size (the
-    floor of a sparse write), best of ``repeat`` CPU-time runs each (the writes are idempotent:
-    the same values again)."""
+    ``index_copy_`` of the same positions and values into the same live tensors (the floor of a
+    sparse write into that memory), best of ``repeat`` CPU-time runs each (the writes are
+    idempotent: the same values again)."""
     items = [(n, p, v) for n, (p, v) in sparse.items() if p.numel()]
     if not items:
         return 0.0, 0.0, 0
-    sizes = {n: t.numel() for n, t in target.tensors.items()}
-    scratch = torch.zeros(max(sizes.values()), dtype=items[0][2].dtype, device=device)
+    live = target.tensors  # the replica's tensors (bf16 here: the inference dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = time.perf_counter if device.startswith("cuda") else time.process_time
 
@@ -156,8 +155,9 @@ def apply_vs_index_copy(target, sparse: dict, device: str, repeat: int = 3) -> t
         sync()
 
     def index_copy():
-        for n, p, v in items:
-            scratch[: sizes[n]].index_copy_(0, p, v)
+        with torch.no_grad():
+            for n, p, v in items:
+                live[n].view(-1).index_copy_(0, p, v)
         sync()
 
     return (_timed(apply, repeat, clock), _timed(index_copy, repeat, clock), sum(p.numel() for _, p, _ in items))
