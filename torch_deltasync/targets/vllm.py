@@ -142,7 +142,7 @@ class _Place:
     counted: bool
     pad_rows: tuple[int, int] | None = None
     affine: tuple[int, int, int] | None = None
-    grid: tuple | None = None
+    grid: tuple | None = field(default=None, compare=False)  # numpy arrays: no == or hash
 
     def held_numel(self, shape: tuple[int, ...]) -> int:
         """Elements of the HF tensor held by this placement."""
@@ -349,11 +349,11 @@ class VLLMTarget(Target):
             return False
         pos = positions.contiguous()
         pos_np, vals = pos.numpy(), _native.np_bits(values.contiguous())
+        pmin, pmax = (int(x) for x in torch.aminmax(pos))
         offsets = []
         for p in places:  # validate every place before the first write
             if p.affine is not None:
                 lo, hi, offset = p.affine
-                pmin, pmax = (int(x) for x in torch.aminmax(pos))
                 if pmin < lo or pmax >= hi:
                     self._owned_local(e, p, positions)  # raises the specific error
                     raise AssertionError("unreachable")  # pragma: no cover
