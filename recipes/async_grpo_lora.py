@@ -175,8 +175,8 @@ def run_worker(args) -> int:
     from peft import get_peft_model
 
     from torch_deltasync.errors import RolloutServiceError, ServiceClosedError
-    from torch_deltasync.integrations.rollout_service import RolloutClient
-    from torch_deltasync.lora import AdapterReceiver, read_adapter_config
+    from torch_deltasync.integrations.rollout import RolloutClient
+    from torch_deltasync.integrations.peft import AdapterReceiver, read_adapter_config
     from torch_deltasync.store import open_store
 
     torch.set_num_threads(1)
@@ -273,8 +273,8 @@ def grpo_loss(model, td, clip_low: float, clip_high: float, temperature: float):
 def run_trainer(args, service_url: str, token: str | None, workers: list | None = None) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from torch_deltasync.integrations.rollout_service import RolloutClient, collate_episodes
-    from torch_deltasync.lora import AdapterSender, adapter_state_dict, materialize_adapter
+    from torch_deltasync.integrations.rollout import RolloutClient, collate_episodes
+    from torch_deltasync.integrations.peft import AdapterSender, adapter_state_dict, materialize_adapter
     from torch_deltasync.store import open_store
 
     torch.manual_seed(args.seed)
@@ -431,7 +431,7 @@ def _plot(run_dir: Path, rows: list[dict], summary: dict) -> None:
 
 
 def _token(args) -> str | None:
-    from torch_deltasync.integrations.rollout_service import read_token
+    from torch_deltasync.integrations.rollout import read_token
 
     return read_token(getattr(args, "token_file", None))
 
@@ -445,7 +445,7 @@ def _worker_cmd(args, url: str, i: int) -> list[str]:
 
 def run_all(args) -> dict:
     """Service thread + trainer here, ``--workers`` rollout worker processes."""
-    from torch_deltasync.integrations.rollout_service import RolloutServiceConfig, start_service
+    from torch_deltasync.integrations.rollout import RolloutServiceConfig, start_service
 
     run_dir = Path(args.run_dir)
     if args.store is None:

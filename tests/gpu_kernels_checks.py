@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import torch
 
-from torch_deltasync import ChangeDetector, _gpu, _native, get_codec
+from torch_deltasync import _gpu, _native, get_codec
+from torch_deltasync.detect import ChangeDetector
 from torch_deltasync._dtypes import bits
 
 

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_deltasync import CorruptObjectError, get_codec
+from torch_deltasync import get_codec
+from torch_deltasync.errors import CorruptObjectError
 from torch_deltasync.codecs import codec_names
 
 RAW = get_codec("raw")

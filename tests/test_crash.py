@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from torch_deltasync import DeltaReceiver, DeltaSender, VersionNotFoundError, open_store
+from torch_deltasync import DeltaReceiver, DeltaSender, open_store
+from torch_deltasync.errors import VersionNotFoundError
 from torch_deltasync.keys import list_versions
 from torch_deltasync.manifest import load_manifest
 

@@ -20,7 +20,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torch_deltasync import TensorSlice, UnsupportedLayoutError
+from torch_deltasync.errors import UnsupportedLayoutError
+from torch_deltasync.layout import TensorSlice
 from torch_deltasync.dtensor import _decide_uploads, anchor_parts, block_of
 from torch_deltasync.layout import TensorBlock
 

@@ -9,8 +9,8 @@ import re
 import threading
 import time
 
-from torch_deltasync import (CorruptObjectError, DeltaReceiver, DeltaSender, DeltaSyncError, LocalStore, PublishError,
-                             RetentionPolicy, RetryPolicy, StoreError, VersionNotFoundError)
+from torch_deltasync import DeltaReceiver, DeltaSender, DeltaSyncError, LocalStore, RetentionPolicy, RetryPolicy
+from torch_deltasync.errors import CorruptObjectError, PublishError, StoreError, VersionNotFoundError
 from torch_deltasync.keys import manifest_key
 from torch_deltasync.store import RetryingStore
 from torch_deltasync.store.faults import FaultyStore

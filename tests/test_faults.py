@@ -11,10 +11,8 @@ from helpers import PassThroughStore, make_mlp, train_step
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from torch_deltasync import (
-    ChecksumMismatchError, CorruptObjectError, DeltaReceiver, DeltaSender, IncompatibleTargetError,
-    PublishError, StoreError, VersionNotFoundError,
-)
+from torch_deltasync import DeltaReceiver, DeltaSender
+from torch_deltasync.errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError, PublishError, StoreError, VersionNotFoundError
 from torch_deltasync.format import read_header, sha256_hex
 from torch_deltasync.keys import manifest_key
 from torch_deltasync.manifest import seal_manifest

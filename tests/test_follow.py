@@ -11,7 +11,8 @@ import torch
 
 from helpers import PassThroughStore
 
-from torch_deltasync import DeltaSender, LocalStore, TransientStoreError, VersionNotFoundError
+from torch_deltasync import DeltaSender, LocalStore
+from torch_deltasync.errors import TransientStoreError, VersionNotFoundError
 from torch_deltasync.cli import main
 from torch_deltasync.follow import follow
 from torch_deltasync.manifest import load_manifest
@@ -151,3 +152,32 @@ def test_follow_rides_out_store_outages(tmp_path):
     assert printed.count("store unavailable (TransientStoreError:") == 3 and "HTTP 503 SlowDown" in printed
     assert printed.count("store available again") == 3
     assert first_difference(report.model, {n: t.to(torch.bfloat16) for n, t in w.items()}) is None
+
+
+def test_wait_for_newer_returns_what_the_receiver_does_not_hold(tmp_path):
+    """The shared polling loop: a version newer than the held one is returned; a held or skipped one
+    is not (``idle_timeout_s=0`` polls once); a set ``stop`` ends the wait; a read's ``None`` counts
+    as nothing visible."""
+    import threading
+
+    from torch_deltasync import DeltaReceiver
+    from torch_deltasync.follow import wait_for_newer
+
+    store = LocalStore(tmp_path)
+    w = _weights()
+    sender = DeltaSender(w, store, anchor_every=100)
+    receiver = DeltaReceiver({n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in w.items()}, store)
+    assert wait_for_newer(receiver, poll_s=0.01, idle_timeout_s=0) is None  # nothing published
+    sender.publish()
+    assert wait_for_newer(receiver, poll_s=0.01, idle_timeout_s=0) == 0
+    assert wait_for_newer(receiver, poll_s=0.01, idle_timeout_s=0, skip={0}.__contains__) is None
+    assert wait_for_newer(receiver, poll_s=0.01, idle_timeout_s=0, read=lambda: None) is None
+    receiver.update()
+    assert wait_for_newer(receiver, poll_s=0.01, idle_timeout_s=0) is None  # version 0 is held
+    stop = threading.Event()
+    stop.set()
+    assert wait_for_newer(receiver, poll_s=3600, stop=stop) is None  # no idle bound: only stop ends it
+    _step(w, 1)
+    sender.publish()
+    assert wait_for_newer(receiver, poll_s=3600, stop=stop) == 1  # a newer version wins over stop
+    receiver.close()

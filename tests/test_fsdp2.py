@@ -434,7 +434,8 @@ def _refusals(rank: int, world: int, bucket: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from torch_deltasync import DeltaSender, LocalStore, UnsupportedLayoutError
+    from torch_deltasync import DeltaSender, LocalStore
+    from torch_deltasync.errors import UnsupportedLayoutError
 
     store = LocalStore(bucket)
     out = {}
@@ -486,7 +487,8 @@ def test_refused_layouts_fail_on_every_rank(tmp_path):
 
 def _flaky_store(root: str):
     """A LocalStore whose next ``put`` of a key containing ``fail_on`` raises (once)."""
-    from torch_deltasync import LocalStore, StoreError
+    from torch_deltasync import LocalStore
+    from torch_deltasync.errors import StoreError
 
     class FlakyStore(LocalStore):
         fail_on: str | None = None
@@ -526,7 +528,8 @@ def _fail_detect_once(sender) -> None:
 def _failures(rank: int, world: int, bucket: str) -> dict:
     import torch.distributed as dist
 
-    from torch_deltasync import DeltaReceiver, DeltaSender, PublishError
+    from torch_deltasync import DeltaReceiver, DeltaSender
+    from torch_deltasync.errors import PublishError
     from torch_deltasync.keys import list_versions
     from torch_deltasync.testing import first_difference
 
@@ -697,7 +700,8 @@ def test_qwen3_many_versions_in_the_background(world, tmp_path):
 def _dense_on_one_rank(rank: int, world: int, bucket: str) -> dict:
     """``AnchorPolicy.max_delta_ratio`` with shards: one rank's dense shard makes the version an
     anchor (without a delta) on every rank; a rank failing detection with the rule on hangs nobody."""
-    from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore, PublishError
+    from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore
+    from torch_deltasync.errors import PublishError
     from torch_deltasync.keys import list_versions
     from torch_deltasync.manifest import load_manifest
     from torch_deltasync.testing import first_difference

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from torch_deltasync import CorruptObjectError, TensorSlice
+from torch_deltasync.errors import CorruptObjectError
+from torch_deltasync.layout import TensorSlice
 
 CASES = [
     # (global shape, offsets, shape, why)

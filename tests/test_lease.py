@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, PrefixInUseError
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync.errors import PrefixInUseError
 from torch_deltasync._ranks import run_ranks
 from torch_deltasync.lease import OWNER_KEY, PrefixLease, read_owner
 from torch_deltasync.keys import list_versions

@@ -1,4 +1,4 @@
-"""LoRA adapter sync (``torch_deltasync/lora.py``): only the adapter travels, in PEFT's names and
+"""LoRA adapter sync (``torch_deltasync/integrations/peft.py``): only the adapter travels, in PEFT's names and
 shapes; versions round-trip bit-exactly into a receiver PEFT model; a materialised version is what
 ``PeftModel.from_pretrained`` and vLLM's own LoRA loader read; the adapter config is validated."""
 
@@ -16,7 +16,7 @@ from safetensors import safe_open  # noqa: E402
 from helpers import delta_payloads  # noqa: E402
 from torch_deltasync import DeltaSender, LocalStore  # noqa: E402
 from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, VersionNotFoundError  # noqa: E402
-from torch_deltasync.lora import (  # noqa: E402
+from torch_deltasync.integrations.peft import (  # noqa: E402
     ADAPTER_CONFIG_KEY,
     AdapterReceiver,
     AdapterSender,

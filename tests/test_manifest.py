@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from torch_deltasync import CorruptObjectError, Manifest
+from torch_deltasync import Manifest
+from torch_deltasync.errors import CorruptObjectError
 from torch_deltasync.keys import manifest_key, object_key, parse_manifest_key
 from torch_deltasync.manifest import ObjectEntry, TensorEntry, seal_manifest
 

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from helpers import make_mlp, train_step
-from torch_deltasync import (
-    AnchorPolicy, ChecksumMismatchError, DeltaReceiver, DeltaSender, IncompatibleTargetError, LocalStore, ModuleTarget,
-)
+from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore, ModuleTarget
+from torch_deltasync.errors import ChecksumMismatchError, IncompatibleTargetError
 
 
 def bf16_bits(model_or_sd) -> dict[str, torch.Tensor]:
@@ -172,3 +171,72 @@ def test_a_non_persistent_integer_buffer_is_not_state(store):
     DeltaSender(trainer, store).publish()
     receiver = DeltaReceiver(replica, store)
     assert receiver.update() == 0 and same(bf16_bits(replica), bf16_bits(trainer))
+
+
+class _DuckTarget:
+    """A target that does not subclass ``Target``: every member delegates to a ``ModuleTarget``, and
+    every write is recorded."""
+
+    holds_all = True
+
+    def __init__(self, module):
+        self._inner = ModuleTarget(module)
+        self.writes: list[str] = []
+
+    def check(self, shapes, aliases, dtype):
+        self._inner.check(shapes, aliases, dtype)
+
+    def read(self, name, positions, dtype):
+        return self._inner.read(name, positions, dtype)
+
+    def owned(self, name, positions):
+        return self._inner.owned(name, positions)
+
+    def write(self, name, positions, values):
+        self.writes.append(name)
+        self._inner.write(name, positions, values)
+
+    def assign(self, name, full):
+        self.writes.append(name)
+        self._inner.assign(name, full)
+
+    def finish(self, written):
+        pass
+
+    def checksum(self, name, dtype):
+        return self._inner.checksum(name, dtype)
+
+
+def test_any_object_with_the_target_members_is_a_target(tmp_path):
+    """``Target`` is a protocol: a duck-typed target is used as is (not wrapped as a module) and
+    ends bit-identical to the trainer."""
+    from torch_deltasync import Target
+
+    run = Run(LocalStore(tmp_path / "b"), anchor_every=3)
+    replica = make_mlp(1)
+    duck = _DuckTarget(replica)
+    assert isinstance(duck, Target) and not isinstance(replica, Target)
+    receiver = DeltaReceiver(duck, run.sender.store)
+    assert receiver.target is duck
+    for _ in range(4):
+        receiver.update(run.step())
+    assert duck.writes and same(bf16_bits(replica), bf16_bits(run.trainer))
+    receiver.verify()
+
+
+def test_a_packed_delta_reads_each_changed_tensor_once(tmp_path):
+    """Relative steps need the old values and so does the checksum check: one read serves both."""
+    run = Run(LocalStore(tmp_path / "b"), anchor_every=10)  # packed: steps on the old values
+    replica = make_mlp(1)
+    duck = _DuckTarget(replica)
+    reads: list[str] = []
+    inner_read = duck.read
+    duck.read = lambda name, positions, dtype: reads.append(name) or inner_read(name, positions, dtype)
+    receiver = DeltaReceiver(duck, run.sender.store)
+    receiver.update(run.step())  # the anchor
+    reads.clear()
+    v = run.step()
+    changed = [t.name for t in receiver.manifest(v).tensors if t.changed]
+    receiver.update(v)
+    assert changed and sorted(reads) == sorted(changed)
+    assert same(bf16_bits(replica), bf16_bits(run.trainer))

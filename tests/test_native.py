@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_packed import DTYPES, GOOD, _blob, make_change_set
 
-from torch_deltasync import ChangeDetector, ChecksumMismatchError, CorruptObjectError, _native, get_codec
+from torch_deltasync import _native, get_codec
+from torch_deltasync.detect import ChangeDetector
+from torch_deltasync.errors import ChecksumMismatchError, CorruptObjectError
 from torch_deltasync.codecs import _bits, _packed as packed_mod
 from torch_deltasync._dtypes import bits
 from torch_deltasync.checksum import checksum, checksum_change, tensor_checksum

@@ -14,14 +14,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torch_deltasync import (
-    ChecksumMismatchError,
-    CorruptObjectError,
-    DeltaReceiver,
-    DeltaSender,
-    LocalStore,
-    get_codec,
-)
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, get_codec
+from torch_deltasync.errors import ChecksumMismatchError, CorruptObjectError
 from torch_deltasync._dtypes import bits
 from torch_deltasync.codecs import TensorDelta
 from torch_deltasync.manifest import load_manifest, seal_manifest

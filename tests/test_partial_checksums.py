@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_deltasync import ChecksumMismatchError, DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync.errors import ChecksumMismatchError
 from torch_deltasync.checksum import check_partials, checksum, combine_partials, tensor_checksum
 from torch_deltasync.testing import first_difference
 

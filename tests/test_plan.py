@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from torch_deltasync import CorruptObjectError, DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync.errors import CorruptObjectError
 from torch_deltasync.keys import list_versions, manifest_key
 from torch_deltasync.manifest import Manifest, load_manifest
 
@@ -156,6 +157,27 @@ def test_a_reused_version_number_of_another_run_is_not_a_delta_base(tmp_path):
     assert receiver.update() == 7
     assert receiver.last_stats.recovered is False  # planned right, not repaired after a checksum failure
     assert_holds(target, b, 7)
+
+
+def test_an_assumed_version_of_another_run_is_not_a_delta_base(tmp_path):
+    """``assume()`` records the run of the version it assumes, as an update does: after the prefix
+    was wiped and a new run reused the number, the assumed state is crossed by an anchor."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    a = StepModel(seed=32)
+    sender_a = DeltaSender(a.tensors, store, anchor_every=100)
+    publish(store, a, range(4), sender_a)
+    target = empty_target(a.shapes)
+    DeltaReceiver(target, store).update(3)  # the target now holds run A's v3 ...
+    receiver = DeltaReceiver(target, store)
+    receiver.assume(3)  # ... and a fresh receiver is told so
+    sender_a.close()
+    store.delete_many(store.list(""))
+    b = StepModel(seed=33)
+    publish(store, b, range(6), DeltaSender(b.tensors, store, anchor_every=100))
+    plan = receiver.plan()
+    assert plan.path == "anchor" and "belongs to run" in plan.steps[0].reason
+    assert receiver.update() == 5 and receiver.last_stats.recovered is False
+    assert_holds(target, b, 5)
 
 
 def rewrite_run_id(store, version: int, run_id: str) -> None:

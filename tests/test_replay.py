@@ -1,4 +1,4 @@
-"""``integrations/replay.py``: the shared use-once, oldest-version-first sampler with a staleness gate
+"""``integrations/torchrl/_replay.py``: the shared use-once, oldest-version-first sampler with a staleness gate
 (``StalenessGatedSampler``), through real torchrl replay buffers. Each behaviour runs on the three
 ways versions reach the sampler: a ``TensorStorage`` column (the async GRPO recipe), a side tensor
 and a callable over a ``ListStorage`` of ragged episodes (the rollout service)."""
@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import ConsumingSampler, LazyTensorStorage, ListStorage, ReplayBuffer
 
-from torch_deltasync.integrations.replay import StalenessGatedSampler
+from torch_deltasync.integrations.torchrl import StalenessGatedSampler
 
 KINDS = ["tensor_storage", "list_tensor", "list_callable"]
 

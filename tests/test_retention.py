@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from torch_deltasync import (DeltaReceiver, DeltaSender, LocalStore, PublishError, RetentionPolicy, StoreError,
-                             VersionNotFoundError, collect_garbage)
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, RetentionPolicy, collect_garbage
+from torch_deltasync.errors import PublishError, StoreError, VersionNotFoundError
 from torch_deltasync.cli import main as cli_main
 from torch_deltasync.keys import list_versions, manifest_key
 from torch_deltasync.manifest import load_manifest, seal_manifest

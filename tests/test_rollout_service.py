@@ -1,4 +1,4 @@
-"""The HTTP rollout service (``integrations/rollout_service.py``): validation, auth, back-pressure,
+"""The HTTP rollout service (``integrations/rollout/``): validation, auth, back-pressure,
 staleness and exact accounting, over real HTTP (uvicorn on loopback, httpx clients)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from torch_deltasync.errors import EpisodeError, RolloutServiceError, ServiceClosedError
-from torch_deltasync.integrations.rollout_service import (
+from torch_deltasync.integrations.rollout import (
     BufferFull,
     EpisodeBuffer,
     RolloutClient,

@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 
-from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, PublishError
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync.errors import PublishError
 from torch_deltasync.keys import list_versions
 from torch_deltasync.testing import first_difference
 

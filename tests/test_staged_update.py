@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import make_mlp, train_step
 
-from torch_deltasync import DeltaReceiver, DeltaSender, StaleUpdateError
+from torch_deltasync import DeltaReceiver, DeltaSender
+from torch_deltasync.errors import StaleUpdateError
 from torch_deltasync.testing import first_difference, state_bits
 
 

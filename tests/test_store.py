@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from torch_deltasync import CorruptObjectError, LocalStore, ObjectNotFoundError, open_store
+from torch_deltasync import LocalStore, open_store
+from torch_deltasync.errors import CorruptObjectError, ObjectNotFoundError
 from torch_deltasync.store.base import check_key
 
 BAD_KEYS = [
@@ -87,7 +88,7 @@ def test_readers_do_not_create_folders_and_deletes_prune_empty_ones(tmp_path):
 
 
 def test_put_new_never_replaces(any_store):
-    from torch_deltasync import ObjectExistsError
+    from torch_deltasync.errors import ObjectExistsError
 
     any_store.put_new("versions/000000000001.json", b"first")
     with pytest.raises(ObjectExistsError):
@@ -134,7 +135,7 @@ def _receiver(store):
 
 
 def test_a_missing_folder_reads_as_no_version_and_says_the_folder_does_not_exist(tmp_path):
-    from torch_deltasync import VersionNotFoundError
+    from torch_deltasync.errors import VersionNotFoundError
 
     missing = tmp_path / "no" / "such" / "bucket"
     with pytest.raises(VersionNotFoundError, match=rf"no version has been published yet: the folder {missing} does not exist"):
@@ -156,7 +157,7 @@ def test_a_missing_folder_reads_as_no_version_and_says_the_folder_does_not_exist
 def test_a_file_in_the_path_is_named_and_not_hidden_by_the_clean_up(tmp_path):
     """``put`` used to raise a bare NotADirectoryError about its own temporary file (the clean-up
     failing inside the error handler hid the real error)."""
-    from torch_deltasync import StoreError, StoreNotFoundError
+    from torch_deltasync.errors import StoreError, StoreNotFoundError
 
     (tmp_path / "afile").write_bytes(b"x")
     s = LocalStore(tmp_path / "afile" / "bucket")
@@ -182,7 +183,7 @@ def test_a_file_in_the_path_is_named_and_not_hidden_by_the_clean_up(tmp_path):
 def test_links_leading_outside_the_root_are_not_followed(tmp_path):
     import os
 
-    from torch_deltasync import StoreError
+    from torch_deltasync.errors import StoreError
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -238,7 +239,8 @@ def hangs(tmp_path):
 def test_a_store_call_that_never_returns_fails_at_its_deadline(hangs):
     import torch
 
-    from torch_deltasync import DeltaReceiver, DeltaSender, TransientStoreError
+    from torch_deltasync import DeltaReceiver, DeltaSender
+    from torch_deltasync.errors import TransientStoreError
     from torch_deltasync.store import DeadlineStore
 
     sender = DeltaSender({"w": torch.ones(3)}, hangs)

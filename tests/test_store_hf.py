@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from torch_deltasync import (DeltaReceiver, DeltaSender, ObjectNotFoundError, StoreError,
-                             TransientStoreError, open_store)
+from torch_deltasync import DeltaReceiver, DeltaSender, open_store
+from torch_deltasync.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from torch_deltasync.store import RetryPolicy
 from torch_deltasync.store._hf import parse_bucket_uri
 

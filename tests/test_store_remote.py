@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from torch_deltasync import LocalStore, ObjectNotFoundError, StoreError, TransientStoreError, open_store
+from torch_deltasync import LocalStore, open_store
+from torch_deltasync.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from torch_deltasync.errors import CorruptObjectError
 from torch_deltasync.store import RetryingStore, RetryPolicy
 from torch_deltasync.store.faults import FaultyStore
@@ -226,7 +227,8 @@ def test_a_bucket_that_does_not_exist_is_named_everywhere(s3, capsys):
     (``deltasync ls``) and "no version has been published yet" (receivers)."""
     import torch
 
-    from torch_deltasync import DeltaReceiver, DeltaSender, StoreNotFoundError
+    from torch_deltasync import DeltaReceiver, DeltaSender
+    from torch_deltasync.errors import StoreNotFoundError
     from torch_deltasync.cli import main
 
     uri = "s3://no-such-bucket/run"

@@ -9,9 +9,8 @@ import pytest
 import torch
 from helpers import make_mlp, train_step
 
-from torch_deltasync import (
-    AnchorPolicy, DeltaReceiver, DeltaSender, IncompatibleTargetError, LocalStore, VersionNotFoundError, open_store,
-)
+from torch_deltasync import AnchorPolicy, DeltaReceiver, DeltaSender, LocalStore, open_store
+from torch_deltasync.errors import IncompatibleTargetError, VersionNotFoundError
 from torch_deltasync.testing import adam_step, first_difference, state_bits, tiny_qwen3
 
 

@@ -37,7 +37,8 @@ from torchrl.data.replay_buffers.samplers import StalenessAwareSampler
 from torchrl.envs.custom.pendulum import PendulumEnv
 from torchrl.weight_update import WeightSyncScheme
 
-from torch_deltasync import LocalStore, SyncTimeoutError, WorkerError
+from torch_deltasync import LocalStore
+from torch_deltasync.errors import SyncTimeoutError, WorkerError
 from torch_deltasync.integrations.torchrl import DeltaVLLMWeightSender, DeltaWeightSyncScheme
 from torch_deltasync._dtypes import bits
 from torch_deltasync.store.base import Store
@@ -152,6 +153,18 @@ def test_backend_registered():
     assert s.anchor_policy.every == 5
     with pytest.raises(ValueError, match="on_worker_failure"):
         DeltaWeightSyncScheme("x", on_worker_failure="ignore")
+
+
+def test_sender_options_are_deltasenders():
+    """Options other than the scheme's go to the trainer's DeltaSender as they are; a keyword that is
+    neither the scheme's nor DeltaSender's is refused when the scheme is built, naming it."""
+    s = DeltaWeightSyncScheme("x", anchor_every=7, codec="raw", inference_dtype=torch.float32)
+    assert s.sender_options == {"anchor_every": 7, "codec": "raw", "inference_dtype": torch.float32}
+    assert s.anchor_policy.every == 7
+    with pytest.raises(TypeError, match=r"DeltaWeightSyncScheme got unexpected keyword argument\(s\) \['anchor_evry'\]"):
+        DeltaWeightSyncScheme("x", anchor_evry=7)
+    with pytest.raises(TypeError, match=r"DeltaVLLMWeightSender got unexpected keyword argument\(s\) \['group'\]"):
+        DeltaVLLMWeightSender("x", group=None)
 
 
 def test_pickles_without_live_state(tmp_path):
@@ -601,7 +614,7 @@ def test_a_dying_worker_cannot_silence_the_others(fork_start):
     """Regression: with one queue shared by all workers, a worker killed while its feeder thread held
     the queue's write lock silenced every other worker's acknowledgements for good (the sender then
     waited out ack_timeout_s). Each worker now has its own queue."""
-    from torch_deltasync.integrations.torchrl import _QueueAcks
+    from torch_deltasync.integrations.torchrl._acks import QueueAcks as _QueueAcks
 
     ctx = mp.get_context()
     acks = _QueueAcks(ctx, 2)
@@ -715,7 +728,7 @@ def test_llm_sender_with_replicated_engine(tmp_path):
     from torchrl.envs.llm.transforms import PolicyVersion
     from torchrl.trainers import UpdateWeights
 
-    from torch_deltasync import CorruptObjectError
+    from torch_deltasync.errors import CorruptObjectError
     from torch_deltasync.testing import adam_step
 
     class CorruptingStore(PassThroughStore):

@@ -1,4 +1,4 @@
-"""The client helpers (``integrations/vllm.py``) driving the real ``deltasync`` backend (CPU, no inference).
+"""The client helpers (``integrations/vllm/``) driving the real ``deltasync`` backend (CPU, no inference).
 
 Each engine is scripted (``vllm_scripted``): its workers are real vLLM 0.33 models built at their TP
 rank, each with a real ``DeltaSyncWeightTransferEngine`` made by vLLM's factory, so the backend code
@@ -19,7 +19,8 @@ import torch
 
 import vllm  # noqa: F401  the CPU oracle; tools/setup.sh installs it, so a missing wheel fails here
 
-from torch_deltasync import DeltaSender, DeltaSyncError, LocalStore, SyncTimeoutError, VersionNotFoundError
+from torch_deltasync import DeltaSender, DeltaSyncError, LocalStore
+from torch_deltasync.errors import SyncTimeoutError, VersionNotFoundError
 from torch_deltasync.integrations.vllm import (
     attach_async_llm,
     attach_llm,

@@ -1,4 +1,4 @@
-"""vLLM LoRA hot-swap client (``integrations/vllm_lora.py``) against fakes that record every call:
+"""vLLM LoRA hot-swap client (``integrations/vllm/_lora.py``) against fakes that record every call:
 offline ``LLM``, ``AsyncLLM`` and the HTTP server's ``/v1/load_lora_adapter`` routes. Each version
 is loaded under its own name and id from a folder holding exactly that version; old ones are
 unloaded; a refused load leaves the current version in place."""
@@ -18,13 +18,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from torch_deltasync.errors import DeltaSyncError  # noqa: E402
-from torch_deltasync.integrations.vllm_lora import (  # noqa: E402
+from torch_deltasync.integrations.vllm import (  # noqa: E402
     VLLMAdapterLoader,
     async_llm_lora_ops,
     llm_lora_ops,
     server_lora_ops,
 )
-from torch_deltasync.lora import AdapterSender, adapter_state_dict  # noqa: E402
+from torch_deltasync.integrations.peft import AdapterSender, adapter_state_dict  # noqa: E402
 from torch_deltasync.testing import tiny_qwen3  # noqa: E402
 
 

@@ -21,14 +21,8 @@ import vllm  # noqa: F401  the CPU oracle; tools/setup.sh installs it, so a miss
 
 from safetensors.torch import load as st_load, save as st_save  # noqa: E402
 
-from torch_deltasync import (  # noqa: E402
-    CorruptObjectError,
-    DeltaReceiver,
-    DeltaSender,
-    IncompatibleTargetError,
-    LocalStore,
-    UnsupportedLayoutError,
-)
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from torch_deltasync.checksum import check_partials, tensor_checksum  # noqa: E402
 from torch_deltasync.format import read_header, sha256_hex  # noqa: E402
 from torch_deltasync.keys import manifest_key

@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-import torch_deltasync.integrations.vllm_transfer as vllm_transfer
+import torch_deltasync.integrations.vllm._backend as vllm_transfer
 from torch_deltasync.testing_vllm import build_vllm_model, load_hf_weights, vllm_state_bits
 
 

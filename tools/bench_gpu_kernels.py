@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_deltasync import ChangeDetector, _gpu  # noqa: E402
+from torch_deltasync import _gpu
+from torch_deltasync.detect import ChangeDetector  # noqa: E402
 from torch_deltasync._dtypes import bits  # noqa: E402
 
 

@@ -6,7 +6,7 @@ with a LoRA adapter (``--rank``, all seven projections, ``peft``), and trains th
 lockstep (same weights, own snapshots, own stores):
 
 * ``delta``: every version a delta (``AnchorPolicy(every=None)``);
-* ``by_size``: :class:`~torch_deltasync.lora.AdapterSender`'s default (``max_delta_ratio=1.0``,
+* ``by_size``: :class:`~torch_deltasync.integrations.peft.AdapterSender`'s default (``max_delta_ratio=1.0``,
   ``chain_ratio=2.0``): a delta when it is smaller than the adapter, else the adapter, and a full
   adapter (carrying its delta) once the deltas since the last one add up to twice its size.
 
@@ -43,7 +43,8 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, ro
          chain_ratio: float | None = None) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from torch_deltasync import AdapterReceiver, AdapterSender, AnchorPolicy, LocalStore
+    from torch_deltasync import AnchorPolicy, LocalStore
+    from torch_deltasync.integrations.peft import AdapterReceiver, AdapterSender
     from torch_deltasync.testing import adam_step, tiny_qwen3
 
     model = get_peft_model(tiny_qwen3(size, seed=0), LoraConfig(
@@ -74,7 +75,7 @@ def _run(size: str, rank: int, lr: float, steps: int, start: str, codec: str, ro
         follow.append(follower.last_stats.nbytes)
     from safetensors.torch import save
 
-    from torch_deltasync.lora import adapter_state_dict
+    from torch_deltasync.integrations.peft import adapter_state_dict
 
     full_nbytes = rows["delta"][0].full_nbytes
     file_nbytes = len(save({n: t.detach().to(torch.bfloat16).contiguous() for n, t in adapter_state_dict(model).items()}))

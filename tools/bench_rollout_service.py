@@ -32,7 +32,7 @@ def _episodes(n: int, prompt: int, completion: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    from torch_deltasync.integrations.rollout_service import (
+    from torch_deltasync.integrations.rollout import (
         EpisodeBuffer,
         RolloutClient,
         RolloutServiceConfig,

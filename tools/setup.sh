@@ -29,7 +29,7 @@ setup_vllm() {
     "${VPIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
     # this package and its own requirements (zstandard, ...), under the same pins: torch stays 2.13.0+cpu
     "${VPIP[@]}" install -c tools/constraints-vllm.txt -e .
-    .venv-vllm/bin/python -c "import transformers, vllm, torch_deltasync.integrations.vllm_transfer"
+    .venv-vllm/bin/python -c "import transformers, vllm, torch_deltasync.integrations.vllm._backend"
     echo "$INPUTS" > "$VSTAMP"
     echo "tools/setup.sh: .venv-vllm is ready"
 }

@@ -435,7 +435,7 @@ def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
 
 @command("serve-buffer", "HTTP rollout service: workers POST episodes, the trainer samples (FastAPI)", _serve_buffer_args)
 def _serve_buffer(args: argparse.Namespace) -> int:
-    from .integrations.rollout_service import RolloutServiceConfig, read_token, serve
+    from .integrations.rollout import RolloutServiceConfig, read_token, serve
 
     config = RolloutServiceConfig(
         capacity=args.capacity, max_lag=args.max_lag, on_full=args.on_full, vocab_size=args.vocab_size,

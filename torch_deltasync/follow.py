@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from ._units import format_bytes
 
-__all__ = ["follow", "FollowReport"]
+__all__ = ["follow", "FollowReport", "wait_for_newer"]
 
 
 @dataclass
@@ -71,6 +72,57 @@ def _build_target(manifest, model: str | None) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+
+
+def wait_for_newer(
+    receiver: Any,
+    *,
+    poll_s: float,
+    idle_timeout_s: float | None = None,
+    stop: threading.Event | None = None,
+    skip: Callable[[int], bool] | None = None,
+    read: Callable[[], int | None] | None = None,
+) -> int | None:
+    """Poll the store until it shows a version the receiver does not hold; return that version.
+
+    The polling loop of every follower: :func:`follow`, the torchrl scheme's workers
+    (:mod:`torch_deltasync.integrations.torchrl`). Each poll is one ``LATEST`` read
+    (:meth:`~torch_deltasync.DeltaReceiver.newest_version`).
+
+    Args:
+        receiver: the :class:`~torch_deltasync.DeltaReceiver` whose held ``version`` is compared.
+        poll_s: seconds between polls.
+        idle_timeout_s: return ``None`` once the newest visible version has not changed for this
+            many seconds (counted from the call; ``0``: poll once); ``None``: never.
+        stop: return ``None`` once set; polls wait on it, so setting it ends the wait at once.
+        skip: versions not to return although newer (e.g. one whose update just failed); called
+            with the newest visible version.
+        read: reads the newest visible version (default ``receiver.newest_version``); ``None``
+            means nothing is visible, e.g. while the store is unavailable. Its errors propagate.
+
+    Returns:
+        The newest visible version (``!= receiver.version``, not skipped), or ``None``.
+    """
+    read = read or receiver.newest_version
+    last_seen, last_new = None, time.monotonic()
+    while True:
+        newest = read()
+        if newest is not None and newest != last_seen:
+            last_seen, last_new = newest, time.monotonic()
+        if newest is not None and newest != receiver.version and not (skip is not None and skip(newest)):
+            return newest
+        if stop is not None and stop.is_set():
+            return None
+        delay = poll_s
+        if idle_timeout_s is not None:
+            left = idle_timeout_s - (time.monotonic() - last_new)
+            if left <= 0:
+                return None
+            delay = min(poll_s, left)
+        if stop is not None:
+            stop.wait(delay)
+        else:
+            time.sleep(delay)
 
 
 def follow(
@@ -155,19 +207,14 @@ def follow(
     receiver = DeltaReceiver(report.model, st, metrics_path=metrics_path)
     print(f"following {st.describe()}: {len(first.tensors)} tensors, {first.numel:,} elements, "
           f"{first.inference_dtype}", file=out, flush=True)
-    last_new, last_seen = time.monotonic(), None
     failed: set[int] = set()
     while max_updates is None or len(report.versions) < max_updates:
         if until_version is not None and receiver.version is not None and receiver.version >= until_version:
             break
-        ok, newest = reachable(receiver.newest_version)
-        if ok and newest != last_seen:
-            last_new, last_seen = time.monotonic(), newest
-        if not ok or newest is None or newest == receiver.version or newest in failed:
-            if idle_timeout_s is not None and time.monotonic() - last_new > idle_timeout_s:
-                break
-            time.sleep(poll_s)
-            continue
+        newest = wait_for_newer(receiver, poll_s=poll_s, idle_timeout_s=idle_timeout_s, skip=failed.__contains__,
+                                read=lambda: reachable(receiver.newest_version)[1])
+        if newest is None:
+            break
         try:
             ok, _ = reachable(lambda: receiver.update(newest))
             if not ok:  # the store went away mid-update: nothing applied, the version is tried again

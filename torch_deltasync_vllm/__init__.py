@@ -7,11 +7,11 @@ engine with ``weight_transfer_config={"backend": "deltasync"}`` is created, not 
 CPU worker scans every imported module for Triton kernels to override at start-up
 (``vllm/triton_utils/dispatcher.py``), and that scan fails on an llvmlite object
 (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``), which would stop every
-engine from starting. The engines live in :mod:`torch_deltasync.integrations.vllm_transfer`.
+engine from starting. The engines live in :mod:`torch_deltasync.integrations.vllm._backend`.
 """
 
 BACKEND = "deltasync"
-_MODULE = "torch_deltasync.integrations.vllm_transfer"
+_MODULE = "torch_deltasync.integrations.vllm._backend"
 
 
 def register() -> None:

@@ -4,7 +4,7 @@ Every sample carries the ``policy_version`` of the weights that generated it. Th
 with its own version ``v`` (the newest it published); a sample with ``v - policy_version >
 max_staleness`` is never trained on: it is dropped and counted (``dropped_stale``). Each sample is
 used at most once (torchrl ``ConsumingSampler``: consumed slots are rewritten first). Both come from
-:class:`torch_deltasync.integrations.replay.StalenessGatedSampler`, the sampler
+:class:`torch_deltasync.integrations.torchrl.StalenessGatedSampler`, the sampler
 the rollout service uses too; this buffer reads the versions from its ``LazyTensorStorage`` and
 breaks ties among equal versions at random (seeded). ``MCAdvantage`` (torchrl's GRPO transform)
 turns each complete group of ``group_size`` completions of one prompt into group-normalised
@@ -18,7 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage
 
-from torch_deltasync.integrations.replay import StalenessGatedSampler
+from torch_deltasync.integrations.torchrl import StalenessGatedSampler
 
 __all__ = ["VersionedReplayBuffer"]
 

@@ -85,7 +85,7 @@ class GRPOConfig:
     anchor_every: int = 0
     """Full anchor every this many versions (0: only the first version is an anchor)."""
     codec: str = "packed"
-    """Delta codec name (``torch_deltasync.codec_names()``): ``"packed"`` (the library default: gaps,
+    """Delta codec name (``torch_deltasync.codecs.codec_names()``): ``"packed"`` (the library default: gaps,
     value steps, zstd) or ``"raw"`` (int32/int64 index + bf16 value per changed element)."""
     trainer_procs: int = 1
     """Trainer processes; more than 1 shards the policy with FSDP2 over gloo."""
@@ -160,7 +160,7 @@ class GRPOConfig:
                              "updates between batches only: --interrupt drain)")
         if self.sync_chunk < 1:
             raise ValueError(f"GRPOConfig.sync_chunk must be >= 1 token, got {self.sync_chunk}")
-        from torch_deltasync import codec_names
+        from torch_deltasync.codecs import codec_names
 
         if self.codec not in codec_names():
             raise ValueError(f"GRPOConfig.codec must be one of {sorted(codec_names())}, got {self.codec!r}")

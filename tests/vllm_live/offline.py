@@ -149,7 +149,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from torch_deltasync.integrations.vllm_transfer import DeltaSyncTrainerInitInfo
+    from torch_deltasync.integrations.vllm import DeltaSyncTrainerInitInfo
 
     class Client:  # vLLM's VLLMWeightSyncClient protocol over the offline LLM
         def init_weight_transfer_engine(self, init_info):

@@ -435,6 +435,7 @@ class DeltaReceiver:
                     )
             self._checksums = sums
             self.version = version
+            self._held_runs[version] = m.run_id  # as an update records it: never a delta base of another run
 
     def verify(self) -> None:
         """Recompute every tensor's checksum from the target and compare with the held version's
@@ -526,15 +527,15 @@ class DeltaReceiver:
         t = time.perf_counter()
         if plan.path == "anchor":
             dense = stage_anchor(plan, blobs, shapes)
-            sparse = None
+            sparse = base = None
         else:
-            sparse = stage_deltas(self.target, plan.manifests, blobs, dtype)
+            sparse, base = stage_deltas(self.target, plan.manifests, blobs, dtype)
             dense = None
         del blobs
         decode_ms = (time.perf_counter() - t) * 1e3
 
         t = time.perf_counter()
-        new_checksums = verify_checksums(self.target, final, dense, sparse, checksums)
+        new_checksums = verify_checksums(self.target, final, dense, sparse, checksums, base)
         verify_ms = (time.perf_counter() - t) * 1e3
         stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
                             download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms)

@@ -136,8 +136,16 @@ def decode_version(m: Manifest, blobs: dict[str, bytes]) -> dict[str, TensorDelt
     return out
 
 def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[str, bytes], dtype: torch.dtype):
-    """Compose a delta chain into ``{name: (positions, final values)}`` without touching the target."""
+    """Compose a delta chain without touching the target.
+
+    Returns:
+        ``(staged, base)``: ``staged`` maps each changed tensor to ``(positions, final values)``
+        (int64 and ``dtype``, ``(k,)``, sorted); ``base`` maps the tensors changed by exactly one
+        version of the chain with a relative codec to the target's values at those positions, read
+        once here and reused by :func:`verify_checksums`.
+    """
     staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    base: dict[str, torch.Tensor] = {}
     for m in manifests:
         for name, d in decode_version(m, blobs).items():
             if not target.holds_all:
@@ -145,13 +153,17 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
             if d.needs_base:
                 d_old = _lookup(target, name, staged.get(name), d.positions, dtype)
                 new = d.resolve(d_old)
+                if name not in staged:
+                    base[name] = d_old
             else:
                 new = d.values
             if name in staged:
                 staged[name] = merge(*staged[name], d.positions, new)
+                base.pop(name, None)  # the union's old values are no longer one read
             else:
                 staged[name] = (d.positions, new)
-    return staged
+    return staged, base
+
 
 def _lookup(target: Target, name: str, staged: tuple[torch.Tensor, torch.Tensor] | None, pos: torch.Tensor,
             dtype: torch.dtype) -> torch.Tensor:
@@ -203,7 +215,8 @@ def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tu
             d.apply_to(dense[name].view(-1))  # one compiled pass: checksum of the old values, steps, write
     return dense
 
-def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: dict[str, int]) -> dict[str, int]:
+def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: dict[str, int],
+                     base: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
     """Checksums of the staged state, from the held state's ``checksums`` and the changes;
     raise if they differ from ``final``'s manifest."""
     if not target.holds_all:
@@ -219,7 +232,9 @@ def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: 
                 raise CorruptObjectError(f"no checksum held for {entry.name!r}")
             if entry.name in staged:
                 pos, val = staged[entry.name]
-                old = target.read(entry.name, pos, final.inference_dtype)
+                old = (base or {}).get(entry.name)
+                if old is None:  # not read while staging
+                    old = target.read(entry.name, pos, final.inference_dtype)
                 c = combine(c, checksum_change(pos, old, val))
         if c != entry.checksum:
             bad.append(entry.name)

@@ -33,12 +33,18 @@ __all__ = [
 
 _LAZY = {"FsspecStore": "._fsspec", "HFBucketStore": "._hf"}
 
+for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore"):
+    globals()[_name].__module__ = __name__
+del _name
+
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        obj = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        obj.__module__ = __name__  # the public path; pickles resolve it through this function
+        return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

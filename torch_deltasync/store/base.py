@@ -9,7 +9,8 @@ no ``..``, no empty segments, no backslashes or control characters. Nothing outs
 from __future__ import annotations
 
 import re
-from abc import ABC, abstractmethod
+from abc import abstractmethod
+from typing import Protocol, runtime_checkable
 
 from ..errors import CorruptObjectError
 
@@ -53,8 +54,13 @@ def join_key(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
-class Store(ABC):
+@runtime_checkable
+class Store(Protocol):
     """A flat object store.
+
+    A protocol: any object with these members is a store (``isinstance`` checks them); subclass it
+    to inherit the defaults (``put_new``, ``size``, ``delete_many``, ``sub``, ``describe``, ...) and to
+    have the abstract members enforced.
 
     Implementations: :class:`~torch_deltasync.LocalStore` (a folder, the default),
     ``FsspecStore`` (``memory://``, ``s3://`` and other fsspec protocols) and ``HFBucketStore``

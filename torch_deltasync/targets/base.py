@@ -7,15 +7,21 @@ owns; a target that holds everything (:class:`~torch_deltasync.targets.ModuleTar
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
+from typing import Protocol, runtime_checkable
 
 import torch
 
 __all__ = ["Target"]
 
 
-class Target(ABC):
+@runtime_checkable
+class Target(Protocol):
     """Live tensors a :class:`~torch_deltasync.DeltaReceiver` updates in place.
+
+    A protocol: any object with these members is a target (``isinstance`` checks them); subclass it
+    to inherit the defaults of :meth:`owned` and :meth:`finish` and to have the abstract members
+    enforced.
 
     Receivers call :meth:`check` once per manifest, then, only after everything was downloaded,
     decoded and verified, :meth:`write` (deltas) or :meth:`assign` (anchors), then :meth:`finish`. Implementations must

@@ -65,7 +65,7 @@ class VLLMEngineTarget(Target):
         host: HF name -> full tensor (HF shape, inference dtype, CPU): the state the receiver verifies.
         engine_writes: when False, commits update only the host copy (used to build it for an
             engine that already serves that version, see ``assume_version`` in
-            :mod:`torch_deltasync.integrations.vllm_transfer`).
+            :mod:`torch_deltasync.integrations.vllm`).
         last_reload: ``{"modules": int, "tensors": int, "ms": float}`` of the last :meth:`finish`.
     """
 

@@ -1,8 +1,8 @@
 """vLLM LoRA hot-swap: load every new adapter version into a running engine under its own name.
 
-A rollout worker follows an adapter run (:class:`~torch_deltasync.lora.AdapterReceiver` holding the
+A rollout worker follows an adapter run (:class:`~torch_deltasync.integrations.peft.AdapterReceiver` holding the
 adapter tensors on CPU: deltas or full adapters, whichever is cheaper), writes each new version as
-a PEFT folder (:func:`~torch_deltasync.lora.materialize_adapter`'s format, atomically), and asks
+a PEFT folder (:func:`~torch_deltasync.integrations.peft.materialize_adapter`'s format, atomically), and asks
 vLLM to load it as a new LoRA adapter::
 
     trainer ──AdapterSender──▶ store ──AdapterReceiver (CPU)──▶ <cache_dir>/<name>-v<version>/
@@ -44,42 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import DeltaSyncError
-
-__all__ = ["LoadedAdapter", "VLLMAdapterLoader", "llm_lora_ops", "async_llm_lora_ops", "server_lora_ops"]
-
-# The adapter protocol is written once, as a generator of engine steps; a sync and an async driver
-# run it against an engine kind's step functions. Errors raised by a step are thrown back into the
-# generator, so its clean-up runs on every engine kind.
-
-def _drive(gen, ops: dict[str, Callable]):
-    """Run a protocol generator with synchronous step functions."""
-    try:
-        step = next(gen)
-        while True:
-            try:
-                result = ops[step[0]](*step[1:])
-            except BaseException as e:  # noqa: BLE001 (re-raised by the generator after its cleanup)
-                step = gen.throw(e)
-                continue
-            step = gen.send(result)
-    except StopIteration as stop:
-        return stop.value
-
-
-async def _drive_async(gen, ops: dict[str, Callable]):
-    """Run a protocol generator with ``async`` step functions."""
-    try:
-        step = next(gen)
-        while True:
-            try:
-                result = await ops[step[0]](*step[1:])
-            except BaseException as e:  # noqa: BLE001
-                step = gen.throw(e)
-                continue
-            step = gen.send(result)
-    except StopIteration as stop:
-        return stop.value
+from ...errors import DeltaSyncError
+from ._steps import drive, drive_async
 
 
 
@@ -202,7 +168,7 @@ class VLLMAdapterLoader:
         keep: loaded versions to keep (>= 1); older ones are unloaded and their folders deleted.
             Keep at least 2 so requests started just before a swap finish on their version.
         base_model_name_or_path: recorded in each folder's ``adapter_config.json``.
-        receiver_kwargs: passed to the :class:`~torch_deltasync.lora.AdapterReceiver`.
+        receiver_kwargs: passed to the :class:`~torch_deltasync.integrations.peft.AdapterReceiver`.
 
     Attributes:
         current: the newest loaded version (:class:`LoadedAdapter`), ``None`` before the first.
@@ -221,7 +187,7 @@ class VLLMAdapterLoader:
     def __init__(self, ops: dict[str, Callable], store: Any, *, prefix: str = "", cache_dir: str | Path,
                  name: str = "adapter", id_offset: int = 1, keep: int = 2, base_model_name_or_path: str | None = None,
                  **receiver_kwargs: Any) -> None:
-        from ..lora import AdapterReceiver
+        from ..peft import AdapterReceiver
 
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -267,7 +233,7 @@ class VLLMAdapterLoader:
         return version, path, t0
 
     def _load_steps(self, version: int, path: Path, t0: float):
-        """Engine steps (a generator driven by ``_drive``/``_drive_async``): load, then unload the oldest."""
+        """Engine steps (a generator run by :mod:`._steps`' drivers): load, then unload the oldest."""
         name, lora_id = path.name, self.id_offset + version
         try:
             yield ("load", name, lora_id, str(path))
@@ -294,13 +260,13 @@ class VLLMAdapterLoader:
             current version stays).
         """
         got = self._fetch_newer()
-        return None if got is None else _drive(self._load_steps(*got), self.ops)
+        return None if got is None else drive(self._load_steps(*got), self.ops)
 
     async def apoll(self) -> LoadedAdapter | None:
         """:meth:`poll` for ``async`` ops (:func:`async_llm_lora_ops`). The store reads and the
         folder write run on the event loop's thread (adapters are small)."""
         got = self._fetch_newer()
-        return None if got is None else await _drive_async(self._load_steps(*got), self.ops)
+        return None if got is None else await drive_async(self._load_steps(*got), self.ops)
 
     def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.5) -> LoadedAdapter:
         """Block until a first (or newer) version is loaded.

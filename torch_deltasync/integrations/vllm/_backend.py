@@ -35,47 +35,38 @@ Readiness: with ``status_dir`` set, every worker keeps ``<status_dir>/rank-<r>.j
 ``{"held": int|null, "staged": int|null, "newest": int|null, "error": str|null}`` current
 (written atomically), so a driver on the same host can pause only once every worker has staged the
 version (:func:`torch_deltasync.integrations.vllm.wait_staged`).
+
+This module holds the worker engine and its init/update info; the background stager and the
+readiness file are :mod:`._stager`, the trainer engine :mod:`._trainer` (re-exported here, because
+:mod:`torch_deltasync_vllm` registers both engines by this module's path).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
-import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from ..errors import DeltaSyncError, StaleUpdateError
+from ...errors import DeltaSyncError
+from ._stager import Stager, Status
 
-__all__ = [
-    "BACKEND",
-    "DeltaSyncInitInfo",
-    "DeltaSyncUpdateInfo",
-    "DeltaSyncWeightTransferEngine",
-    "DeltaSyncTrainerInitInfo",
-    "DeltaSyncTrainerWeightTransferEngine",
-    "register",
-]
+# The trainer side lives in ._trainer; vLLM's factory imports the worker engine and the trainer
+# engine from this module, by the path torch_deltasync_vllm registers.
+from ._trainer import BACKEND, DeltaSyncTrainerInitInfo, DeltaSyncTrainerWeightTransferEngine  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-#: The backend name: ``weight_transfer_config={"backend": BACKEND}``.
-BACKEND = "deltasync"
 
 
 def register() -> None:
@@ -145,105 +136,6 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"update_info 'version' must be a published version (int >= 0), got {self.version!r}")
 
 
-class _Stager(threading.Thread):
-    """Stages the newest visible version of a run while the engine generates (daemon thread).
-
-    Holds at most one :class:`~torch_deltasync.receiver.StagedUpdate`; :meth:`take` hands it to the
-    committing RPC (waiting if that very version is being staged right now).
-    """
-
-    def __init__(self, receiver: Any, poll_s: float, status: _Status) -> None:
-        super().__init__(name="deltasync-stager", daemon=True)
-        self.receiver, self.poll_s, self.status = receiver, poll_s, status
-        self._cond = threading.Condition()
-        self._staged: Any = None
-        self._busy: int | None = None
-        self._failed: int | None = None  # a version whose staging failed: not retried by itself
-        self._halt = False
-        self._wake = threading.Event()
-
-    def run(self) -> None:
-        backoff = self.poll_s
-        while not self._halt:
-            try:
-                newest = self.receiver.newest_version()
-                self.status.update(newest=newest)
-                held = self.receiver.version
-                with self._cond:
-                    have = self._staged.version if self._staged is not None else None
-                    todo = (newest is not None and newest not in (held, have, self._failed)
-                            and (held is None or newest > held))
-                    if todo:
-                        self._busy = newest
-                if todo:
-                    try:
-                        staged = self.receiver.prepare(newest)
-                    except StaleUpdateError:
-                        staged = None  # a commit came in between: look again
-                    except Exception:
-                        self._failed = newest  # the commit RPC tries again and reports the reason
-                        raise
-                    finally:
-                        with self._cond:
-                            self._busy = None
-                            self._cond.notify_all()
-                    if staged is not None:
-                        with self._cond:
-                            self._staged = staged
-                            self._cond.notify_all()
-                        self.status.update(staged=staged.version, error=None)
-                backoff = self.poll_s
-            except Exception as e:  # noqa: BLE001 (reported; the commit path raises it to the caller)
-                log.warning("deltasync stager: %s", e)
-                self.status.update(error=f"{type(e).__name__}: {e}")
-                backoff = min(backoff * 2, 5.0)
-            self._wake.wait(backoff)
-            self._wake.clear()
-
-    def take(self, version: int) -> Any:
-        """The staged update of ``version`` (waiting while it is being staged), or ``None``."""
-        with self._cond:
-            while self._busy == version:
-                self._cond.wait()
-            staged, self._staged = self._staged, None
-        if staged is not None and staged.version == version:
-            return staged
-        return None
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._halt = True
-        self._wake.set()
-
-
-class _Status:
-    """This worker's readiness file (``<dir>/rank-<r>.json``), rewritten atomically on change."""
-
-    def __init__(self, directory: str | None, rank: int) -> None:
-        self.path = Path(directory) / f"rank-{rank}.json" if directory else None
-        self.state: dict[str, Any] = {"held": None, "staged": None, "newest": None, "error": None}
-        self._lock = threading.Lock()
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._write()
-
-    def update(self, **kw: Any) -> None:
-        with self._lock:
-            if all(self.state.get(k) == v for k, v in kw.items()):
-                return
-            self.state.update(kw)
-            if self.path is not None:
-                self._write()
-
-    def _write(self) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".rank-")
-        with os.fdopen(fd, "w") as f:
-            json.dump({**self.state, "time": time.time()}, f)
-        os.replace(tmp, self.path)
-
-
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
     """Worker side of the ``deltasync`` backend: one per vLLM worker (TP rank); see the module doc.
 
@@ -265,8 +157,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         super().__init__(config, vllm_config, device, model)
         self.receiver: Any = None
         self.last_commit: dict[str, Any] | None = None
-        self._stager: _Stager | None = None
-        self._status: _Status | None = None
+        self._stager: Stager | None = None
+        self._status: Status | None = None
         self._metrics: Path | None = None
         self._worker: Any = None  # weakref to the vLLM worker that owns this engine
 
@@ -290,8 +182,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             ValueError: bad ``init_info``.
             DeltaSyncError: the store, a version or the model does not fit (the message says which).
         """
-        from ..receiver import DeltaReceiver
-        from ..targets.vllm_engine import VLLMEngineTarget
+        from ...receiver import DeltaReceiver
+        from ...targets.vllm_engine import VLLMEngineTarget
 
         if init_info is None:
             return  # the init_info was refused; another worker raised the reason (parse_init_info)
@@ -316,7 +208,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 # The readiness file and the metrics file are written from now on: a path that
                 # cannot be written is refused here, with nothing installed.
                 try:
-                    status = _Status(init_info.status_dir, rank)
+                    status = Status(init_info.status_dir, rank)
                 except OSError as e:
                     raise ValueError(f"init_info 'status_dir' {init_info.status_dir!r} cannot be written: {e}") from e
                 metrics = Path(init_info.metrics_path.replace("{rank}", str(rank))) if init_info.metrics_path else None
@@ -341,7 +233,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._status.update(held=self.receiver.version)
         receiver = self.receiver
         if init_info.stage_ahead:
-            self._stager = _Stager(receiver, init_info.poll_s, self._status)
+            self._stager = Stager(receiver, init_info.poll_s, self._status)
             self._stager.start()
 
     def start_weight_update(self) -> None:
@@ -520,89 +412,3 @@ def _worker_rank() -> int:
     return 0
 
 
-# --- trainer side ------------------------------------------------------------------------------------
-
-@dataclass
-class DeltaSyncTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info of the ``deltasync`` backend.
-
-    Attributes:
-        store, prefix: where the trainer publishes (workers follow the same run).
-        anchor_every: publish an anchor every N versions (``DeltaSender``'s ``anchor_every``).
-        worker_init: extra :class:`DeltaSyncInitInfo` fields sent to the workers (``store`` and
-            ``prefix`` are filled in; give ``worker_store`` there if workers reach the store under
-            another URI).
-        rank: this trainer process's rank (rank 0 drives the engines).
-    """
-
-    backend: ClassVar[str] = BACKEND
-
-    store: str = ""
-    prefix: str = ""
-    anchor_every: int | None = 50
-    worker_init: dict[str, Any] | None = None
-
-
-class DeltaSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInfo]):
-    """Trainer side of the ``deltasync`` backend: :meth:`send_weights` publishes a version (a delta
-    of the changed elements, or an anchor) and drives ``start_weight_update`` →
-    ``update_weights({"version": v})`` → ``finish_weight_update(str(v))`` on the engines.
-
-    Code written against vLLM's stateful trainer API switches to deltas by backend name::
-
-        engine = WeightTransferTrainerFactory.trainer_init(  # picks the engine by init_info.backend
-            DeltaSyncTrainerInitInfo(store="s3://bucket/runs", prefix="grpo-7", rank=0),
-            client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"), source=ModuleSource(model))
-        engine.send_weights()
-
-    ``source`` may be vLLM's ``ModuleSource`` (its module is tracked) or an ``nn.Module``; FSDP2
-    modules are detected and published shard by shard (every rank calls :meth:`send_weights`).
-    """
-
-    init_info_cls = DeltaSyncTrainerInitInfo
-
-    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True, sender: Any = None) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
-        self.sender = sender
-        self.last_version: int | None = None
-
-    @classmethod
-    def trainer_init(cls, init_info: DeltaSyncTrainerInitInfo, *, client: Any, source: Any = None):
-        """Build the :class:`~torch_deltasync.DeltaSender` over ``source``'s module and, on rank 0,
-        initialise the workers' backend through ``client``.
-
-        Raises:
-            TypeError: ``source`` is neither a ``ModuleSource`` nor an ``nn.Module``.
-            ValueError: no ``store`` in ``init_info``.
-        """
-        from ..sender import DeltaSender
-
-        if not init_info.store:
-            raise ValueError("DeltaSyncTrainerInitInfo needs store= (the URI or path workers follow)")
-        module = getattr(source, "_module", source)
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"source must be vLLM's ModuleSource or an nn.Module, got {type(source).__name__}")
-        sender = DeltaSender(module, init_info.store, prefix=init_info.prefix, anchor_every=init_info.anchor_every)
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender)
-        if engine.is_sender:
-            worker = {"store": init_info.store, "prefix": init_info.prefix, **(init_info.worker_init or {})}
-            client.init_weight_transfer_engine(worker)
-        return engine
-
-    def send_weights(self) -> int:
-        """Publish the current weights as a new version and commit it on every engine.
-
-        Returns:
-            The version published (and, on rank 0, committed).
-        """
-        v = self.sender.publish()
-        if self.is_sender:
-            self.client.start_weight_update()
-            self.client.update_weights({"version": int(v)})
-            self.client.finish_weight_update(weight_version=str(v))
-        self.last_version = int(v)
-        return int(v)
-
-    def shutdown(self) -> None:
-        if self.sender is not None:
-            self.sender.close()

@@ -1,6 +1,6 @@
 """vLLM integration, client side: thin helpers over vLLM's weight-transfer API with the ``deltasync``
-backend (:mod:`torch_deltasync.integrations.vllm_transfer`), for an offline ``LLM``, an ``AsyncLLM``
-and the OpenAI-compatible HTTP server.
+backend (:mod:`._backend`), for an offline ``LLM``, an ``AsyncLLM`` and the OpenAI-compatible HTTP
+server.
 
 Every helper drives the same calls vLLM's own RL examples use; nothing of ours runs through
 ``collective_rpc``::
@@ -25,6 +25,9 @@ The engine must run the backend: ``LLM(..., weight_transfer_config={"backend": "
 "deltasync"}'`` for the server, whose RL routes exist only with ``VLLM_SERVER_DEV_MODE=1``
 (``docs/vllm.md``). A failed update raises with the reason (over HTTP: the server's message) and
 the engine keeps serving the version it had.
+
+The attach and update protocols are written once (:func:`_attach_steps`, :func:`_update_steps`) and
+run against each engine kind's calls by :mod:`._steps`' drivers.
 """
 
 from __future__ import annotations
@@ -41,22 +44,16 @@ import urllib.parse
 import urllib.request
 import weakref
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import DeltaSyncError, SyncTimeoutError, VersionNotFoundError
-
-__all__ = ["EngineUpdate", "wait_staged", "read_readiness", "attach_llm", "update_llm", "attach_async_llm",
-           "update_async_llm", "attach_server", "update_server"]
+from ...errors import DeltaSyncError
+from ._readiness import DEFAULT_STAGE_TIMEOUT_S, Attachment, read_readiness
+from ._steps import Steps, drive, drive_async
 
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["wait", "keep", "abort"]
 _MODES = ("wait", "keep", "abort")
-
-#: Default bound on :func:`wait_staged` inside ``update_*`` (seconds). Past it the update goes on
-#: and the workers prepare the version inside the pause (correct, only slower).
-DEFAULT_STAGE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -87,161 +84,8 @@ class EngineUpdate:
         return asdict(self)
 
 
-# --- readiness files (written by every worker of the backend) ---------------------------------------
-
-
-def read_readiness(status_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """Every worker's readiness file in ``status_dir``: ``{"rank-<r>": {"held", "staged", "newest",
-    "error", "time"}}`` (format: :mod:`torch_deltasync.integrations.vllm_transfer`; workers replace
-    their file atomically, so a read never sees half of one).
-
-    Raises:
-        DeltaSyncError: a readiness file that is not a JSON object.
-    """
-    out: dict[str, dict[str, Any]] = {}
-    for path in sorted(Path(status_dir).glob("rank-*.json")):
-        try:
-            state = json.loads(path.read_text())
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as e:
-            raise DeltaSyncError(f"{path}: unreadable readiness file ({e}); is {status_dir} shared with "
-                                 "something other than one engine's deltasync workers?") from e
-        if not isinstance(state, dict):
-            raise DeltaSyncError(f"{path}: a readiness file holds a JSON object, got {type(state).__name__}")
-        out[path.stem] = state
-    return out
-
-
-def _ready(state: dict[str, Any], version: int) -> bool:
-    """A worker is ready for ``version`` when it staged or holds it, or when it has seen the version
-    and reports a staging error (then the commit prepares it again and raises the reason)."""
-    held, staged, newest = state.get("held"), state.get("staged"), state.get("newest")
-    if staged == version or (isinstance(held, int) and held >= version):
-        return True
-    return bool(state.get("error")) and isinstance(newest, int) and newest >= version
-
-
-def wait_staged(status_dir: str | os.PathLike, version: int, timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, *,
-                workers: int | None = None, poll_s: float = 0.005) -> dict[str, dict[str, Any]]:
-    """Block until every worker's readiness file reports ``version`` staged (or held), so that a
-    pause that follows covers only the commit.
-
-    Drivers on the same host as the engine's workers read the files the ``deltasync`` backend keeps
-    in ``init_info["status_dir"]`` (one per worker, ``rank-<r>.json``). A worker that has seen
-    ``version`` but failed to stage it (its ``error`` is set) counts as ready: the commit then
-    prepares the version again and raises the reason.
-
-    Args:
-        status_dir: the backend's ``status_dir``.
-        version: the version about to be committed.
-        timeout_s: give up after this many seconds.
-        workers: how many readiness files to expect (``None``: whatever is there, at least one).
-        poll_s: seconds between reads of the files.
-
-    Returns:
-        The readiness of every worker when the wait ended (:func:`read_readiness`).
-
-    Raises:
-        SyncTimeoutError: not every worker was ready within ``timeout_s``; the message names the
-            workers that were not and what they reported.
-        ValueError: a negative version or timeout, or fewer than one expected worker.
-    """
-    if type(version) is not int or version < 0:
-        raise ValueError(f"version must be a published version (int >= 0), got {version!r}")
-    if timeout_s < 0:
-        raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers must be >= 1 (or None), got {workers}")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = read_readiness(status_dir)
-        pending = {w: s for w, s in states.items() if not _ready(s, version)}
-        if states and not pending and (workers is None or len(states) >= workers):
-            return states
-        if time.monotonic() >= deadline:
-            missing = "" if workers is None or len(states) >= workers else \
-                f"; {len(states)} of {workers} readiness files present"
-            detail = ", ".join(f"{w}: staged {s.get('staged')}, held {s.get('held')}, newest {s.get('newest')}"
-                               + (f", error {s['error']}" if s.get("error") else "") for w, s in pending.items())
-            raise SyncTimeoutError(f"{status_dir}: workers did not stage version {version} within {timeout_s} s"
-                                   f"{missing}" + (f" ({detail})" if detail else ""))
-        time.sleep(poll_s)
-
-
-# --- what attach_* remember per engine --------------------------------------------------------------
-
-
-@dataclass
-class _Attachment:
-    store: str
-    prefix: str
-    status_dir: str | None  # None: no readiness files here
-    workers: int  # readiness files present right after init
-    owned: bool = False  # status_dir is a temporary directory attach_* created
-
-    def __post_init__(self) -> None:
-        # A directory attach_* created goes with this record (engine gone, re-attached, or exit).
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.status_dir, ignore_errors=True) \
-            if self.owned and self.status_dir is not None else None
-
-    def discard(self) -> None:
-        """Remove the readiness directory if attach_* created it."""
-        if self._cleanup is not None:
-            self._cleanup()
-
-    def _store(self):
-        from ..store import open_store
-
-        return open_store(self.store).sub(self.prefix)
-
-    def newest(self) -> int:
-        """The newest version published in the run (the store's listing)."""
-        from ..keys import list_versions
-
-        versions = list_versions(self._store())
-        if not versions:
-            raise VersionNotFoundError(f"{self.store} (prefix {self.prefix!r}): no version has been published yet")
-        return versions[-1]
-
-    def _published(self, version: int) -> bool:
-        """Whether ``version``'s manifest is in the store (``True`` when the store cannot be read
-        from here: the workers will tell)."""
-        from ..keys import manifest_key
-
-        try:
-            return self._store().exists(manifest_key(version))
-        except Exception:  # noqa: BLE001 (a driver may not reach the workers' store URI)
-            return True
-
-    def wait(self, version: int, timeout_s: float | None) -> bool | None:
-        """:func:`wait_staged` for ``version``; ``None`` without readiness files, ``False`` when some
-        worker is not ready at the timeout (the update then goes on: the commit prepares it) or the
-        version is not published (no wait: the commit raises the workers' reason)."""
-        if self.status_dir is None:
-            return None
-        if not self._published(version):
-            return False
-        try:
-            states = wait_staged(self.status_dir, version, DEFAULT_STAGE_TIMEOUT_S if timeout_s is None else timeout_s,
-                                 workers=self.workers)
-        except SyncTimeoutError as e:
-            log.warning("%s; committing anyway (the workers prepare it inside the pause)", e)
-            return False
-        return all(s.get("staged") == version or s.get("held") == version for s in states.values())
-
-    def check_held(self, version: int) -> None:
-        """After a commit: every worker's readiness file says it holds ``version``."""
-        if self.status_dir is None:
-            return
-        held = {w: s.get("held") for w, s in read_readiness(self.status_dir).items()}
-        if len(held) < self.workers or set(held.values()) != {version}:
-            raise DeltaSyncError(f"after committing version {version} the workers report holding {held} "
-                                 f"({len(held)} of {self.workers} readiness files)")
-
-
-_ENGINES: "weakref.WeakKeyDictionary[Any, _Attachment]" = weakref.WeakKeyDictionary()
-_SERVERS: dict[str, _Attachment] = {}
+_ENGINES: "weakref.WeakKeyDictionary[Any, Attachment]" = weakref.WeakKeyDictionary()
+_SERVERS: dict[str, Attachment] = {}
 
 
 def _init_info(store: str | os.PathLike, prefix: str, assume_version: int | None, status_dir: Any,
@@ -262,7 +106,7 @@ def _init_info(store: str | os.PathLike, prefix: str, assume_version: int | None
     return info, (None if status_dir is None else str(status_dir)), created
 
 
-def _attachment(info: dict[str, Any], status_dir: str | None, created: bool) -> _Attachment:
+def _attachment(info: dict[str, Any], status_dir: str | None, created: bool) -> Attachment:
     """Count the readiness files the workers wrote during init (none: they run on another host)."""
     workers = len(read_readiness(status_dir)) if status_dir is not None else 0
     if status_dir is not None and workers == 0:
@@ -271,17 +115,17 @@ def _attachment(info: dict[str, Any], status_dir: str | None, created: bool) -> 
         if created:
             shutil.rmtree(status_dir, ignore_errors=True)
         status_dir = None
-    return _Attachment(info["store"], info["prefix"], status_dir, workers, owned=created)
+    return Attachment(info["store"], info["prefix"], status_dir, workers, owned=created)
 
 
-def _remember(engine: Any, att: _Attachment) -> None:
+def _remember(engine: Any, att: Attachment) -> None:
     old = _ENGINES.get(engine)
     _ENGINES[engine] = att
     if old is not None and old.status_dir != att.status_dir:
         old.discard()
 
 
-def _attached(engine: Any, what: str) -> _Attachment:
+def _attached(engine: Any, what: str) -> Attachment:
     try:
         return _ENGINES[engine]
     except (KeyError, TypeError):
@@ -291,6 +135,70 @@ def _attached(engine: Any, what: str) -> _Attachment:
 def _check_mode(mode: str) -> None:
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+
+
+def _version(version: Any) -> int:
+    if type(version) is not int or version < 0:
+        raise ValueError(f"version must be a published version (int >= 0) or None, got {version!r}")
+    return version
+
+
+
+# --- the protocols (one per operation, for every engine kind) ---------------------------------------
+
+
+def _attach_steps(store: str | os.PathLike, prefix: str, assume_version: int | None, status_dir: Any,
+                  extra: dict[str, Any]) -> Steps:
+    """Attach: ``("init", init_info)`` on the engine, then count the readiness files. Returns
+    ``(init_info, Attachment)``; a temporary readiness directory is removed if the init fails."""
+    info, sdir, created = _init_info(store, prefix, assume_version, status_dir, extra)
+    try:
+        yield ("init", info)
+        att = _attachment(info, sdir, created)
+    except BaseException:
+        if created:
+            shutil.rmtree(sdir, ignore_errors=True)
+        raise
+    return info, att
+
+
+def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: bool, mode: str | None) -> Steps:
+    """Update: pick the version (``("newest",)`` when ``None``), ``("wait", v, timeout)`` until staged,
+    then ``pause`` → ``start`` → ``update`` → ``finish`` → ``resume`` (``resume`` also after a failed
+    step), or without a pause ``start`` → ``update`` → ``finish`` → ``reset_cache``; then
+    ``("check", v)``. Returns the :class:`EngineUpdate`."""
+    t0 = time.perf_counter()
+    v = (yield ("newest",)) if version is None else _version(version)
+    staged = yield ("wait", v, stage_timeout_s)
+    t1 = time.perf_counter()
+    try:
+        if pause:
+            yield ("pause", mode)
+        yield ("start",)
+        yield ("update", v)
+        yield ("finish", v)
+    except BaseException:
+        if pause:
+            try:
+                yield ("resume",)
+            except Exception as e:  # noqa: BLE001 (the update's error is the one to raise)
+                log.error("resuming the engine failed after a failed update: %s", e)
+        raise
+    yield ("resume",) if pause else ("reset_cache",)
+    t2 = time.perf_counter()
+    yield ("check", v)
+    return EngineUpdate(version=v, staged=staged, wait_ms=(t1 - t0) * 1e3, stall_ms=(t2 - t1) * 1e3,
+                        total_ms=(time.perf_counter() - t0) * 1e3, mode=mode)
+
+
+def _readiness_ops(att: Attachment | None) -> dict[str, Any]:
+    """The steps every engine kind takes from the driver's side (store listing, readiness files)."""
+    return {"newest": att.newest, "wait": att.wait, "check": att.check_held}
+
+
+def _threaded(ops: dict[str, Any]) -> dict[str, Any]:
+    """Blocking steps as coroutines run on a worker thread (for an ``async`` driver)."""
+    return {name: (lambda fn: lambda *a: asyncio.to_thread(fn, *a))(fn) for name, fn in ops.items()}
 
 
 # --- offline LLM ------------------------------------------------------------------------------------
@@ -310,7 +218,7 @@ def attach_llm(llm: Any, store: str | os.PathLike, prefix: str = "", *, assume_v
         status_dir: the workers' readiness directory; ``None``: a new temporary directory (removed
             with the engine object); ``False``: none (updates then do not wait for staging).
         init_info: further backend fields (``in_place``, ``stage_ahead``, ``poll_s``,
-            ``max_workers``, ``metrics_path``; :class:`~torch_deltasync.integrations.vllm_transfer.DeltaSyncInitInfo`).
+            ``max_workers``, ``metrics_path``; :class:`~torch_deltasync.integrations.vllm.DeltaSyncInitInfo`).
 
     Returns:
         The ``init_info`` sent.
@@ -319,14 +227,8 @@ def attach_llm(llm: Any, store: str | os.PathLike, prefix: str = "", *, assume_v
         whatever the workers raise (a bad field: ``ValueError`` naming it; a store or version that
         does not fit: a :class:`~torch_deltasync.DeltaSyncError`); nothing is installed then.
     """
-    info, sdir, created = _init_info(store, prefix, assume_version, status_dir, init_info)
-    try:
-        llm.init_weight_transfer_engine({"init_info": info})
-        att = _attachment(info, sdir, created)
-    except BaseException:
-        if created:
-            shutil.rmtree(sdir, ignore_errors=True)
-        raise
+    info, att = drive(_attach_steps(store, prefix, assume_version, status_dir, init_info),
+                      {"init": lambda info: llm.init_weight_transfer_engine({"init_info": info})})
     _remember(llm, att)
     return info
 
@@ -346,24 +248,13 @@ def update_llm(llm: Any, version: int | None = None, *,
         DeltaSyncError: not attached, or a worker reports another version after the commit.
     """
     att = _attached(llm, "attach_llm")
-    t0 = time.perf_counter()
-    v = att.newest() if version is None else _version(version)
-    staged = att.wait(v, stage_timeout_s)
-    t1 = time.perf_counter()
-    llm.start_weight_update()
-    llm.update_weights({"update_info": {"version": v}})
-    llm.finish_weight_update(weight_version=str(v))
-    llm.reset_prefix_cache(reset_running_requests=True)
-    t2 = time.perf_counter()
-    att.check_held(v)
-    return EngineUpdate(version=v, staged=staged, wait_ms=(t1 - t0) * 1e3, stall_ms=(t2 - t1) * 1e3,
-                        total_ms=(time.perf_counter() - t0) * 1e3)
-
-
-def _version(version: Any) -> int:
-    if type(version) is not int or version < 0:
-        raise ValueError(f"version must be a published version (int >= 0) or None, got {version!r}")
-    return version
+    return drive(_update_steps(version, stage_timeout_s, pause=False, mode=None), {
+        **_readiness_ops(att),
+        "start": llm.start_weight_update,
+        "update": lambda v: llm.update_weights({"update_info": {"version": v}}),
+        "finish": lambda v: llm.finish_weight_update(weight_version=str(v)),
+        "reset_cache": lambda: llm.reset_prefix_cache(reset_running_requests=True),
+    })
 
 
 # --- AsyncLLM ---------------------------------------------------------------------------------------
@@ -377,14 +268,9 @@ async def attach_async_llm(engine: Any, store: str | os.PathLike, prefix: str = 
     ``await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=...))``."""
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    info, sdir, created = _init_info(store, prefix, assume_version, status_dir, init_info)
-    try:
-        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
-        att = _attachment(info, sdir, created)
-    except BaseException:
-        if created:
-            shutil.rmtree(sdir, ignore_errors=True)
-        raise
+    info, att = await drive_async(
+        _attach_steps(store, prefix, assume_version, status_dir, init_info),
+        {"init": lambda info: engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))})
     _remember(engine, att)
     return info
 
@@ -410,26 +296,14 @@ async def update_async_llm(engine: Any, version: int | None = None, *, mode: Pau
 
     _check_mode(mode)
     att = _attached(engine, "attach_async_llm")
-    t0 = time.perf_counter()
-    v = await asyncio.to_thread(att.newest) if version is None else _version(version)
-    staged = await asyncio.to_thread(att.wait, v, stage_timeout_s)
-    t1 = time.perf_counter()
-    try:
-        await engine.pause_generation(mode=mode, clear_cache=True)
-        await engine.start_weight_update()
-        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": v}))
-        await engine.finish_weight_update(weight_version=str(v))
-    except BaseException:
-        try:
-            await engine.resume_generation()
-        except Exception as e:  # noqa: BLE001 (the update's error is the one to raise)
-            log.error("resume_generation failed after a failed update: %s", e)
-        raise
-    await engine.resume_generation()
-    t2 = time.perf_counter()
-    await asyncio.to_thread(att.check_held, v)
-    return EngineUpdate(version=v, staged=staged, wait_ms=(t1 - t0) * 1e3, stall_ms=(t2 - t1) * 1e3,
-                        total_ms=(time.perf_counter() - t0) * 1e3, mode=mode)
+    return await drive_async(_update_steps(version, stage_timeout_s, pause=True, mode=mode), {
+        **_threaded(_readiness_ops(att)),
+        "pause": lambda m: engine.pause_generation(mode=m, clear_cache=True),
+        "start": engine.start_weight_update,
+        "update": lambda v: engine.update_weights(WeightTransferUpdateRequest(update_info={"version": v})),
+        "finish": lambda v: engine.finish_weight_update(weight_version=str(v)),
+        "resume": engine.resume_generation,
+    })
 
 
 # --- HTTP server ------------------------------------------------------------------------------------
@@ -497,14 +371,8 @@ def attach_server(base_url: str, store: str | os.PathLike, prefix: str = "", *, 
         DeltaSyncError: the server refused (the message carries its reason) or cannot be reached.
     """
     server = _Server(base_url, timeout, headers)
-    info, sdir, created = _init_info(store, prefix, assume_version, status_dir, init_info)
-    try:
-        server.call("POST", "/init_weight_transfer_engine", body={"init_info": info})
-        att = _attachment(info, sdir, created)
-    except BaseException:
-        if created:
-            shutil.rmtree(sdir, ignore_errors=True)
-        raise
+    info, att = drive(_attach_steps(store, prefix, assume_version, status_dir, init_info),
+                      {"init": lambda info: server.call("POST", "/init_weight_transfer_engine", body={"init_info": info})})
     old = _SERVERS.get(server.base)
     _SERVERS[server.base] = att
     if old is not None and old.status_dir != att.status_dir:
@@ -531,33 +399,23 @@ def update_server(base_url: str, version: int | None = None, *, mode: PauseMode 
     _check_mode(mode)
     server = _Server(base_url, timeout, headers)
     att = _SERVERS.get(server.base)
-    t0 = time.perf_counter()
-    if version is None:
-        if att is None:
-            raise DeltaSyncError(f"{server.base} was not attached by this process: pass version=, or call "
-                                 "attach_server first")
-        v = att.newest()
-    else:
-        v = _version(version)
-    staged = att.wait(v, stage_timeout_s) if att is not None else None
-    t1 = time.perf_counter()
-    try:
-        server.call("POST", "/pause", {"mode": mode, "clear_cache": "true"})
-        server.call("POST", "/start_weight_update")
-        server.call("POST", "/update_weights", body={"update_info": {"version": v}})
-        server.call("POST", "/finish_weight_update", body={"weight_version": str(v)})
-    except BaseException:
-        try:
-            server.call("POST", "/resume")
-        except Exception as e:  # noqa: BLE001 (the update's error is the one to raise)
-            log.error("POST /resume failed after a failed update: %s", e)
-        raise
-    server.call("POST", "/resume")
-    t2 = time.perf_counter()
-    served = (server.call("GET", "/weight_info") or {}).get("weight_version")
-    if served != str(v):
-        raise DeltaSyncError(f"{server.base}/weight_info reports {served!r} after committing version {v}")
-    if att is not None:
-        att.check_held(v)
-    return EngineUpdate(version=v, staged=staged, wait_ms=(t1 - t0) * 1e3, stall_ms=(t2 - t1) * 1e3,
-                        total_ms=(time.perf_counter() - t0) * 1e3, mode=mode)
+    if version is None and att is None:
+        raise DeltaSyncError(f"{server.base} was not attached by this process: pass version=, or call "
+                             "attach_server first")
+
+    def check(v: int) -> None:
+        served = (server.call("GET", "/weight_info") or {}).get("weight_version")
+        if served != str(v):
+            raise DeltaSyncError(f"{server.base}/weight_info reports {served!r} after committing version {v}")
+        if att is not None:
+            att.check_held(v)
+
+    return drive(_update_steps(version, stage_timeout_s, pause=True, mode=mode), {
+        **(_readiness_ops(att) if att is not None else {"wait": lambda v, t: None}),
+        "check": check,
+        "pause": lambda m: server.call("POST", "/pause", {"mode": m, "clear_cache": "true"}),
+        "start": lambda: server.call("POST", "/start_weight_update"),
+        "update": lambda v: server.call("POST", "/update_weights", body={"update_info": {"version": v}}),
+        "finish": lambda v: server.call("POST", "/finish_weight_update", body={"weight_version": str(v)}),
+        "resume": lambda: server.call("POST", "/resume"),
+    })

@@ -46,11 +46,11 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import CorruptObjectError, IncompatibleTargetError, ObjectNotFoundError, VersionNotFoundError
-from .receiver import DeltaReceiver
-from .sender import AnchorPolicy, DeltaSender
-from .store import Store, open_store
-from .targets.module import ModuleTarget
+from ..errors import CorruptObjectError, IncompatibleTargetError, ObjectNotFoundError, VersionNotFoundError
+from ..receiver import DeltaReceiver
+from ..sender import AnchorPolicy, DeltaSender
+from ..store import Store, open_store
+from ..targets.module import ModuleTarget
 
 __all__ = [
     "ADAPTER_CONFIG_KEY",

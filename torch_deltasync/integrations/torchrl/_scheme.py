@@ -1,0 +1,426 @@
+"""The ``"delta"`` weight-sync scheme for torchrl collectors: configuration, pickling and the
+sending half (the receiving half is :mod:`._scheme_receiver`); the architecture is in the package
+docstring (:mod:`torch_deltasync.integrations.torchrl`).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+from torchrl._utils import logger as torchrl_logger
+from torchrl.weight_update.utils import _resolve_model
+from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
+
+from ..._dtypes import as_dtype
+from ...receiver import DeltaReceiver
+from ...sender import AnchorPolicy, DeltaSender
+from ...store import Store, open_store
+from ...store.base import check_key
+from .._sender_options import check_sender_options, sender_option
+from ._acks import AckBook, OnWorkerFailure, QueueAcks, StoreAcks
+from ._collectors import int_tracker, is_leaf_collector
+from ._gate import CallGate
+from ._scheme_receiver import ReceiverSide
+from ._tensors import flat_tensors, named_tensors
+
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9._=+@,-]+")
+
+
+@register_weight_sync_backend("delta")
+class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
+    """Lossless sparse weight sync for torchrl collectors through an object store.
+
+    One scheme per model id, as in every torchrl scheme: pass it as
+    ``weight_sync_schemes={"policy": scheme}`` to ``Collector``, ``MultiSyncCollector`` or
+    ``MultiAsyncCollector`` (the trainer side), or as ``weight_recv_schemes={"policy": scheme}`` to
+    a ``Collector`` that runs elsewhere and only follows the store. The trainer and the workers
+    share nothing but the store (a folder, ``s3://``, ``hf://buckets/...``), so workers may live on
+    other hosts or in other datacenters, start late, or restart: a worker that joins catches up
+    from the newest anchor plus the deltas after it.
+
+    Each ``update_policy_weights_()`` publishes one version: the elements whose bits changed in the
+    inference dtype since the last published version (typically ~1% in bf16 at RL learning rates),
+    or every ``anchor_every`` versions a full anchor. Workers apply it bit-exactly in place.
+
+    Args:
+        store: a store URI or path (``"runs/x/bucket"``, ``"s3://bucket/run"``, ...), opened with
+            :func:`~torch_deltasync.open_store` and ``store_options`` in every process, or a
+            :class:`~torch_deltasync.Store` object (it is pickled to the workers: a
+            :class:`~torch_deltasync.LocalStore` does that; pass remote stores as URIs).
+        prefix: sub-path of the store for this model (default: the model id, e.g. ``"policy"``).
+            Sender and receivers must agree.
+        receiver_dtype: dtype of the workers' floating tensors. ``None`` keeps the policy's own
+            dtype (it must hold every ``inference_dtype`` value exactly: fp32 holds bf16);
+            ``torch.bfloat16`` makes workers serve in bf16 (the policy must accept bf16 weights).
+        device: where a worker materialises a policy that arrived without data (default CPU;
+            torchrl moves it to the collector's ``policy_device`` afterwards).
+        sync: ``send`` returns only once the workers have applied the new version (or failed,
+            died or timed out; see ``on_worker_failure``). Needs an acknowledgement channel: a
+            MultiCollector's workers get a queue; other receivers write ``<prefix>/acks/...``
+            objects when ``num_workers`` is set.
+        num_workers: for senders without worker processes of their own (a standalone sender, a
+            single ``Collector``): how many receivers (worker ids ``0..num_workers-1``) ``send``
+            waits for. Receivers configured with it write their acknowledgements to the store.
+        ack_timeout_s: seconds ``send`` waits for acknowledgements before giving up on a worker.
+        on_worker_failure: what ``send`` does when a worker died, reported an error, or timed out:
+            ``"raise"`` (:class:`~torch_deltasync.errors.WorkerError` /
+            :class:`~torch_deltasync.errors.SyncTimeoutError`) or ``"skip"`` (log a warning, stop waiting
+            for that worker until it acknowledges again, carry on with the others).
+        poll_interval_s: how often receivers look for a new version (seconds). Each poll reads
+            ``LATEST`` and checks one manifest: raise it for remote stores (e.g. 1-5 s on S3).
+        connect_timeout_s: how long a receiver's ``connect`` waits for the first version.
+        background_receive: receivers follow the store on a daemon thread; with ``False`` call
+            :meth:`receive` yourself (e.g. between rollouts).
+        version_key: root key of the collected data that each policy call overwrites with the
+            version whose weights computed the action (``None``: leave torchrl's stamps alone).
+        max_workers: parallel downloads per receiver.
+        metrics_path: append publish/update stats as JSON lines (``{worker}`` is replaced by the
+            worker index, ``sender`` on the trainer).
+        store_options: options for :func:`~torch_deltasync.open_store` (endpoint, credentials, ...).
+        strategy: torchrl ``WeightStrategy`` name, used only by :attr:`weights`.
+        sender_options: keyword options of the trainer's :class:`~torch_deltasync.DeltaSender`,
+            passed on as they are: ``anchor_every`` (anchor cadence in versions, default 10),
+            ``anchor_policy`` (a full :class:`~torch_deltasync.AnchorPolicy`; overrides
+            ``anchor_every``), ``inference_dtype`` (dtype the workers' weights are bit-identical
+            to, as the trainer's weights cast to it; default ``torch.bfloat16``), ``codec``,
+            ``snapshot_device``, ``background`` (``send`` returns once the changes are detected;
+            a send that finds the previous upload still running is coalesced into the next one),
+            ``retention`` (:class:`~torch_deltasync.RetentionPolicy`), ... (see ``DeltaSender``).
+            They travel to the workers with the scheme (pickled), so they must pickle.
+
+    Raises:
+        ValueError: an invalid option.
+        TypeError: a keyword that is neither the scheme's nor ``DeltaSender``'s.
+
+    Example:
+        >>> scheme = DeltaWeightSyncScheme("runs/x/bucket", inference_dtype=torch.bfloat16,
+        ...                                receiver_dtype=torch.bfloat16, anchor_every=50)
+        >>> collector = MultiAsyncCollector([make_env] * 4, policy, frames_per_batch=1000,
+        ...                                 total_frames=-1, track_policy_version=True,
+        ...                                 weight_sync_schemes={"policy": scheme})
+        >>> for data in collector:
+        ...     train(data)
+        ...     collector.update_policy_weights_()   # publishes version v, workers apply it
+        ...     sampler.consumer_version = scheme.version
+    """
+
+    def __init__(
+        self,
+        store: str | Store | Any,
+        *,
+        prefix: str | None = None,
+        receiver_dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        sync: bool = True,
+        num_workers: int | None = None,
+        ack_timeout_s: float = 120.0,
+        on_worker_failure: OnWorkerFailure = "raise",
+        poll_interval_s: float = 0.05,
+        connect_timeout_s: float = 300.0,
+        background_receive: bool = True,
+        version_key: str | None = "policy_version",
+        max_workers: int = 4,
+        metrics_path: str | None = None,
+        store_options: dict[str, Any] | None = None,
+        strategy: Literal["tensordict", "state_dict"] = "tensordict",
+        **sender_options: Any,
+    ) -> None:
+        super().__init__(strategy)
+        if on_worker_failure not in ("raise", "skip"):
+            raise ValueError(f"on_worker_failure must be 'raise' or 'skip', got {on_worker_failure!r}")
+        for name, value in (("ack_timeout_s", ack_timeout_s), ("poll_interval_s", poll_interval_s),
+                            ("connect_timeout_s", connect_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if num_workers is not None and num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1 or None, got {num_workers}")
+        if prefix is not None:
+            check_key(prefix, allow_empty=True)
+        self.store_spec = store
+        self.store_options = dict(store_options or {})
+        self.prefix = prefix
+        self.sender_options = check_sender_options(sender_options, "DeltaWeightSyncScheme")
+        self.receiver_dtype = None if receiver_dtype is None else as_dtype(receiver_dtype)
+        self.device = device
+        self.sync = sync
+        self.num_workers = num_workers
+        self.ack_timeout_s = float(ack_timeout_s)
+        self.on_worker_failure = on_worker_failure
+        self.poll_interval_s = float(poll_interval_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.background_receive = background_receive
+        self.version_key = version_key
+        self.max_workers = max_workers
+        self.metrics_path = metrics_path
+        self._acks: QueueAcks | StoreAcks | None = None  # a channel, travels to the workers
+        self._expected: list[int] = []
+        self._reset_runtime()
+
+    # --- state that never leaves the process ---------------------------------------------------------
+
+    def _reset_runtime(self) -> None:
+        self._store: Store | None = None
+        self._sender: DeltaSender | None = None
+        self._receiver: DeltaReceiver | None = None
+        self._hooks: list[Any] = []
+        self._gate = CallGate()  # policy calls vs writes of the weights
+        self._update_lock = threading.Lock()  # one update at a time (thread vs explicit receive())
+        self._published: int | None = None  # sender: newest version this scheme published
+        self._applied: int | None = None  # receiver: version the policy's weights hold
+        self._book: AckBook | None = None  # sender: the workers' acknowledgements
+        self._failed: tuple[int, float] | None = None  # receiver: (version, retry time) after an error
+        self._last_update: dict[str, Any] | None = None
+        self._is_shutdown = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        # Live clients, snapshots, threads, locks, hooks and staged weights stay in this process;
+        # the receiving process opens its own store client (torchrl's rule for schemes,
+        # weight_sync_schemes.py:1313). The acknowledgement channel travels on purpose.
+        for key in ("_store", "_sender", "_receiver", "_hooks", "_gate", "_update_lock",
+                    "_published", "_applied", "_book", "_failed",
+                    "_last_update", "_is_shutdown", "_weights"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._reset_runtime()
+
+    # --- configuration helpers ---------------------------------------------------------------------
+
+    @property
+    def run_prefix(self) -> str:
+        """The store prefix of this model's run (``prefix``, or the model id made key-safe)."""
+        return self.prefix if self.prefix is not None else self.model_key
+
+    @property
+    def model_key(self) -> str:
+        """The model id as a store-key segment (``"env.transform[0].module"`` -> ``"env.transform_0_.module"``)."""
+        return _KEY_UNSAFE.sub("_", self._model_id or "policy").strip("_") or "policy"
+
+    @property
+    def anchor_policy(self) -> AnchorPolicy:
+        """The sender's anchor policy (``anchor_policy``, else ``AnchorPolicy(every=anchor_every)``)."""
+        return (sender_option(self.sender_options, "anchor_policy")
+                or AnchorPolicy(every=sender_option(self.sender_options, "anchor_every")))
+
+    @property
+    def version(self) -> int | None:
+        """Sender: the newest version published. Receiver: the version the policy holds."""
+        return self._published if self.initialized_on_sender else self._applied
+
+    def _open_store(self) -> Store:
+        if self._store is None:
+            if isinstance(self.store_spec, Store):
+                if self.store_options:
+                    raise ValueError("store_options cannot be applied to an already opened store")
+                self._store = self.store_spec
+            else:
+                self._store = open_store(self.store_spec, **self.store_options)
+        return self._store
+
+    def _metrics_path(self, who: str) -> str | None:
+        return self.metrics_path.replace("{worker}", who) if self.metrics_path else None
+
+    # --- context and model (overridden to keep trackers and targets in step) ----------------------
+
+    @property
+    def context(self) -> Any | None:
+        return WeightSyncScheme.context.fget(self)
+
+    @context.setter
+    def context(self, value: Any) -> None:
+        WeightSyncScheme.context.fset(self, value)
+        # A worker's inner collector is attached after connect() applied the first version
+        # (collectors/_runner.py:181-191): bring its PolicyVersion tracker to that version.
+        if value is not None and self._applied is not None:
+            with self._gate.exclusive():
+                self._set_tracker(self._applied)
+
+    @property
+    def model(self) -> Any | None:
+        return WeightSyncScheme.model.fget(self)
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        old = self._model_ref() if self._model_ref is not None else None
+        WeightSyncScheme.model.fset(self, value)
+        if value is not None and old is not None and value is not old and self._receiver is not None:
+            # The worker's collector moved the policy to its device (a copy) and repointed us
+            # (collectors/_runner.py:183-191): follow the copy, check it holds our version.
+            self._retarget(old, value)
+
+    # --- sender --------------------------------------------------------------------------------------
+
+    def _init_on_sender_impl(self, *, model_id: str = "policy", context: Any = None, model: Any = None,
+                             weights: Any = None, ctx: Any = None, num_workers: int | None = None,
+                             **kwargs: Any) -> None:
+        """Local set-up on the trainer; no communication (MultiCollector pickles the scheme to its
+        workers right after this call, ``collectors/_multi_base.py:1320-1326``)."""
+        if kwargs:
+            torchrl_logger.debug(f"DeltaWeightSyncScheme: ignoring init_on_sender arguments {sorted(kwargs)}")
+        self.model_id = model_id
+        if context is not None:
+            self.context = context
+        if model is not None:
+            self.model = model
+        if weights is not None:
+            self._weights = weights
+        # Acknowledgements only when send() waits for them (nobody would drain the channel otherwise).
+        n = num_workers or self.num_workers
+        if self.sync and ctx is not None and getattr(context, "num_workers", None):
+            n = int(context.num_workers)
+            self._acks = QueueAcks(ctx, n)
+        elif self.sync and n:
+            self._acks = StoreAcks(self.model_key)
+        else:
+            self._acks = None
+        self._expected = list(range(n)) if n and self._acks is not None else []
+        self._book = None if self._acks is None else AckBook(self._acks, self._expected, self._model_id,
+                                                             self.on_worker_failure)
+
+    def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
+                                                    weights: Any = None) -> None:
+        """Publish the first version (always an anchor) so that receivers can connect."""
+        if weights is not None:
+            self._weights = weights
+        self._sender = DeltaSender(self._source(None), self._open_store(), prefix=self.run_prefix,
+                                   **{"metrics_path": self._metrics_path("sender"), **self.sender_options})
+        v = self._sender.publish(background=False)
+        self._published = v
+        self._align_sender_tracker(bump_follows=False)
+        st = self._sender.last_stats
+        torchrl_logger.info(
+            f"DeltaWeightSyncScheme: published anchor version {v} of {self._model_id!r} to "
+            f"{self._store.describe()}/{self.run_prefix} ({st.nbytes:,} bytes)"
+        )
+
+    def _source_model(self) -> nn.Module:
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            ctx = self.context
+            get_model = getattr(ctx, "get_model", None)
+            model = get_model(self._model_id) if callable(get_model) else _resolve_model(ctx, self._model_id)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"DeltaWeightSyncScheme: model {self._model_id!r} is a {type(model).__name__}, not an nn.Module; "
+                "pass weights to update_policy_weights_(...) or init_on_sender(model=...)"
+            )
+        return model
+
+    def _source(self, weights: Any) -> Any:
+        """What the sender reads: a callable returning the live tensors by name."""
+        if weights is None:
+            weights = getattr(self, "_weights", None)
+        if weights is None:
+            module = self._source_model()
+            return lambda: named_tensors(module)
+        if isinstance(weights, nn.Module):
+            return lambda: named_tensors(weights)
+        if isinstance(weights, str):
+            module = _resolve_model(self.context, weights)
+            return lambda: named_tensors(module)
+        if isinstance(weights, (TensorDictBase, Mapping)):
+            flat = flat_tensors(weights)
+            return lambda: flat
+        raise TypeError(
+            f"DeltaWeightSyncScheme cannot send weights of type {type(weights).__name__}; pass None, an "
+            "nn.Module, a TensorDict or a state dict"
+        )
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Publish the current weights as the next version; with ``sync``, wait for the workers.
+
+        Args:
+            weights: ``None`` (the collector's policy, or the model / weights given at init), an
+                ``nn.Module``, a ``TensorDict`` (e.g. ``TensorDict.from_module(train_policy)``) or a
+                state dict, with the same names as the workers' policy.
+            worker_ids: workers to wait for (default: all). Every worker follows the newest
+                version regardless: the store is shared.
+
+        Raises:
+            RuntimeError: not initialised or connected on the sender.
+            PublishError: the store failed; nothing partial is visible.
+            WorkerError: (``sync``, ``on_worker_failure="raise"``) a worker died or could not
+                apply the version.
+            SyncTimeoutError: (same) a worker did not confirm within ``ack_timeout_s``.
+        """
+        if not self.initialized_on_sender:
+            raise RuntimeError("Must be initialized on sender before sending weights")
+        if not self.synchronized_on_sender:
+            raise RuntimeError("Must be synchronized on sender before sending weights")
+        self._sender.model = self._source(weights)
+        v = self._sender.publish()
+        if v is None:
+            torchrl_logger.debug("DeltaWeightSyncScheme: previous upload still running; coalesced into the next send")
+            self._align_sender_tracker(bump_follows=True)
+            return
+        self._published = v
+        self._align_sender_tracker(bump_follows=True)
+        if self.sync and self._acks is not None:
+            self._wait_for_ack(worker_ids)
+
+    def _align_sender_tracker(self, *, bump_follows: bool) -> None:
+        """Make the context's ``PolicyVersion`` tracker read the published version.
+
+        A leaf ``Collector`` bumps its tracker by one right after ``send`` returns
+        (``collectors/_single.py:1680-1706``), so it is set one below; a MultiCollector's parent
+        tracker is only advisory (workers stamp the data) and is set to the version itself.
+        """
+        tracker = int_tracker(self.context)
+        if tracker is None or self._published is None:
+            return
+        leaf = bump_follows and is_leaf_collector(self.context)
+        tracker.version = self._published - 1 if leaf else self._published
+
+    def _worker_process(self, worker: int) -> Any:
+        procs = getattr(self.context, "procs", None)
+        if procs is not None and 0 <= worker < len(procs):
+            return procs[worker]
+        return None
+
+    def _wait_for_ack(self, worker_ids: int | list[int] | None = None, timeout: float | None = None) -> None:
+        """Block until the target workers acknowledged the newest published version
+        (:meth:`AckBook.wait`; at most ``timeout``, default ``ack_timeout_s``)."""
+        v = self._published
+        if v is None or self._book is None:
+            return
+        store = self._open_store().sub(self.run_prefix) if isinstance(self._acks, StoreAcks) else None
+        self._book.wait(v, worker_ids, store, timeout_s=self.ack_timeout_s if timeout is None else timeout,
+                        poll_s=self.poll_interval_s, process_of=self._worker_process)
+
+    def worker_versions(self) -> dict[int, int]:
+        """Sender: the newest version each worker acknowledged (workers never heard from are absent)."""
+        return {} if self._book is None else dict(self._book.acked)
+
+    @property
+    def last_publish(self):
+        """Sender: :class:`~torch_deltasync.PublishStats` of the newest publish (``None`` before)."""
+        return None if self._sender is None else self._sender.last_stats
+
+    # --- common --------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the receiver thread, remove the hooks, flush a background publish. Idempotent;
+        torchrl also calls it from ``__del__`` on every copy, where there is nothing to do."""
+        if getattr(self, "_is_shutdown", True):
+            return
+        self._is_shutdown = True
+        super().shutdown()
+        self._remove_hooks()
+        sender, self._sender = self._sender, None
+        receiver, self._receiver = self._receiver, None
+        if sender is not None:
+            try:
+                sender.close()
+            except Exception as e:  # noqa: BLE001 - shutting down: report, do not raise from __del__
+                torchrl_logger.warning(f"DeltaWeightSyncScheme: last background publish failed: {e}")
+        if receiver is not None:
+            receiver.close()
