@@ -34,6 +34,7 @@ __all__ = [
     "CODE_BITS",
 ]
 
-for _name in ("Codec", "TensorDelta", "register_codec", "get_codec", "codec_names", "RawCodec", "PackedCodec"):
+for _name in ("Codec", "TensorDelta", "register_codec", "get_codec", "codec_names", "auto_codec", "RawCodec",
+              "PackedCodec"):
     globals()[_name].__module__ = __name__
 del _name

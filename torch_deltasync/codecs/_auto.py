@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PACKED_BELOW_GBPS", "auto_codec"]
+__all__ = ["PACKED_BELOW_GBPS", "auto_codec", "sender_codec"]
 
 #: Link speed (Gbit/s, per sender-to-receiver path) below which ``codec="auto"`` picks ``packed``
 #: and at or above which it picks ``raw``: the crossover of the cost model in
@@ -43,3 +43,21 @@ def auto_codec(link_gbps: float) -> str:
             or link_gbps <= 0:
         raise ValueError(f"link_gbps must be a positive number of Gbit/s (e.g. 10.0), got {link_gbps!r}")
     return "packed" if link_gbps < PACKED_BELOW_GBPS else "raw"
+
+
+def sender_codec(codec: str, link_gbps: float | None) -> str:
+    """The codec name a sender built with ``codec`` and ``link_gbps`` uses: :func:`auto_codec`
+    of ``link_gbps`` for ``"auto"``, else ``codec`` itself.
+
+    Raises:
+        ValueError: ``"auto"`` without ``link_gbps`` or with a bad one, or ``link_gbps`` given
+            with another codec (it would be ignored).
+    """
+    if codec == "auto":
+        if link_gbps is None:
+            raise ValueError('codec="auto" chooses by link speed: pass link_gbps= (Gbit/s from the store to '
+                             'each receiver), or name the codec ("packed" or "raw")')
+        return auto_codec(link_gbps)
+    if link_gbps is not None:
+        raise ValueError(f'link_gbps is only used by codec="auto"; this sender uses codec={codec!r}')
+    return codec

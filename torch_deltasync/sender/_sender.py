@@ -37,7 +37,8 @@ import torch
 
 from .._dtypes import as_dtype
 from ..checksum import checksum_change, combine, tensor_checksum
-from ..codecs import auto_codec, get_codec
+from ..codecs import get_codec
+from ..codecs._auto import sender_codec
 from ..detect import ChangeDetector
 from ..errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
 from ..format import encode_anchor, encode_delta, sha256_hex
@@ -77,12 +78,9 @@ class DeltaSender:
         snapshot_device: where the last-published snapshot lives: ``None`` = each tensor's device,
             ``"cpu"`` = (pinned) host memory. Costs ``element_size`` bytes per element.
         codec: name of the delta codec (see :func:`torch_deltasync.codecs.codec_names`): ``"packed"``
-            (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes); or
-            ``"auto"``: the one that reaches the receivers sooner over ``link_gbps``
-            (:func:`torch_deltasync.codecs.auto_codec`: ``packed`` below 4 Gbit/s, ``raw`` above),
-            chosen once here.
-        link_gbps: with ``codec="auto"`` (and only then), the bandwidth from the store to each
-            receiver in Gbit/s.
+            (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes); ``"auto"``
+            picks by ``link_gbps`` (:func:`torch_deltasync.codecs.auto_codec`), once, here.
+        link_gbps: for ``codec="auto"`` only: the store-to-receiver bandwidth in Gbit/s.
         background: default for ``publish(background=...)``.
         run_id: identifies this writer in manifests (random by default). Receivers cross from one
             run to another only by an anchor.
@@ -106,9 +104,8 @@ class DeltaSender:
         UnsupportedLayoutError: a tensor layout that cannot be published (e.g. ``Partial``).
         PrefixInUseError: another writer's lease on the prefix is live (on every rank).
         ValueError: the ranks of a sharded sender do not address the same store and prefix (e.g.
-            each opened its own temporary folder), checked on every rank.
-        ValueError: ``codec="auto"`` without a positive ``link_gbps``, or ``link_gbps`` with
-            another codec.
+            each opened its own temporary folder), checked on every rank; ``codec``/``link_gbps``
+            do not fit (:func:`~torch_deltasync.codecs._auto.sender_codec`).
 
     Example:
         >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), anchor_every=10)
@@ -141,14 +138,7 @@ class DeltaSender:
         self.store = open_store(store).sub(prefix)
         self.policy = anchor_policy or AnchorPolicy(every=anchor_every)
         self.dtype = as_dtype(inference_dtype)
-        if codec == "auto":
-            if link_gbps is None:
-                raise ValueError('codec="auto" chooses by link speed: pass link_gbps= (Gbit/s from the store to '
-                                 'each receiver), or name the codec ("packed" or "raw")')
-            codec = auto_codec(link_gbps)
-        elif link_gbps is not None:
-            raise ValueError(f'link_gbps is only used by codec="auto"; this sender uses codec={codec!r}')
-        self.codec = get_codec(codec)
+        self.codec = get_codec(sender_codec(codec, link_gbps))
         self.background = background
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.metrics_path = Path(metrics_path) if metrics_path else None

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import _native
+from .. import _native, _native_apply
 from .._dtypes import bits, int_view_dtype
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError
@@ -342,11 +342,11 @@ def _scatter_native(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
     if (not _native.enabled() or flat.device.type != "cpu" or pos.device.type != "cpu"
             or values.dtype != codec.dtype or pos.dtype != torch.int64):
         return False
-    p, v = pos.contiguous().numpy(), _native.np_bits(values.contiguous())
+    p, v = pos.contiguous().numpy(), _native_apply.np_bits(values.contiguous())
     if codec.widened:
-        _native.scatter_widened(flat.numpy().view(np.uint32), p, v)
+        _native_apply.scatter_widened(flat.numpy().view(np.uint32), p, v)
     else:
-        _native.scatter(_native.np_bits(flat), p, v, 0)
+        _native_apply.scatter(_native_apply.np_bits(flat), p, v, 0)
     return True
 
 

@@ -81,7 +81,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import _native
+from .. import _native, _native_apply
 from ..checksum import checksum as _checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from .base import Target
@@ -301,7 +301,7 @@ class VLLMTarget(Target):
         if p.grid is not None and _native.enabled() and positions.device.type == "cpu" and positions.dtype == torch.int64:
             ncols, rows, cols, _, _ = p.grid  # one pass, no division per element
             out = torch.empty(positions.shape, dtype=torch.bool)
-            _native.grid_held(positions.contiguous().numpy(), ncols, rows, cols, out.numpy())
+            _native_apply.grid_held(positions.contiguous().numpy(), ncols, rows, cols, out.numpy())
             return out
         mask, _ = self._map(e, p, positions.to(p.param.device))
         if mask is None:
@@ -348,7 +348,7 @@ class VLLMTarget(Target):
                        or (p.affine is None and p.grid is None) for p in places)):
             return False
         pos = positions.contiguous()
-        pos_np, vals = pos.numpy(), _native.np_bits(values.contiguous())
+        pos_np, vals = pos.numpy(), _native_apply.np_bits(values.contiguous())
         pmin, pmax = (int(x) for x in torch.aminmax(pos))
         offsets = []
         for p in places:  # validate every place before the first write
@@ -360,17 +360,17 @@ class VLLMTarget(Target):
                 offsets.append(offset)
             else:
                 ncols, rows, cols, _, _ = p.grid
-                if _native.grid_first_bad(pos_np, math.prod(e.shape), ncols, rows, cols) >= 0:
+                if _native_apply.grid_first_bad(pos_np, math.prod(e.shape), ncols, rows, cols) >= 0:
                     self._owned_local(e, p, positions)
                     raise AssertionError("unreachable")  # pragma: no cover
                 offsets.append(None)
         for p, offset in zip(places, offsets):
-            flat = _native.np_bits(_flat(p.param))
+            flat = _native_apply.np_bits(_flat(p.param))
             if offset is not None:
-                _native.scatter(flat, pos_np, vals, offset)
+                _native_apply.scatter(flat, pos_np, vals, offset)
             else:
                 ncols, rows, cols, s0, s1 = p.grid
-                _native.scatter_grid(flat, pos_np, vals, ncols, rows, cols, s0, s1, p.base)
+                _native_apply.scatter_grid(flat, pos_np, vals, ncols, rows, cols, s0, s1, p.base)
         return True
 
     @torch.no_grad()
