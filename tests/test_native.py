@@ -488,3 +488,168 @@ def test_kernels_refuse_inconsistent_deltas():
     with pytest.raises(ValueError, match="position 10 outside"):
         TensorDelta(torch.tensor([10, 2]), v[:2]).apply_to(flat)
     assert bool((flat == 0).all())
+
+
+# --- targets: applying in place ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float32, torch.float16])
+def test_module_target_write_matches_index_copy(storage):
+    from torch_deltasync import ModuleTarget
+
+    dtype = torch.float16 if storage == torch.float16 else torch.bfloat16
+    numel = 30_000
+    base = _special_fp32(numel, 11).to(dtype).to(storage)  # NaN payloads, -0.0, infinities
+    rng = np.random.default_rng(12)
+    pos = torch.from_numpy(rng.choice(numel, 4000, replace=False))  # unsorted too
+    new = _special_fp32(4000, 13).to(dtype)
+    # independent expectation: the inference dtype's bit patterns, widened by a 16-bit shift for fp32
+    want = bits(base.to(dtype)).clone() if storage == dtype else bits(base).clone()
+    nb = bits(new)
+    want[pos] = nb if storage == dtype else (nb.to(torch.int32) << 16)
+
+    def run():
+        held = {"w": base.clone().reshape(100, 300)}
+        t = ModuleTarget(held)
+        t.check({"w": (100, 300)}, {}, dtype)
+        t.write("w", pos, new)
+        return bits(held["w"].reshape(-1))
+
+    fast, ref = both(run)
+    assert torch.equal(fast, want) and torch.equal(ref, want)
+    bad = pos.clone()
+    bad[100] = numel  # outside the tensor: refused before anything is written, on both paths
+    for on in (True, False):
+        prev = _native.set_enabled(on)
+        try:
+            w = base.clone()
+            t = ModuleTarget({"w": w})
+            t.check({"w": (numel,)}, {}, dtype)
+            with pytest.raises(CorruptObjectError, match=rf"'w': positions outside \[0, {numel}\) \(min {int(bad.min())}, max {numel}\); nothing written"):
+                t.write("w", bad, new)
+            assert torch.equal(bits(w), bits(base))
+        finally:
+            _native.set_enabled(prev)
+
+
+def _fake_vllm_target(shape, local_shape, tables, base=0, transpose=False):
+    """A :class:`VLLMTarget` holding one tensor ``"w"`` of HF ``shape`` through the given per-dim
+    tables (int64 ``HF -> local``, -1 = not held; ``None`` = identity) into a zeroed bf16 parameter
+    of ``local_shape`` (transposed storage when ``transpose``), without vLLM."""
+    from torch import nn
+
+    from torch_deltasync.targets.vllm import VLLMTarget, _Entry, _Place, _with_affine, _with_grid
+
+    param = torch.zeros(local_shape[::-1] if transpose else local_shape, dtype=torch.bfloat16)
+    if transpose:
+        param = param.t()
+    t = VLLMTarget(nn.Module())
+    p = _Place(param, "w_local", base, tuple(tables), tuple(param.stride()), True)
+    p = _with_grid(_with_affine(p, shape), shape)
+    t._entries = {"w": _Entry("w", tuple(shape), [p])}
+    return t, param, p
+
+
+def _expected_local(shape, tables, strides, base, pos):
+    """``(held mask, local offsets)`` of ``pos`` by plain Python coordinates (the module doc's formula)."""
+    held, local = [], []
+    for q in pos.tolist():
+        coords = np.unravel_index(q, shape)
+        loc = [c if tb is None else int(tb[c]) for c, tb in zip(coords, tables)]
+        held.append(all(x >= 0 for x in loc))
+        local.append(base + sum(x * s for x, s in zip(loc, strides)))
+    return held, local
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_vllm_target_write_matches_the_torch_map(data):
+    # Random separable maps (split rows, split columns, both, 1-D, transposed storage, a base
+    # offset), positions sorted or not, some outside the rank or the tensor: the fused kernel
+    # writes exactly what the torch map + index_copy_ writes, or refuses with the same error and
+    # writes nothing.
+    ndim = data.draw(st.sampled_from([1, 2]))
+    shape = tuple(data.draw(st.integers(1, 40)) for _ in range(ndim))
+    tables, local_shape = [], []
+    for d in range(ndim):
+        kind = data.draw(st.sampled_from(["identity", "block", "random"]))
+        n = shape[d]
+        if kind == "identity":
+            tables.append(None)
+            local_shape.append(n)
+            continue
+        held = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n)))
+        if kind == "block":
+            held = list(range(held[0], held[-1] + 1))
+        dst = data.draw(st.permutations(range(len(held)))) if kind == "random" else range(len(held))
+        tb = torch.full((n,), -1, dtype=torch.int64)
+        tb[torch.tensor(held)] = torch.tensor(list(dst))
+        tables.append(tb)
+        local_shape.append(len(held))
+    transpose = ndim == 2 and data.draw(st.booleans())
+    base = 0  # the whole parameter is the local tensor here
+    numel = int(np.prod(shape))
+    mask = torch.ones(shape, dtype=torch.bool)
+    for d, tb in enumerate(tables):
+        if tb is not None:
+            mask &= (tb >= 0).reshape([-1 if e == d else 1 for e in range(ndim)])
+    held_pos = torch.nonzero(mask.reshape(-1)).squeeze(1).tolist()
+    k = data.draw(st.integers(1, min(len(held_pos), 200)))
+    pos_list = data.draw(st.lists(st.sampled_from(held_pos), min_size=k, max_size=k, unique=True))
+    if data.draw(st.booleans()):
+        pos_list.sort()
+    if data.draw(st.integers(0, 3)) == 0:  # one position outside the tensor or not held here
+        pos_list[data.draw(st.integers(0, k - 1))] = data.draw(st.sampled_from([-1, numel, numel + 7] + [
+            q for q in range(numel) if not bool(mask.reshape(-1)[q])][:5]))
+    pos = torch.tensor(pos_list, dtype=torch.int64)
+    vals = torch.arange(1, k + 1, dtype=torch.int16).view(torch.bfloat16)
+
+    def run():
+        t, param, _ = _fake_vllm_target(shape, tuple(local_shape), tables, base, transpose)
+        try:
+            t.write("w", pos, vals)
+        except CorruptObjectError as e:
+            assert bool((bits(param) == 0).all()), "a refused write changed the parameter"
+            return type(e), str(e)
+        return bits(param).clone()
+
+    in_range = pos[(pos >= 0) & (pos < numel)]
+    own_fast, own_ref = both(lambda: _fake_vllm_target(shape, tuple(local_shape), tables)[0].owned("w", in_range))
+    want_own = [bool(mask.reshape(-1)[q]) for q in in_range.tolist()]
+    assert own_fast.tolist() == want_own and own_ref.tolist() == want_own
+    fast, ref = both(run)
+    assert type(fast) is type(ref)
+    if isinstance(ref, tuple):
+        assert fast == ref
+        return
+    assert torch.equal(fast, ref)
+    _, param, p = _fake_vllm_target(shape, tuple(local_shape), tables, base, transpose)
+    held, local = _expected_local(shape, tables, p.strides, base, pos)
+    assert all(held)
+    flat = torch.zeros(param.untyped_storage().nbytes() // 2, dtype=torch.int16)
+    flat[torch.tensor(local)] = bits(vals)
+    strided = torch.as_strided(flat, param.shape, param.stride())
+    assert torch.equal(fast, strided)
+
+
+def test_vllm_target_grid_kernels_on_large_rows():
+    # One division per row change: long rows with one change each, and many changes in one row.
+    shape = (300, 5000)
+    cols = torch.full((5000,), -1, dtype=torch.int64)
+    cols[2500:] = torch.arange(2500)  # a row-parallel split: rank 1 holds columns 2500..4999
+    rng = np.random.default_rng(21)
+    rows_hit = np.sort(rng.choice(300, 120, replace=False))
+    pos = torch.from_numpy(np.concatenate([rows_hit * 5000 + 2500 + rng.integers(0, 2500, 120),
+                                           299 * 5000 + 2500 + np.arange(0, 2500, 3)]))
+    pos = torch.unique(pos)
+    vals = torch.from_numpy(rng.integers(-30000, 30000, pos.numel(), dtype=np.int16)).view(torch.bfloat16)
+
+    def run():
+        t, param, _ = _fake_vllm_target(shape, (300, 2500), [None, cols])
+        t.write("w", pos, vals)
+        return bits(param).clone()
+
+    fast, ref = both(run)
+    want = torch.zeros(300, 2500, dtype=torch.int16)
+    want.view(-1)[(pos // 5000) * 2500 + (pos % 5000 - 2500)] = bits(vals)
+    assert torch.equal(fast, want) and torch.equal(ref, want)

@@ -731,3 +731,38 @@ def test_cli_inspect_and_verify_a_packed_run(tmp_path, capsys):
     assert "codec: packed" in out and f"{changed:,} changed elements" in out
     assert main(["verify", str(store.root)]) == 0
     assert "4/4 versions verified" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_object_decoded_on_threads_names_the_corrupt_tensor(tmp_path, threads):
+    # decode_delta decodes an object's tensors on a thread pool; a corrupt tensor is still named
+    # in the error, and the others decode to what was published.
+    from safetensors.torch import load as st_load, save as st_save
+
+    from torch_deltasync.format import decode_delta, read_header
+
+    g = torch.Generator().manual_seed(0)
+    model = {n: torch.randn(3000, generator=g) for n in ("a", "b", "c")}
+    store = LocalStore(tmp_path / "bucket")
+    sender = DeltaSender(model, store, anchor_every=100)
+    sender.publish()
+    before = {n: t.to(torch.bfloat16) for n, t in model.items()}
+    for t in model.values():
+        t[::7] += 0.01
+    v = sender.publish()
+    sender.close()
+    m = load_manifest(store, v)
+    o = m.delta_objects[0]
+    data = store.get(o.key)
+    good = decode_delta(data, m, o, threads=threads)
+    for n, t in model.items():
+        want = (bits(t.to(torch.bfloat16)) != bits(before[n])).nonzero().squeeze(1)
+        assert torch.equal(good[n].positions, want)
+        assert torch.equal(bits(good[n].resolve(before[n][want])), bits(t.to(torch.bfloat16))[want])
+    tensors = st_load(data)
+    blob = tensors["b:packed"].clone()
+    blob[0] = 99  # the layout version byte
+    tensors["b:packed"] = blob
+    _, meta = read_header(data, "test")
+    with pytest.raises(CorruptObjectError, match=rf"object {o.key}: tensor 'b': .*packed layout version 99"):
+        decode_delta(st_save(tensors, metadata=meta), m, o, threads=threads)

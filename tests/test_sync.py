@@ -369,3 +369,34 @@ def test_expanded_receiver_tensors_are_refused(store):
     held = {"w": torch.zeros(1, 3, dtype=torch.bfloat16).expand(4, 3)}
     with pytest.raises(IncompatibleTargetError, match="overlapping memory"):
         DeltaReceiver(held, store).update()
+
+
+@pytest.mark.parametrize("link_gbps,expected", [(1.0, "packed"), (3.9, "packed"), (4.0, "raw"), (100, "raw")])
+def test_auto_codec_by_link_speed(tmp_path, link_gbps, expected):
+    from torch_deltasync.manifest import load_manifest
+
+    trainer, replica = make_mlp(0), make_mlp(1, torch.bfloat16)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    store = LocalStore(tmp_path / "bucket")
+    sender = DeltaSender(trainer, store, codec="auto", link_gbps=link_gbps)
+    receiver = DeltaReceiver(replica, store)
+    receiver.update(sender.publish())
+    train_step(trainer, opt, gen)
+    v = sender.publish()
+    sender.close()
+    assert load_manifest(store, v).codec == expected
+    assert receiver.update() == v and receiver.last_stats.path == "delta"
+    assert_synced(trainer, replica)
+
+
+def test_auto_codec_needs_a_link_speed(tmp_path):
+    trainer = make_mlp(0)
+    with pytest.raises(ValueError, match=r'codec="auto" chooses by link speed: pass link_gbps='):
+        DeltaSender(trainer, LocalStore(tmp_path / "a"), codec="auto")
+    with pytest.raises(ValueError, match=r"link_gbps must be a positive number of Gbit/s \(e.g. 10.0\), got -1"):
+        DeltaSender(trainer, LocalStore(tmp_path / "b"), codec="auto", link_gbps=-1)
+    with pytest.raises(ValueError, match=r"link_gbps must be a positive number of Gbit/s \(e.g. 10.0\), got nan"):
+        DeltaSender(trainer, LocalStore(tmp_path / "c"), codec="auto", link_gbps=float("nan"))
+    with pytest.raises(ValueError, match=r"link_gbps is only used by codec=\"auto\"; this sender uses codec='raw'"):
+        DeltaSender(trainer, LocalStore(tmp_path / "d"), codec="raw", link_gbps=10)

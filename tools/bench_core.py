@@ -15,6 +15,9 @@ random tokens) it measures, in one run on the same machine:
   the full model from the full snapshot through the same store (get, sha256, safetensors load,
   ``copy_``); **apply** is the in-place write alone over the same baseline, and **sync** is
   publish + update over the baseline's publish + update;
+* **apply per change**: the receiver's in-place write alone (``target.write`` of the staged
+  changes, a ``ModuleTarget`` on a bf16 replica) in ns per changed element, and over a plain
+  ``index_copy_`` of the same changes into the same tensors (CPU time);
 * **memory**: extra peak RSS of ``publish()`` and of ``update()`` / model bytes in bf16, for the
   anchor and for steady-state deltas (peak RSS reset through ``/proc/self/clear_refs``).
 
@@ -133,6 +136,33 @@ class FullSnapshotSync:
         return (time.perf_counter() - t) * 1e3
 
 
+def apply_vs_index_copy(target, sparse: dict, device: str, repeat: int = 3) -> tuple[float, float, int]:
+    """``(apply_s, index_copy_s, changes)``: the receiver's apply step alone (``target.write`` of
+    every staged tensor: positions -> live parameter, as ``commit()`` does) against a plain
+    ``index_copy_`` of the same positions and values into the same live tensors (the floor of a
+    sparse write into that memory), best of ``repeat`` CPU-time runs each (the writes are
+    idempotent: the same values again)."""
+    items = [(n, p, v) for n, (p, v) in sparse.items() if p.numel()]
+    if not items:
+        return 0.0, 0.0, 0
+    live = target.tensors  # the replica's tensors (bf16 here: the inference dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    clock = time.perf_counter if device.startswith("cuda") else time.process_time
+
+    def apply():
+        for n, p, v in items:
+            target.write(n, p, v)
+        sync()
+
+    def index_copy():
+        with torch.no_grad():
+            for n, p, v in items:
+                live[n].view(-1).index_copy_(0, p, v)
+        sync()
+
+    return (_timed(apply, repeat, clock), _timed(index_copy, repeat, clock), sum(p.numel() for _, p, _ in items))
+
+
 def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "cpu", synthetic: bool = False) -> dict:
     model = tiny_qwen3(size, seed=0, device=device)
     numel = sum(p.numel() for p in model.parameters())
@@ -202,8 +232,10 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
         st = sender.last_stats
         full_publish_ms = full_sync.publish()
         with Peak() as mu:
-            receiver.update()
+            staged = receiver.prepare()  # what update() does, keeping the staged changes for the apply rows
+            receiver.commit(staged)
         ust = receiver.last_stats
+        apply_s, index_copy_s, n_apply = apply_vs_index_copy(receiver.target, staged._sparse or {}, device)
         full_update_ms = full_sync.update(full_replica)
         assert first_difference(model, replica) is None and first_difference(model, full_replica) is None
         row = {
@@ -215,6 +247,9 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
             "update_ms": ust.total_ms, "apply_ms": ust.apply_ms, "full_update_ms": full_update_ms,
             "update_ratio": ust.total_ms / full_update_ms, "apply_over_full_load": ust.apply_ms / full_update_ms,
             "sync_ratio": (st.publish_ms + ust.total_ms) / (full_publish_ms + full_update_ms),
+            "apply_ns_per_change": apply_s / max(n_apply, 1) * 1e9,
+            "index_copy_ns_per_change": index_copy_s / max(n_apply, 1) * 1e9,
+            "apply_over_index_copy": apply_s / index_copy_s if index_copy_s else float("nan"),
             "publish_peak_extra_over_model": mp.extra / model_nbytes,
             "update_peak_extra_over_model": mu.extra / model_nbytes,
         }
@@ -223,6 +258,8 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
               f"detect {detect_s * 1e3:.0f} ms = {row['detect_over_memcpy']:.2f}x memcpy, "
               f"publish {st.publish_ms:.0f} ms vs full {full_publish_ms:.0f} ms, "
               f"update {ust.total_ms:.0f} ms (apply {ust.apply_ms:.1f}) vs full {full_update_ms:.0f} ms, "
+              f"target.write {row['apply_ns_per_change']:.2f} ns/change = {row['apply_over_index_copy']:.2f}x "
+              f"index_copy_ ({row['index_copy_ns_per_change']:.2f}), "
               f"peak +{row['publish_peak_extra_over_model']:.2f}x / +{row['update_peak_extra_over_model']:.2f}x model",
               flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
@@ -260,12 +297,13 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     print("\nmedians over delta versions:")
     print(f"{'size':>6} {'params':>8} {'density':>8} {'bytes/full':>10} {'detect/memcpy':>13} {'publish/full':>12} "
-          f"{'update/full':>11} {'sync/full':>9} {'apply/full':>10} {'pub mem':>8} {'upd mem':>8} {'anchor pub mem':>14} {'anchor upd mem':>14}")
+          f"{'update/full':>11} {'sync/full':>9} {'apply/full':>10} {'apply ns':>8} {'/index_copy':>11} {'pub mem':>8} {'upd mem':>8} {'anchor pub mem':>14} {'anchor upd mem':>14}")
     for r in results["sizes"]:
         m = r["median"]
         print(f"{r['size']:>6} {r['numel'] / 1e6:>7.0f}M {m['density']:>8.2%} {m['bytes_ratio']:>10.4f} "
               f"{m['detect_over_memcpy']:>13.2f} {m['publish_ratio']:>12.3f} {m['update_ratio']:>11.3f} {m['sync_ratio']:>9.3f} "
-              f"{m['apply_over_full_load']:>10.4f} {m['publish_peak_extra_over_model']:>8.2f} "
+              f"{m['apply_over_full_load']:>10.4f} {m['apply_ns_per_change']:>8.2f} {m['apply_over_index_copy']:>11.2f} "
+              f"{m['publish_peak_extra_over_model']:>8.2f} "
               f"{m['update_peak_extra_over_model']:>8.2f} {r['anchor_publish_peak_extra_over_model']:>14.2f} "
               f"{r['anchor_update_peak_extra_over_model']:>14.2f}")
     print(f"wrote {out}")

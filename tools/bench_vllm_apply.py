@@ -8,7 +8,11 @@ through ``VLLMTarget`` (``owned`` + ``write``: the receiver's apply step, after 
 checks the result bitwise against ``load_weights`` of the changed state. Reported per (size, nnz):
 
 * ``apply_ms`` (best of ``--repeats``, as is ``load_weights_ms``) and ``ns_per_change`` (per changed element of the model);
-* ``ratio`` = apply time / ``load_weights`` time of the full model on the same rank.
+* ``ratio`` = apply time / ``load_weights`` time of the full model on the same rank;
+* ``write_ns_per_held``: ``VLLMTarget.write`` alone (what ``commit()`` runs) per change this rank
+  holds, and ``write_over_index_copy``: over an ``index_copy_`` of the same values at the same
+  local offsets, precomputed (the floor of a sparse write into these parameters); both in CPU
+  time on the CPU.
 
 The same nnz on a larger model must cost about the same (apply is O(nnz), not O(model)), while
 ``load_weights`` grows with the model.
@@ -37,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from torch_deltasync.targets.vllm import VLLMTarget  # noqa: E402
+from torch_deltasync.targets.vllm import VLLMTarget, _flat  # noqa: E402
 from torch_deltasync.testing import QWEN3_SIZES  # noqa: E402
 from torch_deltasync.testing_vllm import build_vllm_model, load_hf_weights, vllm_config, vllm_state_bits  # noqa: E402
 
@@ -112,6 +116,34 @@ def bench_size(size: str, nnzs: list[int], tp: int, rank: int, device: torch.dev
                 held += p.numel()
             _sync(device)
             times.append((time.perf_counter() - t0) * 1e3)
+        # The write alone (what commit() runs; owned() and the selection happen while staging)
+        # against the floor of a sparse write: index_copy_ of the same values at the same local
+        # offsets of the same parameters, precomputed.
+        held_changes = {}
+        for name, (pos, val) in changes.items():
+            own = target.owned(name, pos)
+            if bool(own.any()):
+                held_changes[name] = (pos[own], val[own])
+        floor = []
+        for name, (pos, val) in held_changes.items():
+            e = target._entries[name]
+            for p in e.places:
+                floor.append((_flat(p.param), target._owned_local(e, p, pos), val.to(device)))
+        write_t, copy_t = [], []
+        clock = time.perf_counter if device.type == "cuda" else time.process_time  # CPU time: steadier on a shared box
+        for _ in range(repeats):
+            _sync(device)
+            t0 = clock()
+            for name, (pos, val) in held_changes.items():
+                target.write(name, pos, val)
+            _sync(device)
+            write_t.append(clock() - t0)
+            t0 = clock()
+            with torch.no_grad():
+                for flat, local, val in floor:
+                    flat.index_copy_(0, local, val)
+            _sync(device)
+            copy_t.append(clock() - t0)
         # Correctness: the same changes loaded by vLLM itself give the same bits.
         new_state = {}
         for name, t in state.items():
@@ -128,11 +160,15 @@ def bench_size(size: str, nnzs: list[int], tp: int, rank: int, device: torch.dev
         apply = min(times)
         row = dict(size=size, params=numel, tp=tp, rank=rank, device=str(device), nnz=actual, held=held,
                    apply_ms=apply, ns_per_change=apply * 1e6 / actual, load_weights_ms=load,
-                   ratio=apply / load, check_ms=check_ms, bit_exact=exact)
+                   ratio=apply / load, check_ms=check_ms, bit_exact=exact,
+                   write_ns_per_held=min(write_t) * 1e9 / max(held, 1),
+                   index_copy_ns_per_held=min(copy_t) * 1e9 / max(held, 1),
+                   write_over_index_copy=min(write_t) / min(copy_t))
         rows.append(row)
         print(f"{size:>6} {numel / 1e6:8.1f}M  nnz {actual:>9,d}  held {held:>9,d}  apply {apply:9.2f} ms "
               f"({row['ns_per_change']:7.1f} ns/change)  load_weights {load:9.1f} ms  ratio {row['ratio']:.4f}  "
-              f"exact={exact}", flush=True)
+              f"exact={exact}; write {row['write_ns_per_held']:.2f} ns/held change = "
+              f"{row['write_over_index_copy']:.2f}x index_copy_ ({row['index_copy_ns_per_held']:.2f})", flush=True)
     return rows
 
 

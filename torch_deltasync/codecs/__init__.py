@@ -5,11 +5,14 @@ A codec turns the changes of one tensor into a few named tensors (stored in the 
 :func:`register_codec`; the manifest names the codec of a version and receivers look it up with
 :func:`get_codec`. Built in: ``raw`` (the seed format, 6 bytes per changed bf16 element) and
 ``packed`` (the default, about 1 byte). ``docs/format.md`` specifies both byte for byte.
+:func:`auto_codec` picks one of them by link speed.
 
-Modules: ``_base`` (:class:`TensorDelta`, :class:`Codec`, the registry), ``_raw``, ``_packed`` and
-``_bits`` (the bit-stream primitives ``packed`` is built from).
+Modules: ``_base`` (:class:`TensorDelta`, :class:`Codec`, the registry), ``_raw``, ``_packed``,
+``_bits`` (the bit-stream primitives ``packed`` is built from) and ``_auto`` (the choice by link
+speed).
 """
 
+from ._auto import PACKED_BELOW_GBPS, auto_codec
 from ._base import Codec, TensorDelta, codec_names, get_codec, register_codec
 from ._packed import CODE_BITS, LAYOUT_VERSION, PackedCodec
 from ._raw import RawCodec
@@ -21,6 +24,9 @@ __all__ = [
     "register_codec",
     "get_codec",
     "codec_names",
+    # choice by link speed (DeltaSender(codec="auto", link_gbps=...))
+    "auto_codec",
+    "PACKED_BELOW_GBPS",
     # built-in codecs
     "RawCodec",
     "PackedCodec",
@@ -28,6 +34,7 @@ __all__ = [
     "CODE_BITS",
 ]
 
-for _name in ("Codec", "TensorDelta", "register_codec", "get_codec", "codec_names", "RawCodec", "PackedCodec"):
+for _name in ("Codec", "TensorDelta", "register_codec", "get_codec", "codec_names", "auto_codec", "RawCodec",
+              "PackedCodec"):
     globals()[_name].__module__ = __name__
 del _name

@@ -212,9 +212,7 @@ def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tu
         dense[name] = full
     for m in plan.manifests[1:]:
         for name, d in decode_version(m, blobs).items():
-            flat = dense[name].view(-1)
-            new = d.resolve(flat[d.positions]) if d.needs_base else d.values
-            flat.index_copy_(0, d.positions, new)
+            d.apply_to(dense[name].view(-1))  # one compiled pass: checksum of the old values, steps, write
     return dense
 
 def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: dict[str, int],

@@ -38,6 +38,7 @@ import torch
 from .._dtypes import as_dtype
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import get_codec
+from ..codecs._auto import sender_codec
 from ..detect import ChangeDetector
 from ..errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
 from ..format import encode_anchor, encode_delta, sha256_hex
@@ -77,7 +78,9 @@ class DeltaSender:
         snapshot_device: where the last-published snapshot lives: ``None`` = each tensor's device,
             ``"cpu"`` = (pinned) host memory. Costs ``element_size`` bytes per element.
         codec: name of the delta codec (see :func:`torch_deltasync.codecs.codec_names`): ``"packed"``
-            (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes).
+            (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes); ``"auto"``
+            picks by ``link_gbps`` (:func:`torch_deltasync.codecs.auto_codec`), once, here.
+        link_gbps: for ``codec="auto"`` only: the store-to-receiver bandwidth in Gbit/s.
         background: default for ``publish(background=...)``.
         run_id: identifies this writer in manifests (random by default). Receivers cross from one
             run to another only by an anchor.
@@ -101,7 +104,8 @@ class DeltaSender:
         UnsupportedLayoutError: a tensor layout that cannot be published (e.g. ``Partial``).
         PrefixInUseError: another writer's lease on the prefix is live (on every rank).
         ValueError: the ranks of a sharded sender do not address the same store and prefix (e.g.
-            each opened its own temporary folder), checked on every rank.
+            each opened its own temporary folder), checked on every rank; ``codec``/``link_gbps``
+            do not fit (:func:`~torch_deltasync.codecs._auto.sender_codec`).
 
     Example:
         >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), anchor_every=10)
@@ -121,6 +125,7 @@ class DeltaSender:
         inference_dtype: torch.dtype | str = torch.bfloat16,
         snapshot_device: torch.device | str | None = None,
         codec: str = "packed",
+        link_gbps: float | None = None,
         background: bool = False,
         run_id: str | None = None,
         metrics_path: str | Path | None = None,
@@ -133,7 +138,7 @@ class DeltaSender:
         self.store = open_store(store).sub(prefix)
         self.policy = anchor_policy or AnchorPolicy(every=anchor_every)
         self.dtype = as_dtype(inference_dtype)
-        self.codec = get_codec(codec)
+        self.codec = get_codec(sender_codec(codec, link_gbps))
         self.background = background
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.metrics_path = Path(metrics_path) if metrics_path else None
@@ -478,11 +483,12 @@ class DeltaSender:
     def _delta_parts(self, job: Job) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's changed tensors of ``job``, encoded by the codec: ``{name: {part: tensor}}``."""
         if job.delta_parts is None:
-            job.delta_parts = {
-                s.name: self.codec.encode(job.global_positions[s.name], job.changes[s.name].values,
-                                          job.changes[s.name].old_values, numel=s.slice.global_numel)
-                for s in job.sources if s.upload and job.counts.get(s.name)
-            }
+            changed = [s for s in job.sources if s.upload and job.counts.get(s.name)]
+            # the tensors on a thread pool (largest first): the compiled kernels and zstd release the GIL
+            encoded = self.codec.encode_many([(job.global_positions[s.name], job.changes[s.name].values,
+                                               job.changes[s.name].old_values, s.slice.global_numel)
+                                              for s in changed])
+            job.delta_parts = {s.name: parts for s, parts in zip(changed, encoded)}
         return job.delta_parts
 
     def _encode_delta(self, job: Job) -> bytes:

@@ -77,9 +77,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
+from .. import _native, _native_apply
 from ..checksum import checksum as _checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from .base import Target
@@ -124,6 +126,12 @@ class _Place:
             exactly one rank of the engine).
         pad_rows: ``(start, end)`` rows of the parameter's dim 0 that hold padding, zeroed when a
             full tensor is assigned (as vLLM's vocab loader does).
+        affine: ``(lo, hi, offset)`` when the place holds exactly global flat ``[lo, hi)`` at
+            local ``global + offset`` (:func:`_with_affine`), else ``None``.
+        grid: the map of a 1-D or 2-D tensor on the CPU for the compiled kernels, built once in
+            :meth:`VLLMTarget.check` (:func:`_with_grid`): ``(ncols, row table, column table,
+            row stride, column stride)``, tables as int64 numpy arrays sharing memory with
+            ``tables`` (empty = identity); ``None`` for other places (torch path).
     """
 
     param: torch.Tensor
@@ -134,6 +142,7 @@ class _Place:
     counted: bool
     pad_rows: tuple[int, int] | None = None
     affine: tuple[int, int, int] | None = None
+    grid: tuple | None = field(default=None, compare=False)  # numpy arrays: no == or hash
 
     def held_numel(self, shape: tuple[int, ...]) -> int:
         """Elements of the HF tensor held by this placement."""
@@ -289,6 +298,11 @@ class VLLMTarget(Target):
         if p.affine is not None:  # a block of whole rows: two compares, no division
             lo, hi, _ = p.affine
             return (positions >= lo) & (positions < hi)
+        if p.grid is not None and _native.enabled() and positions.device.type == "cpu" and positions.dtype == torch.int64:
+            ncols, rows, cols, _, _ = p.grid  # one pass, no division per element
+            out = torch.empty(positions.shape, dtype=torch.bool)
+            _native_apply.grid_held(positions.contiguous().numpy(), ncols, rows, cols, out.numpy())
+            return out
         mask, _ = self._map(e, p, positions.to(p.param.device))
         if mask is None:
             return torch.ones_like(positions, dtype=torch.bool)
@@ -300,7 +314,6 @@ class VLLMTarget(Target):
         local = self._owned_local(e, p, positions)
         return _flat(p.param)[local].to(dtype).to(positions.device)
 
-    @torch.no_grad()
     def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Overwrite the held elements at ``positions`` (global flat, all owned) with ``values``.
 
@@ -313,11 +326,52 @@ class VLLMTarget(Target):
             return
         if values.shape != positions.shape:
             raise CorruptObjectError(f"{name!r}: {positions.numel()} positions but values of shape {tuple(values.shape)}")
+        if self._write_native(e, positions, values):
+            return
         locals_ = [self._owned_local(e, p, positions) for p in self._places(e)]  # validate all first
-        for p, local in zip(e.places, locals_):
-            # index_copy_ into the live storage: cost per changed element, whatever the parameter size;
-            # never `.data = ...` (CUDA graphs and torch.compile keep the storage pointers).
-            _flat(p.param).index_copy_(0, local, values.to(device=p.param.device, dtype=p.param.dtype))
+        with torch.no_grad():
+            for p, local in zip(e.places, locals_):
+                # index_copy_ into the live storage: cost per changed element, whatever the parameter
+                # size; never `.data = ...` (CUDA graphs and torch.compile keep the storage pointers).
+                _flat(p.param).index_copy_(0, local, values.to(device=p.param.device, dtype=p.param.dtype))
+
+    def _write_native(self, e: _Entry, positions: torch.Tensor, values: torch.Tensor) -> bool:
+        """:meth:`write` with the compiled kernels: the map and the scatter fused in one pass per
+        place (no offset, mask or division temporaries; ~1-3 ns per change instead of 6-10 on
+        row-parallel tensors). False, writing nothing, where the torch path must run: no kernels,
+        not on the CPU, a place without a 1-D/2-D map or of another dtype than ``values``. A
+        position this rank does not hold makes the torch path raise its error; nothing is written."""
+        places = self._places(e)
+        if (not _native.enabled() or positions.device.type != "cpu" or values.device.type != "cpu"
+                or positions.dtype != torch.int64
+                or any(p.param.device.type != "cpu" or p.param.dtype != values.dtype
+                       or (p.affine is None and p.grid is None) for p in places)):
+            return False
+        pos = positions.contiguous()
+        pos_np, vals = pos.numpy(), _native_apply.np_bits(values.contiguous())
+        pmin, pmax = (int(x) for x in torch.aminmax(pos))
+        offsets = []
+        for p in places:  # validate every place before the first write
+            if p.affine is not None:
+                lo, hi, offset = p.affine
+                if pmin < lo or pmax >= hi:
+                    self._owned_local(e, p, positions)  # raises the specific error
+                    raise AssertionError("unreachable")  # pragma: no cover
+                offsets.append(offset)
+            else:
+                ncols, rows, cols, _, _ = p.grid
+                if _native_apply.grid_first_bad(pos_np, math.prod(e.shape), ncols, rows, cols) >= 0:
+                    self._owned_local(e, p, positions)
+                    raise AssertionError("unreachable")  # pragma: no cover
+                offsets.append(None)
+        for p, offset in zip(places, offsets):
+            flat = _native_apply.np_bits(_flat(p.param))
+            if offset is not None:
+                _native_apply.scatter(flat, pos_np, vals, offset)
+            else:
+                ncols, rows, cols, s0, s1 = p.grid
+                _native_apply.scatter_grid(flat, pos_np, vals, ncols, rows, cols, s0, s1, p.base)
+        return True
 
     @torch.no_grad()
     def assign(self, name: str, full: torch.Tensor) -> None:
@@ -574,14 +628,15 @@ class VLLMTarget(Target):
         if module is None:
             return e  # another pipeline stage holds it
         if module != "moe" and leaf in module._parameters and module._parameters[leaf] is not None:
-            e.places = [_with_affine(p, shape) for p in self._dense(hf_name, vname, module, leaf, shard, shape)]
+            e.places = [_with_grid(_with_affine(p, shape), shape)
+                        for p in self._dense(hf_name, vname, module, leaf, shard, shape)]
             return e
         if moe is not None:
             experts = self._module(moe.group(1))
             if experts is None:
                 return e
             place = self._moe(hf_name, vname, experts, moe.group(2), shape)
-            e.places = [] if place is None else [_with_affine(place, shape)]
+            e.places = [] if place is None else [_with_grid(_with_affine(place, shape), shape)]
             return e
         if hasattr(module, "cpu_linear"):
             raise UnsupportedLayoutError(f"{hf_name!r}: {mod_path!r} was repacked for CPU GEMM (its weight is gone)")
@@ -865,6 +920,22 @@ def _with_affine(p: _Place, shape: tuple[int, ...]) -> _Place:
         if held.numel() != b - a or not torch.equal(t[a:b].cpu(), torch.arange(dst, dst + b - a)):
             return p
     return dataclasses.replace(p, affine=(a * row, b * row, p.base + (dst - a) * row))
+
+
+def _with_grid(p: _Place, shape: tuple[int, ...]) -> _Place:
+    """``p`` with its ``grid`` (the compiled kernels' form of its map) filled in when its tensor is
+    1-D or 2-D and lives on the CPU: a 1-D tensor is one row of ``shape[0]`` columns."""
+    if p.param.device.type != "cpu" or len(shape) not in (1, 2) or math.prod(shape) == 0:
+        return p
+
+    def table(t: torch.Tensor | None) -> np.ndarray:
+        return np.empty(0, np.int64) if t is None else t.contiguous().numpy()
+
+    if len(shape) == 1:
+        grid = (shape[0], np.empty(0, np.int64), table(p.tables[0]), 0, p.strides[0])
+    else:
+        grid = (shape[1], table(p.tables[0]), table(p.tables[1]), p.strides[0], p.strides[1])
+    return dataclasses.replace(p, grid=grid)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,0 +1,98 @@
+"""Compiled CPU kernels (numba) that write changes into live tensors: the targets' apply step.
+
+:class:`~torch_deltasync.targets.ModuleTarget` and :class:`~torch_deltasync.targets.vllm.VLLMTarget`
+call them when :func:`torch_deltasync._native.enabled` is true and run their torch code
+(``index_copy_`` after the layout map) otherwise; that torch code is the specification, and
+``tests/test_native.py`` checks both paths against each other and against a plain-Python map, bit
+for bit (hypothesis fuzz over random maps, unsorted positions, positions outside the tensor or the
+rank). The kernels write without bounds checks: each says what its caller must check first.
+Compiled like the codec kernels (:func:`torch_deltasync._native.jit`: on first use, cached on
+disk, releasing the GIL).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._dtypes import bits
+from ._native import jit as _jit
+
+__all__ = ["np_bits", "scatter", "scatter_widened", "grid_first_bad", "grid_held", "scatter_grid"]
+
+
+def np_bits(t):
+    """The bit patterns of a CPU tensor as an unsigned numpy array of its width, sharing memory
+    (numpy has no bf16; the kernels only move bit patterns)."""
+    return bits(t).numpy().view(f"u{t.element_size()}") if t.is_floating_point() else t.numpy()
+
+
+@_jit
+def scatter(flat, pos, vals, offset):
+    """``flat[pos[i] + offset] = vals[i]`` for every ``i`` (bit patterns of one width; ``pos``
+    int64 ``(k,)``): ``index_copy_`` into a 1-D tensor, in one pass. The caller checked that every
+    ``pos + offset`` is inside ``flat``."""
+    for i in range(pos.size):
+        flat[pos[i] + offset] = vals[i]
+
+
+@_jit
+def scatter_widened(flat, pos, vals):
+    """``flat[pos[i]] = vals[i] << 16``: bf16 bit patterns (uint16) into fp32 storage (uint32),
+    where a bf16 value is the fp32 whose high half is its pattern (``ModuleTarget``'s widened
+    storage). The caller checked the positions."""
+    for i in range(pos.size):
+        flat[pos[i]] = np.uint32(vals[i]) << np.uint32(16)
+
+
+@_jit
+def grid_first_bad(pos, numel, ncols, rows, cols):
+    """Index of the first of ``pos`` (int64 global flat indices of a tensor viewed as ``(numel //
+    ncols, ncols)``) that is outside ``[0, numel)`` or that a separable 2-D map does not hold
+    (``rows[r] < 0`` or ``cols[c] < 0``; an empty table is the identity), else -1. The check pass of
+    :func:`scatter_grid`: one division per row change, not per element."""
+    start = -ncols - 1  # the row held in ``lr``: none yet
+    lr = np.int64(0)
+    for i in range(pos.size):
+        p = pos[i]
+        if p < 0 or p >= numel:
+            return i
+        if p < start or p - start >= ncols:
+            r = p // ncols
+            start = r * ncols
+            lr = rows[r] if rows.size else r
+        if lr < 0 or (cols.size and cols[p - start] < 0):
+            return i
+    return -1
+
+
+@_jit
+def grid_held(pos, ncols, rows, cols, out):
+    """``out[i]`` (bool) = whether the separable 2-D map of :func:`grid_first_bad` holds
+    ``pos[i]``; every position must be inside the tensor (checked by the caller)."""
+    start = -ncols - 1
+    lr = np.int64(0)
+    for i in range(pos.size):
+        p = pos[i]
+        if p < start or p - start >= ncols:
+            r = p // ncols
+            start = r * ncols
+            lr = rows[r] if rows.size else r
+        out[i] = lr >= 0 and (cols.size == 0 or cols[p - start] >= 0)
+
+
+@_jit
+def scatter_grid(flat, pos, vals, ncols, rows, cols, s0, s1, base):
+    """``flat[base + R(r) * s0 + C(c) * s1] = vals[i]`` for every ``pos[i] = r * ncols + c``, with
+    ``R = rows``, ``C = cols`` (empty: identity): a separable 2-D layout map (``VLLMTarget``'s TP
+    maps; its module doc) fused with the scatter, one division per row change. The caller ran
+    :func:`grid_first_bad` on ``pos`` first (every entry held and in range)."""
+    start = -ncols - 1
+    rb = np.int64(0)
+    for i in range(pos.size):
+        p = pos[i]
+        if p < start or p - start >= ncols:
+            r = p // ncols
+            start = r * ncols
+            rb = base + (rows[r] if rows.size else r) * s0
+        c = p - start
+        flat[rb + (cols[c] if cols.size else c) * s1] = vals[i]
