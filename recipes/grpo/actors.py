@@ -256,7 +256,8 @@ class GeneratorActor(Actor):
         Returns:
             ``{"batch": {name: tensor}, "version", "version_end", "syncs", "reward_mean", "gen_ms"}``:
             ``version`` / ``version_end`` are those served at the start / end (they differ when
-            versions were committed in flight, one record per commit in ``syncs``); the batch keys
+            versions were committed in flight, one record per commit in ``syncs``); ``resubmitted``
+            counts rollouts re-submitted with their prefix after an ``abort`` commit; the batch keys
             are those of the replay buffer plus ``token_version`` ``[N, T]`` (int64, the version
             that produced each token, -1 past the end) and top-level ``reward`` / ``done`` ``[N]``.
             ``policy_version`` is the version of each sample's oldest token.
@@ -274,10 +275,11 @@ class GeneratorActor(Actor):
         answers = [a for _, a in problems for _ in range(cfg.group_size)]
         pids, pmask = encode_prompts(self.tok, prompts)
         syncs: list[dict[str, Any]] = []
+        resubmitted = 0
         if hasattr(self.backend, "generate_versioned"):
             r = self.backend.generate_versioned(pids, pmask, max_new_tokens=self.max_new_tokens,
                                                 interrupt=cfg.interrupt_mode)
-            rids, rmask, lp, tver, syncs = r.ids, r.mask, r.logprobs, r.token_version, r.syncs
+            rids, rmask, lp, tver, syncs, resubmitted = r.ids, r.mask, r.logprobs, r.token_version, r.syncs, r.resubmitted
         else:  # one version for the whole batch (drain)
             rids, rmask, lp = self.backend.generate(pids, pmask, max_new_tokens=self.max_new_tokens,
                                                     temperature=cfg.temperature)
@@ -294,7 +296,7 @@ class GeneratorActor(Actor):
             "reward": rewards.float(), "done": torch.ones(n, dtype=torch.bool),
         }
         return {"batch": batch, "version": version, "version_end": self.backend.version, "syncs": syncs,
-                "reward_mean": float(rewards.mean()), "gen_ms": (time.perf_counter() - t0) * 1e3}
+                "resubmitted": resubmitted, "reward_mean": float(rewards.mean()), "gen_ms": (time.perf_counter() - t0) * 1e3}
 
     @endpoint
     async def fingerprint(self) -> dict[str, Any]:
