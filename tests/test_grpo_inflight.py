@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from recipes.grpo.inflight import generate_inflight, token_versions, tokens_by_lag
+from recipes.grpo.inflight import commit_target, generate_inflight, token_versions, tokens_by_lag
 
 EOS, PAD = 2, 0
 
@@ -170,3 +170,13 @@ def test_token_versions_from_spans():
         token_versions([{"version": "default", "start": 0, "end": 1}], 1)
     with pytest.raises(RuntimeError, match="do not cover"):
         token_versions([{"version": "3", "start": 1, "end": 2}], 2)
+
+
+def test_commit_target_waits_for_every_worker_and_the_lag():
+    assert commit_target([7, 6], None) == 6  # the newest version every worker staged
+    assert commit_target([7, None], 5) is None and commit_target([], 5) is None  # a worker has not staged
+    assert commit_target([6, 6], 6) is None and commit_target([7, 7], 6) == 7
+    assert commit_target([7, 7], 6, min_lag=2) is None  # one version behind: not worth a pause yet
+    assert commit_target([9, 8], 6, min_lag=2) == 8  # two behind: the newest staged, one pause for both
+    with pytest.raises(ValueError, match="min_lag must be >= 1"):
+        commit_target([7], 6, min_lag=0)

@@ -105,6 +105,10 @@ class GRPOConfig:
     """With ``keep`` / ``abort``: milliseconds between two looks of a generator for a newly staged
     version (a read of local readiness files) while its rollouts run; a found version is committed
     at once, under the running requests."""
+    sync_lag: int = 1
+    """With ``keep`` / ``abort``: commit in flight once the newest staged version is this many
+    versions ahead of the served one (1: every version; ``k``: one pause per ``k`` versions, tokens
+    up to ``k - 1`` versions behind the newest when sampled). At most ``max(1, max_staleness)``."""
     vllm_python: str | None = None
     """Interpreter of the vLLM environment (``None``: ``$TORCH_DELTASYNC_VLLM_PYTHON`` or ``.venv-vllm``)."""
 
@@ -160,6 +164,9 @@ class GRPOConfig:
         if self.interrupt_mode != "drain" and self.generator_backend != "vllm":
             raise ValueError(f"--interrupt {self.interrupt} needs --engine vllm (the {self.generator_backend!r} engine "
                              "updates between batches only: --interrupt drain)")
+        if not 1 <= self.sync_lag <= max(1, self.max_staleness):
+            raise ValueError(f"GRPOConfig.sync_lag must be in [1, max(1, max_staleness) = {max(1, self.max_staleness)}] "
+                             f"(a replica further behind yields only stale tokens), got {self.sync_lag}")
         if not self.sync_poll_ms > 0:
             raise ValueError(f"GRPOConfig.sync_poll_ms must be > 0, got {self.sync_poll_ms}")
         from torch_deltasync import codec_names

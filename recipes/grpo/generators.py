@@ -175,20 +175,20 @@ class VLLMServerGenerator:
                 "total_ms": r.total_ms, "staged": r.staged}
 
     def sync(self, mode: str = "keep") -> dict[str, Any] | None:
-        """Commit the newest version every worker has staged, if newer than the served one, pausing
-        with ``mode`` (``"keep"``: running requests freeze and continue on the new weights;
+        """Commit the newest version every worker has staged, if at least ``cfg.sync_lag`` newer than
+        the served one (:func:`.inflight.commit_target`), pausing with ``mode`` (``"keep"``: running requests freeze and continue on the new weights;
         ``"abort"``: they return what they have). No waiting for staging: the pause covers the
         commit only. ``None``: nothing newer is staged (one read of the readiness files, no HTTP)."""
         from torch_deltasync.integrations.vllm import read_readiness, update_server
 
+        from .inflight import commit_target
+
         self.server.check_alive()
         if self.status_dir is None:
             return None
-        staged = [s.get("staged") for s in read_readiness(self.status_dir).values()]
-        if not staged or not all(isinstance(v, int) for v in staged):
-            return None
-        v = min(staged)
-        if self.version is not None and v <= self.version:
+        v = commit_target([s.get("staged") for s in read_readiness(self.status_dir).values()], self.version,
+                          self.cfg.sync_lag)
+        if v is None:
             return None
         r = update_server(self.server.url, v, mode=mode)
         before, self.version = self.version, r.version

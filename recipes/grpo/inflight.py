@@ -41,8 +41,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-__all__ = ["InflightEngine", "InflightRollouts", "generate_inflight", "token_versions", "tokens_by_lag",
-           "INTERRUPT_MODES"]
+__all__ = ["InflightEngine", "InflightRollouts", "generate_inflight", "commit_target", "token_versions",
+           "tokens_by_lag", "INTERRUPT_MODES"]
 
 INTERRUPT_MODES = ("keep", "drain", "abort")
 
@@ -91,6 +91,33 @@ class InflightRollouts:
     requests: int = 0
     resubmitted: int = 0
     polls: int = 0
+
+
+def commit_target(staged: Sequence[Any], served: int | None, min_lag: int = 1) -> int | None:
+    """The version a generator should commit now, or ``None``.
+
+    A version can be committed only once every worker staged it (the newest common one, ``min``
+    of the workers' ``staged``); it is worth a pause only when it is at least ``min_lag`` versions
+    newer than the served one (``--sync-lag``: 1 commits every new version; ``k`` lets the served
+    version fall ``k - 1`` behind and commits the newest one when it falls ``k`` behind, one pause
+    for ``k`` versions).
+
+    Args:
+        staged: every worker's staged version from its readiness file (``None`` / missing: not yet).
+        served: the version the engine serves (``None``: none yet, any staged version goes).
+        min_lag: >= 1.
+
+    Raises:
+        ValueError: ``min_lag < 1``.
+    """
+    if min_lag < 1:
+        raise ValueError(f"min_lag must be >= 1 version, got {min_lag}")
+    if not staged or not all(isinstance(v, int) for v in staged):
+        return None
+    v = min(staged)
+    if served is not None and v - served < min_lag:
+        return None
+    return v
 
 
 def token_versions(spans: Sequence[dict[str, Any]], n_tokens: int) -> list[int]:
