@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import secrets
 import subprocess
 import sys
@@ -69,7 +70,7 @@ if __package__ in (None, ""):  # run as a script: the shared GRPO modules live i
 
 from recipes.grpo.buffer import group_advantages  # noqa: E402
 from recipes.grpo.loss import grpo_objective  # noqa: E402
-from recipes.grpo.policy import encode_prompts, response_logprobs, sample, sft_batch, sft_loss  # noqa: E402
+from recipes.grpo.policy import group_prompts, response_logprobs, sample, score, sft_batch, sft_loss  # noqa: E402
 from recipes.grpo.task import CharTokenizer, CopyTask, SortTask  # noqa: E402
 
 # --- task and tokenizer (shared with recipes/async_grpo.py: recipes/grpo/task.py) ----------------
@@ -93,8 +94,6 @@ def make_base(args) -> torch.nn.Module:
     """``tiny_qwen3`` over the digit vocabulary, taught to copy (answer, then end-of-sequence) for
     ``--warmup-steps`` full fine-tuning steps (:func:`recipes.grpo.policy.sft_batch` /
     :func:`~recipes.grpo.policy.sft_loss`)."""
-    import random
-
     from torch_deltasync.testing import tiny_qwen3
 
     model = tiny_qwen3("tiny", seed=args.seed, vocab_size=TOK.vocab_size)
@@ -163,8 +162,6 @@ def run_worker(args) -> int:
     receiver = AdapterReceiver(model, store)
     receiver.wait_for(timeout_s=args.startup_timeout)
     client = RolloutClient(args.service_url, token=_token(args))
-    import random
-
     torch.manual_seed(10_000 + args.worker_id)  # sampling (recipes.grpo.policy.sample)
     rng, task = random.Random(10_000 + args.worker_id), make_task(args.task, args.digits)
     metrics = open(Path(args.run_dir) / f"worker-{args.worker_id}.jsonl", "a") if args.run_dir else None
@@ -175,12 +172,10 @@ def run_worker(args) -> int:
             receiver.update()  # the newest version (a no-op when there is none newer)
             st = receiver.last_stats if receiver.version != before else None
             version = receiver.version
-            problems = [task.problem(rng) for _ in range(args.prompts)]
-            pids, pmask = encode_prompts(TOK, [p for p, _ in problems for _ in range(args.group)])
+            pids, pmask, answers = group_prompts(task, TOK, rng, args.prompts, args.group)
             comps, cmask, lps = sample(model, TOK, pids, pmask, max_new_tokens=task.max_new_tokens,
                                        temperature=args.temperature)
-            rewards = torch.tensor([task.reward(TOK.decode(c.tolist()), a)
-                                    for c, (_, a) in zip(comps, [pa for pa in problems for _ in range(args.group)])])
+            rewards = score(task, TOK, comps, answers)
             adv = group_advantages(rewards, args.group)
             episodes = [{
                 "prompt": pids[i].tolist(), "completion": comps[i][cmask[i]].tolist(),

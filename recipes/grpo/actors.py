@@ -262,7 +262,7 @@ class GeneratorActor(Actor):
             that produced each token, -1 past the end) and top-level ``reward`` / ``done`` ``[N]``.
             ``policy_version`` is the version of each sample's oldest token.
         """
-        from .policy import encode_prompts
+        from .policy import group_prompts, score
 
         cfg = self.cfg
         version = self.backend.version
@@ -270,10 +270,7 @@ class GeneratorActor(Actor):
             raise RuntimeError(f"generator {self.index} holds no weights yet; call update_weights first")
         t0 = time.perf_counter()
         rng = random.Random(f"{cfg.seed}/{self.index}/{batch_index}")
-        problems = [self.task.problem(rng) for _ in range(cfg.prompts_per_batch)]
-        prompts = [p for p, _ in problems for _ in range(cfg.group_size)]
-        answers = [a for _, a in problems for _ in range(cfg.group_size)]
-        pids, pmask = encode_prompts(self.tok, prompts)
+        pids, pmask, answers = group_prompts(self.task, self.tok, rng, cfg.prompts_per_batch, cfg.group_size)
         syncs: list[dict[str, Any]] = []
         resubmitted = 0
         if hasattr(self.backend, "generate_versioned"):
@@ -284,8 +281,8 @@ class GeneratorActor(Actor):
             rids, rmask, lp = self.backend.generate(pids, pmask, max_new_tokens=self.max_new_tokens,
                                                     temperature=cfg.temperature)
             tver = torch.where(rmask.bool(), version, -1).long()
-        rewards = torch.tensor([self.task.reward(self.tok.decode(r.tolist()), a) for r, a in zip(rids, answers)])
-        n = len(prompts)
+        rewards = score(self.task, self.tok, rids, answers)
+        n = len(answers)
         first_group = (self.index + 1) * 10**12 + batch_index * cfg.prompts_per_batch
         # A sample's staleness is that of its oldest token: the buffer's gate then bounds every token.
         oldest = torch.where(rmask.bool(), tver, torch.iinfo(torch.long).max).amin(dim=1)

@@ -22,7 +22,7 @@ from .config import GRPOConfig
 from .task import CharTokenizer, HFTokenizer, SortTask, Tokenizer
 
 __all__ = [
-    "build_tokenizer", "build_policy", "encode_prompts", "sample", "sft_batch", "sft_loss", "response_logprobs", "warm_start", "warm_start_path",
+    "build_tokenizer", "build_policy", "encode_prompts", "group_prompts", "score", "sample", "sft_batch", "sft_loss", "response_logprobs", "warm_start", "warm_start_path",
     "policy_key", "load_warm_start", "max_new_tokens", "evaluate",
 ]
 
@@ -87,6 +87,23 @@ def _response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:
     is_eos = (response == eos_id).long()
     before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before position t
     return before == 0
+
+
+def group_prompts(task: SortTask, tok: Tokenizer, rng: random.Random, prompts: int, group_size: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """A rollout batch's prompts: ``prompts`` fresh problems of ``task``, each repeated
+    ``group_size`` times in a row (one GRPO group), as :func:`encode_prompts` ids and mask
+    (``[prompts * group_size, Lp]`` int64 each) plus every row's answer."""
+    problems = [task.problem(rng) for _ in range(prompts)]
+    pids, pmask = encode_prompts(tok, [p for p, _ in problems for _ in range(group_size)])
+    return pids, pmask, [a for _, a in problems for _ in range(group_size)]
+
+
+def score(task: SortTask, tok: Tokenizer, response_ids: torch.Tensor, answers: Sequence[str]) -> torch.Tensor:
+    """``[N]`` float32 rewards of the decoded responses (``[N, T]`` ids, decoded up to end-of-sequence)
+    against their answers (:meth:`SortTask.reward`)."""
+    return torch.tensor([task.reward(tok.decode(r.tolist()), a) for r, a in zip(response_ids, answers)],
+                        dtype=torch.float32)
 
 
 @torch.no_grad()
