@@ -161,15 +161,37 @@ class VLLMServerGenerator:
         info = attach_server(self.server.url, store, prefix)
         self.status_dir = info.get("status_dir")
 
-    def update(self, version: int) -> dict[str, Any]:
-        """Commit ``version`` after every worker staged it (drain: nothing is in flight)."""
-        from torch_deltasync.integrations.vllm import update_server
+    def update(self, version: int, *, stage_timeout_s: float = 60.0) -> dict[str, Any]:
+        """Commit ``version`` or a newer one, once every worker staged it (drain: nothing is in flight).
+
+        The backend stages only the newest version it sees, so by the time a replica asks for
+        ``version`` its workers may have staged a newer one and will never stage ``version``
+        itself: the commit takes the newest version every worker staged, if it is ``>= version``
+        (waiting up to ``stage_timeout_s`` for one; past it, ``version`` is committed and the
+        workers prepare it inside the pause)."""
+        import time
+
+        from torch_deltasync.integrations.vllm import read_readiness, update_server
+
+        from .inflight import commit_target
 
         self.server.check_alive()
         before = self.version
         if before is not None and before >= version:
             return {"version": before}
-        r = update_server(self.server.url, version, mode="wait")
+        deadline = time.monotonic() + stage_timeout_s
+        target = version
+        while self.status_dir is not None:  # the readiness files the workers rewrite as they stage
+            states = read_readiness(self.status_dir)
+            v = commit_target([s.get("staged") for s in states.values()], None)
+            if v is not None and v >= version:
+                target = v
+                break
+            if not states or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        # staged just now (or waited for above): a short wait covers a stager that moved on meanwhile
+        r = update_server(self.server.url, target, mode="wait", stage_timeout_s=1.0)
         self.version = r.version
         return {"version": r.version, "apply_ms": r.stall_ms, "stall_ms": r.stall_ms, "wait_ms": r.wait_ms,
                 "total_ms": r.total_ms, "staged": r.staged}
