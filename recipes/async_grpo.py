@@ -36,8 +36,8 @@ Architecture (one host; every box is a Monarch actor, every arrow an endpoint ca
   the lag and for bf16 generation using the stored generation log-probs.
 * ``--engine vllm``: each replica runs a vLLM OpenAI server (``.venv-vllm``) that its actor starts
   and stops (:mod:`recipes.grpo.vllm_server`); versions reach it through vLLM's RL routes and the
-  ``deltasync`` backend, staged in the background and committed between chunks of tokens while
-  rollouts are in flight (``--interrupt keep``, :mod:`recipes.grpo.inflight`); every token carries
+  ``deltasync`` backend, staged in the background and committed under running
+  rollouts (``--interrupt keep``, :mod:`recipes.grpo.inflight`); every token carries
   the version that produced it (``token_version``), and staleness is bounded by a sample's oldest
   token.
 * Faults: a generator replica that dies is reported with its pid and the error, and the run
@@ -117,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
            "vllm-offline (in-process vllm.LLM, GPU)")
     a("--interrupt", default=d.interrupt, choices=["keep", "drain", "abort"],
       help="rollouts in flight at a new version: keep (continue on the new weights), drain (finish first), "
-           "abort (restart); default: keep with vllm, drain with hf")
-    a("--sync-chunk", type=int, default=d.sync_chunk, help="tokens per rollout piece (commits happen between pieces)")
+           "abort (stop, re-submit with their prefix on the new weights); default: keep with vllm, drain with hf")
+    a("--sync-poll-ms", type=float, default=d.sync_poll_ms,
+      help="keep/abort: how often a generator looks for a newly staged version while its rollouts run")
+    a("--sync-lag", type=int, default=d.sync_lag,
+      help="keep/abort: commit in flight once the newest staged version is this many versions ahead (1: every version)")
     a("--vllm-python", default=d.vllm_python, help="python of the vLLM environment (default: .venv-vllm)")
     a("--max-buffered", type=int, default=d.max_buffered, help="fresh buffered samples at which rollouts pause (default: train batch)")
     a("--call-timeout", dest="call_timeout_s", type=float, default=d.call_timeout_s, help="seconds before an unanswered actor call stops the run")
@@ -256,7 +259,7 @@ class Controller:
                 target = self.latest_version
                 held = self.gen_version[i]
                 # drain: apply the newest version between batches. keep/abort: the generator commits
-                # staged versions itself between chunks (from the batch's first one on); it is brought
+                # staged versions itself while rollouts run (from the batch's first one on); it is brought
                 # up to date here only at the start and when it fell behind the staleness bound.
                 behind = held is None or held < target if cfg.interrupt_mode == "drain" else \
                     held is None or target - held > cfg.max_staleness
@@ -280,7 +283,8 @@ class Controller:
                 self.metrics.write("update", generator=i, in_batch=True, **st)
             self.gen_version[i] = out["version_end"]
             self.metrics.write("rollout", generator=i, version=out["version"], version_end=out["version_end"],
-                               reward=out["reward_mean"], gen_ms=out["gen_ms"], samples=n, syncs=len(out["syncs"]))
+                               reward=out["reward_mean"], gen_ms=out["gen_ms"], samples=n, syncs=len(out["syncs"]),
+                               resubmitted=out["resubmitted"])
             self.samples_generated += n
             try:
                 st = await self.call(self.rb.extend.call_one(out["batch"]), "replay buffer extend")

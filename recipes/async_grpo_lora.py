@@ -21,12 +21,15 @@ Architecture::
     │ torchrl ReplayBuffer ring, drops lag > --max-lag, /stats      │
     └───────────────────────────────────────────────────────────────┘
 
-The task is verifiable and tiny: the prompt is ``BOS d1 .. dL SEP`` (random digits), the completion
-``L`` tokens, the reward the fraction of positions holding the digits in sorted order (``--task
-sort``) or copied (``--task copy``). The tokenizer is defined below (16 ids). The base model is a
-``tiny_qwen3`` taught to copy digits for a few supervised steps (``--warmup-steps``), so it starts
-competent but not sharp; RL on the adapter then teaches it to sort. The trainer writes the base to
-the store (``base/model.safetensors``), so workers anywhere start from the same weights.
+The task is verifiable and tiny, and the same as the main job's (``python -m recipes.async_grpo``):
+the prompt is ``<bos> d1 .. dL =`` (random digits), the answer the digits sorted (``--task sort``) or
+copied (``--task copy``) then ``<eos>``, the reward the fraction of answer positions that are right.
+Both recipes share ``recipes/grpo/``: the task, reward and character tokenizer (``task.py``),
+sampling, token log-probs and supervised batches (``policy.py``), the clipped objective
+(``loss.py``) and torchrl's group advantages (``buffer.py``). The base model is a ``tiny_qwen3``
+taught to copy digits for a few supervised steps (``--warmup-steps``), so it starts competent but
+not sharp; RL on the adapter then teaches it to sort. The trainer writes the base to the store
+(``base/model.safetensors``), so workers anywhere start from the same weights.
 
 Run everything on this machine (trainer + service thread + 2 worker processes), a few minutes on 2 CPU
 cores::
@@ -53,48 +56,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import secrets
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# --- task and tokenizer ------------------------------------------------------------------------
+if __package__ in (None, ""):  # run as a script: the shared GRPO modules live in recipes/grpo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from recipes.grpo.buffer import group_advantages  # noqa: E402
+from recipes.grpo.loss import grpo_objective  # noqa: E402
+from recipes.grpo.policy import group_prompts, response_logprobs, sample, score, sft_batch, sft_loss  # noqa: E402
+from recipes.grpo.task import CharTokenizer, CopyTask, SortTask  # noqa: E402
+
+# --- task and tokenizer (shared with recipes/async_grpo.py: recipes/grpo/task.py) ----------------
+
+TOK = CharTokenizer()
 
 
-@dataclass(frozen=True)
-class DigitTokenizer:
-    """Ids: 0 PAD, 1 BOS, 2 SEP, 3 EOS, ``4 + d`` for digit ``d``; 16 ids in all (12..15 unused)."""
-
-    pad: int = 0
-    bos: int = 1
-    sep: int = 2
-    eos: int = 3
-    digit0: int = 4
-    vocab_size: int = 16
-
-    def prompt(self, digits: list[int]) -> list[int]:
-        return [self.bos, *(self.digit0 + d for d in digits), self.sep]
-
-    def decode(self, ids: list[int]) -> str:
-        names = {self.pad: "<pad>", self.bos: "<s>", self.sep: "|", self.eos: "</s>"}
-        return " ".join(names.get(i, str(i - self.digit0) if self.digit0 <= i < self.digit0 + 10 else f"<{i}>") for i in ids)
-
-
-TOK = DigitTokenizer()
-
-
-def target(digits: list[int], task: str) -> list[int]:
-    return sorted(digits) if task == "sort" else list(digits)
-
-
-def reward(completion: list[int], digits: list[int], task: str) -> float:
-    """Fraction of positions holding the right digit (programmatic, verifiable)."""
-    want = [TOK.digit0 + d for d in target(digits, task)]
-    return sum(int(a == b) for a, b in zip(completion, want)) / len(want)
+def make_task(name: str, digits: int) -> SortTask:
+    """``--task sort`` (:class:`SortTask`) or ``--task copy`` (:class:`CopyTask`)."""
+    return CopyTask(digits=digits) if name == "copy" else SortTask(digits=digits)
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -105,21 +91,20 @@ def lora_targets() -> list[str]:
 
 
 def make_base(args) -> torch.nn.Module:
-    """``tiny_qwen3`` over the digit vocabulary, taught to copy for ``--warmup-steps`` (full fine-tune)."""
+    """``tiny_qwen3`` over the digit vocabulary, taught to copy (answer, then end-of-sequence) for
+    ``--warmup-steps`` full fine-tuning steps (:func:`recipes.grpo.policy.sft_batch` /
+    :func:`~recipes.grpo.policy.sft_loss`)."""
     from torch_deltasync.testing import tiny_qwen3
 
     model = tiny_qwen3("tiny", seed=args.seed, vocab_size=TOK.vocab_size)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(args.seed)
+    rng, task = random.Random(args.seed), CopyTask(digits=args.digits)
     for _ in range(args.warmup_steps):
-        d = torch.randint(0, 10, (64, args.digits), generator=gen)
-        ids = torch.cat([torch.full((64, 1), TOK.bos), d + TOK.digit0, torch.full((64, 1), TOK.sep), d + TOK.digit0], 1)
-        logits = model(input_ids=ids).logits[:, -args.digits - 1:-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, TOK.vocab_size), ids[:, -args.digits:].reshape(-1))
+        loss = sft_loss(model, *sft_batch(task, TOK, rng, 64))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return model
+    return model.eval()
 
 
 def put_base(store, model) -> None:
@@ -146,28 +131,10 @@ def load_base(store, timeout_s: float) -> torch.nn.Module:
             time.sleep(0.2)
     model = tiny_qwen3("tiny", vocab_size=TOK.vocab_size)
     model.load_state_dict(load(data))
-    return model
+    return model.eval()
 
 
 # --- rollout worker ----------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def generate(model, prompts: torch.Tensor, n_new: int, gen: torch.Generator, temperature: float):
-    """Sample ``n_new`` tokens per row (no KV cache: sequences are ~10 tokens).
-
-    Returns:
-        ``(completions int64 [N, n_new], logprobs float32 [N, n_new])``: the sampled tokens and their
-        log-probabilities under the sampling distribution (softmax of logits / temperature).
-    """
-    ids, lps = prompts, []
-    for _ in range(n_new):
-        logits = model(input_ids=ids).logits[:, -1].float() / temperature
-        lp = torch.log_softmax(logits, -1)
-        tok = torch.multinomial(lp.exp(), 1, generator=gen)
-        lps.append(lp.gather(1, tok))
-        ids = torch.cat([ids, tok], 1)
-    return ids[:, prompts.shape[1]:], torch.cat(lps, 1)
 
 
 def run_worker(args) -> int:
@@ -195,7 +162,8 @@ def run_worker(args) -> int:
     receiver = AdapterReceiver(model, store)
     receiver.wait_for(timeout_s=args.startup_timeout)
     client = RolloutClient(args.service_url, token=_token(args))
-    gen = torch.Generator().manual_seed(10_000 + args.worker_id)
+    torch.manual_seed(10_000 + args.worker_id)  # sampling (recipes.grpo.policy.sample)
+    rng, task = random.Random(10_000 + args.worker_id), make_task(args.task, args.digits)
     metrics = open(Path(args.run_dir) / f"worker-{args.worker_id}.jsonl", "a") if args.run_dir else None
     batch = 0
     try:
@@ -204,18 +172,17 @@ def run_worker(args) -> int:
             receiver.update()  # the newest version (a no-op when there is none newer)
             st = receiver.last_stats if receiver.version != before else None
             version = receiver.version
-            digits = torch.randint(0, 10, (args.prompts, args.digits), generator=gen)
-            prompts = torch.tensor([TOK.prompt(d) for d in digits.tolist()]).repeat_interleave(args.group, 0)
-            comps, lps = generate(model, prompts, args.digits, gen, args.temperature)
-            rewards = torch.tensor([reward(c, d, args.task) for c, d in
-                                    zip(comps.tolist(), digits.repeat_interleave(args.group, 0).tolist())])
-            rg = rewards.view(args.prompts, args.group)
-            adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True) + 1e-4)).view(-1)
+            pids, pmask, answers = group_prompts(task, TOK, rng, args.prompts, args.group)
+            comps, cmask, lps = sample(model, TOK, pids, pmask, max_new_tokens=task.max_new_tokens,
+                                       temperature=args.temperature)
+            rewards = score(task, TOK, comps, answers)
+            adv = group_advantages(rewards, args.group)
             episodes = [{
-                "prompt": prompts[i].tolist(), "completion": comps[i].tolist(), "logprobs": lps[i].tolist(),
-                "reward": float(rewards[i]), "advantage": float(adv[i]), "policy_version": version,
-                "group": f"w{args.worker_id}-{batch}-{i // args.group}", "worker": f"w{args.worker_id}",
-            } for i in range(prompts.shape[0])]
+                "prompt": pids[i].tolist(), "completion": comps[i][cmask[i]].tolist(),
+                "logprobs": lps[i][cmask[i]].tolist(), "reward": float(rewards[i]), "advantage": float(adv[i]),
+                "policy_version": version, "group": f"w{args.worker_id}-{batch}-{i // args.group}",
+                "worker": f"w{args.worker_id}",
+            } for i in range(pids.shape[0])]
             try:
                 res = client.post_episodes(episodes, max_wait_s=args.startup_timeout)
             except ServiceClosedError:
@@ -246,28 +213,31 @@ def run_worker(args) -> int:
 
 
 def grpo_loss(model, td, clip_low: float, clip_high: float, temperature: float):
-    """Clipped-ratio GRPO loss over completion tokens (token mean).
+    """Clipped-ratio GRPO loss over completion tokens (token mean) against the rollout policy:
+    :func:`recipes.grpo.loss.grpo_objective` with the rollout log-probs as ``old_logp`` and no
+    importance weights, on log-probs from :func:`recipes.grpo.policy.response_logprobs`.
 
-    ``ratio = exp(logp_new - logp_rollout)`` per token, ``loss = -mean(min(ratio * A,
-    clip(ratio, 1 - clip_low, 1 + clip_high) * A))`` (PPO's clipped surrogate, GRPO's group
-    advantage ``A``; DeepSeekMath, arXiv:2402.03300, eq. 3, without the KL term).
+    Args:
+        td: :func:`~torch_deltasync.integrations.rollout_service.collate_episodes` of episodes
+            whose prompts all have one length (this task's prompts do).
 
     Returns:
         ``(loss, stats)``: stats has the mean ratio and the fraction of clipped tokens.
+
+    Raises:
+        ValueError: prompts of different lengths.
     """
-    logits = model(input_ids=td["input_ids"], attention_mask=td["attention_mask"].long()).logits[:, :-1].float()
-    logp = torch.log_softmax(logits / temperature, -1).gather(2, td["input_ids"][:, 1:, None]).squeeze(2)
-    mask = td["completion_mask"][:, 1:]
-    old = td["logprobs"][:, 1:]
-    ratio = torch.exp(logp - old)
-    adv = td["advantage"][:, None]
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_tok = -torch.min(ratio * adv, clipped * adv)
-    loss = per_tok[mask].mean()
-    with torch.no_grad():
-        r = ratio[mask]
-        frac = ((r < 1 - clip_low) | (r > 1 + clip_high)).float().mean()
-    return loss, {"ratio_mean": float(r.mean()), "clip_frac": float(frac)}
+    cmask = td["completion_mask"]
+    starts = cmask.long().argmax(1)
+    p = int(starts[0])
+    if not bool((starts == p).all()):
+        raise ValueError(f"prompts of different lengths in one batch ({sorted(set(starts.tolist()))}); "
+                         "this loss expects one prompt length")
+    ids = td["input_ids"]
+    logp = response_logprobs(model, ids[:, :p], td["attention_mask"][:, :p].long(), ids[:, p:], cmask[:, p:],
+                             temperature=temperature)
+    return grpo_objective(logp, td["logprobs"][:, p:], td["advantage"], cmask[:, p:],
+                          clip=(1 - clip_low, 1 + clip_high))
 
 
 def run_trainer(args, service_url: str, token: str | None, workers: list | None = None) -> dict:
@@ -306,7 +276,7 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
                     if time.monotonic() - t0 > args.startup_timeout:
                         raise TimeoutError(f"no {args.batch} fresh episodes within {args.startup_timeout} s")
             wait_s = time.monotonic() - t0
-            td = collate_episodes(batch, pad_id=TOK.pad)
+            td = collate_episodes(batch, pad_id=TOK.pad_id)
             model.train()
             loss, st = grpo_loss(model, td, args.clip, args.clip, args.temperature)
             opt.zero_grad(set_to_none=True)

@@ -131,7 +131,8 @@ def test_losing_every_generator_stops_with_a_message(tmp_path):
     (["--interrupt", "keep"], "--interrupt keep needs --engine vllm"),
     (["--engine", "hf", "--kill-generator", "0", "--kill-at-step", "1", "--kill-target", "server"],
      "--kill-target server needs --engine vllm"),
-    (["--engine", "vllm", "--sync-chunk", "0"], "sync_chunk must be >= 1"),
+    (["--engine", "vllm", "--sync-poll-ms", "0"], "sync_poll_ms must be > 0"),
+    (["--engine", "vllm", "--sync-lag", "3", "--max-staleness", "2"], "sync_lag must be in [1, max(1, max_staleness) = 2]"),
 ])
 def test_bad_options_are_usage_errors(argv, match, capsys):
     from recipes.async_grpo import build_parser, config_from_args

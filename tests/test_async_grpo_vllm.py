@@ -128,8 +128,10 @@ def test_vllm_engine_drain_and_abort(tmp_path, mode):
     if mode == "drain":  # every batch from one version: commits only between batches
         assert s["inflight_syncs"] == 0 and not any(u.get("in_batch") for u in ups)
         assert all(e["version"] == e["version_end"] for e in events(tmp_path, "rollout"))
-    else:  # partial rollouts were dropped at a commit and regenerated on the new version
-        assert s["inflight_syncs"] > 0 and s["dropped_tokens"] > 0
+    else:  # commits aborted running rollouts, which went back with their prefix on the new version
+        assert s["inflight_syncs"] > 0 and s["resubmitted_rollouts"] > 0
+        assert all(u["mode"] == "abort" for u in ups if u.get("in_batch"))
+        assert s["resubmitted_rollouts"] == sum(e["resubmitted"] for e in events(tmp_path, "rollout"))
     [setup] = events(tmp_path, "setup")
     assert_no_server_left(tmp_path, setup)
 
@@ -150,3 +152,63 @@ def test_ctrl_c_leaves_no_server(tmp_path):
     proc.communicate(timeout=300)
     assert proc.returncode == 130
     assert_no_server_left(tmp_path, setup)
+
+
+def test_commits_never_serve_kv_from_older_weights(tmp_path):
+    """The code path the generators use (``update_server``: ``/pause?mode=keep|abort&clear_cache=true``
+    → commit → ``/resume``) resets vLLM's prefix cache, so a prompt cached under version v is
+    recomputed under v+1. Evidence per commit: before it, the same prompt is served from the cache
+    (``cached_tokens > 0``: the check can see a cache hit); after it, the first request of that prompt
+    hits nothing, and its greedy tokens and log-prob bits equal those of a request that can never hit
+    the cache (its own ``cache_salt``) on the same engine, while they differ from the old version's."""
+    import torch
+
+    from recipes.grpo.vllm_server import VLLMServer
+    from torch_deltasync import DeltaSender, LocalStore
+    from torch_deltasync.integrations.vllm import attach_server, update_server, wait_staged
+    from torch_deltasync.testing import tiny_qwen3
+
+    model = tiny_qwen3("tiny", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    model = model.to(torch.bfloat16).eval()
+    bucket = str(tmp_path / "bucket")
+    sender = DeltaSender(model, LocalStore(bucket))
+    v0 = sender.publish()
+    model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    server = VLLMServer(str(tmp_path / "ckpt"), tmp_path / "server.log", max_model_len=512,
+                        extra_args=["--enable-prompt-tokens-details"])
+    prompt = [(7 * i) % 500 + 3 for i in range(300)]  # more than two KV blocks of any CPU block size
+
+    def ask(salt=None):
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0.0, "logprobs": 3}}
+        if salt:
+            body["cache_salt"] = salt
+        r = server.post("/inference/v1/generate", body)
+        [c] = r["choices"]
+        out = (c["token_ids"], [(t["token_id"], float(t["logprob"]).hex()) for step in c["logprobs"]["content"]
+                                for t in step["top_logprobs"]])
+        return out, ((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0), c["weight_versions"]
+
+    try:
+        info = attach_server(server.url, bucket, assume_version=v0)
+        update_server(server.url, v0, mode="wait")
+        g = torch.Generator().manual_seed(0)
+        for k, mode in enumerate(["keep", "abort"]):
+            ask()
+            old, cached, _ = ask()
+            assert cached > 0  # the prompt is in the prefix cache now
+            with torch.no_grad():  # an RL-sized step: ~5% of the elements move
+                for p in model.parameters():
+                    p.add_((torch.rand(p.shape, generator=g) < 0.05) * torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+            v = sender.publish()
+            states = wait_staged(info["status_dir"], v, timeout_s=300)  # the background stager
+            assert all(s["staged"] == v for s in states.values()), states
+            assert update_server(server.url, v, mode=mode).staged is True
+            new, cached, spans = ask()
+            assert cached == 0, f"after the {mode} commit of version {v} the prompt hit {cached} cached tokens"
+            assert spans == [{"version": str(v), "start": 0, "end": 6}]
+            fresh, salted_cached, _ = ask(salt=f"never-cached-{k}")
+            assert salted_cached == 0
+            assert new == fresh and new != old
+    finally:
+        server.stop()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from recipes.grpo.buffer import VersionedReplayBuffer
+from recipes.grpo.buffer import VersionedReplayBuffer, group_advantages
 from recipes.grpo.loss import grpo_objective, truncated_is_weights
-from recipes.grpo.task import CharTokenizer, SortTask, sort_reward
+from recipes.grpo.task import CharTokenizer, CopyTask, SortTask, sort_reward
 
 
 def rollout(version: int, first_group: int, rewards: list[list[float]]) -> TensorDict:
@@ -121,6 +121,19 @@ class TestGroupAdvantages:
         assert buf.num_fresh(0) == 4
 
 
+    def test_group_advantages_of_a_flat_batch(self):
+        # the LoRA recipe's workers: consecutive groups, advantages back in the rewards' order
+        rewards = [0.0, 1.0, 0.5, 0.5, 0.2, 0.4, 0.6, 1.0, 0.7, 0.7, 0.7, 0.7]
+        got = group_advantages(torch.tensor(rewards), 4).tolist()
+        for g in range(3):
+            row = rewards[4 * g:4 * g + 4]
+            mu, sd = statistics.mean(row), statistics.stdev(row)
+            for j, r in enumerate(row):
+                assert got[4 * g + j] == pytest.approx((r - mu) / sd if sd else 0.0, abs=1e-5)
+        with pytest.raises(ValueError, match="do not form whole groups of group_size 4"):
+            group_advantages(torch.zeros(6), 4)
+
+
 class TestImportanceWeights:
     def test_weights_are_the_truncated_probability_ratio(self):
         old = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.6]]))
@@ -205,6 +218,14 @@ class TestTask:
             assert answer == "".join(sorted(prompt[:-1]))
             assert task.reward(answer, answer) == 1.0
         assert task.noisy_answer("12345", rng, 0.0) == "12345"
+
+    def test_copy_problems_repeat_the_digits(self):
+        import random
+
+        rng = random.Random(1)
+        for _ in range(20):
+            prompt, answer = CopyTask(digits=4).problem(rng)
+            assert prompt == answer + "=" and len(answer) == 4 and answer.isdigit()
 
     def test_tokenizer_round_trip(self):
         tok = CharTokenizer()

@@ -256,12 +256,13 @@ class GeneratorActor(Actor):
         Returns:
             ``{"batch": {name: tensor}, "version", "version_end", "syncs", "reward_mean", "gen_ms"}``:
             ``version`` / ``version_end`` are those served at the start / end (they differ when
-            versions were committed in flight, one record per commit in ``syncs``); the batch keys
+            versions were committed in flight, one record per commit in ``syncs``); ``resubmitted``
+            counts rollouts re-submitted with their prefix after an ``abort`` commit; the batch keys
             are those of the replay buffer plus ``token_version`` ``[N, T]`` (int64, the version
             that produced each token, -1 past the end) and top-level ``reward`` / ``done`` ``[N]``.
             ``policy_version`` is the version of each sample's oldest token.
         """
-        from .policy import encode_prompts
+        from .policy import group_prompts, score
 
         cfg = self.cfg
         version = self.backend.version
@@ -269,21 +270,19 @@ class GeneratorActor(Actor):
             raise RuntimeError(f"generator {self.index} holds no weights yet; call update_weights first")
         t0 = time.perf_counter()
         rng = random.Random(f"{cfg.seed}/{self.index}/{batch_index}")
-        problems = [self.task.problem(rng) for _ in range(cfg.prompts_per_batch)]
-        prompts = [p for p, _ in problems for _ in range(cfg.group_size)]
-        answers = [a for _, a in problems for _ in range(cfg.group_size)]
-        pids, pmask = encode_prompts(self.tok, prompts)
+        pids, pmask, answers = group_prompts(self.task, self.tok, rng, cfg.prompts_per_batch, cfg.group_size)
         syncs: list[dict[str, Any]] = []
+        resubmitted = 0
         if hasattr(self.backend, "generate_versioned"):
             r = self.backend.generate_versioned(pids, pmask, max_new_tokens=self.max_new_tokens,
                                                 interrupt=cfg.interrupt_mode)
-            rids, rmask, lp, tver, syncs = r.ids, r.mask, r.logprobs, r.token_version, r.syncs
+            rids, rmask, lp, tver, syncs, resubmitted = r.ids, r.mask, r.logprobs, r.token_version, r.syncs, r.resubmitted
         else:  # one version for the whole batch (drain)
             rids, rmask, lp = self.backend.generate(pids, pmask, max_new_tokens=self.max_new_tokens,
                                                     temperature=cfg.temperature)
             tver = torch.where(rmask.bool(), version, -1).long()
-        rewards = torch.tensor([self.task.reward(self.tok.decode(r.tolist()), a) for r, a in zip(rids, answers)])
-        n = len(prompts)
+        rewards = score(self.task, self.tok, rids, answers)
+        n = len(answers)
         first_group = (self.index + 1) * 10**12 + batch_index * cfg.prompts_per_batch
         # A sample's staleness is that of its oldest token: the buffer's gate then bounds every token.
         oldest = torch.where(rmask.bool(), tver, torch.iinfo(torch.long).max).amin(dim=1)
@@ -294,7 +293,7 @@ class GeneratorActor(Actor):
             "reward": rewards.float(), "done": torch.ones(n, dtype=torch.bool),
         }
         return {"batch": batch, "version": version, "version_end": self.backend.version, "syncs": syncs,
-                "reward_mean": float(rewards.mean()), "gen_ms": (time.perf_counter() - t0) * 1e3}
+                "resubmitted": resubmitted, "reward_mean": float(rewards.mean()), "gen_ms": (time.perf_counter() - t0) * 1e3}
 
     @endpoint
     async def fingerprint(self) -> dict[str, Any]:

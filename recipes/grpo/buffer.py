@@ -20,9 +20,44 @@ from torchrl.objectives.llm import MCAdvantage
 
 from torch_deltasync.integrations.torchrl import StalenessGatedSampler
 
-__all__ = ["VersionedReplayBuffer"]
+__all__ = ["VersionedReplayBuffer", "advantage_transform", "group_advantages"]
 
 VERSION_KEY = "policy_version"
+
+
+def advantage_transform(group_size: int) -> MCAdvantage:
+    """torchrl's GRPO advantage transform as both recipes use it: each complete group of
+    ``group_size`` completions of one prompt (same ``group_id``) gets ``(R - mean) / std`` of its
+    returns (``std`` unbiased, clamped at 1e-6; ``MCAdvantage(trajectory_return="sum")``)."""
+    return MCAdvantage(grpo_size=group_size, prompt_key="group_id", trajectory_return="sum")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Group-normalised advantages of consecutive groups, computed by :func:`advantage_transform`
+    (the transform :class:`VersionedReplayBuffer` applies as groups are written).
+
+    Args:
+        rewards: ``[N]`` float, ``N`` a multiple of ``group_size``; rows ``k * group_size ...
+            (k + 1) * group_size - 1`` are the completions of prompt ``k``.
+        group_size: completions per prompt (>= 2).
+
+    Returns:
+        ``[N]`` float32 advantages in the order of ``rewards``.
+
+    Raises:
+        ValueError: ``N`` is not a multiple of ``group_size``, or ``group_size < 2``.
+    """
+    n = rewards.shape[0]
+    if group_size < 2 or n % group_size:
+        raise ValueError(f"{n} rewards do not form whole groups of group_size {group_size} (>= 2)")
+    group = torch.arange(n) // group_size
+    td = TensorDict({"group_id": group, "next": TensorDict(reward=rewards.reshape(n, 1).float(),
+                                                           done=torch.ones(n, 1, dtype=torch.bool), batch_size=[n])},
+                    batch_size=[n])
+    out = advantage_transform(group_size).inv(td)
+    if not torch.equal(out.get("group_id"), group):  # the transform writes groups as they complete
+        raise RuntimeError("torchrl's MCAdvantage reordered the rows; cannot map advantages back")
+    return out.get("advantage").reshape(n).float()
 
 
 class VersionedReplayBuffer:
@@ -51,7 +86,7 @@ class VersionedReplayBuffer:
         self.rb = ReplayBuffer(
             storage=LazyTensorStorage(capacity),
             sampler=self.sampler,
-            transform=MCAdvantage(grpo_size=group_size, prompt_key="group_id", trajectory_return="sum"),
+            transform=advantage_transform(group_size),
             generator=gen,
         )
         self.added = 0

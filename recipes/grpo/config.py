@@ -97,12 +97,18 @@ class GRPOConfig:
     routes); ``"vllm-offline"`` (an in-process ``vllm.LLM``, GPU only)."""
     interrupt: str | None = None
     """What a new version does to rollouts in flight (:mod:`recipes.grpo.inflight`): ``"keep"``
-    (commit between chunks, partial rollouts continue on the new weights), ``"abort"`` (commit between
-    chunks, partial rollouts restart from their prompt), ``"drain"`` (commit between batches only).
+    (commit under running rollouts, which continue on the new weights), ``"abort"`` (commit after
+    aborting running rollouts, which are re-submitted with their prefix on the new weights),
+    ``"drain"`` (commit between batches only).
     ``None``: ``keep`` with ``vllm``, ``drain`` otherwise (the only mode of the other engines)."""
-    sync_chunk: int = 2
-    """Tokens per piece of a rollout with ``keep`` / ``abort``: commits happen between pieces, so every
-    token's version is exact; smaller pieces commit sooner at the cost of more requests."""
+    sync_poll_ms: float = 20.0
+    """With ``keep`` / ``abort``: milliseconds between two looks of a generator for a newly staged
+    version (a read of local readiness files) while its rollouts run; a found version is committed
+    at once, under the running requests."""
+    sync_lag: int = 1
+    """With ``keep`` / ``abort``: commit in flight once the newest staged version is this many
+    versions ahead of the served one (1: every version; ``k``: one pause per ``k`` versions, tokens
+    up to ``k - 1`` versions behind the newest when sampled). At most ``max(1, max_staleness)``."""
     vllm_python: str | None = None
     """Interpreter of the vLLM environment (``None``: ``$TORCH_DELTASYNC_VLLM_PYTHON`` or ``.venv-vllm``)."""
 
@@ -158,8 +164,11 @@ class GRPOConfig:
         if self.interrupt_mode != "drain" and self.generator_backend != "vllm":
             raise ValueError(f"--interrupt {self.interrupt} needs --engine vllm (the {self.generator_backend!r} engine "
                              "updates between batches only: --interrupt drain)")
-        if self.sync_chunk < 1:
-            raise ValueError(f"GRPOConfig.sync_chunk must be >= 1 token, got {self.sync_chunk}")
+        if not 1 <= self.sync_lag <= max(1, self.max_staleness):
+            raise ValueError(f"GRPOConfig.sync_lag must be in [1, max(1, max_staleness) = {max(1, self.max_staleness)}] "
+                             f"(a replica further behind yields only stale tokens), got {self.sync_lag}")
+        if not self.sync_poll_ms > 0:
+            raise ValueError(f"GRPOConfig.sync_poll_ms must be > 0, got {self.sync_poll_ms}")
         from torch_deltasync.codecs import codec_names
 
         if self.codec not in codec_names():

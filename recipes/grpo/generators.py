@@ -9,8 +9,8 @@ swaps the Hugging Face engine for vLLM without touching the actor, the buffer or
 - ``"vllm"`` (:class:`VLLMServerGenerator`, tested on vLLM's CPU build): a vLLM OpenAI server process
   (``.venv-vllm``) on 127.0.0.1 that the replica starts and stops; weights reach it only through
   vLLM's RL routes and the ``deltasync`` backend (:func:`torch_deltasync.integrations.vllm.update_server`),
-  and versions are committed while rollouts are in flight, between chunks of tokens
-  (:mod:`.inflight`), every token tagged with its version.
+  and versions are committed while rollouts are in flight (:mod:`.inflight`), every token tagged
+  by the engine with the version that sampled it.
 - ``"vllm-offline"`` (:class:`VLLMGenerator`, GPU only, **not exercised by this repository's tests**, which
   run on CPU): an offline ``vllm.LLM`` running ``torch_deltasync``'s ``deltasync`` weight-transfer
   backend; every tensor-parallel worker stages each version in the background (verified against
@@ -116,8 +116,8 @@ class VLLMServerGenerator:
     a temporary folder); the first update installs the run's anchor through the ``deltasync``
     backend, so every weight it serves has arrived through the store and vLLM's RL routes. The
     backend stages each newer version in the background; :meth:`sync` commits a staged version
-    (``POST /pause?mode=keep&clear_cache=true`` → start / update / finish → ``/resume``), which is the
-    only time the engine stops generating.
+    (``POST /pause?mode=keep|abort&clear_cache=true`` → start / update / finish → ``/resume``), which
+    is the only time the engine stops generating.
 
     Args:
         cfg: run configuration (``run_dir`` for the server log, ``vllm_python``, ``temperature``).
@@ -161,54 +161,73 @@ class VLLMServerGenerator:
         info = attach_server(self.server.url, store, prefix)
         self.status_dir = info.get("status_dir")
 
-    def update(self, version: int) -> dict[str, Any]:
-        """Commit ``version`` after every worker staged it (drain: nothing is in flight)."""
-        from torch_deltasync.integrations.vllm import update_server
+    def update(self, version: int, *, stage_timeout_s: float = 60.0) -> dict[str, Any]:
+        """Commit ``version`` or a newer one, once every worker staged it (drain: nothing is in flight).
+
+        The backend stages only the newest version it sees, so by the time a replica asks for
+        ``version`` its workers may have staged a newer one and will never stage ``version``
+        itself: the commit takes the newest version every worker staged, if it is ``>= version``
+        (waiting up to ``stage_timeout_s`` for one; past it, ``version`` is committed and the
+        workers prepare it inside the pause)."""
+        import time
+
+        from torch_deltasync.integrations.vllm import read_readiness, update_server
+
+        from .inflight import commit_target
 
         self.server.check_alive()
         before = self.version
         if before is not None and before >= version:
             return {"version": before}
-        r = update_server(self.server.url, version, mode="wait")
+        deadline = time.monotonic() + stage_timeout_s
+        target = version
+        while self.status_dir is not None:  # the readiness files the workers rewrite as they stage
+            states = read_readiness(self.status_dir)
+            v = commit_target([s.get("staged") for s in states.values()], None)
+            if v is not None and v >= version:
+                target = v
+                break
+            if not states or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        # staged just now (or waited for above): a short wait covers a stager that moved on meanwhile
+        r = update_server(self.server.url, target, mode="wait", stage_timeout_s=1.0)
         self.version = r.version
         return {"version": r.version, "apply_ms": r.stall_ms, "stall_ms": r.stall_ms, "wait_ms": r.wait_ms,
                 "total_ms": r.total_ms, "staged": r.staged}
 
-    def sync(self) -> dict[str, Any] | None:
-        """Commit the newest version every worker has staged, if newer than the served one (no
-        waiting for staging: the pause covers the commit only). ``None``: nothing staged."""
+    def sync(self, mode: str = "keep") -> dict[str, Any] | None:
+        """Commit the newest version every worker has staged, if at least ``cfg.sync_lag`` newer than
+        the served one (:func:`.inflight.commit_target`), pausing with ``mode`` (``"keep"``: running requests freeze and continue on the new weights;
+        ``"abort"``: they return what they have). No waiting for staging: the pause covers the
+        commit only. ``None``: nothing newer is staged (one read of the readiness files, no HTTP)."""
         from torch_deltasync.integrations.vllm import read_readiness, update_server
+
+        from .inflight import commit_target
 
         self.server.check_alive()
         if self.status_dir is None:
             return None
-        states = read_readiness(self.status_dir).values()
-        staged = [s.get("staged") for s in states]
-        if not staged or not all(isinstance(v, int) for v in staged):
+        v = commit_target([s.get("staged") for s in read_readiness(self.status_dir).values()], self.version,
+                          self.cfg.sync_lag)
+        if v is None:
             return None
-        v = min(staged)
-        if self.version is not None and v <= self.version:
-            return None
-        r = update_server(self.server.url, v, mode="keep")
+        r = update_server(self.server.url, v, mode=mode)
         before, self.version = self.version, r.version
         return {"version": r.version, "from_version": before, "stall_ms": r.stall_ms, "apply_ms": r.stall_ms,
-                "total_ms": r.total_ms, "staged": r.staged}
-
-    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
-        return self.server.complete(prompts, max_tokens=max_tokens, temperature=self.cfg.temperature,
-                                    stop_token_ids=[self.tok.eos_id])
+                "total_ms": r.total_ms, "staged": r.staged, "mode": mode}
 
     def generate(self, prompt_ids, prompt_mask, *, max_new_tokens, temperature):
         r = self.generate_versioned(prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, interrupt="drain")
         return r.ids, r.mask, r.logprobs
 
     def generate_versioned(self, prompt_ids, prompt_mask, *, max_new_tokens: int, interrupt: str):
-        """:func:`.inflight.generate_chunked` on this server (chunks of ``cfg.sync_chunk`` tokens)."""
-        from .inflight import generate_chunked
+        """:func:`.inflight.generate_inflight` on this server (polling every ``cfg.sync_poll_ms``)."""
+        from .inflight import generate_inflight
 
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-        return generate_chunked(self, prompts, max_new_tokens=max_new_tokens, chunk=self.cfg.sync_chunk,
-                                interrupt=interrupt, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
+        return generate_inflight(_TokenAPI(self), prompts, max_new_tokens=max_new_tokens, interrupt=interrupt,
+                                 eos_id=self.tok.eos_id, pad_id=self.tok.pad_id, poll_s=self.cfg.sync_poll_ms / 1e3)
 
     def probe(self) -> list[dict[str, Any]]:
         """Greedy completions of :attr:`PROBES` with the top-5 log-probs of every step (exact float bits)."""
@@ -224,6 +243,24 @@ class VLLMServerGenerator:
 
         self.server.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class _TokenAPI:
+    """:class:`.inflight.InflightEngine` over a :class:`VLLMServerGenerator`."""
+
+    def __init__(self, gen: VLLMServerGenerator) -> None:
+        self.gen = gen
+
+    @property
+    def version(self) -> int | None:
+        return self.gen.version
+
+    def generate(self, prompt: list[int], max_tokens: int, n: int) -> list[dict[str, Any]]:
+        return self.gen.server.generate(prompt, max_tokens=max_tokens, temperature=self.gen.cfg.temperature, n=n,
+                                        stop_token_ids=[self.gen.tok.eos_id])
+
+    def sync(self, mode: str) -> dict[str, Any] | None:
+        return self.gen.sync(mode)
 
 
 def probe(server) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from .config import GRPOConfig
 from .task import CharTokenizer, HFTokenizer, SortTask, Tokenizer
 
 __all__ = [
-    "build_tokenizer", "build_policy", "encode_prompts", "sample", "response_logprobs", "warm_start", "warm_start_path",
+    "build_tokenizer", "build_policy", "encode_prompts", "group_prompts", "score", "sample", "sft_batch", "sft_loss", "response_logprobs", "warm_start", "warm_start_path",
     "policy_key", "load_warm_start", "max_new_tokens", "evaluate",
 ]
 
@@ -89,6 +89,23 @@ def _response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:
     return before == 0
 
 
+def group_prompts(task: SortTask, tok: Tokenizer, rng: random.Random, prompts: int, group_size: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """A rollout batch's prompts: ``prompts`` fresh problems of ``task``, each repeated
+    ``group_size`` times in a row (one GRPO group), as :func:`encode_prompts` ids and mask
+    (``[prompts * group_size, Lp]`` int64 each) plus every row's answer."""
+    problems = [task.problem(rng) for _ in range(prompts)]
+    pids, pmask = encode_prompts(tok, [p for p, _ in problems for _ in range(group_size)])
+    return pids, pmask, [a for _, a in problems for _ in range(group_size)]
+
+
+def score(task: SortTask, tok: Tokenizer, response_ids: torch.Tensor, answers: Sequence[str]) -> torch.Tensor:
+    """``[N]`` float32 rewards of the decoded responses (``[N, T]`` ids, decoded up to end-of-sequence)
+    against their answers (:meth:`SortTask.reward`)."""
+    return torch.tensor([task.reward(tok.decode(r.tolist()), a) for r, a in zip(response_ids, answers)],
+                        dtype=torch.float32)
+
+
 @torch.no_grad()
 def sample(model: nn.Module, tok: Tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
            max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
@@ -145,6 +162,14 @@ def response_logprobs(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
 # --- supervised warm start -------------------------------------------------------------------------
 
 
+def sft_loss(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+             response_mask: torch.Tensor) -> torch.Tensor:
+    """Supervised loss of a :func:`sft_batch`: the mean negative log-likelihood of the response
+    tokens (scalar, differentiable; temperature 1)."""
+    lp = response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    return -(lp.sum() / response_mask.sum())
+
+
 def policy_key(cfg: GRPOConfig) -> str:
     """Digest of everything the warm-start weights depend on (the cache key)."""
     fields = {k: getattr(cfg, k) for k in ("model_path", "hidden_size", "num_layers", "digits", "warmstart_steps",
@@ -152,7 +177,11 @@ def policy_key(cfg: GRPOConfig) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _sft_batch(task: SortTask, tok: Tokenizer, rng: random.Random, n: int, noise: float):
+def sft_batch(task: SortTask, tok: Tokenizer, rng: random.Random, n: int, noise: float = 0.0,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` supervised examples of ``task``: ``(prompt_ids, prompt_mask)`` from :func:`encode_prompts`
+    and the answers (each digit replaced at random with probability ``noise``) plus end-of-sequence,
+    right-padded: ``response_ids`` ``[n, T]`` int64 and ``response_mask`` ``[n, T]`` bool."""
     prompts, answers = zip(*(task.problem(rng) for _ in range(n)))
     answers = [task.noisy_answer(a, rng, noise) for a in answers]
     pids, pmask = encode_prompts(tok, prompts)
@@ -229,9 +258,8 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True) -> tup
                                                     pct_start=0.1)
         bar = _bar(cfg.warmstart_steps, "warm start", progress)
         for _ in range(cfg.warmstart_steps):
-            pids, pmask, rids, rmask = _sft_batch(task, tok, rng, cfg.warmstart_batch, cfg.warmstart_noise)
-            lp = response_logprobs(model, pids, pmask, rids, rmask)
-            loss = -(lp.sum() / rmask.sum())
+            pids, pmask, rids, rmask = sft_batch(task, tok, rng, cfg.warmstart_batch, cfg.warmstart_noise)
+            loss = sft_loss(model, pids, pmask, rids, rmask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

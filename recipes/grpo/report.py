@@ -66,7 +66,7 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
     """The run summary (``summary.json``).
 
     Syncs: ``stall`` of a sync is the time it kept its engine from generating: the pause around a
-    commit between chunks (``in_batch`` updates), or the whole update for one between batches.
+    commit inside a batch (``in_batch`` updates), or the whole update for one between batches.
     ``sync_time_frac`` is their sum over the generators' generation time plus the between-batch
     updates. ``inflight_syncs`` counts commits while some rollout of the batch was partial;
     ``tokens_by_lag`` counts trained tokens by ``trainer version - token version``.
@@ -84,7 +84,7 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
     live = [u for u in updates if not u.get("final")]
     in_batch = [u for u in live if u.get("in_batch")]
     between = [u for u in live if not u.get("in_batch") and u.get("blocked_ms") is not None]
-    # the time each sync kept its engine from generating: the pause of a commit between chunks, or
+    # the time each sync kept its engine from generating: the pause of a commit inside a batch, or
     # the whole update between batches (the replica waits for it)
     stalls = [u["stall_ms"] for u in in_batch] + [u["blocked_ms"] for u in between]
     gen_ms = sum(r["gen_ms"] for r in log.of("rollout"))
@@ -116,7 +116,7 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
         "mean_stall_ms": _mean(stalls),
         "max_stall_ms": max(stalls, default=None),
         "sync_time_frac": lost / (gen_ms + sum(u["blocked_ms"] for u in between)) if gen_ms else None,
-        "dropped_tokens": sum(u.get("dropped_tokens", 0) for u in in_batch),
+        "resubmitted_rollouts": sum(r.get("resubmitted", 0) for r in log.of("rollout")),
         "tokens_by_lag": dict(sorted(by_lag.items())),
         **extra,
     }

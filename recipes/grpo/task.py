@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-__all__ = ["Tokenizer", "CharTokenizer", "HFTokenizer", "SortTask", "sort_reward"]
+__all__ = ["Tokenizer", "CharTokenizer", "HFTokenizer", "SortTask", "CopyTask", "sort_reward"]
 
 
 class Tokenizer(Protocol):
@@ -148,3 +148,14 @@ class SortTask:
 
     def reward(self, response: str, answer: str) -> float:
         return sort_reward(response, answer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyTask(SortTask):
+    """:class:`SortTask`'s prompts; the answer repeats the digits in their order (the LoRA recipe's
+    warm-up task and its ``--task copy``)."""
+
+    def problem(self, rng: random.Random) -> tuple[str, str]:
+        """One ``(prompt, answer)`` pair, e.g. ``("31415=", "31415")``."""
+        prompt, _ = super().problem(rng)
+        return prompt, prompt[:-1]

@@ -22,7 +22,9 @@ Server flags (``docs/vllm.md``): ``VLLM_SERVER_DEV_MODE=1`` enables the RL route
 ``/init_weight_transfer_engine``, ``/update_weights``, ...) and must only be exposed on a private
 interface: the server binds 127.0.0.1. ``--weight-transfer-config '{"backend": "deltasync"}'`` selects
 torch_deltasync's backend; ``--logprobs-mode processed_logprobs`` returns the log-probs of the
-distribution actually sampled from (after temperature), which truncated importance sampling needs.
+distribution actually sampled from (after temperature), which truncated importance sampling needs;
+``--enable-scale-out`` serves vLLM's token API (``/inference/v1/generate``), whose completions carry
+the weight version of every output token (:meth:`VLLMServer.generate`).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class VLLMServer:
         args = ["--model", self.model, "--served-model-name", "policy", "--host", "127.0.0.1", "--port",
                 str(self.port), "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
                 *(["--max-model-len", str(max_model_len)] if max_model_len else []), "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
-                "--disable-log-stats", "--uvicorn-log-level", "warning", *(extra_args or [])]
+                "--disable-log-stats", "--uvicorn-log-level", "warning", "--enable-scale-out", *(extra_args or [])]
         if deltasync:
             args += ["--weight-transfer-config", json.dumps({"backend": "deltasync"})]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -191,6 +193,27 @@ class VLLMServer:
                 pass
             self.check_alive()
             raise RuntimeError(f"POST {self.url}{path}: {e}") from None
+
+    def generate(self, prompt: list[int], *, max_tokens: int, temperature: float, n: int = 1,
+                 stop_token_ids: list[int] | None = None) -> list[dict[str, Any]]:
+        """vLLM's token API (``POST /inference/v1/generate``, served with ``--enable-scale-out``): ``n``
+        sampled completions of one token-id prompt, each with its per-token weight versions.
+
+        Returns:
+            ``[{"tokens": [int], "logprobs": [float], "finish_reason": str, "versions": [{"version":
+            str, "start": int, "end": int}]}]`` in choice order: sampled token ids, their log-probs
+            (processed: after temperature), why it ended (``"abort"``: a ``/pause?mode=abort`` cut it
+            short) and the engine's spans of output tokens per weight version.
+        """
+        body = {"token_ids": list(prompt), "sampling_params": {
+            "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "logprobs": 0,
+            "stop_token_ids": list(stop_token_ids or []), "skip_special_tokens": False}}
+        out = []
+        for c in sorted(self.post("/inference/v1/generate", body)["choices"], key=lambda c: c["index"]):
+            content = (c.get("logprobs") or {}).get("content") or []
+            out.append({"tokens": list(c.get("token_ids") or []), "logprobs": [float(x["logprob"]) for x in content],
+                        "finish_reason": c.get("finish_reason"), "versions": c.get("weight_versions") or []})
+        return out
 
     def complete(self, prompts: list[list[int]], *, max_tokens: int, temperature: float,
                  stop_token_ids: list[int] | None = None, logprobs: int = 0,
