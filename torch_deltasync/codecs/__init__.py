@@ -14,7 +14,8 @@ speed).
 
 from ._auto import PACKED_BELOW_GBPS, auto_codec
 from ._base import Codec, TensorDelta, codec_names, get_codec, register_codec
-from ._packed import CODE_BITS, LAYOUT_VERSION, PackedCodec
+from ._packed import PackedCodec
+from ._packed_header import CODE_BITS, LAYOUT_VERSION
 from ._raw import RawCodec
 
 __all__ = [

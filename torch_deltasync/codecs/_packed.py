@@ -44,21 +44,24 @@ compiled (when numba is there) and shared by both paths. Kernels and zstd releas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 import torch
 
 from .. import _native
+from . import _packed_kernels as _kernels
 from .._dtypes import bits
 from ..checksum import checksum
 from ..errors import CorruptObjectError
 from ._base import Codec, TensorDelta, check_parts, register_codec
+from ._packed_estimates import STEP_SAMPLE, best_gap_shift, best_step_code, binary_entropy, huffman_bits
+from ._packed_header import (
+    CODE_BITS, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, STREAMS, VAL_RAW, VAL_STEPS, read_header, write_header,
+)
 from ._bits import (
     MAX_VARINT_BYTES,
     METHOD_STORED,
-    METHOD_ZSTD,
     compressor,
     from_planes,
     leb128_decode,
@@ -76,16 +79,6 @@ from ._bits import (
 )
 
 
-#: Version byte of a packed tensor blob (byte 0). Decoders refuse any other value.
-LAYOUT_VERSION = 1
-#: Code widths (bits per changed element) a steps stream may use.
-CODE_BITS = (2, 4, 8, 16)
-
-POS_GAPS, POS_BITMAP = 0, 1
-VAL_RAW, VAL_STEPS = 0, 1
-_STREAMS = ("positions", "pos_ext", "pos_low", "codes", "ext", "raw")
-#: Largest gap shift ``r``: an ``r``-bit field plus its bit offset within a byte fits 64 bits.
-MAX_GAP_SHIFT = 56
 
 
 _ZEROS: dict[torch.dtype, torch.Tensor] = {}
@@ -113,204 +106,6 @@ def _bit_pattern(t: torch.Tensor) -> np.ndarray:
     """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view)."""
     return bits(t).numpy().view(f"u{t.element_size()}")
 
-
-@_native.jit
-def _huffman_bits(hist: np.ndarray, per_byte: int, table: bool) -> float:
-    """Estimated size in bits of a byte stream after zstd's Huffman stage.
-
-    Compiled (:func:`torch_deltasync._native.jit`) and shared by the numpy and the native encoder,
-    so both make the same choices.
-
-    Args:
-        hist: histogram of the symbols (int64 ``(m,)``); symbols are packed ``per_byte`` to a
-            byte and assumed independent.
-        per_byte: symbols per byte (1, 2 or 4).
-        table: add the cost of describing the Huffman table.
-
-    Returns:
-        ``max(entropy, 1 bit per byte) + (p_max + 0.086) bits per byte + 4 bits per symbol``:
-        the order-0 entropy, Huffman's floor of one bit per coded byte, Gallager's redundancy
-        bound (see :meth:`PackedCodec._choose_code_bits`), and roughly what zstd spends to
-        describe the Huffman table (which matters for small tensors).
-    """
-    total = 0
-    c_max = 0
-    used = 0
-    for c in hist:
-        if c > 0:
-            total += c
-            used += 1
-            c_max = max(c_max, c)
-    if total == 0:
-        return 0.0
-    nbytes = total / per_byte
-    entropy = 0.0
-    for c in hist:
-        if c > 0:
-            entropy -= c * np.log2(c / total)
-    p_max_byte = (c_max / total) ** per_byte
-    table_bits = 4 * min(used ** per_byte, 256) if table else 0
-    return max(entropy, nbytes) + nbytes * (p_max_byte + 0.086) + table_bits
-
-
-@_native.jit
-def _best_gap_shift(k: int, r_lo: int, r_hi: int, base: np.ndarray) -> int:
-    """The body of :meth:`PackedCodec._choose_gap_shift` (compiled)."""
-    best_r = 0
-    best = np.inf
-    hist = np.empty(256, np.int64)
-    for r in range(r_lo, r_hi + 1):
-        f = 1 << (r - r_lo)
-        below = 0
-        for j in range(255):
-            s = 0
-            for q in range(j * f, (j + 1) * f):
-                s += base[q]
-            hist[j] = s
-            below += s
-        hist[255] = k - below  # escapes: high part >= 255
-        est = _huffman_bits(hist, 1, True) + hist[255] * 16 + k * r
-        if est < best:
-            best_r = r
-            best = est
-    return best_r
-
-
-@_native.jit
-def _best_step_code(k: int, width: int, hz: np.ndarray) -> tuple[int, float, bool]:
-    """The best code width among 2, 4 and 8 bits (at most the dtype's width) by the estimate of
-    :meth:`PackedCodec._choose_code_bits`, its estimate in bits, and whether 16-bit codes could
-    do better (more than 1 in 64 steps need more than 8 bits) (compiled)."""
-    raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
-    cap = hz.size - 1
-    top = cap  # bins past the last non-zero one below cap add nothing to an estimate
-    while top > 0 and hz[top - 1] == 0:
-        top -= 1
-    n_raw = hz[0] + hz[cap]  # no step (z = 0) or a huge one
-    best_b = 0
-    best = np.inf
-    for b in (2, 4, 8):
-        if b > 8 * width:
-            break
-        M = (1 << b) - 1
-        code_hist = np.empty(M + 1, np.int64)  # code c = z - 1; c = M escapes
-        code_hist[:M] = hz[1 : M + 1]
-        code_hist[M] = hz[M + 1 :].sum() + hz[0]
-        est = _huffman_bits(code_hist, 8 // b, False) + n_raw * raw_cost
-        if top > M + 1:
-            est += _huffman_bits(hz[M + 1 : top], 1, False)
-        if est < best:
-            best_b = b
-            best = est
-    return best_b, best, width >= 2 and hz[256:].sum() * 64 >= k
-
-
-def _binary_entropy(p: float) -> float:
-    """Entropy in bits of a Bernoulli(``p``) variable: ``-p log2 p - (1-p) log2 (1-p)``."""
-    if p <= 0 or p >= 1:
-        return 0.0
-    return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
-
-
-#: Change sets of 65536 changes and more cost their code widths on every 4th block of 4096 steps
-#: (the estimate needs the step distribution, not every step; the histogram pass is a third of
-#: the encoder's kernel time otherwise).
-_STEP_SAMPLE = 4
-
-# --- header -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Header:
-    pos_mode: int
-    gap_shift: int
-    val_mode: int
-    code_bits: int
-    base_checksum: int
-    streams: tuple[tuple[int, int, int, int], ...]  # (method, raw_len, offset, stored_len) x 6
-
-
-# version, positions mode, gap shift, values mode, code width (1 byte each), base checksum (u64 LE)
-_HEADER_FIXED = 13
-
-
-_SMALL_VARINTS = [bytes([v]) for v in range(128)]
-
-
-def _varint_bytes(v: int) -> bytes:
-    """Unsigned LEB128 of one non-negative integer."""
-    if v < 128:
-        return _SMALL_VARINTS[v]
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-def _write_header(pos_mode: int, gap_shift: int, val_mode: int, code_bits: int, base_checksum: int,
-                  streams: list[tuple[int, bytes, int]]) -> bytes:
-    parts = [bytes((LAYOUT_VERSION, pos_mode, gap_shift, val_mode, code_bits)), base_checksum.to_bytes(8, "little")]
-    for method, payload, raw_len in streams:
-        parts.append(_SMALL_VARINTS[method])
-        parts.append(_varint_bytes(raw_len))
-        if method != METHOD_STORED:
-            parts.append(_varint_bytes(len(payload)))
-    return b"".join(parts)
-
-
-def _read_header(data: memoryview, what: str) -> _Header:
-    if len(data) < _HEADER_FIXED:
-        raise CorruptObjectError(f"{what}: {len(data)} bytes is too short for a packed header")
-    version, pos_mode, gap_shift, val_mode, code_bits = (data[i] for i in range(5))
-    base_checksum = int.from_bytes(data[5:13], "little")
-    if version != LAYOUT_VERSION:
-        raise CorruptObjectError(f"{what}: packed layout version {version}, this reader knows {LAYOUT_VERSION}")
-    if pos_mode not in (POS_GAPS, POS_BITMAP):
-        raise CorruptObjectError(f"{what}: unknown positions mode {pos_mode}")
-    if gap_shift > (MAX_GAP_SHIFT if pos_mode == POS_GAPS else 0):
-        raise CorruptObjectError(f"{what}: gap shift {gap_shift} (at most {MAX_GAP_SHIFT}, 0 with a bitmap)")
-    if val_mode == VAL_RAW and code_bits != 0:
-        raise CorruptObjectError(f"{what}: raw values with code width {code_bits} (must be 0)")
-    if val_mode == VAL_STEPS and code_bits not in CODE_BITS:
-        raise CorruptObjectError(f"{what}: code width {code_bits}, expected one of {CODE_BITS}")
-    if val_mode not in (VAL_RAW, VAL_STEPS):
-        raise CorruptObjectError(f"{what}: unknown values mode {val_mode}")
-    at = _HEADER_FIXED
-
-    def varint() -> int:
-        nonlocal at
-        v = 0
-        for j in range(MAX_VARINT_BYTES):
-            if at >= len(data):
-                raise CorruptObjectError(f"{what}: header cut off")
-            byte = data[at]
-            at += 1
-            v |= (byte & 0x7F) << (7 * j)
-            if byte < 0x80:
-                if j and byte == 0:
-                    raise CorruptObjectError(f"{what}: overlong varint in the header")
-                return v
-        raise CorruptObjectError(f"{what}: header varint longer than {MAX_VARINT_BYTES} bytes")
-
-    entries = []
-    for name in _STREAMS:
-        if at >= len(data):
-            raise CorruptObjectError(f"{what}: header cut off")
-        method = data[at]
-        at += 1
-        if method not in (METHOD_STORED, METHOD_ZSTD):
-            raise CorruptObjectError(f"{what}: {name} stream has unknown method {method}")
-        raw_len = varint()
-        stored_len = raw_len if method == METHOD_STORED else varint()
-        entries.append([method, raw_len, 0, stored_len])
-    for e in entries:
-        e[2] = at
-        at += e[3]
-    if at != len(data):
-        raise CorruptObjectError(f"{what}: streams add up to {at} bytes, the blob has {len(data)}")
-    return _Header(pos_mode, gap_shift, val_mode, code_bits, base_checksum, tuple(tuple(e) for e in entries))
 
 
 # --- the codec ----------------------------------------------------------------------------------
@@ -382,12 +177,12 @@ class PackedCodec(Codec):
         r_lo, r_hi = _gap_shift_window(pos, numel)
         span = 255 << (r_hi - r_lo)
         cap = 1 << 12  # steps with z >= cap are costed as raw values
-        every = _STEP_SAMPLE if k >= _STEP_SAMPLE * _native.BLOCK * 4 else 1  # blocks of steps costed
+        every = STEP_SAMPLE if k >= STEP_SAMPLE * _native.BLOCK * 4 else 1  # blocks of steps costed
         # The histograms for the choices below, and the base checksum: what the receiver's old
         # values must add up to before it applies relative steps.
         z = gaps = None
         if native:
-            hist, ok, hz, n_costed, base = _native.encode_stats(pos, new_u, old_u, width, numel, r_lo, span, cap, every)
+            hist, ok, hz, n_costed, base = _kernels.encode_stats(pos, new_u, old_u, width, numel, r_lo, span, cap, every)
             base = int(base)
         else:
             gaps = np.diff(pos, prepend=-1) - 1
@@ -412,12 +207,12 @@ class PackedCodec(Codec):
 
             def byte_histograms() -> np.ndarray:
                 if native:
-                    return _native.byte_histograms(new_u, width)
+                    return _kernels.byte_histograms(new_u, width)
                 return np.stack([np.bincount((new_u >> (8 * j)) & 0xFF, minlength=256) for j in range(width)])
 
             def code16_histograms() -> tuple[np.ndarray, int]:
                 if native:
-                    h16, n_esc16 = _native.code16_histograms(new_u, old_u, width)
+                    h16, n_esc16 = _kernels.code16_histograms(new_u, old_u, width)
                     return h16, int(n_esc16)
                 c16 = np.where(z == 0, 0xFFFF, np.minimum(z - 1, 0xFFFF))
                 h16 = np.stack([np.bincount(c16 & 0xFF, minlength=256), np.bincount(c16 >> 8, minlength=256)])
@@ -425,8 +220,8 @@ class PackedCodec(Codec):
 
             b = self._choose_code_bits(int(n_costed), width, hz, byte_histograms, code16_histograms)
         if native:
-            n_gap_esc, n_val_esc = _native.escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every)
-            raw_streams = _native.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
+            n_gap_esc, n_val_esc = _kernels.escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every)
+            raw_streams = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
             if raw_streams is None:  # cannot happen: the bounds above are exact or upper bounds
                 raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
         else:
@@ -438,10 +233,10 @@ class PackedCodec(Codec):
         bitmap_nbytes = -(-numel // 8)
         gap_nbytes = sum(len(x[1]) for x in streams[:3])
         pos_mode = POS_GAPS
-        if k and gap_nbytes * 4 > bitmap_nbytes and gap_nbytes * 8 > 1.05 * numel * _binary_entropy(k / numel):
+        if k and gap_nbytes * 4 > bitmap_nbytes and gap_nbytes * 8 > 1.05 * numel * binary_entropy(k / numel):
             if native:
                 bm = np.zeros(bitmap_nbytes, np.uint8)
-                _native.bitmap_from_positions(pos, bm)
+                _kernels.bitmap_from_positions(pos, bm)
             else:
                 mask = np.zeros(bitmap_nbytes * 8, np.uint8)
                 mask[pos] = 1
@@ -455,7 +250,7 @@ class PackedCodec(Codec):
     @staticmethod
     def _blob(pos_mode: int, r: int, val_mode: int, b: int, base: int,
               streams: list[tuple[int, bytes, int]]) -> torch.Tensor:
-        blob = bytearray(b"".join([_write_header(pos_mode, r, val_mode, b, base, streams)] + [s[1] for s in streams]))
+        blob = bytearray(b"".join([write_header(pos_mode, r, val_mode, b, base, streams)] + [s[1] for s in streams]))
         return torch.frombuffer(blob, dtype=torch.uint8)
 
     @staticmethod
@@ -472,7 +267,7 @@ class PackedCodec(Codec):
                 candidate, since the high part at shift ``r_lo + d`` is the ``r_lo`` one divided
                 by ``2**d``, so its bins are sums of ``2**d`` adjacent bins.
         """
-        return 0 if k == 0 else int(_best_gap_shift(k, r_lo, r_hi, base))
+        return 0 if k == 0 else int(best_gap_shift(k, r_lo, r_hi, base))
 
     @staticmethod
     def _zigzag_steps(new_u: np.ndarray, old_u: np.ndarray, width: int) -> np.ndarray:
@@ -506,15 +301,15 @@ class PackedCodec(Codec):
         """
         if k == 0:
             return CODE_BITS[0]
-        best_b, best, try16 = _best_step_code(k, width, hz)
+        best_b, best, try16 = best_step_code(k, width, hz)
         if try16:  # else almost every step fits 8 bits
             h16, n_esc16 = code16_histograms()
-            est = _huffman_bits(h16[0], 1, False) + _huffman_bits(h16[1], 1, False) + n_esc16 * 8 * width
+            est = huffman_bits(h16[0], 1, False) + huffman_bits(h16[1], 1, False) + n_esc16 * 8 * width
             if est < best:
                 best_b, best = 16, est
         if best >= k * width * (1 + 1 / 256 + 0.086):
             hb = byte_histograms()
-            if sum(_huffman_bits(hb[j], 1, False) for j in range(width)) <= best:
+            if sum(huffman_bits(hb[j], 1, False) for j in range(width)) <= best:
                 best_b = 0
         return int(best_b)
 
@@ -549,19 +344,19 @@ class PackedCodec(Codec):
             raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}] or tensor of {numel} >= 2**63 elements")
         width = dtype.itemsize
         data = memoryview(t.contiguous().numpy().tobytes())
-        h = _read_header(data, what)
+        h = read_header(data, what)
         native = _native.enabled()
 
         def stream(i: int, lo: int, hi: int) -> np.ndarray:
             method, raw_len, off, stored_len = h.streams[i]
             if not lo <= raw_len <= hi:
                 raise CorruptObjectError(
-                    f"{what}: {_STREAMS[i]} stream declares {raw_len} bytes; {count} changes of a "
+                    f"{what}: {STREAMS[i]} stream declares {raw_len} bytes; {count} changes of a "
                     f"{numel}-element tensor allow {lo}..{hi}"
                 )
             if method == METHOD_STORED and stored_len == raw_len:  # the common case, checked
                 return np.frombuffer(data, np.uint8, raw_len, off)
-            return unpack_stream(method, data[off : off + stored_len], raw_len, f"{what}: {_STREAMS[i]} stream")
+            return unpack_stream(method, data[off : off + stored_len], raw_len, f"{what}: {STREAMS[i]} stream")
 
         if h.pos_mode == POS_GAPS:
             pos = _gap_positions_native(stream, h.gap_shift, numel, count, what) if native else None
@@ -630,7 +425,7 @@ def _from_planes_any(buf: np.ndarray, n: int, w: int, native: bool) -> np.ndarra
     if not native:
         return from_planes(buf, n, w)
     out = np.empty(n, f"u{w}")
-    _native.from_planes(buf, n, w, out)
+    _kernels.from_planes(buf, n, w, out)
     return out
 
 

@@ -1,0 +1,118 @@
+"""Size estimates behind the ``packed`` encoder's choices (gap shift, code width, dense forms).
+
+Entropy-coded sizes in bits from histograms (zstd's Huffman stage codes bytes; these estimate what
+it will reach), shared by the numpy specification and the compiled encoder (compiled with numba
+when it is installed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _native
+
+
+@_native.jit
+def huffman_bits(hist: np.ndarray, per_byte: int, table: bool) -> float:
+    """Estimated size in bits of a byte stream after zstd's Huffman stage.
+
+    Compiled (:func:`torch_deltasync._native.jit`) and shared by the numpy and the native encoder,
+    so both make the same choices.
+
+    Args:
+        hist: histogram of the symbols (int64 ``(m,)``); symbols are packed ``per_byte`` to a
+            byte and assumed independent.
+        per_byte: symbols per byte (1, 2 or 4).
+        table: add the cost of describing the Huffman table.
+
+    Returns:
+        ``max(entropy, 1 bit per byte) + (p_max + 0.086) bits per byte + 4 bits per symbol``:
+        the order-0 entropy, Huffman's floor of one bit per coded byte, Gallager's redundancy
+        bound (see :meth:`PackedCodec._choose_code_bits`), and roughly what zstd spends to
+        describe the Huffman table (which matters for small tensors).
+    """
+    total = 0
+    c_max = 0
+    used = 0
+    for c in hist:
+        if c > 0:
+            total += c
+            used += 1
+            c_max = max(c_max, c)
+    if total == 0:
+        return 0.0
+    nbytes = total / per_byte
+    entropy = 0.0
+    for c in hist:
+        if c > 0:
+            entropy -= c * np.log2(c / total)
+    p_max_byte = (c_max / total) ** per_byte
+    table_bits = 4 * min(used ** per_byte, 256) if table else 0
+    return max(entropy, nbytes) + nbytes * (p_max_byte + 0.086) + table_bits
+
+
+@_native.jit
+def best_gap_shift(k: int, r_lo: int, r_hi: int, base: np.ndarray) -> int:
+    """The body of :meth:`PackedCodec._choose_gap_shift` (compiled)."""
+    best_r = 0
+    best = np.inf
+    hist = np.empty(256, np.int64)
+    for r in range(r_lo, r_hi + 1):
+        f = 1 << (r - r_lo)
+        below = 0
+        for j in range(255):
+            s = 0
+            for q in range(j * f, (j + 1) * f):
+                s += base[q]
+            hist[j] = s
+            below += s
+        hist[255] = k - below  # escapes: high part >= 255
+        est = huffman_bits(hist, 1, True) + hist[255] * 16 + k * r
+        if est < best:
+            best_r = r
+            best = est
+    return best_r
+
+
+@_native.jit
+def best_step_code(k: int, width: int, hz: np.ndarray) -> tuple[int, float, bool]:
+    """The best code width among 2, 4 and 8 bits (at most the dtype's width) by the estimate of
+    :meth:`PackedCodec._choose_code_bits`, its estimate in bits, and whether 16-bit codes could
+    do better (more than 1 in 64 steps need more than 8 bits) (compiled)."""
+    raw_cost = 8 * width  # bits of an entry escaped to a raw value (or a varint as long)
+    cap = hz.size - 1
+    top = cap  # bins past the last non-zero one below cap add nothing to an estimate
+    while top > 0 and hz[top - 1] == 0:
+        top -= 1
+    n_raw = hz[0] + hz[cap]  # no step (z = 0) or a huge one
+    best_b = 0
+    best = np.inf
+    for b in (2, 4, 8):
+        if b > 8 * width:
+            break
+        M = (1 << b) - 1
+        code_hist = np.empty(M + 1, np.int64)  # code c = z - 1; c = M escapes
+        code_hist[:M] = hz[1 : M + 1]
+        code_hist[M] = hz[M + 1 :].sum() + hz[0]
+        est = huffman_bits(code_hist, 8 // b, False) + n_raw * raw_cost
+        if top > M + 1:
+            est += huffman_bits(hz[M + 1 : top], 1, False)
+        if est < best:
+            best_b = b
+            best = est
+    return best_b, best, width >= 2 and hz[256:].sum() * 64 >= k
+
+
+def binary_entropy(p: float) -> float:
+    """Entropy in bits of a Bernoulli(``p``) variable: ``-p log2 p - (1-p) log2 (1-p)``."""
+    if p <= 0 or p >= 1:
+        return 0.0
+    return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+
+
+#: Change sets of 65536 changes and more cost their code widths on every 4th block of 4096 steps
+#: (the estimate needs the step distribution, not every step; the histogram pass is a third of
+#: the encoder's kernel time otherwise).
+STEP_SAMPLE = 4

@@ -1,0 +1,342 @@
+"""Compiled encoding kernels of the ``packed`` codec (numba, via :func:`torch_deltasync._native.jit`).
+
+Each kernel is one pass over one tensor's change set that :mod:`._packed` otherwise does in several
+vectorised numpy passes (the executable specification); ``tests/test_native.py`` checks them
+against it bit for bit. They write only into buffers the caller sized from exact counts or upper
+bounds, and never raise on data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit
+
+
+@jit
+def gap_histogram(pos, numel, r_lo, span):
+    """Histogram of ``min(g >> r_lo, span)`` over the gaps ``g`` of ``pos`` (int64, the encoder's
+    positions), int64 ``(span + 1,)``, and whether ``pos`` is strictly increasing in
+    ``[0, numel)``."""
+    # Four interleaved histograms for long inputs: most gaps fall in a few bins, and one histogram
+    # would make every increment wait for the previous one to the same bin.
+    ways = 4 if pos.size >= 8 * (span + 1) else 1  # zeroing and adding 4 histograms costs too
+    h4 = np.zeros((ways, span + 1), np.int64)
+    v = np.empty(_BLOCK, np.int64)
+    low = 0
+    for a in range(0, pos.size, _BLOCK):
+        p = pos[a : a + _BLOCK]
+        m = p.size
+        v[0] = p[0] - (pos[a - 1] if a else -1) - 1
+        for j in range(1, m):
+            v[j] = p[j] - p[j - 1] - 1
+        for j in range(m):  # vectorises
+            low = min(low, v[j])
+            v[j] = min(max(v[j], 0) >> r_lo, span)
+        for j in range(m):
+            h4[j & (ways - 1), v[j]] += 1
+    return h4.sum(axis=0), low >= 0 and (pos.size == 0 or pos[pos.size - 1] < numel)
+
+
+@jit
+def _put_varint(out, at, v):
+    """Unsigned LEB128 of ``v`` (uint64) at ``out[at:]``; returns the next offset."""
+    while v >= _U80:
+        out[at] = np.uint8((v & _U7F) | _U80)
+        v >>= _U7
+        at += 1
+    out[at] = np.uint8(v)
+    return at + 1
+
+
+@jit
+def _pack_low_bits(g, m, r, low, at):
+    """Append the low ``r`` bits (``1 <= r <= 8``) of ``g[:m]`` (``m`` a multiple of 8) to the
+    bit stream ``low`` at byte ``at``: every 8 fields fill exactly ``r`` bytes. Returns the next
+    byte offset."""
+    mask = (_U1 << _u64(r)) - _U1
+    for o in range(m // 8):
+        acc = _U0
+        for q in range(8):
+            acc |= (g[8 * o + q] & mask) << _u64(q * r)
+        for j in range(r):
+            low[at + j] = np.uint8((acc >> _u64(8 * j)) & _u64(0xFF))
+        at += r
+    return at
+
+
+@jit
+def encode_gaps(pos, r, high, ext, low):
+    """The three position streams of gap mode (format "Positions, mode 0"): ``high`` (uint8
+    ``(k,)``) gets ``min(g >> r, 255)``, ``ext`` one varint ``(g >> r) - 255`` per 255 (sized by
+    the caller: 9 bytes per escape), ``low`` the ``r``-bit low parts as a little-endian bit stream
+    (``ceil(k r / 8)`` bytes). Returns the bytes written to ``ext`` (-1, writing nothing past it,
+    when it is too small)."""
+    k = pos.size
+    rr = _u64(r)
+    lmask = (_U1 << rr) - _U1
+    g = np.empty(_BLOCK, np.uint64)
+    e = 0
+    at = 0  # bytes of ``low`` written
+    acc = _U0  # bits not yet written (fields of the general r > 8 path and the tail)
+    nbits = 0
+    for a in range(0, k, _BLOCK):
+        p = pos[a : a + _BLOCK]
+        hb = high[a : a + _BLOCK]
+        m = p.size
+        g[0] = _u64(p[0] - (pos[a - 1] if a else -1) - 1)
+        for j in range(1, m):
+            g[j] = _u64(p[j] - p[j - 1] - 1)
+        n_esc = 0
+        for j in range(m):
+            h = g[j] >> rr
+            n_esc += h >= _u64(255)
+            hb[j] = np.uint8(min(h, _u64(255)))
+        if n_esc:
+            if e + 9 * n_esc > ext.size:
+                return -1  # the caller sized ext too small
+            for j in range(m):
+                if hb[j] == 255:
+                    e = _put_varint(ext, e, (g[j] >> rr) - _u64(255))
+        if r == 0:
+            continue
+        j0 = 0
+        if r <= 8 and nbits == 0:  # whole groups of 8 fields fill whole bytes
+            j0 = m // 8 * 8
+            at = _pack_low_bits(g, j0, r, low, at)
+        for j in range(j0, m):
+            acc |= (g[j] & lmask) << _u64(nbits)
+            nbits += r
+            while nbits >= 8:
+                low[at] = np.uint8(acc & _u64(0xFF))
+                acc >>= _U8
+                nbits -= 8
+                at += 1
+    if nbits > 0:
+        low[at] = np.uint8(acc & _u64(0xFF))
+    return e
+
+
+@jit
+def _zigzag_step(n, o, full, half):
+    """Zigzag of ``n - o`` wrapped to the width (``full = 2**W``, ``half = 2**(W-1)``), int64."""
+    d = (((np.int64(n) - np.int64(o)) & (full - 1)) ^ half) - half  # sign-extended from W bits
+    return (d << 1) ^ (d >> 63)
+
+
+@jit
+def step_histogram(new, old, width, cap, every):
+    """Histogram of ``min(z, cap)`` over the zigzag steps ``z`` of ``new - old`` (unsigned bit
+    patterns of ``width`` bytes: 1, 2 or 4) in every ``every``-th block of ``BLOCK`` changes
+    (the first, then every ``every``-th), int64 ``(cap + 1,)``."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    ways = 4 if new.size >= 8 * every * (cap + 1) else 1
+    h4 = np.zeros((ways, cap + 1), np.int64)
+    zc = np.empty(_BLOCK, np.int32)
+    n = new.size
+    for a in range(0, n, _BLOCK * every):
+        nb = new[a : a + _BLOCK]
+        ob = old[a : a + _BLOCK]
+        m = nb.size
+        if width == 2:  # 32-bit lanes: twice as many per vector
+            for j in range(m):
+                d = np.int32(np.int16(np.int32(nb[j]) - np.int32(ob[j])))
+                zc[j] = min(np.uint32((d << 1) ^ (d >> 31)), np.uint32(cap))
+        else:
+            for j in range(m):  # vectorises
+                zc[j] = min(_zigzag_step(nb[j], ob[j], full, half), cap)
+        for j in range(m):
+            h4[j & (ways - 1), zc[j]] += 1
+    return h4.sum(axis=0)
+
+
+@jit
+def byte_histograms(v, width):
+    """Histograms of every byte of ``v`` (unsigned, ``width`` bytes), int64 ``(width, 256)``."""
+    h = np.zeros((width, 4, 256), np.int64)
+    for i in range(v.size):
+        x = np.int64(v[i])
+        for j in range(width):
+            h[j, i & 3, (x >> (8 * j)) & 0xFF] += 1
+    return h.sum(axis=1)
+
+
+@jit
+def code16_histograms(new, old, width):
+    """Histograms of the low and high bytes of 16-bit codes (``b = 16``), int64 ``(2, 256)``, and
+    the number of escapes (code ``2**16 - 1``)."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    h = np.zeros((2, 256), np.int64)
+    n_esc = 0
+    for i in range(new.size):
+        z = _zigzag_step(new[i], old[i], full, half)
+        c = 65535 if z == 0 else min(z - 1, 65535)
+        h[0, c & 0xFF] += 1
+        h[1, c >> 8] += 1
+        n_esc += c == 65535
+    return h, n_esc
+
+
+@jit
+def _varint_len(v):
+    n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+@jit
+def encode_steps(new, old, width, b, codes, ext, raw):
+    """The value streams of steps mode (format "Values, mode 1") for code width ``b``: packed codes
+    into ``codes`` (``ceil(k b / 8)`` bytes; ``b = 16`` as two byte planes), escape varints into
+    ``ext`` (sized by the caller), and the new bit patterns of raw escapes, in order, into ``raw``
+    (same dtype as ``new``, ``(k,)``). Returns ``(ext bytes, raw escapes)`` (-1, -1 when ``ext``
+    is too small; nothing is written past it)."""
+    full = np.int64(1) << (8 * width)
+    half = full >> 1
+    M = (1 << b) - 1
+    k = new.size
+    e_at = 0
+    n_raw = 0
+    c = np.zeros(_BLOCK, np.uint16)  # codes of one block, one per element
+    c8 = np.zeros(_BLOCK, np.uint8)
+    c16 = c8.view(np.uint16)
+    c32 = c8.view(np.uint32)
+    for a in range(0, k, _BLOCK):
+        nb = new[a : a + _BLOCK]
+        ob = old[a : a + _BLOCK]
+        m = nb.size
+        n_esc = 0
+        if width == 2:  # 32-bit lanes; z = 0 wraps to the largest unsigned value, code M
+            for j in range(m):
+                d = np.int32(np.int16(np.int32(nb[j]) - np.int32(ob[j])))
+                cj = np.uint16(min(np.uint32((d << 1) ^ (d >> 31)) - np.uint32(1), np.uint32(M)))
+                n_esc += cj == M
+                c[j] = cj
+        else:
+            for j in range(m):
+                z = _zigzag_step(nb[j], ob[j], full, half)
+                cj = np.uint16(min(np.uint32(z - 1), np.uint32(M)))
+                n_esc += cj == M
+                c[j] = cj
+        if n_esc:
+            if e_at + width * n_esc > ext.size:
+                return -1, -1  # the caller sized ext too small
+            for j in range(m):
+                if c[j] == M:
+                    z = _zigzag_step(nb[j], ob[j], full, half)
+                    if 0 < z - M < 0x80:  # the common escape: a one-byte varint
+                        ext[e_at] = np.uint8(z - M)
+                        e_at += 1
+                    elif z != 0 and _varint_len(z - M) <= width:
+                        e_at = _put_varint(ext, e_at, _u64(z - M))
+                    else:  # no step, or a varint longer than the value: the raw value
+                        ext[e_at] = 0
+                        e_at += 1
+                        raw[n_raw] = nb[j]
+                        n_raw += 1
+        if b == 16:
+            for j in range(m):
+                codes[a + j] = np.uint8(c[j] & 0xFF)
+                codes[k + a + j] = np.uint8(c[j] >> 8)
+            continue
+        for j in range(m):
+            c8[j] = np.uint8(c[j])
+        if b == 8:
+            codes[a : a + m] = c8[:m]
+            continue
+        c8[m : (m + 7) // 8 * 8] = 0
+        o0 = a * b // 8  # a is a multiple of _BLOCK, so whole bytes precede the block
+        if b == 2:  # four codes, one per byte of a uint32, into one byte
+            for o in range((m + 3) // 4):
+                w = c32[o]
+                codes[o0 + o] = np.uint8((w | (w >> 6) | (w >> 12) | (w >> 18)) & 0xFF)
+        else:  # b == 4: two codes, one per byte of a uint16
+            for o in range((m + 1) // 2):
+                w = c16[o]
+                codes[o0 + o] = np.uint8((w | (w >> 4)) & 0xFF)
+    return e_at, n_raw
+
+
+@jit
+def encode_stats(pos, new, old, width, numel, r_lo, span, cap, every):
+    """What the packed encoder's choices and header need, from one call: the gap histogram and
+    validity of ``pos`` (:func:`gap_histogram`), the step histogram (:func:`step_histogram`;
+    empty for 8-byte values), the number of steps it counts, and the base checksum of ``old`` at
+    ``pos`` (uint64)."""
+    hist, ok = gap_histogram(pos, numel, r_lo, span)
+    hz = step_histogram(new, old, width, cap, every) if width <= 4 else np.zeros(0, np.int64)
+    return hist, ok, hz, hz.sum(), checksum_at(pos, old)
+
+
+@jit
+def escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every):
+    """Upper bounds on the gap escapes at shift ``r`` and the step escapes at code width ``b``
+    (exact from the histograms of :func:`encode_stats`, else ``k``): the buffer sizes
+    :func:`encode_streams` needs."""
+    n_gap = k
+    if r_lo <= r <= r_hi:
+        n_gap = hist[255 << (r - r_lo) :].sum()
+    n_val = k
+    if 0 < b <= 8 and every == 1:
+        n_val = hz[0] + hz[(1 << b) :].sum()  # z = 0 or z > M = 2**b - 1
+    return n_gap, n_val
+
+
+@jit
+def encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc):
+    """The six uncompressed streams of a packed blob in gap mode: positions, pos_ext, pos_low
+    (:func:`encode_gaps`, at most ``n_gap_esc`` gap escapes) and, for ``b`` > 0, codes, ext and raw
+    (:func:`encode_steps`, at most ``n_val_esc`` escapes; raw as byte planes), for ``b = 0`` the
+    new bit patterns as byte planes in raw. ``None`` when an escape bound was too small."""
+    k = pos.size
+    high = np.empty(k, np.uint8)
+    ext = np.empty(9 * n_gap_esc, np.uint8)
+    low = np.empty((k * r + 7) // 8, np.uint8)
+    n_ext = encode_gaps(pos, r, high, ext, low)
+    if n_ext < 0:
+        return None
+    if b == 0:
+        planes = np.empty(k * width, np.uint8)
+        to_planes(new, width, planes)
+        return high, ext[:n_ext], low, np.empty(0, np.uint8), np.empty(0, np.uint8), planes
+    codes = np.empty(k * b // 8 if b >= 8 else (k * b + 7) // 8, np.uint8)
+    vext = np.empty(n_val_esc * width, np.uint8)
+    raw = np.empty(k, new.dtype)
+    n_vext, n_raw = encode_steps(new, old, width, b, codes, vext, raw)
+    if n_vext < 0:
+        return None
+    planes = np.empty(n_raw * width, np.uint8)
+    to_planes(raw[:n_raw], width, planes)
+    return high, ext[:n_ext], low, codes, vext[:n_vext], planes
+
+
+@jit
+def to_planes(v, width, out):
+    """``v`` (unsigned, ``(n,)``) as ``width`` little-endian byte planes into ``out`` (``n w``)."""
+    n = v.size
+    for i in range(n):
+        x = np.int64(v[i])
+        for j in range(width):
+            out[j * n + i] = np.uint8((x >> (8 * j)) & 0xFF)
+
+
+@jit
+def from_planes(buf, n, width, out):
+    """Inverse of :func:`to_planes` into ``out`` (unsigned of ``width`` bytes, ``(n,)``)."""
+    for i in range(n):
+        x = _U0
+        for j in range(width):
+            x |= _u64(buf[j * n + i]) << _u64(8 * j)
+        out[i] = x
+
+
+@jit
+def bitmap_from_positions(pos, out):
+    """Set bit ``p mod 8`` of byte ``p // 8`` of ``out`` (zeroed uint8) for every ``p`` in ``pos``."""
+    for i in range(pos.size):
+        p = pos[i]
+        out[p >> 3] |= np.uint8(1 << (p & 7))
