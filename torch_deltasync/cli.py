@@ -136,7 +136,7 @@ def _locate(args: argparse.Namespace):
 @command("inspect", "show an object's or manifest's metadata, tensors and changed counts", _inspect_args)
 def _inspect(args: argparse.Namespace) -> int:
     from .errors import CorruptObjectError, DeltaSyncError
-    from .format import _json_meta, read_header, sha256_hex
+    from .format import json_meta, read_header, sha256_hex
     from .keys import parse_manifest_key
     from .manifest import Manifest, load_manifest
 
@@ -176,7 +176,7 @@ def _inspect(args: argparse.Namespace) -> int:
                   + ("" if ok else f" ({entry.nbytes:,} B, sha256 {entry.sha256}): the object is corrupt"))
     numel = {t.name: t.numel for t in manifest.tensors} if manifest else {}
     if meta.get("kind") == "delta":
-        counts = _json_meta(meta, "counts", where)
+        counts = json_meta(meta, "counts", where)
         if not all(type(c) is int for c in counts.values()):
             raise CorruptObjectError(f"{where}: metadata 'counts' must map tensor names to integers")
         print(f"  {len(counts)} changed tensors, {sum(counts.values()):,} changed elements")
@@ -186,7 +186,7 @@ def _inspect(args: argparse.Namespace) -> int:
                               if k.rpartition(":")[0] == name)
             print(f"    {name:<60s} {c:>12,} {dens}  [{parts}]")
     else:
-        slices = _json_meta(meta, "slices", where)
+        slices = json_meta(meta, "slices", where)
         print(f"  {len(header)} tensors")
         for name, v in header.items():
             s = slices.get(name) if isinstance(slices.get(name), dict) else {}

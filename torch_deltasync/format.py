@@ -162,7 +162,7 @@ def _load(data: bytes, manifest: Manifest, entry: ObjectEntry, kind: str) -> tup
     return tensors, meta
 
 
-def _json_meta(meta: Mapping[str, str], key: str, where: str) -> dict:
+def json_meta(meta: Mapping[str, str], key: str, where: str) -> dict:
     try:
         value = json.loads(meta.get(key, "{}"))
     except (ValueError, RecursionError):
@@ -207,7 +207,7 @@ def decode_anchor(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[s
     """
     where = f"version {manifest.version} object {entry.key}"
     tensors, meta = _load(data, manifest, entry, "anchor")
-    slices = _json_meta(meta, "slices", where)
+    slices = json_meta(meta, "slices", where)
     specs = manifest.tensor_map()
     if set(slices) != set(tensors):
         raise CorruptObjectError(f"{where}: tensors and slice metadata name different tensors")
@@ -274,7 +274,7 @@ def decode_delta(data: bytes, manifest: Manifest, entry: ObjectEntry, *,
     tensors, meta = _load(data, manifest, entry, "delta")
     if meta.get("codec") != manifest.codec or meta.get("base_version") != str(manifest.base_version):
         raise CorruptObjectError(f"{where}: codec/base_version metadata disagree with the manifest")
-    counts = _json_meta(meta, "counts", where)
+    counts = json_meta(meta, "counts", where)
     specs = manifest.tensor_map()
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():

@@ -41,7 +41,7 @@ from ..codecs import get_codec
 from ..codecs._auto import sender_codec
 from ..detect import ChangeDetector
 from ..errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
-from ..format import encode_anchor, encode_delta, sha256_hex
+from ..format import sha256_hex
 from ..layout import TensorBlock
 from ..lease import DEFAULT_LEASE_S, PrefixLease
 from ..keys import MAX_VERSION, next_free_version, object_key
@@ -50,6 +50,7 @@ from ..retention import RetentionPolicy, collect_garbage
 from ..store import Store, open_store
 from ._claim import claim_prefix
 from ._commit import put_once, write_latest, write_manifest
+from ._encode import delta_parts, encode_objects
 from ._group import Group, SingleProcess
 from ._job import Job
 from ._policy import AnchorPolicy
@@ -463,40 +464,10 @@ class DeltaSender:
         return self.group.rank * self._slots + part, self.group.world * self._slots
 
     def _encode(self, job: Job) -> list[tuple[str, int, int, bytes]]:
-        """This rank's objects for ``job`` as ``[(kind, rank, world, bytes)]`` (empty when it
-        uploads nothing); ``rank`` and ``world`` name the object (``_slot``)."""
-        from ..dtensor import anchor_parts
-
-        if not any(s.upload for s in job.sources):
-            return []
-        out = []
-        if job.kind == "anchor":
-            blocks = {s.name: (job.anchors[s.name], s.slice) for s in job.sources if s.upload}
-            for part, boxes in enumerate(anchor_parts(blocks)):
-                rank, world = self._slot(part)
-                out.append(("anchor", rank, world,
-                            encode_anchor(boxes, version=job.version, dtype=self.dtype, rank=rank, world=world)))
-        if job.base_version is not None:
-            out.append(("delta", *self._slot(), self._encode_delta(job)))
-        return out
+        return encode_objects(job, self.codec, self.dtype, self._slot)
 
     def _delta_parts(self, job: Job) -> dict[str, dict[str, torch.Tensor]]:
-        """This rank's changed tensors of ``job``, encoded by the codec: ``{name: {part: tensor}}``."""
-        if job.delta_parts is None:
-            changed = [s for s in job.sources if s.upload and job.counts.get(s.name)]
-            # the tensors on a thread pool (largest first): the compiled kernels and zstd release the GIL
-            encoded = self.codec.encode_many([(job.global_positions[s.name], job.changes[s.name].values,
-                                               job.changes[s.name].old_values, s.slice.global_numel)
-                                              for s in changed])
-            job.delta_parts = {s.name: parts for s, parts in zip(changed, encoded)}
-        return job.delta_parts
-
-    def _encode_delta(self, job: Job) -> bytes:
-        parts = self._delta_parts(job)
-        counts = {name: job.changes[name].numel for name in parts}
-        rank, world = self._slot()
-        return encode_delta(parts, counts, version=job.version, base_version=job.base_version,
-                            codec=self.codec.name, dtype=self.dtype, rank=rank, world=world)
+        return delta_parts(job, self.codec)
 
     def _finish_background(self, job: Job, t0: float) -> None:
         try:

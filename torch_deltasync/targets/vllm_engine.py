@@ -250,7 +250,7 @@ def _full_shape(module: nn.Module | None, mapped: tuple[str, int | None] | None)
     (``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py``; the same attributes
     the TP map of :mod:`torch_deltasync.targets.vllm` reads); ``None`` for layers not known here (the
     layer's loader checks those at the reload)."""
-    from .vllm import _classes
+    from ._vllm_layout import _classes
 
     if module is None or mapped is None:
         return None
