@@ -1,4 +1,4 @@
-"""Checks of torch_deltasync/_gpu.py against the CPU specification, run by tests/test_gpu_kernels.py
+"""Checks of torch_deltasync/_gpu.py against the CPU specification, run by tests/unit/test_gpu.py
 in a child process: on the CPU under Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported), or on a CUDA device (``python tests/gpu_kernels_checks.py cuda``).
 

@@ -4,7 +4,7 @@ What they compute is specified by the CPU code: :meth:`ChangeDetector.detect
 <torch_deltasync.detect.ChangeDetector.detect>` (positions, new and old values of the elements
 whose bit pattern in the inference dtype differs from the snapshot) and ``flat.index_copy_(0,
 positions, values)`` / :meth:`TensorDelta.resolve <torch_deltasync.codecs.TensorDelta.resolve>`
-(overwrite, or add steps to the bit patterns). ``tests/test_gpu_kernels.py`` runs them on the CPU
+(overwrite, or add steps to the bit patterns). ``tests/unit/test_gpu.py`` runs them on the CPU
 under Triton's interpreter (``TRITON_INTERPRET=1``) against that code, and ``tools/gpu_check.sh``
 measures them against HBM bandwidth on a GPU (``tools/bench_gpu_kernels.py``).
 

@@ -4,13 +4,13 @@ Each kernel here is a one-pass loop over the elements of one tensor that the num
 the ``packed`` codec (:mod:`~torch_deltasync.codecs`), :mod:`~torch_deltasync.detect` and :mod:`~torch_deltasync.checksum`
 does in several vectorised passes (each a full read and write of temporaries). That numpy/torch
 code stays the executable specification: the modules call these kernels only when
-:func:`enabled` is true and fall back to it otherwise, and ``tests/test_native.py`` checks every
+:func:`enabled` is true and fall back to it otherwise, and ``tests/unit/test_native.py`` checks every
 kernel against it bit for bit, on random and adversarial inputs.
 
 Kernels never raise on bad data. Decoding kernels validate every byte they read and return a
 non-zero status instead; the caller then runs the reference decoder on the same input, which
 raises the specific :class:`~torch_deltasync.errors.CorruptObjectError` (so the error messages
-are the specification's; ``tests/test_native.py`` checks that the kernels accept exactly the blobs
+are the specification's; ``tests/unit/test_native.py`` checks that the kernels accept exactly the blobs
 the reference accepts, including every corruption the reference refuses). Encoding kernels write
 only into buffers the caller sized from exact counts or upper bounds, and check them.
 

@@ -3,7 +3,7 @@
 :class:`~torch_deltasync.targets.ModuleTarget` and :class:`~torch_deltasync.targets.vllm.VLLMTarget`
 call them when :func:`torch_deltasync._native.enabled` is true and run their torch code
 (``index_copy_`` after the layout map) otherwise; that torch code is the specification, and
-``tests/test_native.py`` checks both paths against each other and against a plain-Python map, bit
+``tests/unit/test_native.py`` checks both paths against each other and against a plain-Python map, bit
 for bit (hypothesis fuzz over random maps, unsorted positions, positions outside the tensor or the
 rank). The kernels write without bounds checks: each says what its caller must check first.
 Compiled like the codec kernels (:func:`torch_deltasync._native.jit`: on first use, cached on

@@ -163,6 +163,11 @@ def _load(data: bytes, manifest: Manifest, entry: ObjectEntry, kind: str) -> tup
 
 
 def json_meta(meta: Mapping[str, str], key: str, where: str) -> dict:
+    """The JSON object stored as string metadata ``key`` of an object (``slices``, ``counts``).
+
+    Raises:
+        CorruptObjectError: the value is not JSON or not a JSON object (named with ``where``).
+    """
     try:
         value = json.loads(meta.get(key, "{}"))
     except (ValueError, RecursionError):

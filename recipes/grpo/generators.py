@@ -312,7 +312,7 @@ class VLLMGenerator:
     Not exercised by this repository's tests (they run on CPU); the weight path it uses
     (:func:`~torch_deltasync.integrations.vllm.attach_llm` /
     :func:`~torch_deltasync.integrations.vllm.update_llm`) is tested against vLLM's own layouts in
-    ``tests/test_vllm_*.py`` and against a live CPU engine in ``tests/test_vllm_live.py``.
+    ``tests/test_vllm_*.py`` and against a live CPU engine in ``tests/integration/test_vllm_live.py``.
 
     Args:
         cfg: run configuration; ``cfg.model_path`` is the checkpoint vLLM loads (its weights are

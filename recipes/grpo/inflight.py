@@ -29,7 +29,7 @@ Interrupt modes (``--interrupt``):
   controller updates the engine between batches).
 
 The engine is anything with :class:`InflightEngine`'s members, so the attribution and the
-re-submission are tested with a scripted engine (``tests/test_grpo_inflight.py``); the live server
+re-submission are tested with a scripted engine (``tests/integration/test_grpo_inflight.py``); the live server
 is :class:`recipes.grpo.generators.VLLMServerGenerator`.
 """
 

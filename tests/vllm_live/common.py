@@ -1,6 +1,6 @@
 """Shared helpers of the live vLLM scripts (run by ``.venv-vllm/bin/python``, vLLM CPU build).
 
-The scripts print one JSON object on their last stdout line; ``tests/test_vllm_live.py`` (in
+The scripts print one JSON object on their last stdout line; ``tests/integration/test_vllm_live.py`` (in
 ``.venv``) runs them and checks what they report. Models are tiny Qwen3s built from a config
 (no downloads); every engine runs in bf16, eager, with a 1 GiB KV cache.
 """

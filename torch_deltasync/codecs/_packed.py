@@ -35,7 +35,7 @@ code, escape and position is range-checked, and any violation raises
 Speed: the numpy code here (vectorised, no Python loop per element) is the executable
 specification. When numba is available (:mod:`~torch_deltasync._native`), encoding and decoding
 run as a few compiled one-pass loops per tensor instead, which write and accept exactly the same
-bytes (``tests/test_native.py``); a kernel that finds a blob invalid hands it back to the numpy
+bytes (``tests/unit/test_native.py``); a kernel that finds a blob invalid hands it back to the numpy
 decoder, which raises the specific error. The size estimates behind the encoder's choices are
 compiled (when numba is there) and shared by both paths. Kernels and zstd release the GIL, so
 :meth:`~torch_deltasync.codecs.Codec.encode_many` / ``decode_many`` run tensors on several threads.

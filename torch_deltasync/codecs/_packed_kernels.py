@@ -1,7 +1,7 @@
 """Compiled encoding kernels of the ``packed`` codec (numba, via :func:`torch_deltasync._native.jit`).
 
 Each kernel is one pass over one tensor's change set that :mod:`._packed` otherwise does in several
-vectorised numpy passes (the executable specification); ``tests/test_native.py`` checks them
+vectorised numpy passes (the executable specification); ``tests/unit/test_native.py`` checks them
 against it bit for bit. They write only into buffers the caller sized from exact counts or upper
 bounds, and never raise on data.
 """

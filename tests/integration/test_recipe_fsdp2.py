@@ -17,7 +17,7 @@ import torch
 
 from torch_deltasync.testing import first_difference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)
 
 

@@ -4,7 +4,7 @@ Each engine is scripted (``vllm_scripted``): its workers are real vLLM 0.33 mode
 rank, each with a real ``DeltaSyncWeightTransferEngine`` made by vLLM's factory, so the backend code
 runs as in an engine; the front ends record calls, and the HTTP tests go through vLLM's own RL
 routes served on loopback. Weights are compared bit for bit with vLLM's ``load_weights`` of the
-trainer's bf16 weights. The same helpers against a live engine: ``tests/test_vllm_live.py``.
+trainer's bf16 weights. The same helpers against a live engine: ``tests/integration/test_vllm_live.py``.
 """
 
 from __future__ import annotations

@@ -322,7 +322,7 @@ def _vllm_follows(store_dir: Path, expected: list[dict[str, torch.Tensor]], work
     from torch_deltasync.targets.vllm import VLLMTarget
     from torch_deltasync.testing_vllm import build_vllm_model, load_hf_weights, vllm_config, vllm_state_bits
 
-    cpu_moe = ("TRITON", "BATCHED_TRITON", "CPU")  # as tests/test_vllm_target.py: loader layout
+    cpu_moe = ("TRITON", "BATCHED_TRITON", "CPU")  # as tests/unit/test_targets_vllm.py: loader layout
     vc = vllm_config(_moe_spec(), workdir)
     store = LocalStore(store_dir)
     last = len(expected) - 1
@@ -363,7 +363,7 @@ def test_recipe_2d_and_3d_followed_live(tmp_path, nproc, flags):
     from torch_deltasync.follow import follow
     from torch_deltasync.testing import first_difference
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     bucket, final = tmp_path / "bucket", tmp_path / "final.safetensors"
     box: dict = {}
 

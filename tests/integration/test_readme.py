@@ -9,7 +9,7 @@ import torch
 
 
 def test_quick_start_runs(tmp_path, monkeypatch):
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = re.search(r"## Quick start\s+```python\n(.*?)```", text, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}

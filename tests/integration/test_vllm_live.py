@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The live engine's interpreter: .venv-vllm of this checkout (tools/setup.sh), or DELTASYNC_VLLM_PYTHON.
 VPY = Path(os.environ.get("DELTASYNC_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 

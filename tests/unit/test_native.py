@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_packed import DTYPES, GOOD, _blob, make_change_set
+from test_codecs_packed import DTYPES, GOOD, _blob, make_change_set
 
 from torch_deltasync import _native, get_codec
 from torch_deltasync.detect import ChangeDetector
@@ -438,7 +438,7 @@ def test_everything_works_without_numba(tmp_path):
         "    raise AssertionError('set_enabled(True) without numba')\n"
         "print('ok without numba')\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(root)})
     assert r.returncode == 0 and "ok without numba" in r.stdout, r.stdout + r.stderr

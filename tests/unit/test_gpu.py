@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-CHECKS = Path(__file__).with_name("gpu_kernels_checks.py")
-ROOT = Path(__file__).resolve().parents[1]
+CHECKS = Path(__file__).resolve().parents[1] / "gpu_kernels_checks.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(device: str, interpret: bool) -> str:

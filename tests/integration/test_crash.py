@@ -32,7 +32,7 @@ from torch_deltasync.manifest import load_manifest
 from remote_helpers import StepModel, assert_holds, bits_of, empty_target, same_bits
 from s3_server import S3_ENV, make_bucket
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 STEPS = 12
 # The lease record and two listings, then object, owner check, manifest and LATEST per publish (the

@@ -20,7 +20,7 @@ from torch_deltasync.testing import first_difference, state_bits
 
 
 def publish_steps(store, n, *, anchor_every=100, lr=1e-4, codec="raw"):
-    # raw by default: the forgeries below edit raw parts (idx/val); tests/test_packed.py tampers
+    # raw by default: the forgeries below edit raw parts (idx/val); tests/unit/test_codecs_packed.py tampers
     # with packed blobs.
     trainer = make_mlp(0)
     opt = torch.optim.Adam(trainer.parameters(), lr=lr)

@@ -27,7 +27,7 @@ from torch_deltasync.integrations.rollout import (
     validate_episodes,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token-for-tests"
 
 

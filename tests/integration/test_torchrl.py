@@ -45,7 +45,7 @@ from torch_deltasync.store.base import Store
 from torch_deltasync.testing import state_bits
 from helpers import PassThroughStore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- a policy that fingerprints the weights it acts with --------------------------------------------

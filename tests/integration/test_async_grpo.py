@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Small and quick: 64-wide Qwen3, 3-digit sorting, 24-sample steps.
 SMALL = ["--hidden-size", "64", "--digits", "3", "--warmstart-steps", "60", "--train-batch", "24",

@@ -1,5 +1,5 @@
 """Unit tests of the async GRPO recipe's pieces: the versioned replay buffer (staleness accounting,
-use-once sampling, group advantages; the shared sampler itself is tested in tests/test_replay.py), the truncated importance-sampling weights and the GRPO
+use-once sampling, group advantages; the shared sampler itself is tested in tests/integration/test_replay.py), the truncated importance-sampling weights and the GRPO
 objective, the task's reward and tokenizer."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class TestStaleness:
         assert buf.dropped_stale == 2
 
     def test_bad_arguments_and_batches_are_rejected(self):
-        # The sampler's own argument checks are in tests/test_replay.py.
+        # The sampler's own argument checks are in tests/integration/test_replay.py.
         with pytest.raises(ValueError):
             VersionedReplayBuffer(8, max_staleness=-1, group_size=2)
         with pytest.raises(ValueError):
