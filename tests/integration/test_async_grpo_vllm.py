@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from recipes.grpo.vllm_server import default_vllm_python
-from tests.test_async_grpo import REPO, SMALL, events, run_recipe
+from test_async_grpo import REPO, SMALL, events, run_recipe
 
 
 def processes_mentioning(text: str) -> list[str]:

@@ -18,10 +18,10 @@ receivers look it up with :func:`get_codec`. Built in:
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Mapping, Sequence
+from typing import Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -182,10 +182,13 @@ class TensorDelta:
         )
 
 
-class Codec(ABC):
+@runtime_checkable
+class Codec(Protocol):
     """Encodes and decodes the change set of one tensor.
 
-    Subclasses set ``name`` and are registered with :func:`register_codec`.
+    A protocol: implementations set ``name`` and are registered with :func:`register_codec`;
+    subclass it to inherit :meth:`encode_many` / :meth:`decode_many` (a thread pool over
+    :meth:`encode` / :meth:`decode`).
     """
 
     name: ClassVar[str]
