@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="keep/abort: how often a generator looks for a newly staged version while its rollouts run")
     a("--sync-lag", type=int, default=d.sync_lag,
       help="keep/abort: commit in flight once the newest staged version is this many versions ahead (1: every version)")
-    a("--vllm-python", default=d.vllm_python, help="python of the vLLM environment (default: .venv-vllm)")
+    a("--vllm-python", default=d.vllm_python, help="python of the vLLM environment; None: .venv-vllm/bin/python")
     a("--max-buffered", type=int, default=d.max_buffered, help="fresh buffered samples at which rollouts pause (default: train batch)")
     a("--call-timeout", dest="call_timeout_s", type=float, default=d.call_timeout_s, help="seconds before an unanswered actor call stops the run")
     a("--kill-generator", type=int, default=None, help="fault injection: SIGKILL this generator replica ...")

@@ -218,7 +218,7 @@ def grpo_loss(model, td, clip_low: float, clip_high: float, temperature: float):
     importance weights, on log-probs from :func:`recipes.grpo.policy.response_logprobs`.
 
     Args:
-        td: :func:`~torch_deltasync.integrations.rollout_service.collate_episodes` of episodes
+        td: :func:`~torch_deltasync.integrations.rollout.collate_episodes` of episodes
             whose prompts all have one length (this task's prompts do).
 
     Returns:

@@ -36,6 +36,7 @@ setup_vllm() {
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$INPUTS" ] \
     && .venv/bin/python -c "import torch_deltasync, vllm" 2>/dev/null; then
     echo "tools/setup.sh: .venv is up to date"
+    .venv/bin/python tools/warm_kernels.py
     setup_vllm
     exit 0
 fi
@@ -59,4 +60,5 @@ INSTALL=("${PIP[@]}" install -c tools/constraints.txt)
 "${INSTALL[@]}" --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
 echo "$INPUTS" > "$STAMP"
 echo "tools/setup.sh: .venv is ready"
+.venv/bin/python tools/warm_kernels.py
 setup_vllm

@@ -52,6 +52,35 @@ __all__ = [
     "DeltaSyncError",
 ]
 
+# Names that left the root (0.1 -> 0.2): still found, with a warning that says where they live now.
+_MOVED = {
+    "ChangeDetector": "torch_deltasync.detect",
+    "Changes": "torch_deltasync.detect",
+    "TensorDelta": "torch_deltasync.codecs",
+    "PackedCodec": "torch_deltasync.codecs",
+    "codec_names": "torch_deltasync.codecs",
+    "TensorSlice": "torch_deltasync.layout",
+    "UpdatePlan": "torch_deltasync.receiver",
+    "AdapterSender": "torch_deltasync.integrations.peft",
+    "AdapterReceiver": "torch_deltasync.integrations.peft",
+    "materialize_adapter": "torch_deltasync.integrations.peft",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+    import warnings
+
+    from . import errors
+
+    where = _MOVED.get(name) or ("torch_deltasync.errors" if isinstance(getattr(errors, name, None), type) else None)
+    if where is None:
+        raise AttributeError(f"module 'torch_deltasync' has no attribute {name!r}")
+    warnings.warn(f"torch_deltasync.{name} moved to {where}.{name}; import it from there", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(importlib.import_module(where), name)
+
+
 # Reprs, docs and pickles name the public path (as torch.distributed.tensor does for DTensor).
 for _name in __all__:
     globals()[_name].__module__ = __name__

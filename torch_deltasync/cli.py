@@ -116,11 +116,13 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 def _locate(args: argparse.Namespace):
     """``(store, key)`` of what ``deltasync inspect`` names, or ``(None, path)`` for a plain local
     file outside any store layout."""
-    from .keys import manifest_key
+    from .keys import MAX_VERSION, manifest_key
 
     if args.key is not None or args.version is not None:
         if args.key is not None and args.version is not None:
             raise ValueError("give KEY or --version, not both")
+        if args.version is not None and not 0 <= args.version <= MAX_VERSION:
+            raise ValueError(f"--version must be in 0 ... {MAX_VERSION}, got {args.version}")
         return _open_existing(args, args.target), args.key if args.key is not None else manifest_key(args.version)
     if args.prefix:
         raise ValueError("--prefix needs KEY or --version (a full path or URI already names the run)")

@@ -226,7 +226,7 @@ def follow(
             # not retried: the model keeps its version and the next newer version is planned from it
             failed.add(newest)
             report.failures.append(f"version {newest}: {type(e).__name__}: {e}")
-            print(f"version {newest:>7} FAILED: {type(e).__name__}: {e} (model still at {receiver.version})",
+            print(f"version {newest:>7} FAILED: {type(e).__name__}: {e} ({'model still at version ' + str(receiver.version) if receiver.version is not None else 'model holds no version yet'})",
                   file=out, flush=True)
             continue
         s = receiver.last_stats

@@ -894,3 +894,13 @@ def test_policy_relocated_after_connect(tmp_path, same_weights):
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+def test_scheme_refuses_a_bad_codec_when_built(tmp_path):
+    """A codec the sender would refuse is refused by the scheme's constructor, not at connect()."""
+    from torch_deltasync.integrations.torchrl import DeltaWeightSyncScheme
+
+    with pytest.raises(ValueError, match=r"unknown codec 'zstd'; registered codecs"):
+        DeltaWeightSyncScheme(str(tmp_path / "b"), codec="zstd")
+    with pytest.raises(ValueError, match='codec="auto" chooses by link speed'):
+        DeltaWeightSyncScheme(str(tmp_path / "b"), codec="auto")

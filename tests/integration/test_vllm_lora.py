@@ -218,3 +218,10 @@ def test_real_lora_request_class(tmp_path):
     req = loader.lora_request()
     assert isinstance(req, LoRARequest) and (req.lora_name, req.lora_int_id) == ("adapter-v0", 1)
     assert req.lora_path == str(tmp_path / "c" / "adapter-v0")
+
+
+def test_loader_without_load_and_unload_ops_is_refused(tmp_path):
+    from torch_deltasync.integrations.vllm import VLLMAdapterLoader
+
+    with pytest.raises(TypeError, match=r"ops lacks \['load', 'unload'\]; build them with llm_lora_ops"):
+        VLLMAdapterLoader({}, str(tmp_path / "b"), cache_dir=tmp_path / "c")

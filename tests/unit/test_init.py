@@ -105,3 +105,16 @@ def test_no_import_cycles_between_modules():
 def test_no_library_module_over_600_lines():
     long = {_module_name(p): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert long == {}
+
+
+def test_names_that_left_the_root_say_where_they_live():
+    from torch_deltasync.errors import CorruptObjectError
+    from torch_deltasync.integrations.peft import AdapterSender
+
+    with pytest.warns(DeprecationWarning, match=r"torch_deltasync.CorruptObjectError moved to torch_deltasync.errors"):
+        from torch_deltasync import CorruptObjectError as old
+    assert old is CorruptObjectError
+    with pytest.warns(DeprecationWarning, match=r"moved to torch_deltasync.integrations.peft.AdapterSender"):
+        assert torch_deltasync.AdapterSender is AdapterSender
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        torch_deltasync.Nope  # noqa: B018

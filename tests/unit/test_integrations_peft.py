@@ -285,3 +285,10 @@ def test_sender_refuses_a_prefix_of_another_adapter_and_continues_its_own(tmp_pa
 def test_default_policy_is_by_size(tmp_path):
     s = AdapterSender(lora_model(seed=1), tmp_path)
     assert s.policy == AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)
+
+
+def test_misspelt_options_are_named_with_the_adapter_class(tmp_path):
+    from torch_deltasync.integrations.peft import AdapterReceiver
+
+    with pytest.raises(TypeError, match=r"AdapterReceiver got unexpected keyword argument\(s\) \['prefx'\].*'max_workers'"):
+        AdapterReceiver(None, str(tmp_path / "b"), prefx="x")

@@ -240,3 +240,16 @@ def test_a_packed_delta_reads_each_changed_tensor_once(tmp_path):
     receiver.update(v)
     assert changed and sorted(reads) == sorted(changed)
     assert same(bf16_bits(replica), bf16_bits(run.trainer))
+
+
+def test_a_target_missing_members_is_told_which(tmp_path):
+    duck = _DuckTarget(make_mlp(1))
+
+    class Partial:
+        holds_all = True
+        check, read, write, assign, checksum = duck.check, duck.read, duck.write, duck.assign, duck.checksum
+
+    with pytest.raises(TypeError, match=r"as a Target it lacks \['owned', 'finish'\].*subclass torch_deltasync.Target"):
+        DeltaReceiver(Partial(), LocalStore(tmp_path / "b"))
+    with pytest.raises(TypeError, match=r"expected an nn.Module, a state dict or a Target, got int$"):
+        DeltaReceiver(3, LocalStore(tmp_path / "b"))

@@ -285,13 +285,35 @@ _NO_MASK = np.empty(0, np.bool_)
 _CODECS: dict[str, type[Codec]] = {}
 
 
+#: Names a codec cannot take: ``"auto"`` is the sender's choice by link speed (``codecs/_auto.py``).
+_RESERVED = frozenset({"auto"})
+
+
 def register_codec(cls: type[Codec]) -> type[Codec]:
-    """Class decorator: make a codec available by its ``name``."""
-    _CODECS[cls.name] = cls
+    """Class decorator: make a codec available by its ``name``.
+
+    Raises:
+        TypeError: ``cls`` is not a class with ``encode`` and ``decode`` methods and a string ``name``.
+        ValueError: the name is reserved (``"auto"``), empty, or taken by another codec class (the
+            built-in ``raw`` and ``packed`` are never replaced).
+    """
+    if not isinstance(cls, type) or not callable(getattr(cls, "encode", None)) or not callable(
+            getattr(cls, "decode", None)):
+        raise TypeError(f"register_codec takes a codec class with encode() and decode() methods, got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"codec class {cls.__name__} needs a class attribute name: a non-empty string")
+    if name in _RESERVED:
+        raise ValueError(f"codec name {name!r} is reserved; choose another name for {cls.__name__}")
+    if name in _CODECS and _CODECS[name] is not cls:
+        raise ValueError(f"codec name {name!r} is taken by {_CODECS[name].__module__}.{_CODECS[name].__name__}; "
+                         f"choose another name for {cls.__name__}")
+    _CODECS[name] = cls
     return cls
 
 
 def codec_names() -> list[str]:
+    """The registered codec names, sorted."""
     return sorted(_CODECS)
 
 
@@ -302,9 +324,10 @@ def get_codec(name: str) -> Codec:
         ValueError: no such codec; the message lists the registered names.
     """
     try:
-        return _CODECS[name]()
-    except (KeyError, TypeError):
+        cls = _CODECS[name]
+    except (KeyError, TypeError):  # TypeError: an unhashable name
         raise ValueError(f"unknown codec {name!r}; registered codecs: {codec_names()}") from None
+    return cls()
 
 
 def check_positions(idx: torch.Tensor, numel: int, what: str) -> torch.Tensor:

@@ -51,6 +51,7 @@ from ..receiver import DeltaReceiver
 from ..sender import AnchorPolicy, DeltaSender
 from ..store import Store, open_store
 from ..targets.module import ModuleTarget
+from ._sender_options import check_receiver_options, check_sender_options
 
 __all__ = [
     "ADAPTER_CONFIG_KEY",
@@ -321,6 +322,8 @@ class AdapterSender(DeltaSender):
 
     def __init__(self, model: Any, store: Store | str, *, adapter_name: str = "default", prefix: str = "",
                  anchor_policy: AnchorPolicy | None = None, **kwargs: Any) -> None:
+        kwargs = check_sender_options(kwargs, "AdapterSender", owned=frozenset({"self", "model", "store", "prefix",
+                                                                                "anchor_policy"}))
         adapter_state_dict(model, adapter_name)  # fail early with a clear message
         config = _peft_config(model, adapter_name)
         self.peft_model = model
@@ -413,6 +416,7 @@ class AdapterReceiver(DeltaReceiver):
 
     def __init__(self, model: Any | None, store: Store | str, *, adapter_name: str = "default", prefix: str = "",
                  **kwargs: Any) -> None:
+        kwargs = check_receiver_options(kwargs, "AdapterReceiver")
         tensors = local = None
         if model is not None:
             tensors = adapter_state_dict(model, adapter_name)

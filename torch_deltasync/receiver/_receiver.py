@@ -316,6 +316,8 @@ class DeltaReceiver:
     def is_current(self, staged: StagedUpdate) -> bool:
         """Whether ``staged`` was prepared on the state the target holds now (so :meth:`commit`
         would accept it)."""
+        if not isinstance(staged, StagedUpdate):
+            raise TypeError(f"expected the StagedUpdate that prepare() returned, got {type(staged).__name__}")
         return staged._generation == self._generation
 
     def commit(self, staged: StagedUpdate) -> int:
@@ -327,6 +329,7 @@ class DeltaReceiver:
             The version now held.
 
         Raises:
+            TypeError: ``staged`` is not a :class:`StagedUpdate`.
             StaleUpdateError: the target no longer holds ``staged.base_version`` (another update,
                 :meth:`assume` or a failure came in between), or another receiver prepared
                 ``staged``; nothing is written. Prepare again.

@@ -85,7 +85,13 @@ class ModuleTarget(Target):
 
     def __init__(self, model: nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         if not isinstance(model, (nn.Module, Mapping)):
-            raise TypeError(f"expected an nn.Module or a state dict, got {type(model).__name__}")
+            members = ("check", "read", "owned", "write", "assign", "finish", "checksum", "holds_all")
+            missing = [m for m in members if not hasattr(model, m)]
+            hint = ""
+            if len(missing) < len(members):  # it looks like a target: say what it lacks
+                hint = (f"; as a Target it lacks {missing} (subclass torch_deltasync.Target for the defaults "
+                        "of owned, finish and holds_all)")
+            raise TypeError(f"expected an nn.Module, a state dict or a Target, got {type(model).__name__}{hint}")
         self._source = model
         self.strict = strict
         self._bind()

@@ -189,6 +189,10 @@ class VLLMAdapterLoader:
                  **receiver_kwargs: Any) -> None:
         from ..peft import AdapterReceiver
 
+        missing = [op for op in ("load", "unload") if not callable(ops.get(op) if isinstance(ops, dict) else None)]
+        if missing:
+            raise TypeError(f"VLLMAdapterLoader: ops lacks {missing}; build them with llm_lora_ops(llm), "
+                            "async_llm_lora_ops(engine) or server_lora_ops(url)")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if id_offset < 1:
