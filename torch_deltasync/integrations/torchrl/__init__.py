@@ -46,7 +46,7 @@ Replay: :class:`StalenessGatedSampler`, a use-once, oldest-version-first ``Consu
 with a staleness gate (module :mod:`._replay`).
 
 Modules (private; everything public is re-exported here): ``_scheme`` (configuration, pickling,
-sending), ``_scheme_receiver`` (receiving), ``_acks`` (acknowledgements), ``_gate`` (policy calls
+sending), ``_scheme_receiver`` (receiving), ``_acks`` (acknowledgements), :mod:`torch_deltasync.gate` (policy calls
 vs writes), ``_tensors`` (weights by name), ``_collectors`` (policy-version trackers),
 ``_vllm_sender`` (the LLM stack's sender), ``_replay`` (the sampler).
 

@@ -25,7 +25,7 @@ from ...store.base import check_key
 from .._sender_options import check_sender_options, sender_option
 from ._acks import AckBook, OnWorkerFailure, QueueAcks, StoreAcks
 from ._collectors import int_tracker, is_leaf_collector
-from ._gate import CallGate
+from ...gate import CallGate
 from ._scheme_receiver import ReceiverSide
 from ._tensors import flat_tensors, named_tensors
 

@@ -1,4 +1,11 @@
-"""The gate between a policy's calls and the writes of its weights (one version per call)."""
+"""The gate between a policy's calls and the commits of its weights: every call sees one version.
+
+A receiver that updates a policy while another thread calls it (a torchrl collector's worker, an
+HF generator) stages the next version outside the gate (:meth:`DeltaReceiver.prepare
+<torch_deltasync.DeltaReceiver.prepare>`) and commits inside :meth:`CallGate.exclusive`; the
+policy's calls run between :meth:`CallGate.enter` and :meth:`CallGate.exit`. Used by the torchrl scheme's workers
+(``torch_deltasync.integrations.torchrl``).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ class CallGate:
         self._local = threading.local()
 
     def enter(self) -> None:
+        """A policy call starts: waits while a write is pending or running."""
         with self._cond:
             while self._writers:
                 self._cond.wait()
@@ -31,6 +39,7 @@ class CallGate:
         self._local.depth = getattr(self._local, "depth", 0) + 1
 
     def exit(self) -> None:
+        """The call that this thread entered ends (a no-op without a matching :meth:`enter`)."""
         if getattr(self._local, "depth", 0) == 0:  # enter() never ran (an earlier pre-hook raised)
             return
         self._local.depth -= 1
