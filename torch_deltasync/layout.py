@@ -40,8 +40,29 @@ from .errors import CorruptObjectError
 __all__ = ["TensorSlice", "TensorBlock", "Source"]
 
 
+class _Extent:
+    """What a box and a block share: sizes from ``shape`` (held) and ``global_shape`` (full)."""
+
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the block."""
+        return math.prod(self.shape)
+
+    @property
+    def global_numel(self) -> int:
+        """Elements in the full tensor."""
+        return math.prod(self.global_shape)
+
+    @property
+    def is_full(self) -> bool:
+        return self.shape == self.global_shape
+
+
 @dataclass(frozen=True)
-class TensorSlice:
+class TensorSlice(_Extent):
     """The block ``full[o0:o0+s0, o1:o1+s1, ...]`` of a tensor of shape ``global_shape``.
 
     Attributes:
@@ -69,20 +90,6 @@ class TensorSlice:
         """The whole tensor (what a single-process sender holds)."""
         shape = tuple(int(s) for s in shape)
         return cls(shape, (0,) * len(shape), shape)
-
-    @property
-    def numel(self) -> int:
-        """Elements in the block."""
-        return math.prod(self.shape)
-
-    @property
-    def global_numel(self) -> int:
-        """Elements in the full tensor."""
-        return math.prod(self.global_shape)
-
-    @property
-    def is_full(self) -> bool:
-        return self.shape == self.global_shape
 
     @property
     def _row_block(self) -> bool:
@@ -191,7 +198,7 @@ def _merge_runs(runs) -> tuple[Run, ...]:
 
 
 @dataclass(frozen=True)
-class TensorBlock:
+class TensorBlock(_Extent):
     """The elements of a tensor that one sender rank holds: ``full[ix_0][:, ix_1][:, :, ix_2]...``.
 
     Along every dim ``d`` the rank holds an increasing list ``ix_d`` of global indices, written as
@@ -254,20 +261,6 @@ class TensorBlock:
     def shape(self) -> tuple[int, ...]:
         """Local shape: elements held along every dim."""
         return tuple(sum(n for _, n in rs) for rs in self.runs)
-
-    @property
-    def numel(self) -> int:
-        """Elements in the block."""
-        return math.prod(self.shape)
-
-    @property
-    def global_numel(self) -> int:
-        """Elements in the full tensor."""
-        return math.prod(self.global_shape)
-
-    @property
-    def is_full(self) -> bool:
-        return self.shape == self.global_shape
 
     @property
     def offsets(self) -> tuple[int, ...]:

@@ -303,14 +303,20 @@ def test_out_of_range_delta_is_refused_and_params_unchanged(published_qwen2):
         assert not _diff(before, vllm_state_bits(model))
 
 
-def test_wrong_shape_is_refused_and_params_unchanged(tmp_path, published_qwen2):
+def _other_model_published(tmp_path, published_qwen2):
+    """A store holding another model (twice the MLP width), and a TP-1 vLLM model at the anchor of
+    ``published_qwen2`` with its parameters' bits: ``(store, model, vllm_config, bits)``."""
     spec, _, anchor_state, _, vc = published_qwen2
     other = dict(spec, intermediate_size=spec["intermediate_size"] * 2)  # a different model
     store = LocalStore(tmp_path / "other")
     _train_and_publish(hf_model(other, seed=6), store, steps=0)
     model = build_vllm_model(vc, 1, 2)
     load_hf_weights(model, anchor_state)
-    before = vllm_state_bits(model)
+    return store, model, vc, vllm_state_bits(model)
+
+
+def test_wrong_shape_is_refused_and_params_unchanged(tmp_path, published_qwen2):
+    store, model, vc, before = _other_model_published(tmp_path, published_qwen2)
     rec = DeltaReceiver(VLLMTarget(model, moe_backends=CPU_MOE), store)
     with pytest.raises(IncompatibleTargetError, match="gate_proj"):
         rec.update()
@@ -325,16 +331,11 @@ def test_engine_target_refuses_other_shapes_before_any_reload(tmp_path, publishe
     # when only the host copy is built (engine_writes=False: the backend's assume_version).
     from torch_deltasync.targets.vllm_engine import VLLMEngineTarget
 
-    spec, _, anchor_state, _, vc = published_qwen2
-    other = dict(spec, intermediate_size=spec["intermediate_size"] * 2)  # a different model
-    store = LocalStore(tmp_path / "other")
-    _train_and_publish(hf_model(other, seed=6), store, steps=0)
-    model = build_vllm_model(vc, 1, 2)
-    load_hf_weights(model, anchor_state)
-    before = vllm_state_bits(model)
+    store, model, vc, before = _other_model_published(tmp_path, published_qwen2)
     target = VLLMEngineTarget(model, vc.model_config, in_place="never")
     target.engine_writes = engine_writes
     rec = DeltaReceiver(target, store)
+    spec = published_qwen2[0]
     h, i = spec["hidden_size"], spec["intermediate_size"]
     with pytest.raises(IncompatibleTargetError,
                        match=rf"'model.layers.0.mlp.gate_proj.weight' has shape \({2 * i}, {h}\), the vLLM layer "

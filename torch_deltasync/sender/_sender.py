@@ -441,7 +441,7 @@ class DeltaSender:
         full = sum(s.slice.numel * self.dtype.itemsize for s in job.sources if s.upload)
         if not full:
             return False
-        delta = sum(t.numel() * t.element_size() for parts in self._delta_parts(job).values() for t in parts.values())
+        delta = sum(t.numel() * t.element_size() for parts in delta_parts(job, self.codec).values() for t in parts.values())
         return delta >= self.policy.max_delta_ratio * full
 
     def _convert_to_anchor(self, job: Job) -> None:
@@ -463,12 +463,6 @@ class DeltaSender:
         """``(rank, world)`` of this rank's object ``part`` (``dtensor.UploadPlan.slots``)."""
         return self.group.rank * self._slots + part, self.group.world * self._slots
 
-    def _encode(self, job: Job) -> list[tuple[str, int, int, bytes]]:
-        return encode_objects(job, self.codec, self.dtype, self._slot)
-
-    def _delta_parts(self, job: Job) -> dict[str, dict[str, torch.Tensor]]:
-        return delta_parts(job, self.codec)
-
     def _finish_background(self, job: Job, t0: float) -> None:
         try:
             self._finish(job, t0)
@@ -483,7 +477,7 @@ class DeltaSender:
         local: dict[str, Any] = {"ok": True}
         try:
             t = time.perf_counter()
-            blobs = self._encode(job)
+            blobs = encode_objects(job, self.codec, self.dtype, self._slot)
             stats.encode_ms = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             local["objects"] = []

@@ -12,7 +12,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Target"]
+__all__ = ["Target", "TARGET_MEMBERS"]
+
+#: The members a :class:`Target` has (what ``isinstance(obj, Target)`` checks).
+TARGET_MEMBERS = ("holds_all", "check", "read", "owned", "write", "assign", "finish", "checksum")
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ from .. import _native, _native_apply
 from .._dtypes import bits, int_view_dtype
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError
-from .base import Target
+from .base import TARGET_MEMBERS, Target
 
 __all__ = ["ModuleTarget"]
 
@@ -85,10 +85,9 @@ class ModuleTarget(Target):
 
     def __init__(self, model: nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         if not isinstance(model, (nn.Module, Mapping)):
-            members = ("check", "read", "owned", "write", "assign", "finish", "checksum", "holds_all")
-            missing = [m for m in members if not hasattr(model, m)]
+            missing = [m for m in TARGET_MEMBERS if not hasattr(model, m)]
             hint = ""
-            if len(missing) < len(members):  # it looks like a target: say what it lacks
+            if len(missing) < len(TARGET_MEMBERS):  # it looks like a target: say what it lacks
                 hint = (f"; as a Target it lacks {missing} (subclass torch_deltasync.Target for the defaults "
                         "of owned, finish and holds_all)")
             raise TypeError(f"expected an nn.Module, a state dict or a Target, got {type(model).__name__}{hint}")
