@@ -425,11 +425,16 @@ class Controller:
         self.trainer = self.trainer_procs.spawn("trainer", TrainerActor, cfg, str(warm_path.resolve()), bucket,
                                                 prefix, _free_port())
         self.gens = self.gen_procs.spawn("generator", GeneratorActor, cfg, bucket, prefix)
-        self.rb = this_proc().spawn("replay_buffer", ReplayBufferActor, cfg)
 
         torch.set_num_threads(1)  # several busy processes share few cores; extra threads only spin
         tok = build_tokenizer(cfg)
         _, ws = warm_start(cfg, tok, progress=self.progress)
+        # The replay buffer lives in this process, its actor on a Monarch thread. Spawn it only once
+        # this thread's imports are done: transformers imported from two threads at once can hand
+        # one of them a half-initialised module ("cannot import name ... from transformers...").
+        import recipes.grpo.buffer  # noqa: F401 - imported here, so the actor's __init__ imports nothing
+
+        self.rb = this_proc().spawn("replay_buffer", ReplayBufferActor, cfg)
         self.metrics.write("warm_start", **ws)
         took = "cached" if ws["cached"] else f"{ws['seconds']:.1f} s"
         self.say(f"warm start: {took}; reward of greedy answers "
