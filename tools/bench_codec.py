@@ -333,28 +333,34 @@ def gil_free_share(cs: ChangeSet) -> dict:
     the largest tensor's share of the changes bounds it too (a tensor is not split). Torch and
     numpy calls outside the kernels count as GIL-held here although many release it, so the bound
     is conservative."""
-    from torch_deltasync.codecs import _base, _packed
+    from torch_deltasync.codecs import _packed
 
     codec = get_codec("packed")
     items = [(pos, new, old, numel) for pos, old, new, numel in cs.values() if pos.numel()]
-    spent = [0.0]
+    spent, depth = [0.0], [0]
 
     def timed(fn):
         def wrapper(*a, **k):
+            if depth[0]:  # called inside another timed call: counted there
+                return fn(*a, **k)
+            depth[0] += 1
             t = time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
                 spent[0] += time.thread_time() - t
+                depth[0] -= 1
         return wrapper
 
-    kernels = {n: f for n, f in vars(_native).items() if hasattr(f, "py_func") or isinstance(f, _native._Deferred)}
-    patched = [(_native, n, f) for n, f in kernels.items()]
-    patched += [(_packed, "pack_stream", _packed.pack_stream), (_packed, "unpack_stream", _packed.unpack_stream)]
     parts = codec.encode_many(items, threads=1)
     dec_items = [(p, numel, pos.numel(), torch.bfloat16) for p, (pos, _, _, numel) in zip(parts, items)]
     for d, (_, _, old, _) in zip(codec.decode_many(dec_items, threads=1), items):  # load every kernel first
         d.resolve(old) if d.needs_base else d.values
+    # Every compiled kernel, in every module of the library that names one (``_native``,
+    # ``codecs._packed_kernels``, and modules that imported a kernel by name), and zstd.
+    patched = [(mod, n, f) for m, mod in list(sys.modules.items()) if m.startswith("torch_deltasync")
+               for n, f in list(vars(mod).items()) if hasattr(f, "py_func") or isinstance(f, _native._Deferred)]
+    patched += [(_packed, "pack_stream", _packed.pack_stream), (_packed, "unpack_stream", _packed.unpack_stream)]
     out = {}
     try:
         for mod, n, f in patched:

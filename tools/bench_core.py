@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -125,15 +127,19 @@ class FullSnapshotSync:
         self.store.put("full.safetensors", data)
         return (time.perf_counter() - t) * 1e3
 
-    def update(self, replica: torch.nn.Module) -> float:
+    def update(self, replica: torch.nn.Module) -> tuple[float, float]:
+        """``(total ms, download ms)``: the download is the get and the sha256 check, as in
+        ``UpdateStats.download_ms``; the rest (parse, copy into the replica) is the full load."""
         t = time.perf_counter()
         data = self.store.get("full.safetensors")
         assert hashlib.sha256(data).hexdigest() == self.sha
+        t_dl = time.perf_counter()
         tensors = st_load(data)
         with torch.no_grad():
             for n, p in replica.state_dict().items():
                 p.copy_(tensors[n])
-        return (time.perf_counter() - t) * 1e3
+        t_end = time.perf_counter()
+        return (t_end - t) * 1e3, (t_dl - t) * 1e3
 
 
 def apply_vs_index_copy(target, sparse: dict, device: str, repeat: int = 3) -> tuple[float, float, int]:
@@ -231,12 +237,19 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
             sender.publish()
         st = sender.last_stats
         full_publish_ms = full_sync.publish()
+        os.sync()  # untimed: the snapshot's writeback would otherwise stall the measurements below
+        ru = resource.getrusage(resource.RUSAGE_SELF)
         with Peak() as mu:
             staged = receiver.prepare()  # what update() does, keeping the staged changes for the apply rows
             receiver.commit(staged)
+        ru2 = resource.getrusage(resource.RUSAGE_SELF)
+        update_rusage = {"user_ms": (ru2.ru_utime - ru.ru_utime) * 1e3, "sys_ms": (ru2.ru_stime - ru.ru_stime) * 1e3,
+                         "minor_faults": ru2.ru_minflt - ru.ru_minflt}
         ust = receiver.last_stats
         apply_s, index_copy_s, n_apply = apply_vs_index_copy(receiver.target, staged._sparse or {}, device)
-        full_update_ms = full_sync.update(full_replica)
+        full_update_ms, full_download_ms = full_sync.update(full_replica)
+        full_load_ms = full_update_ms - full_download_ms
+        update_load_ms = ust.total_ms - ust.download_ms
         assert first_difference(model, replica) is None and first_difference(model, full_replica) is None
         row = {
             "version": st.version, "changed": st.changed, "density": st.density,
@@ -247,6 +260,11 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
             "update_ms": ust.total_ms, "apply_ms": ust.apply_ms, "full_update_ms": full_update_ms,
             "update_ratio": ust.total_ms / full_update_ms, "apply_over_full_load": ust.apply_ms / full_update_ms,
             "sync_ratio": (st.publish_ms + ust.total_ms) / (full_publish_ms + full_update_ms),
+            # download excluded on both sides (get + sha256): issue 14's receiver goal
+            "update_load_ms": update_load_ms, "full_load_ms": full_load_ms,
+            "update_parts_ms": {k: getattr(ust, f"{k}_ms") for k in ("plan", "download", "decode", "verify", "apply")},
+            "update_rusage": update_rusage,
+            "update_over_load_excl_download": update_load_ms / full_load_ms,
             "apply_ns_per_change": apply_s / max(n_apply, 1) * 1e9,
             "index_copy_ns_per_change": index_copy_s / max(n_apply, 1) * 1e9,
             "apply_over_index_copy": apply_s / index_copy_s if index_copy_s else float("nan"),
@@ -258,6 +276,10 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
               f"detect {detect_s * 1e3:.0f} ms = {row['detect_over_memcpy']:.2f}x memcpy, "
               f"publish {st.publish_ms:.0f} ms vs full {full_publish_ms:.0f} ms, "
               f"update {ust.total_ms:.0f} ms (apply {ust.apply_ms:.1f}) vs full {full_update_ms:.0f} ms, "
+              f"without the download {update_load_ms:.0f} vs {full_load_ms:.0f} ms = {row['update_over_load_excl_download']:.3f} "
+              f"({', '.join(f'{k} {v:.0f}' for k, v in row['update_parts_ms'].items())}; "
+              f"user {update_rusage['user_ms']:.0f} sys {update_rusage['sys_ms']:.0f} ms, "
+              f"{update_rusage['minor_faults']} page faults), "
               f"target.write {row['apply_ns_per_change']:.2f} ns/change = {row['apply_over_index_copy']:.2f}x "
               f"index_copy_ ({row['index_copy_ns_per_change']:.2f}), "
               f"peak +{row['publish_peak_extra_over_model']:.2f}x / +{row['update_peak_extra_over_model']:.2f}x model",
@@ -297,11 +319,12 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     print("\nmedians over delta versions:")
     print(f"{'size':>6} {'params':>8} {'density':>8} {'bytes/full':>10} {'detect/memcpy':>13} {'publish/full':>12} "
-          f"{'update/full':>11} {'sync/full':>9} {'apply/full':>10} {'apply ns':>8} {'/index_copy':>11} {'pub mem':>8} {'upd mem':>8} {'anchor pub mem':>14} {'anchor upd mem':>14}")
+          f"{'update/full':>11} {'excl. download':>14} {'sync/full':>9} {'apply/full':>10} {'apply ns':>8} {'/index_copy':>11} {'pub mem':>8} {'upd mem':>8} {'anchor pub mem':>14} {'anchor upd mem':>14}")
     for r in results["sizes"]:
         m = r["median"]
         print(f"{r['size']:>6} {r['numel'] / 1e6:>7.0f}M {m['density']:>8.2%} {m['bytes_ratio']:>10.4f} "
-              f"{m['detect_over_memcpy']:>13.2f} {m['publish_ratio']:>12.3f} {m['update_ratio']:>11.3f} {m['sync_ratio']:>9.3f} "
+              f"{m['detect_over_memcpy']:>13.2f} {m['publish_ratio']:>12.3f} {m['update_ratio']:>11.3f} "
+              f"{m['update_over_load_excl_download']:>14.3f} {m['sync_ratio']:>9.3f} "
               f"{m['apply_over_full_load']:>10.4f} {m['apply_ns_per_change']:>8.2f} {m['apply_over_index_copy']:>11.2f} "
               f"{m['publish_peak_extra_over_model']:>8.2f} "
               f"{m['update_peak_extra_over_model']:>8.2f} {r['anchor_publish_peak_extra_over_model']:>14.2f} "

@@ -228,16 +228,21 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"{store.describe()}: no versions")
         return 0
     print(f"{'version':>8} {'kind':<6} {'base':>6} {'bytes':>12} {'changed':>12} {'density':>8}  created")
+    unreadable = 0
     for v in versions:
         try:
             m = load_manifest(store, v)
         except Exception as e:  # noqa: BLE001 - one bad manifest should not hide the rest
             print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {e}")
+            unreadable += 1
             continue
         base = "" if m.base_version is None else str(m.base_version)
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at)) if m.created_at else ""
         print(f"{v:>8} {m.kind:<6} {base:>6} {m.nbytes:>12,} {m.changed:>12,} {m.changed / max(m.numel, 1):>8.3%}  {created}")
-    return 0
+    if unreadable:
+        print(f"{unreadable} of {len(versions)} manifests unreadable; `deltasync verify` checks each version's objects",
+              file=sys.stderr)
+    return 1 if unreadable else 0
 
 
 # --- verify ------------------------------------------------------------------------------------

@@ -78,6 +78,16 @@ def test_verify_ok_and_tampered(run, capsys):
     assert "version        4: FAILED: ChecksumMismatchError" in out and "4/5 versions verified" in out
 
 
+def test_ls_lists_past_an_unreadable_manifest_and_exits_1(run, capsys):
+    store, _, _ = run
+    store.put(f"versions/{3:012d}.json", b"{not json")
+    assert main(["ls", str(store.root)]) == 1
+    captured = capsys.readouterr()
+    lines = {line.split()[0]: line for line in captured.out.splitlines()[1:]}
+    assert "unreadable" in lines["3"] and "unreadable" not in lines["2"] and "unreadable" not in lines["4"]
+    assert "1 of 5 manifests unreadable" in captured.err
+
+
 def test_verify_reports_every_version_past_an_unreadable_newest_manifest(run, capsys):
     store, _, _ = run
     store.put(f"versions/{4:012d}.json", b"{not json")

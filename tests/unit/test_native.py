@@ -386,7 +386,10 @@ def test_detection_with_nan_uses_torchs_cast():
 # --- threads ---------------------------------------------------------------------------------------
 
 
-def test_encode_and_decode_many_match_one_by_one():
+def test_encode_and_decode_many_match_one_by_one(monkeypatch):
+    from torch_deltasync.codecs import _base
+
+    monkeypatch.setattr(_base, "PARALLEL_MIN_CHANGES", 2000)  # some items on the pool, some inline
     codec = get_codec("packed")
     items = [make_change_set(s, torch.bfloat16, 40_000 + 1000 * s, 0.02 * (s + 1), {"ulp": 0.95, "many": 0.05})
              + (40_000 + 1000 * s,) for s in range(6)]
@@ -400,6 +403,36 @@ def test_encode_and_decode_many_match_one_by_one():
         assert torch.equal(d.positions, p) and torch.equal(bits(d.resolve(old)), bits(new))
     with pytest.raises(ValueError, match="strictly increasing"):
         codec.encode_many(items[:2] + [(items[0][0].flip(0),) + items[0][1:]], threads=2)
+
+
+def test_many_runs_large_items_on_the_pool_and_small_ones_inline(monkeypatch):
+    """Items of at least PARALLEL_MIN_CHANGES changes go to worker threads, the rest run on the
+    calling thread; results keep the items' order and the first error in that order is raised."""
+    import threading
+
+    from torch_deltasync.codecs import _base
+
+    monkeypatch.setattr(_base, "PARALLEL_MIN_CHANGES", 100)
+    sizes = [5, 300, 99, 100, 7, 1000]
+    where = {}
+
+    def fn(i):
+        where[i] = threading.current_thread() is threading.main_thread()
+        if sizes[i] in (7, 1000):
+            raise ValueError(f"item {i}")
+        return i * 10
+
+    assert _base._map_largest_first(lambda i: i * 10, list(range(6)), sizes, 2) == [0, 10, 20, 30, 40, 50]
+    with pytest.raises(ValueError, match="item 4"):  # item 5 (pool) fails too; item 4 comes first
+        _base._map_largest_first(fn, list(range(6)), sizes, 2)
+    assert where == {0: True, 1: False, 2: True, 3: False, 4: True, 5: False}
+    # Nothing large: no pool at all; one thread: everything inline, in order.
+    assert [_base._map_largest_first(lambda i: (i, threading.current_thread() is threading.main_thread()),
+                                     [0, 2, 4], [5, 99, 7], 4)] == [[(0, True), (2, True), (4, True)]]
+    assert _base._map_largest_first(lambda i: threading.current_thread() is threading.main_thread(),
+                                    [1, 5], [300, 1000], 1) == [True, True]
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        _base._map_largest_first(fn, [0], sizes, 0)
 
 
 # --- without numba ---------------------------------------------------------------------------------
@@ -532,6 +565,44 @@ def test_module_target_write_matches_index_copy(storage):
             _native.set_enabled(prev)
 
 
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float32, torch.float16])
+def test_module_target_read_matches_the_torch_path(storage):
+    # The compiled gather (bf16 out of fp32 storage too) reads the exact bit patterns the torch
+    # indexing reads, NaN payloads included; positions outside the tensor are refused on both paths.
+    from torch_deltasync import ModuleTarget
+
+    dtype = torch.float16 if storage == torch.float16 else torch.bfloat16
+    numel = 30_000
+    base = _special_fp32(numel, 14).to(dtype).to(storage)
+    pos = torch.from_numpy(np.random.default_rng(15).choice(numel, 5000, replace=False))
+    want = bits(base.to(dtype))[pos]
+
+    def run():
+        t = ModuleTarget({"w": base.clone().reshape(100, 300)})
+        t.check({"w": (100, 300)}, {}, dtype)
+        return bits(t.read("w", pos, dtype))
+
+    fast, ref = both(run)
+    assert torch.equal(fast, want) and torch.equal(ref, want)
+    for bad_at in (numel, -1):
+        bad = pos.clone()
+        bad[7] = bad_at
+        fast, ref = both(lambda: _read_one(base, bad, dtype))
+        assert fast == ref and fast[0] is CorruptObjectError and "positions outside [0, 30000)" in fast[1], fast
+    # a non-contiguous tensor takes the torch path, same bits
+    t = ModuleTarget({"w": base.clone().reshape(300, 100).t()})
+    t.check({"w": (100, 300)}, {}, dtype)
+    assert torch.equal(bits(t.read("w", pos, dtype)), bits(base.reshape(300, 100).t().to(dtype).reshape(-1))[pos])
+
+
+def _read_one(base, pos, dtype):
+    from torch_deltasync import ModuleTarget
+
+    t = ModuleTarget({"w": base.clone()})
+    t.check({"w": tuple(base.shape)}, {}, dtype)
+    return bits(t.read("w", pos, dtype))
+
+
 def _fake_vllm_target(shape, local_shape, tables, base=0, transpose=False):
     """A :class:`VLLMTarget` holding one tensor ``"w"`` of HF ``shape`` through the given per-dim
     tables (int64 ``HF -> local``, -1 = not held; ``None`` = identity) into a zeroed bf16 parameter
@@ -611,7 +682,12 @@ def test_vllm_target_write_matches_the_torch_map(data):
             t.write("w", pos, vals)
         except CorruptObjectError as e:
             assert bool((bits(param) == 0).all()), "a refused write changed the parameter"
+            with pytest.raises(CorruptObjectError) as refused:  # read refuses the same positions alike
+                t.read("w", pos, torch.bfloat16)
+            assert str(refused.value) == str(e)
             return type(e), str(e)
+        got = t.read("w", pos, torch.bfloat16)  # the fused map + gather reads back what was written
+        assert torch.equal(bits(got), bits(vals))
         return bits(param).clone()
 
     in_range = pos[(pos >= 0) & (pos < numel)]

@@ -272,12 +272,26 @@ class ModuleTarget(Target):
         return t.view(int_view_dtype(t.dtype))
 
     def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The values at ``positions`` (int64 ``(k,)`` global flat) in ``dtype``, ``(k,)``, bit-exactly.
+
+        Raises:
+            CorruptObjectError: a position outside the tensor.
+        """
         self._writing = False
         t = self._live(name)
         stored = self._stored_bits(t)
+        codec = self._codec(name, t, dtype)
+        if t.is_contiguous():
+            out = _gather_native(stored.view(-1), positions, codec)
+            if out is not None:
+                return out
+        if positions.numel():
+            lo, hi = (int(x) for x in torch.aminmax(positions))
+            if lo < 0 or hi >= t.numel():
+                raise CorruptObjectError(f"{name!r}: positions outside [0, {t.numel()}) (min {lo}, max {hi})")
         pos = positions.to(t.device)
         vals = stored.reshape(-1)[pos] if t.is_contiguous() else stored[torch.unravel_index(pos, t.shape)]
-        return self._codec(name, t, dtype).from_storage_bits(vals)
+        return codec.from_storage_bits(vals)
 
     def _codec(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> _Codec:
         c = self._codecs.get(name)
@@ -353,6 +367,21 @@ def _scatter_native(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
     else:
         _native_apply.scatter(_native_apply.np_bits(flat), p, v, 0)
     return True
+
+
+def _gather_native(flat: torch.Tensor, pos: torch.Tensor, codec: _Codec) -> torch.Tensor | None:
+    """``codec.from_storage_bits(flat[pos])`` with the compiled kernel, in one pass; ``None`` where
+    the torch path must run (no kernels, not on the CPU, not int64 positions) or where a position
+    is outside ``flat`` (the caller's torch path then raises the specific error)."""
+    if not _native.enabled() or flat.device.type != "cpu" or pos.device.type != "cpu" or pos.dtype != torch.int64:
+        return None
+    out = torch.empty(pos.shape, dtype=codec.dtype)
+    p, o = pos.contiguous().numpy(), _native_apply.np_bits(out)
+    if codec.widened:
+        bad = _native_apply.gather_widened(flat.numpy().view(np.uint32), p, o)
+    else:
+        bad = _native_apply.gather(_native_apply.np_bits(flat), p, o, 0)
+    return out if bad < 0 else None
 
 
 def _identity(t: torch.Tensor) -> tuple:

@@ -198,10 +198,43 @@ class VLLMTarget(_VLLMLayout, Target):
         return mask.to(positions.device)
 
     def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The held values at ``positions`` (int64 ``(k,)`` global flat, all owned), ``(k,)`` in
+        ``dtype`` on ``positions``' device.
+
+        Raises:
+            CorruptObjectError: a position this rank does not hold or outside the tensor.
+        """
         e = self._entry(name)
         p = self._primary(e)
+        out = self._read_native(e, p, positions, dtype)
+        if out is not None:
+            return out
         local = self._owned_local(e, p, positions)
         return _flat(p.param)[local].to(dtype).to(positions.device)
+
+    def _read_native(self, e: _Entry, p: _Place, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """:meth:`read` with the compiled kernels (the map fused with the gather, as in
+        :meth:`_write_native`); ``None`` where the torch path must run: no kernels, not on the
+        CPU, another dtype, or a position the place does not hold (the torch path raises then)."""
+        if (not _native.enabled() or positions.device.type != "cpu" or positions.dtype != torch.int64
+                or p.param.device.type != "cpu" or p.param.dtype != dtype or (p.affine is None and p.grid is None)):
+            return None
+        pos = positions.contiguous()
+        pos_np = pos.numpy()
+        out = torch.empty(pos.shape, dtype=dtype)
+        flat, o = _native_apply.np_bits(_flat(p.param)), _native_apply.np_bits(out)
+        if p.affine is not None:
+            lo, hi, offset = p.affine
+            if pos.numel():
+                pmin, pmax = (int(x) for x in torch.aminmax(pos))
+                if pmin < lo or pmax >= hi:
+                    return None
+            return out if _native_apply.gather(flat, pos_np, o, offset) < 0 else None
+        ncols, rows, cols, s0, s1 = p.grid
+        if _native_apply.grid_first_bad(pos_np, math.prod(e.shape), ncols, rows, cols) >= 0:
+            return None
+        _native_apply.gather_grid(flat, pos_np, o, ncols, rows, cols, s0, s1, p.base)
+        return out
 
     def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Overwrite the held elements at ``positions`` (global flat, all owned) with ``values``.
