@@ -109,8 +109,12 @@ def _materialize() -> None:
         for proxy in _DEFERRED:
             proxy.dispatcher = nb.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(proxy.fn)
         # Every module that defines kernels, or imported one by name (``from .._native import
-        # checksum_at``), now sees dispatchers, so kernels compile against each other's.
-        for namespace in {id(p.fn.__globals__): p.fn.__globals__ for p in _DEFERRED}.values():
+        # checksum_at``), now sees dispatchers, so kernels compile against each other's and
+        # Python callers skip the proxy (modules imported later get the dispatchers directly).
+        namespaces = {id(p.fn.__globals__): p.fn.__globals__ for p in _DEFERRED}
+        namespaces.update((id(vars(m)), vars(m)) for name, m in list(sys.modules.items())
+                          if m is not None and (name == __package__ or name.startswith(__package__ + ".")))
+        for namespace in namespaces.values():
             for name, value in list(namespace.items()):
                 if isinstance(value, _Deferred):
                     namespace[name] = value.dispatcher

@@ -383,6 +383,18 @@ def test_detection_with_nan_uses_torchs_cast():
     assert torch.equal(fast[0], expected) and {3, 18} <= set(expected.tolist())
 
 
+def test_kernels_imported_by_name_get_their_dispatchers():
+    # After the first kernel call no module of the library still calls through the lazy proxy
+    # (e.g. the codec imports the size estimates by name): Python callers reach numba directly.
+    import sys
+
+    get_codec("packed").encode(torch.arange(0, 5000, 3), torch.ones(1667, dtype=torch.bfloat16),
+                               torch.zeros(1667, dtype=torch.bfloat16), numel=5000)
+    left = [(m, n) for m, mod in list(sys.modules.items()) if m.startswith("torch_deltasync")
+            for n, f in vars(mod).items() if isinstance(f, _native._Deferred)]
+    assert not left
+
+
 # --- threads ---------------------------------------------------------------------------------------
 
 
