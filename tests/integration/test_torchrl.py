@@ -165,6 +165,13 @@ def test_sender_options_are_deltasenders():
         DeltaWeightSyncScheme("x", anchor_evry=7)
     with pytest.raises(TypeError, match=r"DeltaVLLMWeightSender got unexpected keyword argument\(s\) \['group'\]"):
         DeltaVLLMWeightSender("x", group=None)
+    # the workers' init_info is checked when the sender is built, not at the first sync
+    with pytest.raises(TypeError, match=r"DeltaVLLMWeightSender\(init_info=...\): unknown deltasync init_info option\(s\) \['pol_s'\]"):
+        DeltaVLLMWeightSender("x", init_info={"pol_s": 0.1})
+    with pytest.raises(ValueError, match=r"init_info 'in_place' must be 'auto' or 'never', got 'yes'"):
+        DeltaVLLMWeightSender("x", init_info={"in_place": "yes"})
+    with pytest.raises(TypeError, match=r"init_info \['prefix'\] are set by the sender itself"):
+        DeltaVLLMWeightSender("x", init_info={"prefix": "p"})
 
 
 def test_pickles_without_live_state(tmp_path):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -117,8 +119,14 @@ def test_failed_update_changes_nothing_and_names_the_version(run):
 
 def test_bad_init_info_installs_nothing(run):
     llm = ScriptedLLM(run.workers)
-    with pytest.raises(ValueError, match="unexpected keyword argument 'poll_secs'"):
+    # checked in the caller, as the workers check it: no engine call, no readiness directory
+    tmp_before = set(Path(tempfile.gettempdir()).glob("deltasync-ready-*"))
+    with pytest.raises(TypeError, match=r"attach: unknown deltasync init_info option\(s\) \['poll_secs'\]; "
+                                        r"the backend takes \['store', .*'poll_s'"):
         attach_llm(llm, run.bucket, poll_secs=1)
+    with pytest.raises(ValueError, match=r"init_info 'max_workers' must be an int in \[1, 256\], got 0"):
+        attach_llm(llm, run.bucket, max_workers=0)
+    assert llm.calls == [] and set(Path(tempfile.gettempdir()).glob("deltasync-ready-*")) == tmp_before
     with pytest.raises(DeltaSyncError, match="not attached to a run: call attach_llm first"):
         update_llm(llm, 0)
     # an assumed version is trusted, so it is never rounded into one (0.9 is not version 0)
@@ -167,8 +175,9 @@ def test_http_server_through_vllm_rl_routes_only(run):
     engine = ScriptedAsyncLLM(run.workers)
     server = RLServer(engine)
     try:
-        with pytest.raises(DeltaSyncError, match=r"HTTP 400: Invalid init_info .*unexpected keyword argument 'bogus'"):
+        with pytest.raises(TypeError, match=r"unknown deltasync init_info option\(s\) \['bogus'\]"):
             attach_server(server.url, run.bucket, bogus=1)
+        assert server.requests == []  # refused before anything was sent
         attach_server(server.url, run.bucket, assume_version=run.v0)
         v1 = run.step()
         server.requests.clear()

@@ -13,6 +13,7 @@ from ...sender import DeltaSender
 from ...store import Store, open_store
 from .._sender_options import check_sender_options
 from ..vllm import as_llm, attach_llm, update_llm
+from ..vllm._init_info import check_init_info
 from ._collectors import int_tracker
 from ._tensors import flat_tensors
 
@@ -89,6 +90,12 @@ class DeltaVLLMWeightSender:
         self.prefix = prefix
         self.worker_store = worker_store or (store if isinstance(store, str) else self.store.describe())
         self.init_info = dict(init_info or {})
+        given = sorted({"store", "prefix", "status_dir"} & set(self.init_info))
+        if given:
+            raise TypeError(f"DeltaVLLMWeightSender: init_info {given} are set by the sender itself (its store, "
+                            "worker_store and prefix arguments; readiness files per engine)")
+        check_init_info({"store": self.worker_store, "prefix": prefix, **self.init_info},
+                        "DeltaVLLMWeightSender(init_info=...)")
         self.rpc_timeout_s = rpc_timeout_s
         self._engine = None
         self._llm: Any = None  # what update_llm drives: the engine, or a ReplicatedEngine over it

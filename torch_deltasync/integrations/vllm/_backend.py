@@ -60,6 +60,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...errors import DeltaSyncError
+from ._init_info import InitInfo
 from ._stager import Stager, Status
 
 # The trainer side lives in ._trainer; vLLM's factory imports the worker engine and the trainer
@@ -80,49 +81,10 @@ def register() -> None:
 # --- worker side -------------------------------------------------------------------------------------
 
 @dataclass
-class DeltaSyncInitInfo(WeightTransferInitInfo):
-    """``init_info`` of the ``deltasync`` backend (JSON-able; every worker gets the same).
-
-    Attributes:
-        store: the run's store, any :func:`torch_deltasync.open_store` URI or path (as the sender's).
-        prefix: the run's sub-path in the store.
-        assume_version: the engine already serves this version (it loaded the checkpoint the
-            trainer published as that version): the host copy is built from the store without
-            touching the engine, and later versions are applied as deltas. The claim is trusted;
-            check it with outputs (or ``/weight_checker`` where weights are not re-packed).
-        in_place: ``"auto"`` (write in place where the live layout is the loader's, reload the
-            rest) or ``"never"`` (reload every changed module).
-        stage_ahead: stage the newest version in the background (``False``: prepare inside
-            ``update_weights``).
-        poll_s: seconds between looks at the store for a newer version (background stager).
-        max_workers: parallel downloads per worker.
-        status_dir: directory for per-worker readiness files (module doc); ``None``: none.
-        metrics_path: append one JSON line per commit (``{rank}`` is replaced by the worker rank).
-    """
-
-    store: str
-    prefix: str = ""
-    assume_version: int | None = None
-    in_place: str = "auto"
-    stage_ahead: bool = True
-    poll_s: float = 0.05
-    max_workers: int = 8
-    status_dir: str | None = None
-    metrics_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.store, str) or not self.store:
-            raise ValueError(f"init_info 'store' must be a non-empty store URI or path, got {self.store!r}")
-        if not isinstance(self.prefix, str):
-            raise ValueError(f"init_info 'prefix' must be a string, got {self.prefix!r}")
-        if self.assume_version is not None and (type(self.assume_version) is not int or self.assume_version < 0):
-            raise ValueError(f"init_info 'assume_version' must be a version (int >= 0) or null, got {self.assume_version!r}")
-        if self.in_place not in ("auto", "never"):
-            raise ValueError(f"init_info 'in_place' must be 'auto' or 'never', got {self.in_place!r}")
-        if not isinstance(self.poll_s, (int, float)) or not 0 < self.poll_s <= 60:
-            raise ValueError(f"init_info 'poll_s' must be in (0, 60] seconds, got {self.poll_s!r}")
-        if type(self.max_workers) is not int or not 1 <= self.max_workers <= 256:
-            raise ValueError(f"init_info 'max_workers' must be an int in [1, 256], got {self.max_workers!r}")
+class DeltaSyncInitInfo(InitInfo, WeightTransferInitInfo):
+    """``init_info`` of the ``deltasync`` backend: the fields and checks of :class:`._init_info.InitInfo`
+    (declared there, without vLLM, so drivers check options before sending), as vLLM's
+    ``WeightTransferInitInfo``."""
 
 
 @dataclass

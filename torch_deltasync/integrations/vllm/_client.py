@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ...errors import DeltaSyncError
+from ._init_info import check_init_info
 from ._readiness import DEFAULT_STAGE_TIMEOUT_S, Attachment, read_readiness
 from ._steps import Steps, drive, drive_async
 
@@ -93,17 +94,19 @@ def _init_info(store: str | os.PathLike, prefix: str, assume_version: int | None
     """The backend's ``init_info``, the readiness directory and whether this call created it."""
     if not isinstance(store, (str, os.PathLike)) or not str(store):
         raise TypeError(f"store must be the store URI or path the workers open (a string), got {store!r}")
+    info: dict[str, Any] = {"store": os.fspath(store), "prefix": prefix,
+                            **{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in extra.items()}}
+    if assume_version is not None:
+        info["assume_version"] = assume_version  # as given: a non-int is refused, not rounded
+    if status_dir not in (None, False):
+        info["status_dir"] = os.fspath(status_dir)
+    # Checked here as the workers will check it: a misspelt option or a bad value names itself in
+    # the caller, before any engine call (and before a readiness directory is made).
+    check_init_info(info, "attach")
     created = False
     if status_dir is None:
-        status_dir, created = tempfile.mkdtemp(prefix="deltasync-ready-"), True
-    elif status_dir is False:
-        status_dir = None
-    info: dict[str, Any] = {"store": str(store), "prefix": prefix, **extra}
-    if status_dir is not None:
-        info["status_dir"] = str(status_dir)
-    if assume_version is not None:
-        info["assume_version"] = assume_version  # as given: the backend refuses a non-int, naming it
-    return info, (None if status_dir is None else str(status_dir)), created
+        info["status_dir"], created = tempfile.mkdtemp(prefix="deltasync-ready-"), True
+    return info, info.get("status_dir"), created
 
 
 def _attachment(info: dict[str, Any], status_dir: str | None, created: bool) -> Attachment:
@@ -224,8 +227,11 @@ def attach_llm(llm: Any, store: str | os.PathLike, prefix: str = "", *, assume_v
         The ``init_info`` sent.
 
     Raises:
-        whatever the workers raise (a bad field: ``ValueError`` naming it; a store or version that
-        does not fit: a :class:`~torch_deltasync.DeltaSyncError`); nothing is installed then.
+        TypeError: an ``init_info`` option the backend does not take (the valid names are listed;
+            checked here, before any engine call).
+        ValueError: a bad option value, naming it (checked here as the workers check it).
+        whatever the workers raise (a path they cannot write, a store or version that does not
+        fit: a :class:`~torch_deltasync.DeltaSyncError`); nothing is installed then.
     """
     info, att = drive(_attach_steps(store, prefix, assume_version, status_dir, init_info),
                       {"init": lambda info: llm.init_weight_transfer_engine({"init_info": info})})
@@ -368,6 +374,7 @@ def attach_server(base_url: str, store: str | os.PathLike, prefix: str = "", *, 
         headers: extra request headers (e.g. for a proxy in front of the server).
 
     Raises:
+        TypeError, ValueError: an unknown option or a bad value, as :func:`attach_llm` (nothing is sent).
         DeltaSyncError: the server refused (the message carries its reason) or cannot be reached.
     """
     server = _Server(base_url, timeout, headers)
