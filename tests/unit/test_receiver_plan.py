@@ -233,3 +233,23 @@ def test_a_corrupt_manifest_below_an_anchor_is_passed_by_the_anchor(tmp_path):
     assert "manifest of version 2" in plan.steps[0].reason
     assert r.update(6) == 6
     assert holds(r.target.tensors, states[6])
+
+
+def test_a_version_argument_outside_the_range_is_a_caller_error(tmp_path):
+    # Refused before the store is read, as the vLLM and HTTP helpers refuse it: not an int is a
+    # TypeError, outside [0, MAX_VERSION] a ValueError (not "version not found"); nothing changes.
+    store = LocalStore(tmp_path)
+    sender = DeltaSender({"w": torch.arange(8, dtype=torch.float32)}, store)
+    sender.publish()
+    held = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(held, store)
+    for bad, error, match in ((-1, ValueError, r"version must be a published version \(int in 0 \.\.\. 999999999999\), got -1"),
+                              (10**12, ValueError, "got 1000000000000"),
+                              (1.5, TypeError, "a version is an int, got float 1.5"),
+                              (True, TypeError, "a version is an int, got bool True")):
+        for call in (receiver.update, receiver.prepare, receiver.plan):
+            with pytest.raises(error, match=match):
+                call(bad)
+    assert receiver.version is None and bool((held["w"].view(torch.int16) == 0).all())
+    assert receiver.update(0) == 0
+    assert torch.equal(held["w"].view(torch.int16), torch.arange(8, dtype=torch.float32).to(torch.bfloat16).view(torch.int16))

@@ -59,11 +59,16 @@ class UpdatePlan:
 
 
 def check_version(version: object) -> int:
-    """A version number from the caller: a non-negative ``int`` (``bool`` is not a version)."""
+    """A version number from the caller: an ``int`` in ``[0, MAX_VERSION]`` (``bool`` is not a version).
+
+    Raises:
+        TypeError: not an ``int``.
+        ValueError: outside ``[0, MAX_VERSION]`` (as the vLLM and HTTP helpers refuse it).
+    """
     if type(version) is not int:
         raise TypeError(f"a version is an int, got {type(version).__name__} {version!r}")
     if not 0 <= version <= MAX_VERSION:
-        raise VersionNotFoundError(f"invalid version {version}: versions are 0 ... {MAX_VERSION}")
+        raise ValueError(f"version must be a published version (int in 0 ... {MAX_VERSION}), got {version}")
     return version
 
 

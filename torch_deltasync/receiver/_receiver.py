@@ -218,6 +218,7 @@ class DeltaReceiver:
             The plan: its steps oldest first; ``path`` is ``"noop"`` when ``T`` is held already.
 
         Raises:
+            TypeError, ValueError: ``version`` is not an int in ``[0, MAX_VERSION]``.
             VersionNotFoundError: no version at all, the target version is not visible, or its
                 chain needs a version that is no longer retained.
             CorruptObjectError: ``T``'s chain crosses into another run before any anchor, so
@@ -269,6 +270,7 @@ class DeltaReceiver:
             The version now held.
 
         Raises:
+            TypeError, ValueError: ``version`` is not an int in ``[0, MAX_VERSION]``.
             VersionNotFoundError: nothing published, or the version is not visible / retained.
             CorruptObjectError: an object or manifest is corrupt or malicious (sha256, sizes,
                 indices, names, shapes, dtypes), and no anchor path recovers. Target unchanged.
