@@ -220,6 +220,7 @@ def _store_args(p: argparse.ArgumentParser) -> None:
 
 @command("ls", "list the versions in a store", _store_args)
 def _ls(args: argparse.Namespace) -> int:
+    from .errors import VersionNotFoundError
     from .keys import list_versions
     from .manifest import load_manifest
     store = _open_existing(args)
@@ -232,6 +233,9 @@ def _ls(args: argparse.Namespace) -> int:
     for v in versions:
         try:
             m = load_manifest(store, v)
+        except VersionNotFoundError:  # deleted by retention since the listing: not an error
+            print(f"{v:>8} {'-':<6} {'':>6} {'':>12} {'':>12} {'':>8}  deleted meanwhile")
+            continue
         except Exception as e:  # noqa: BLE001 - one bad manifest should not hide the rest
             print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {e}")
             unreadable += 1

@@ -155,7 +155,7 @@ def test_backend_registered():
         DeltaWeightSyncScheme("x", on_worker_failure="ignore")
 
 
-def test_sender_options_are_deltasenders():
+def test_sender_options_are_deltasenders(tmp_path):
     """Options other than the scheme's go to the trainer's DeltaSender as they are; a keyword that is
     neither the scheme's nor DeltaSender's is refused when the scheme is built, naming it."""
     s = DeltaWeightSyncScheme("x", anchor_every=7, codec="raw", inference_dtype=torch.float32)
@@ -172,6 +172,11 @@ def test_sender_options_are_deltasenders():
         DeltaVLLMWeightSender("x", init_info={"in_place": "yes"})
     with pytest.raises(TypeError, match=r"init_info \['prefix'\] are set by the sender itself"):
         DeltaVLLMWeightSender("x", init_info={"prefix": "p"})
+    # paths may be pathlib.Path: the workers get strings (their JSON form)
+    from pathlib import Path
+
+    s = DeltaVLLMWeightSender(str(tmp_path), worker_store=Path(tmp_path), init_info={"metrics_path": Path(tmp_path) / "m.jsonl"})
+    assert s.worker_store == str(tmp_path) and s.init_info == {"metrics_path": str(tmp_path / "m.jsonl")}
 
 
 def test_pickles_without_live_state(tmp_path):

@@ -126,6 +126,8 @@ def test_bad_init_info_installs_nothing(run):
         attach_llm(llm, run.bucket, poll_secs=1)
     with pytest.raises(ValueError, match=r"init_info 'max_workers' must be an int in \[1, 256\], got 0"):
         attach_llm(llm, run.bucket, max_workers=0)
+    with pytest.raises(TypeError, match="status_dir must be a path, None .* or False .*, got 0"):
+        attach_llm(llm, run.bucket, status_dir=0)  # 0 == False, but it is not False
     assert llm.calls == [] and set(Path(tempfile.gettempdir()).glob("deltasync-ready-*")) == tmp_before
     with pytest.raises(DeltaSyncError, match="not attached to a run: call attach_llm first"):
         update_llm(llm, 0)

@@ -88,6 +88,24 @@ def test_ls_lists_past_an_unreadable_manifest_and_exits_1(run, capsys):
     assert "1 of 5 manifests unreadable" in captured.err
 
 
+def test_ls_skips_a_version_retention_deleted_after_the_listing(run, capsys, monkeypatch):
+    store, _, _ = run
+    from torch_deltasync import manifest as manifest_mod
+
+    real = manifest_mod.load_manifest
+
+    def racing(st, v):  # retention deletes version 1 between the listing and its read
+        if v == 1:
+            st.delete(f"versions/{1:012d}.json")
+        return real(st, v)
+
+    monkeypatch.setattr(manifest_mod, "load_manifest", racing)
+    assert main(["ls", str(store.root)]) == 0
+    captured = capsys.readouterr()
+    lines = {line.split()[0]: line for line in captured.out.splitlines()[1:]}
+    assert "deleted meanwhile" in lines["1"] and "delta" in lines["2"] and not captured.err
+
+
 def test_verify_reports_every_version_past_an_unreadable_newest_manifest(run, capsys):
     store, _, _ = run
     store.put(f"versions/{4:012d}.json", b"{not json")

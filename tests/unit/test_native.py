@@ -417,6 +417,83 @@ def test_encode_and_decode_many_match_one_by_one(monkeypatch):
         codec.encode_many(items[:2] + [(items[0][0].flip(0),) + items[0][1:]], threads=2)
 
 
+def test_many_runs_small_items_inline_and_shares_out_the_large_ones(monkeypatch):
+    """Items below PARALLEL_MIN_CHANGES run on the calling thread, large ones on up to ``threads``
+    threads (the caller included); results keep the items' order, the first error in that order is
+    raised, and no more than ``threads`` items run at once."""
+    import threading
+    import time
+
+    from torch_deltasync.codecs import _base
+
+    monkeypatch.setattr(_base, "PARALLEL_MIN_CHANGES", 100)
+    sizes = [5, 300, 99, 100, 7, 1000, 400, 150]
+    main = threading.main_thread()
+    where, running, peak = {}, [0], [0]
+    lock = threading.Lock()
+
+    def fn(i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        where[i] = threading.current_thread() is main
+        time.sleep(0.01)  # long enough for the threads to overlap
+        with lock:
+            running[0] -= 1
+        if sizes[i] in (7, 1000):
+            raise ValueError(f"item {i}")
+        return i * 10
+
+    for threads in (2, 3):
+        peak[0] = 0
+        with pytest.raises(ValueError, match="item 4"):  # item 5 (large) fails too; item 4 comes first
+            _base._map_largest_first(fn, list(range(8)), sizes, threads)
+        assert all(where[i] for i in (0, 2, 4)), where  # the small ones, on the calling thread
+        assert 1 < peak[0] <= threads
+    ok = [0, 1, 2, 3, 6, 7]
+    assert _base._map_largest_first(fn, ok, [sizes[i] for i in ok], 2) == [i * 10 for i in ok]
+    # Nothing large, or one thread: everything on the calling thread, in order.
+    assert _base._map_largest_first(lambda i: (i, threading.current_thread() is main), [0, 2, 4], [5, 99, 7], 4) \
+        == [(0, True), (2, True), (4, True)]
+    assert _base._map_largest_first(lambda i: threading.current_thread() is main, [1, 5], [300, 1000], 1) == [True, True]
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        _base._map_largest_first(fn, [0], sizes, 0)
+
+
+def test_kernels_imported_by_name_get_their_dispatchers():
+    # After the first kernel call no module of the library still calls through the lazy proxy
+    # (e.g. the codec imports the size estimates by name): Python callers reach numba directly.
+    import sys
+
+    get_codec("packed").encode(torch.arange(0, 5000, 3), torch.ones(1667, dtype=torch.bfloat16),
+                               torch.zeros(1667, dtype=torch.bfloat16), numel=5000)
+    left = [(m, n) for m, mod in list(sys.modules.items()) if m.startswith("torch_deltasync")
+            for n, f in vars(mod).items() if isinstance(f, _native._Deferred)]
+    assert not left
+
+
+# --- threads ---------------------------------------------------------------------------------------
+
+
+def test_encode_and_decode_many_match_one_by_one(monkeypatch):
+    from torch_deltasync.codecs import _base
+
+    monkeypatch.setattr(_base, "PARALLEL_MIN_CHANGES", 2000)  # some items on the pool, some inline
+    codec = get_codec("packed")
+    items = [make_change_set(s, torch.bfloat16, 40_000 + 1000 * s, 0.02 * (s + 1), {"ulp": 0.95, "many": 0.05})
+             + (40_000 + 1000 * s,) for s in range(6)]
+    items = [(p, n, o, numel) for p, n, o, numel in items]
+    serial = [codec.encode(p, n, o, numel=numel) for p, n, o, numel in items]
+    many = codec.encode_many(items, threads=3)
+    assert all(torch.equal(a["packed"], b["packed"]) for a, b in zip(serial, many))
+    decoded = codec.decode_many([(m, numel, p.numel(), torch.bfloat16) for m, (p, _, _, numel) in zip(many, items)],
+                                threads=3)
+    for d, (p, new, old, _) in zip(decoded, items):
+        assert torch.equal(d.positions, p) and torch.equal(bits(d.resolve(old)), bits(new))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        codec.encode_many(items[:2] + [(items[0][0].flip(0),) + items[0][1:]], threads=2)
+
+
 def test_many_runs_large_items_on_the_pool_and_small_ones_inline(monkeypatch):
     """Items of at least PARALLEL_MIN_CHANGES changes go to worker threads, the rest run on the
     calling thread; results keep the items' order and the first error in that order is raised."""
@@ -605,6 +682,29 @@ def test_module_target_read_matches_the_torch_path(storage):
     t = ModuleTarget({"w": base.clone().reshape(300, 100).t()})
     t.check({"w": (100, 300)}, {}, dtype)
     assert torch.equal(bits(t.read("w", pos, dtype)), bits(base.reshape(300, 100).t().to(dtype).reshape(-1))[pos])
+
+
+def test_module_target_refuses_a_dtype_its_storage_cannot_hold():
+    # fp16 storage cannot hold bf16 bit patterns: read and write refuse (no shift into a
+    # neighbour's memory, no misread bits), on both paths; a 2-D positions tensor takes the torch path.
+    from torch_deltasync import ModuleTarget
+    from torch_deltasync.errors import IncompatibleTargetError
+
+    big = torch.arange(16, dtype=torch.float16)
+    before = bits(big).clone()
+    for on in (True, False):
+        prev = _native.set_enabled(on)
+        try:
+            t = ModuleTarget({"w": big[:8]})
+            with pytest.raises(IncompatibleTargetError, match=r"'w' is torch.float16, which cannot hold torch.bfloat16"):
+                t.write("w", torch.tensor([7]), torch.tensor([1.0], dtype=torch.bfloat16))
+            with pytest.raises(IncompatibleTargetError, match="cannot hold torch.bfloat16"):
+                t.read("w", torch.tensor([7]), torch.bfloat16)
+            assert torch.equal(bits(big), before)
+            got = t.read("w", torch.tensor([[1, 2], [3, 7]]), torch.float16)
+            assert torch.equal(bits(got), bits(big)[torch.tensor([[1, 2], [3, 7]])])
+        finally:
+            _native.set_enabled(prev)
 
 
 def _read_one(base, pos, dtype):

@@ -18,6 +18,7 @@ receivers look it up with :func:`get_codec`. Built in:
 from __future__ import annotations
 
 import os
+import threading
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -268,9 +269,10 @@ PARALLEL_MIN_CHANGES = 1 << 14
 
 
 def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
-    """``[fn(x) for x in items]``, the items of at least :data:`PARALLEL_MIN_CHANGES` changes on a
-    thread pool (largest first, so the last ones to finish are small) and the smaller ones on the
-    calling thread meanwhile; the first exception in ``items`` order is raised.
+    """``[fn(x) for x in items]`` on up to ``threads`` threads, the calling thread included: the
+    items of at least :data:`PARALLEL_MIN_CHANGES` changes are shared out largest first (so the
+    last ones to finish are small), the smaller ones run on the calling thread, which then helps
+    with the large ones. The first ``Exception`` in ``items`` order is raised.
 
     The split follows from where the time goes: a tensor costs ~30-60 us of Python (which holds the
     GIL) plus ~4-5 ns per change in the compiled kernels and zstd (which release it). Below ~16K
@@ -285,20 +287,32 @@ def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], thre
     if threads == 1 or not big or n < 2:
         return [fn(x) for x in items]
     results: dict[int, object] = {}
-    errors: dict[int, BaseException] = {}
-    with ThreadPoolExecutor(min(threads, len(big)), thread_name_prefix="deltasync-codec") as pool:
-        futures = {i: pool.submit(fn, items[i]) for i in big}
+    errors: dict[int, Exception] = {}
+    queue = iter(big)
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(items[i])
+        except Exception as e:  # noqa: BLE001 - re-raised below, in items order
+            errors[i] = e
+
+    def drain() -> None:  # take the next large item until none is left
+        while True:
+            with lock:
+                i = next(queue, None)
+            if i is None:
+                return
+            run(i)
+
+    with ThreadPoolExecutor(min(threads - 1, len(big)), thread_name_prefix="deltasync-codec") as pool:
+        helpers = [pool.submit(drain) for _ in range(min(threads - 1, len(big)))]
         for i in range(n):
-            if i not in futures:
-                try:
-                    results[i] = fn(items[i])
-                except Exception as e:  # noqa: BLE001 - re-raised below, in items order
-                    errors[i] = e
-        for i, f in futures.items():
-            try:
-                results[i] = f.result()
-            except Exception as e:  # noqa: BLE001 - re-raised below, in items order
-                errors[i] = e
+            if sizes[i] < PARALLEL_MIN_CHANGES:
+                run(i)
+        drain()
+        for h in helpers:
+            h.result()
     if errors:
         raise errors[min(errors)]
     return [results[i] for i in range(n)]

@@ -132,6 +132,7 @@ class DeltaReceiver:
                 bucket was wiped and a new run reused the number), the whole cache is dropped.
 
         Raises:
+            TypeError, ValueError: ``version`` is not an int in ``[0, MAX_VERSION]``.
             VersionNotFoundError: no such version is visible (never published, or not retained).
             CorruptObjectError: the manifest is malformed.
         """
@@ -422,6 +423,7 @@ class DeltaReceiver:
         before trusting the claim.
 
         Raises:
+            TypeError, ValueError: ``version`` is not an int in ``[0, MAX_VERSION]``.
             VersionNotFoundError: ``version`` is not visible.
             IncompatibleTargetError: the published tensors do not fit the target.
             ChecksumMismatchError: (``holds_all`` targets) the target's weights are not ``version``;

@@ -296,6 +296,10 @@ class ModuleTarget(Target):
     def _codec(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> _Codec:
         c = self._codecs.get(name)
         if c is None or c.dtype != dtype or c.storage != t.dtype:
+            if not _Codec.supported(t.dtype, dtype):
+                raise IncompatibleTargetError(f"tensor {name!r} is {t.dtype}, which cannot hold {dtype} values bit-exactly; "
+                                              f"read and write it as {t.dtype}" + (" (or store it as torch.float32)"
+                                                                                   if dtype == torch.bfloat16 else ""))
             c = _Codec(t.dtype, dtype)
         return c
 
@@ -359,7 +363,7 @@ def _scatter_native(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
     nothing, where the torch path must run instead: no kernels, not on the CPU, values of another
     dtype. The caller checked that every position is inside ``flat``."""
     if (not _native.enabled() or flat.device.type != "cpu" or pos.device.type != "cpu"
-            or values.dtype != codec.dtype or pos.dtype != torch.int64):
+            or values.dtype != codec.dtype or pos.dtype != torch.int64 or pos.dim() != 1):
         return False
     p, v = pos.contiguous().numpy(), _native_apply.np_bits(values.contiguous())
     if codec.widened:
@@ -373,7 +377,8 @@ def _gather_native(flat: torch.Tensor, pos: torch.Tensor, codec: _Codec) -> torc
     """``codec.from_storage_bits(flat[pos])`` with the compiled kernel, in one pass; ``None`` where
     the torch path must run (no kernels, not on the CPU, not int64 positions) or where a position
     is outside ``flat`` (the caller's torch path then raises the specific error)."""
-    if not _native.enabled() or flat.device.type != "cpu" or pos.device.type != "cpu" or pos.dtype != torch.int64:
+    if (not _native.enabled() or flat.device.type != "cpu" or pos.device.type != "cpu" or pos.dtype != torch.int64
+            or pos.dim() != 1):
         return None
     out = torch.empty(pos.shape, dtype=codec.dtype)
     p, o = pos.contiguous().numpy(), _native_apply.np_bits(out)

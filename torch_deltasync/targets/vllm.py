@@ -217,7 +217,8 @@ class VLLMTarget(_VLLMLayout, Target):
         :meth:`_write_native`); ``None`` where the torch path must run: no kernels, not on the
         CPU, another dtype, or a position the place does not hold (the torch path raises then)."""
         if (not _native.enabled() or positions.device.type != "cpu" or positions.dtype != torch.int64
-                or p.param.device.type != "cpu" or p.param.dtype != dtype or (p.affine is None and p.grid is None)):
+                or positions.dim() != 1 or p.param.device.type != "cpu" or p.param.dtype != dtype
+                or (p.affine is None and p.grid is None)):
             return None
         pos = positions.contiguous()
         pos_np = pos.numpy()
@@ -265,7 +266,7 @@ class VLLMTarget(_VLLMLayout, Target):
         position this rank does not hold makes the torch path raise its error; nothing is written."""
         places = self._places(e)
         if (not _native.enabled() or positions.device.type != "cpu" or values.device.type != "cpu"
-                or positions.dtype != torch.int64
+                or positions.dtype != torch.int64 or positions.dim() != 1
                 or any(p.param.device.type != "cpu" or p.param.dtype != values.dtype
                        or (p.affine is None and p.grid is None) for p in places)):
             return False

@@ -3,6 +3,7 @@ through the store, then commit it on every vLLM worker with the ``deltasync`` ba
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -80,7 +81,7 @@ class DeltaVLLMWeightSender:
         engine: Any = None,
         *,
         prefix: str = "",
-        worker_store: str | None = None,
+        worker_store: str | os.PathLike | None = None,
         init_info: dict[str, Any] | None = None,
         rpc_timeout_s: float | None = None,
         **sender_options: Any,
@@ -88,14 +89,16 @@ class DeltaVLLMWeightSender:
         self.sender_options = check_sender_options(sender_options, "DeltaVLLMWeightSender")
         self.store = open_store(store)
         self.prefix = prefix
-        self.worker_store = worker_store or (store if isinstance(store, str) else self.store.describe())
-        self.init_info = dict(init_info or {})
-        given = sorted({"store", "prefix", "status_dir"} & set(self.init_info))
+        self.worker_store = os.fspath(worker_store) if worker_store else \
+            (os.fspath(store) if isinstance(store, (str, os.PathLike)) else self.store.describe())
+        given = sorted({"store", "prefix", "status_dir"} & set(init_info or {}))
         if given:
             raise TypeError(f"DeltaVLLMWeightSender: init_info {given} are set by the sender itself (its store, "
                             "worker_store and prefix arguments; readiness files per engine)")
-        check_init_info({"store": self.worker_store, "prefix": prefix, **self.init_info},
-                        "DeltaVLLMWeightSender(init_info=...)")
+        # checked when the sender is built, as attach_llm and the workers will check it
+        self.init_info = check_init_info({"store": self.worker_store, "prefix": prefix, **(init_info or {})},
+                                         "DeltaVLLMWeightSender(init_info=...)")
+        del self.init_info["store"], self.init_info["prefix"]
         self.rpc_timeout_s = rpc_timeout_s
         self._engine = None
         self._llm: Any = None  # what update_llm drives: the engine, or a ReplicatedEngine over it

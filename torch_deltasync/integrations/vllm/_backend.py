@@ -60,6 +60,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...errors import DeltaSyncError
+from ...keys import MAX_VERSION
 from ._init_info import InitInfo
 from ._stager import Stager, Status
 
@@ -96,6 +97,8 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         if type(self.version) is not int or self.version < 0:
             raise ValueError(f"update_info 'version' must be a published version (int >= 0), got {self.version!r}")
+        if self.version > MAX_VERSION:
+            raise ValueError(f"update_info 'version' {self.version} is beyond the largest version {MAX_VERSION}")
 
 
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ...errors import DeltaSyncError
+from ...keys import MAX_VERSION
 from ._init_info import check_init_info
 from ._readiness import DEFAULT_STAGE_TIMEOUT_S, Attachment, read_readiness
 from ._steps import Steps, drive, drive_async
@@ -94,15 +95,17 @@ def _init_info(store: str | os.PathLike, prefix: str, assume_version: int | None
     """The backend's ``init_info``, the readiness directory and whether this call created it."""
     if not isinstance(store, (str, os.PathLike)) or not str(store):
         raise TypeError(f"store must be the store URI or path the workers open (a string), got {store!r}")
-    info: dict[str, Any] = {"store": os.fspath(store), "prefix": prefix,
-                            **{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in extra.items()}}
+    if status_dir is not None and status_dir is not False and not isinstance(status_dir, (str, os.PathLike)):
+        raise TypeError(f"status_dir must be a path, None (a new temporary directory) or False (no readiness "
+                        f"files), got {status_dir!r}")
+    info: dict[str, Any] = {"store": store, "prefix": prefix, **extra}
     if assume_version is not None:
         info["assume_version"] = assume_version  # as given: a non-int is refused, not rounded
-    if status_dir not in (None, False):
-        info["status_dir"] = os.fspath(status_dir)
+    if status_dir is not None and status_dir is not False:
+        info["status_dir"] = status_dir
     # Checked here as the workers will check it: a misspelt option or a bad value names itself in
     # the caller, before any engine call (and before a readiness directory is made).
-    check_init_info(info, "attach")
+    info = check_init_info(info, "attach")
     created = False
     if status_dir is None:
         info["status_dir"], created = tempfile.mkdtemp(prefix="deltasync-ready-"), True
@@ -141,8 +144,8 @@ def _check_mode(mode: str) -> None:
 
 
 def _version(version: Any) -> int:
-    if type(version) is not int or version < 0:
-        raise ValueError(f"version must be a published version (int >= 0) or None, got {version!r}")
+    if type(version) is not int or not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version must be a published version (int in 0 ... {MAX_VERSION}) or None, got {version!r}")
     return version
 
 

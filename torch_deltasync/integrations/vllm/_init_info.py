@@ -5,6 +5,7 @@ in the caller with the option's name rather than on every worker of the engine."
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -27,7 +28,8 @@ class InitInfo:
         poll_s: seconds between looks at the store for a newer version (background stager).
         max_workers: parallel downloads per worker.
         status_dir: directory for per-worker readiness files (``._readiness``); ``None``: none.
-        metrics_path: append one JSON line per commit (``{rank}`` is replaced by the worker rank).
+        metrics_path: append one JSON line per commit (``{rank}`` is replaced by the worker rank);
+            ``None`` or ``""``: none.
 
     Raises:
         ValueError: a field of the wrong type or outside its range (the message names it).
@@ -58,21 +60,27 @@ class InitInfo:
             raise ValueError(f"init_info 'poll_s' must be in (0, 60] seconds, got {self.poll_s!r}")
         if type(self.max_workers) is not int or not 1 <= self.max_workers <= 256:
             raise ValueError(f"init_info 'max_workers' must be an int in [1, 256], got {self.max_workers!r}")
-        for name in ("status_dir", "metrics_path"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"init_info {name!r} must be a non-empty path or null, got {value!r}")
+        if self.status_dir is not None and (not isinstance(self.status_dir, str) or not self.status_dir):
+            raise ValueError(f"init_info 'status_dir' must be a non-empty path or null, got {self.status_dir!r}")
+        if self.metrics_path is not None and not isinstance(self.metrics_path, str):
+            raise ValueError(f"init_info 'metrics_path' must be a path string or null, got {self.metrics_path!r}")
 
 
-def check_init_info(info: dict[str, Any], owner: str) -> None:
-    """Check ``info`` as the workers will (:class:`InitInfo`), in the caller.
+def check_init_info(info: dict[str, Any], owner: str) -> dict[str, Any]:
+    """``info`` as the workers will receive it, checked as they will check it (:class:`InitInfo`),
+    in the caller: path-like values (``pathlib.Path``) become strings, the JSON form.
+
+    Returns:
+        The checked ``init_info`` (a new dict).
 
     Raises:
         TypeError: an option the backend does not take (the message lists the valid names).
         ValueError: a bad value (the message names the option).
     """
+    info = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in info.items()}
     names = [f.name for f in fields(InitInfo)]
     unknown = sorted(set(info) - set(names))
     if unknown:
         raise TypeError(f"{owner}: unknown deltasync init_info option(s) {unknown}; the backend takes {names}")
     InitInfo(**info)
+    return info
