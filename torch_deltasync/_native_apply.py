@@ -111,34 +111,35 @@ def grid_held(pos, ncols, rows, cols, out):
 
 
 @_jit
+def _grid_at(p, start, rb, ncols, rows, cols, s0, s1, base):
+    """``(start, rb, offset)``: the local offset of global flat index ``p = r * ncols + c`` under
+    the separable map of :func:`scatter_grid`, carrying the current row (``start``: its first
+    global index, ``rb``: its local base) so that only a row change costs a division."""
+    if p < start or p - start >= ncols:
+        r = p // ncols
+        start = r * ncols
+        rb = base + (rows[r] if rows.size else r) * s0
+    c = p - start
+    return start, rb, rb + (cols[c] if cols.size else c) * s1
+
+
+@_jit
 def scatter_grid(flat, pos, vals, ncols, rows, cols, s0, s1, base):
     """``flat[base + R(r) * s0 + C(c) * s1] = vals[i]`` for every ``pos[i] = r * ncols + c``, with
     ``R = rows``, ``C = cols`` (empty: identity): a separable 2-D layout map (``VLLMTarget``'s TP
     maps; its module doc) fused with the scatter, one division per row change. The caller ran
     :func:`grid_first_bad` on ``pos`` first (every entry held and in range)."""
-    start = -ncols - 1
-    rb = np.int64(0)
+    start, rb = -ncols - 1, np.int64(0)
     for i in range(pos.size):
-        p = pos[i]
-        if p < start or p - start >= ncols:
-            r = p // ncols
-            start = r * ncols
-            rb = base + (rows[r] if rows.size else r) * s0
-        c = p - start
-        flat[rb + (cols[c] if cols.size else c) * s1] = vals[i]
+        start, rb, at = _grid_at(pos[i], start, rb, ncols, rows, cols, s0, s1, base)
+        flat[at] = vals[i]
 
 
 @_jit
 def gather_grid(flat, pos, out, ncols, rows, cols, s0, s1, base):
     """``out[i] = flat[base + R(r) * s0 + C(c) * s1]`` for ``pos[i] = r * ncols + c``: the read
     of :func:`scatter_grid`'s map. The caller ran :func:`grid_first_bad` on ``pos`` first."""
-    start = -ncols - 1
-    rb = np.int64(0)
+    start, rb = -ncols - 1, np.int64(0)
     for i in range(pos.size):
-        p = pos[i]
-        if p < start or p - start >= ncols:
-            r = p // ncols
-            start = r * ncols
-            rb = base + (rows[r] if rows.size else r) * s0
-        c = p - start
-        out[i] = flat[rb + (cols[c] if cols.size else c) * s1]
+        start, rb, at = _grid_at(pos[i], start, rb, ncols, rows, cols, s0, s1, base)
+        out[i] = flat[at]
