@@ -2,7 +2,8 @@
 one-time compile (~20 s on 2 cores) inside its first publish and update, and a run's first timings
 report it. numba caches the compiled kernels next to the sources; later processes load them in
 under a second. Publishes an fp32 model as bf16 (anchor, packed deltas) and applies it to a bf16
-and an fp32 copy."""
+and an fp32 copy, then compiles the targets' remaining kernels (the vLLM TP maps) for every width
+(:func:`torch_deltasync._native_apply.warm`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, _native
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, _native, _native_apply
 
 
 def main() -> None:
@@ -34,6 +35,7 @@ def main() -> None:
             for t in trainer.values():
                 t.add_(torch.randn(t.shape, generator=gen) * 1e-3)
         sender.close()
+    _native_apply.warm()
     print(f"tools/warm_kernels.py: kernels compiled and cached in {time.perf_counter() - t0:.1f} s")
 
 

@@ -18,14 +18,16 @@ import numpy as np
 from ._dtypes import bits
 from ._native import jit as _jit
 
-__all__ = ["np_bits", "scatter", "scatter_widened", "gather", "gather_widened", "grid_first_bad", "grid_held",
+__all__ = ["np_bits", "warm", "scatter", "scatter_widened", "gather", "gather_widened", "grid_first_bad", "grid_held",
            "scatter_grid", "gather_grid"]
 
 
 def np_bits(t):
-    """The bit patterns of a CPU tensor as an unsigned numpy array of its width, sharing memory
-    (numpy has no bf16; the kernels only move bit patterns)."""
-    return bits(t).numpy().view(f"u{t.element_size()}") if t.is_floating_point() else t.numpy()
+    """The bit patterns of a CPU tensor (floating, or an integer view of one) as an unsigned numpy
+    array of its width, sharing memory (numpy has no bf16; the kernels only move bit patterns).
+    Always unsigned, so that a bf16 parameter and an int16 view of one reach a kernel with the
+    same types and share one compiled specialization (:func:`warm`)."""
+    return (bits(t) if t.is_floating_point() else t).numpy().view(f"u{t.element_size()}")
 
 
 @_jit
@@ -143,3 +145,30 @@ def gather_grid(flat, pos, out, ncols, rows, cols, s0, s1, base):
     for i in range(pos.size):
         start, rb, at = _grid_at(pos[i], start, rb, ncols, rows, cols, s0, s1, base)
         out[i] = flat[at]
+
+
+def warm() -> None:
+    """Compile every kernel of this module (or load it from numba's disk cache, ~0.1 s) for the
+    types targets call them with: bit patterns of 2 bytes (bf16, fp16) and 4 bytes (fp32) as
+    unsigned 1-D arrays (:func:`np_bits`), int64 positions and Python-int offsets and strides.
+
+    A kernel compiles on its first call (seconds on 2 cores), and a commit's writes are its first
+    call in a process: the vLLM backend calls this when it attaches, so that an engine's first
+    pause does not include a compile; ``tools/warm_kernels.py`` calls it on set-up to fill the
+    cache. A no-op without numba.
+    """
+    from . import _native
+
+    if not _native.enabled():
+        return
+    pos, none = np.zeros(1, np.int64), np.empty(0, np.int64)
+    for width in (np.uint16, np.uint32):
+        flat, vals = np.zeros(2, width), np.zeros(1, width)
+        scatter(flat, pos, vals, 0)
+        gather(flat, pos, vals, 0)
+        scatter_grid(flat, pos, vals, 1, none, none, 0, 1, 0)
+        gather_grid(flat, pos, vals, 1, none, none, 0, 1, 0)
+    scatter_widened(np.zeros(1, np.uint32), pos, np.zeros(1, np.uint16))
+    gather_widened(np.zeros(1, np.uint32), pos, np.zeros(1, np.uint16))
+    grid_first_bad(pos, 1, 1, none, none)
+    grid_held(pos, 1, none, none, np.zeros(1, np.bool_))

@@ -449,3 +449,42 @@ def test_long_run_across_anchors_every_rank_every_version(tmp_path, arch):
     # Following every version, only the first update reads an anchor: anchors 4 and 8 are crossed by
     # the delta they carry from the version before.
     assert paths == ["anchor"] * 10 + ["delta"] * (11 * 10)
+
+
+def _compiled_signatures() -> dict[str, int]:
+    from torch_deltasync import _native_apply
+
+    return {n: len(getattr(_native_apply, n).signatures) for n in _native_apply.__all__
+            if n not in ("np_bits", "warm")}
+
+
+def test_warm_compiles_every_kernel_a_commit_calls(tmp_path):
+    """After ``_native_apply.warm()`` (the vLLM backend calls it when it attaches), updates of a
+    ``ModuleTarget`` and of ``VLLMTarget`` ranks (affine and grid places, bf16 and fp32 storage)
+    compile nothing more: an engine's first commit does not compile inside its pause. Before the
+    fix a bf16 parameter and ModuleTarget's int16 view reached ``scatter`` as two specializations."""
+    from torch_deltasync import _native, _native_apply
+
+    if not _native.enabled():
+        pytest.skip("numba kernels are switched off (TORCH_DELTASYNC_NATIVE=0)")
+    _native_apply.warm()
+    before = _compiled_signatures()
+    assert all(n >= 1 for n in before.values()), before
+    spec = TINY_VLLM_CONFIGS["qwen3"]
+    hf = hf_model(spec, seed=2)
+    store = LocalStore(tmp_path / "bucket")
+    anchor_state = _bf16_state(hf)
+    v = _train_and_publish(hf, store, steps=2)
+    vc = vllm_config(spec, tmp_path / "cfg")
+    for r in range(2):
+        m = build_vllm_model(vc, r, 2)
+        load_hf_weights(m, anchor_state)
+        rec = DeltaReceiver(VLLMTarget(m, moe_backends=CPU_MOE), store)
+        rec.assume(v[0])
+        assert rec.update(v[2]) == v[2] and rec.last_stats.changed > 0
+    for dtype in (BF16, torch.float32):  # bf16 values in bf16 and in (widened) fp32 storage
+        replica = {n: torch.zeros(t.shape, dtype=dtype) for n, t in anchor_state.items()}
+        rec = DeltaReceiver(replica, store)
+        assert rec.update(v[0]) == v[0]
+        assert rec.update(v[2]) == v[2] and rec.last_stats.path == "delta" and rec.last_stats.changed > 0
+    assert _compiled_signatures() == before

@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ... import _native_apply
 from ...errors import DeltaSyncError
 from ...keys import MAX_VERSION
 from ._init_info import InitInfo
@@ -195,6 +196,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             return  # another worker failed and raised for the engine: nothing is installed anywhere
         self.shutdown()
         self.receiver, self._status, self._metrics = built
+        _native_apply.warm()  # a cold kernel compiles here, not inside the first commit's pause
         self._status.update(held=self.receiver.version)
         receiver = self.receiver
         if init_info.stage_ahead:
