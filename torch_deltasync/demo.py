@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ._memory import available_nbytes
+
 __all__ = ["run_demo", "estimate_memory", "DemoMemory"]
 
 #: Bytes per parameter the demo holds at its peak, by part. Trainer: fp32 weights, gradients and
@@ -59,20 +61,6 @@ class DemoMemory:
         return self.available_nbytes is None or self.need_nbytes <= self.available_nbytes
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available for new work (Linux ``MemAvailable``; else physical), or ``None``."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from .manifest import _physical_memory
-
-    return _physical_memory()
-
-
 def estimate_memory(size: str, *, tie: bool = False) -> DemoMemory:
     """The memory ``run_demo(size=...)`` needs, from the parameter count of the config (built on
     the meta device: nothing is allocated).
@@ -86,7 +74,7 @@ def estimate_memory(size: str, *, tie: bool = False) -> DemoMemory:
     n = sum(p.numel() for p in meta.parameters())
     parts = {k: b * n for k, b in _BYTES_PER_PARAM.items()}
     parts["processes"] = 2 * _PROCESS_NBYTES
-    return DemoMemory(n, sum(parts.values()), parts, _available_memory())
+    return DemoMemory(n, sum(parts.values()), parts, available_nbytes())
 
 
 def _receiver_main(bucket: str, size: str, tie: bool, cmd: mp.Queue, out: mp.Queue) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from ._dtypes import dtype_from_name, dtype_name
+from ._memory import physical_nbytes
 from .checksum import format_checksum, parse_checksum
 from .codecs import codec_names
 from .errors import CorruptObjectError
@@ -290,7 +290,7 @@ class Manifest:
         from .errors import IncompatibleTargetError
 
         need = self.numel * self.inference_dtype.itemsize
-        have = _physical_memory()
+        have = physical_nbytes()
         if have is not None and need > have:
             raise IncompatibleTargetError(
                 f"version {self.version} declares {need:,} bytes of tensors ({len(self.tensors)} tensors), "
@@ -438,14 +438,6 @@ class Manifest:
             stats=stats if isinstance(stats, dict) else {},
             created_at=float(created),
         )
-
-
-def _physical_memory() -> int | None:
-    """Bytes of physical memory, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def _int(v: Any, what: str, lo: int, hi: int) -> int:

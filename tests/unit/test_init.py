@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -23,19 +24,74 @@ def test_root_exports_at_most_20_names_under_the_root_path():
     assert "CorruptObjectError" not in names and torch_deltasync.errors.CorruptObjectError  # errors: their module
 
 
-@pytest.mark.parametrize("face", FACES)
-def test_package_faces_name_public_paths(face):
-    mod = importlib.import_module(face)
-    private = [n for n in mod.__all__ if isinstance(getattr(mod, n), type) and "._" in getattr(mod, n).__module__]
-    assert private == [], f"{face} re-exports {private} under a private module path"
-
-
 def _module_name(path: Path) -> str:
     rel = path.relative_to(PKG.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
+
+
+def _public_modules() -> list[str]:
+    """Every public module of the library (no ``_``-prefixed part), found by walking the tree."""
+    names = []
+    for path in sorted(PKG.rglob("*.py")):
+        name = _module_name(path)
+        if not any(part.startswith("_") for part in name.split(".")):
+            names.append(name)
+    return names
+
+
+def _public_callables(mod) -> dict[str, object]:
+    """The classes and functions in ``mod.__all__`` (constants and typing aliases have no path).
+    A name loaded lazily from a host that is not installed is left out (its own test covers it)."""
+    out = {}
+    for n in mod.__all__:
+        try:
+            obj = getattr(mod, n)
+        except ImportError:
+            continue
+        if isinstance(obj, type) or inspect.isfunction(obj):
+            out[n] = obj
+    return out
+
+
+def _where(obj) -> str:
+    """The path reprs, docs and pickles show for ``obj``."""
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+@pytest.mark.parametrize("face", ["torch_deltasync"] + FACES)
+def test_package_faces_name_their_own_path(face):
+    """A face's re-exports name the face (or, for the root's, the root): never a private module."""
+    mod = importlib.import_module(face)
+    wrong = {n: _where(o) for n, o in _public_callables(mod).items() if o.__module__ not in (face, "torch_deltasync")}
+    assert wrong == {}, f"{face} re-exports these under another module path"
+
+
+@pytest.mark.parametrize("name", _public_modules())
+def test_public_names_resolve_at_a_public_path(name):
+    """Every class and function a public module lists names a public module that really has it
+    under that name, so ``pickle`` and ``from <__module__> import <name>`` work."""
+    mod = importlib.import_module(name)
+    bad = {}
+    for n, obj in _public_callables(mod).items() if hasattr(mod, "__all__") else ():
+        where = obj.__module__
+        if any(part.startswith("_") for part in where.split(".")):
+            bad[n] = f"{_where(obj)} (private)"
+        elif getattr(importlib.import_module(where), obj.__qualname__, None) is not obj:
+            bad[n] = f"{_where(obj)} (not found there)"
+    assert bad == {}, f"{name} lists names whose __module__ is wrong"
+
+
+def test_vllm_backend_names_name_the_face():
+    """The backend's names are loaded from vLLM on first use; they name the face too."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.integrations import vllm as face
+
+    got = {n: getattr(face, n).__module__ for n in face._BACKEND_NAMES if not isinstance(getattr(face, n), str)}
+    assert "register" in got and "DeltaSyncWeightTransferEngine" in got
+    assert got == dict.fromkeys(got, face.__name__)
 
 
 def _imports(path: Path, name: str) -> set[str]:

@@ -22,3 +22,4 @@ __all__ = ["DeltaSender", "AnchorPolicy", "PublishStats", "collect_sources"]
 for _name in ("DeltaSender", "AnchorPolicy", "PublishStats"):
     globals()[_name].__module__ = __name__
 del _name
+collect_sources.__module__ = __name__

@@ -33,7 +33,7 @@ __all__ = [
 
 _LAZY = {"FsspecStore": "._fsspec", "HFBucketStore": "._hf"}
 
-for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore"):
+for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore", "check_key"):
     globals()[_name].__module__ = __name__
 del _name
 

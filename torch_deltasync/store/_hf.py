@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
+from ._http import http_status
 from .base import Store, check_key
-from .retry import RetryPolicy, Verdict, _http_status, call_with_retry, classify_error
+from .retry import RetryPolicy, Verdict, call_with_retry, classify_error
 
 __all__ = ["HFBucketStore", "parse_bucket_uri"]
 
@@ -75,7 +76,7 @@ def classify_hf_error(e: BaseException) -> Verdict:
         return "fatal"
     if isinstance(e, hf_errors.EntryNotFoundError):
         return "missing"
-    status = _http_status(e)
+    status = http_status(e)
     if status == 404:
         return "missing"
     if status in (401, 403):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar
 
 from ..errors import ObjectNotFoundError, StoreError, StoreNotFoundError, TransientStoreError
+from ._http import http_status
 from .base import Store
 
 __all__ = ["RetryPolicy", "RetryingStore", "DeadlineStore", "DEFAULT_TIMEOUT_S", "call_with_retry",
@@ -172,16 +173,6 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
-def _http_status(e: BaseException) -> int | None:
-    """The HTTP status behind an exception, if any (botocore ``ClientError``, httpx/requests errors)."""
-    resp = getattr(e, "response", None)
-    if isinstance(resp, dict):  # botocore: {"ResponseMetadata": {"HTTPStatusCode": 503}, "Error": {...}}
-        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return status if isinstance(status, int) else None
-    status = getattr(resp, "status_code", None)
-    return status if isinstance(status, int) else None
-
-
 def _driver_transient_types() -> tuple[type, ...]:
     """Retryable exception types of drivers that are already imported (never imports them)."""
     types: list[type] = []
@@ -237,7 +228,7 @@ def classify_error(e: BaseException) -> Verdict:
             return "transient"
         if isinstance(x, OSError) and x.errno in _TRANSIENT_ERRNOS:
             return "transient"
-        status = _http_status(x)
+        status = http_status(x)
         if status is not None and (status == 429 or status >= 500):
             return "transient"
         resp = getattr(x, "response", None)

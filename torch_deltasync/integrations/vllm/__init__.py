@@ -67,7 +67,7 @@ def __getattr__(name: str):
         from . import _backend
 
         obj = getattr(_backend, name)
-        if isinstance(obj, type):
+        if callable(obj):  # classes and functions (``register``); ``BACKEND`` is a string
             obj.__module__ = __name__  # the public path; pickles resolve it through this function
         return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,128 @@
+"""VLLMEngineTarget (``targets/vllm_engine.py``) on vLLM's own CPU model classes, without an engine.
+
+What runs here: the per-module choice between in place and reload (``check``), in-place commits
+through the TP map next to the host copy in HF layout, the host-only mode (``engine_writes=False``,
+the backend's ``assume_version``) and the host copy's refusals. Reloading a module
+(``finish`` -> vLLM's layerwise reload) needs a loaded engine's state: the live tests cover it
+(``tests/integration/test_vllm_live.py``). Refusing a model of other shapes before any reload:
+``test_targets_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+from torch_deltasync.checksum import tensor_checksum
+from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError
+from torch_deltasync.targets.vllm_engine import VLLMEngineTarget
+from torch_deltasync.testing import adam_step, state_bits
+
+BF16 = torch.bfloat16
+
+
+def test_in_place_must_be_auto_or_never():
+    with pytest.raises(ValueError, match="in_place must be 'auto' or 'never', got 'always'"):
+        VLLMEngineTarget(nn.Module(), None, in_place="always")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A qwen2 tiny run: an anchor and one real Adam step as a delta, and the vLLM config."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.testing_vllm import TINY_VLLM_CONFIGS, hf_model, vllm_config
+
+    tmp = tmp_path_factory.mktemp("engine")
+    spec = TINY_VLLM_CONFIGS["qwen2"]
+    hf = hf_model(spec, seed=5)
+    store = LocalStore(tmp / "bucket", fsync=False)
+    sender = DeltaSender(hf, store, anchor_every=1000)
+    states = {sender.publish(): state_bits(hf)}
+    adam_step(hf, torch.optim.Adam(hf.parameters(), lr=1e-3), batch=2, seq=16,
+              generator=torch.Generator().manual_seed(0))
+    states[sender.publish()] = state_bits(hf)
+    sender.close()
+    shapes = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    return store, states, shapes, vllm_config(spec, tmp / "cfg")
+
+
+def _model(vc):
+    from torch_deltasync.testing_vllm import build_vllm_model
+
+    return build_vllm_model(vc, 0, 1)
+
+
+def _reference_bits(vc, bits: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's own loader fed the HF state whose bf16 bits are ``bits``."""
+    from torch_deltasync.testing_vllm import load_hf_weights, vllm_state_bits
+
+    ref = _model(vc)
+    load_hf_weights(ref, {n: b.view(BF16) for n, b in bits.items()})
+    return vllm_state_bits(ref)
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    assert a.keys() == b.keys()
+    return [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def test_auto_writes_loader_layout_in_place_bit_exact_and_keeps_the_host_copy(run):
+    from torch_deltasync.testing_vllm import vllm_state_bits
+
+    store, states, shapes, vc = run
+    model = _model(vc)
+    target = VLLMEngineTarget(model, vc.model_config)  # in_place="auto"
+    receiver = DeltaReceiver(target, store)
+    for version in sorted(states):
+        assert receiver.update(version) == version
+        assert _differ(vllm_state_bits(model), _reference_bits(vc, states[version])) == []
+        assert _differ({n: t.view(torch.int16) for n, t in target.host.items()}, states[version]) == []
+        # nothing on this (never post-processed) model is re-packed: every module is written in place
+        assert target.last_reload == {"modules": 0, "tensors": 0, "ms": 0.0}
+    assert receiver.last_stats.path == "delta" and receiver.last_stats.changed > 0
+    assert target.in_place_names == frozenset(shapes) and target.reloaded_modules == frozenset()
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert target.checksum(name, BF16) == tensor_checksum(states[max(states)][name].view(BF16))
+
+
+def test_engine_writes_off_builds_only_the_host_copy(run):
+    from torch_deltasync.testing_vllm import vllm_state_bits
+
+    store, states, _, vc = run
+    model = _model(vc)
+    before = vllm_state_bits(model)
+    target = VLLMEngineTarget(model, vc.model_config)
+    target.engine_writes = False
+    receiver = DeltaReceiver(target, store)
+    assert receiver.update() == max(states)
+    assert _differ(vllm_state_bits(model), before) == []  # the engine's parameters are untouched
+    assert _differ({n: t.view(torch.int16) for n, t in target.host.items()}, states[max(states)]) == []
+
+
+def test_never_reloads_every_changed_module(run):
+    _, _, shapes, vc = run
+    target = VLLMEngineTarget(_model(vc), vc.model_config, in_place="never")
+    target.check(shapes, {}, BF16)
+    assert target.in_place_names == frozenset()
+    assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.down_proj",
+            "model.embed_tokens", "lm_head"} <= target.reloaded_modules
+    assert all(not m.endswith("rotary_emb") for m in target.reloaded_modules)
+
+
+def test_the_host_copy_refuses_reads_before_a_version_and_bad_full_tensors(run):
+    _, _, shapes, vc = run
+    target = VLLMEngineTarget(_model(vc), vc.model_config)
+    target.check(shapes, {}, BF16)
+    name = "model.norm.weight"
+    with pytest.raises(IncompatibleTargetError, match="the host copy holds no version yet"):
+        target.read(name, torch.tensor([0]), BF16)
+    with pytest.raises(IncompatibleTargetError, match="'model.nope' is not a published tensor of this target"):
+        target.assign("model.nope", torch.zeros(3, dtype=BF16))
+    with pytest.raises(CorruptObjectError, match=r"full tensor of shape \(3,\), expected \(64,\)"):
+        target.assign(name, torch.zeros(3, dtype=BF16))
+    assert target.host == {}
+    target.engine_writes = False
+    target.assign(name, torch.arange(64, dtype=BF16))
+    assert target.read(name, torch.tensor([5, 63]), BF16).tolist() == [5.0, 63.0]
