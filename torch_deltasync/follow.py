@@ -33,16 +33,20 @@ dtype, which must have the same tensor names and shapes as the sender's).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, TextIO, TypeVar
 
 from ._units import format_bytes
 
-__all__ = ["follow", "FollowReport", "wait_for_newer"]
+__all__ = ["follow", "FollowReport", "follow_newer", "poll_until", "wait_for_newer"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -85,9 +89,9 @@ def wait_for_newer(
 ) -> int | None:
     """Poll the store until it shows a version the receiver does not hold; return that version.
 
-    The polling loop of every follower: :func:`follow`, the torchrl scheme's workers
-    (:mod:`torch_deltasync.integrations.torchrl`). Each poll is one ``LATEST`` read
-    (:meth:`~torch_deltasync.DeltaReceiver.newest_version`).
+    The polling loop of every follower: :func:`follow`, :func:`follow_newer` (the vLLM backend's
+    stager), the torchrl scheme's workers (:mod:`torch_deltasync.integrations.torchrl`). Each poll
+    is one ``LATEST`` read (:meth:`~torch_deltasync.DeltaReceiver.newest_version`).
 
     Args:
         receiver: the :class:`~torch_deltasync.DeltaReceiver` whose held ``version`` is compared.
@@ -123,6 +127,82 @@ def wait_for_newer(
             stop.wait(delay)
         else:
             time.sleep(delay)
+
+
+def follow_newer(
+    receiver: Any,
+    handle: Callable[[int], Any],
+    *,
+    poll_s: float,
+    stop: threading.Event,
+    wake: threading.Event | None = None,
+    skip: Callable[[int], bool] | None = None,
+    read: Callable[[], int | None] | None = None,
+    on_error: Callable[[Exception], Any] | None = None,
+    max_backoff_s: float = 5.0,
+) -> None:
+    """Hand each version the receiver does not hold to ``handle`` as it appears, until ``stop``.
+
+    The loop of a background follower (the vLLM backend's stager, which prepares each newest
+    version while the engine generates). Each round is one poll (:func:`wait_for_newer` with
+    ``idle_timeout_s=0``), ``handle(version)`` if the poll found a version to hand, then a pause of
+    ``poll_s`` seconds. The loop never ends on an error: an error from ``read`` or ``handle`` goes
+    to ``on_error``, and the pause doubles after each failed round (``2 * poll_s``, ``4 * poll_s``,
+    ... at most ``max_backoff_s``) until a round succeeds. A version is handed again in a later
+    round if the receiver still does not hold it and ``skip`` does not refuse it: a caller that must
+    not retry a failed version by itself says so in ``skip``.
+
+    Args:
+        receiver: the :class:`~torch_deltasync.DeltaReceiver` whose held ``version`` is compared.
+        handle: called with each newer version (on this thread); its return value is ignored.
+        poll_s: seconds of pause between two rounds.
+        stop: ends the loop once set; pauses wait on it (on ``wake`` when given: set ``stop``, then
+            ``wake``, to end a pause at once).
+        wake: ends the current pause early (then cleared): the next poll happens at once.
+        skip: newer versions not to hand (see :func:`wait_for_newer`).
+        read: reads the newest visible version (see :func:`wait_for_newer`).
+        on_error: called with each error of ``read`` or ``handle`` (default: a logged warning).
+        max_backoff_s: the longest pause after errors, in seconds.
+    """
+    pause = poll_s
+    waiter = wake if wake is not None else stop
+    while not stop.is_set():
+        try:
+            newest = wait_for_newer(receiver, poll_s=poll_s, idle_timeout_s=0, skip=skip, read=read)
+            if newest is not None:
+                handle(newest)
+            pause = poll_s
+        except Exception as e:  # noqa: BLE001 - reported; the caller's skip decides what is retried
+            if on_error is not None:
+                on_error(e)
+            else:
+                log.warning("following %s: %s: %s", getattr(receiver, "store", receiver), type(e).__name__, e)
+            pause = min(pause * 2, max_backoff_s)
+        waiter.wait(pause)
+        if wake is not None:
+            wake.clear()
+
+
+def poll_until(check: Callable[[], T | None], *, timeout_s: float, poll_s: float) -> T | None:
+    """Call ``check()`` every ``poll_s`` seconds until it returns something other than ``None``.
+
+    Args:
+        check: one poll (e.g. "load the newest version if it is newer"); its errors propagate.
+        timeout_s: seconds after the call from which no further poll starts (``0``: poll once).
+        poll_s: seconds of sleep between two polls.
+
+    Returns:
+        The first result of ``check()`` that is not ``None``, or ``None`` once ``timeout_s`` passed
+        (callers raise their own ``TimeoutError`` naming what did not appear).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got is not None:
+            return got
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(poll_s)
 
 
 def follow(

@@ -6,6 +6,7 @@ Keys are relative to the run's prefix (``docs/format.md`` §2)::
     objects/<version:012d>/delta-r<rank:05d>-of<world:05d>.safetensors
     versions/<version:012d>.json      # the manifest, written last, immutable
     LATEST                            # advisory pointer to the newest version
+    acks/<model>/worker-<worker:05d>.json   # a receiver's acknowledgement (torch_deltasync.acks)
 
 A version exists for readers exactly when its manifest key exists (:mod:`torch_deltasync.manifest`).
 """
@@ -34,6 +35,17 @@ def object_key(version: int, kind: Kind, rank: int = 0, world: int = 1) -> str:
 def manifest_key(version: int) -> str:
     """Key of a version's manifest, relative to the run prefix."""
     return f"{VERSIONS_DIR}/{version:012d}.json"
+
+
+def ack_key(model: str, worker: int) -> str:
+    """Key of one receiver's acknowledgement object (:class:`torch_deltasync.acks.StoreAcks`),
+    relative to the run prefix: ``acks/<model>/worker-<worker:05d>.json``.
+
+    Args:
+        model: the acknowledging model's name, already a safe key segment (no ``/``).
+        worker: the receiver's index, ``>= 0`` (5 digits in the key; larger indices get more).
+    """
+    return f"acks/{model}/worker-{worker:05d}.json"
 
 
 def list_versions(store) -> list[int]:

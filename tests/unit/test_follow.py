@@ -181,3 +181,66 @@ def test_wait_for_newer_returns_what_the_receiver_does_not_hold(tmp_path):
     sender.publish()
     assert wait_for_newer(receiver, poll_s=3600, stop=stop) == 1  # a newer version wins over stop
     receiver.close()
+
+
+def test_follow_newer_hands_each_newer_version_and_backs_off_on_errors(tmp_path):
+    """The background follower's loop: every newer version goes to ``handle`` once it is held
+    (``skip`` refuses the rest); errors go to ``on_error`` with pauses that double up to
+    ``max_backoff_s``; ``stop`` (with ``wake``) ends it at once."""
+    import threading
+    import time
+
+    from torch_deltasync import DeltaReceiver
+    from torch_deltasync.follow import follow_newer
+
+    store = LocalStore(tmp_path)
+    w = _weights()
+    sender = DeltaSender(w, store, anchor_every=100)
+    sender.publish()
+    receiver = DeltaReceiver({n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in w.items()}, store)
+    handled, errors, reads = [], [], []
+    stop, wake = threading.Event(), threading.Event()
+    failing = [True]
+
+    def handle(v):
+        handled.append(v)
+        if failing[0]:
+            raise RuntimeError(f"cannot apply {v}")
+        receiver.update(v)
+
+    def read():
+        reads.append(time.monotonic())
+        return receiver.newest_version()
+
+    t = threading.Thread(target=follow_newer, args=(receiver, handle),
+                         kwargs=dict(poll_s=0.01, stop=stop, wake=wake, read=read, on_error=errors.append,
+                                     max_backoff_s=0.08))
+    t.start()
+    time.sleep(0.5)
+    assert handled[0] == 0 and all(v == 0 for v in handled) and len(errors) == len(handled)
+    assert 4 <= len(reads) <= 12  # pauses 0.02, 0.04, 0.08, 0.08, ...: not every 0.01 s
+    failing[0] = False
+    _step(w, 1)
+    sender.publish()
+    deadline = time.monotonic() + 5
+    while receiver.version != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stop.set()
+    wake.set()
+    t.join(2)
+    assert not t.is_alive() and handled[-1] == 1
+    receiver.close()
+
+
+def test_poll_until_returns_the_first_result_or_none_after_the_timeout():
+    from torch_deltasync.follow import poll_until
+
+    calls = []
+
+    def check():
+        calls.append(1)
+        return "ready" if len(calls) == 3 else None
+
+    assert poll_until(check, timeout_s=5, poll_s=0.001) == "ready" and len(calls) == 3
+    assert poll_until(lambda: None, timeout_s=0, poll_s=3600) is None  # polls once

@@ -362,3 +362,21 @@ def test_oversized_objects_are_refused_without_reading_them_whole(store, monkeyp
     with pytest.raises(CorruptObjectError, match=r"\(manifest of version 1\) is 100,000 bytes, above the 1,000-byte limit"):
         DeltaReceiver(make_mlp(1, torch.bfloat16), store).update(1)
     assert max(n for k, n in reads if k == manifest_key(1)) == 1001
+
+
+def test_verify_or_forget_drops_a_held_state_that_no_longer_verifies(store):
+    """Weights replaced behind the receiver's back: the held version is forgotten, and the next
+    update rebuilds from an anchor (bit-exact again)."""
+    trainer, sender, opt, gen = publish_steps(store, 2)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.verify_or_forget() is None  # nothing held: nothing to check
+    receiver.update()
+    assert receiver.verify_or_forget() is None and receiver.version == 1
+    with torch.no_grad():
+        replica.state_dict()["0.bias"][0] += 1.0
+    err = receiver.verify_or_forget()
+    assert isinstance(err, ChecksumMismatchError) and "version 1" in str(err) and receiver.version is None
+    receiver.update()
+    assert receiver.last_stats.path == "anchor" and receiver.version == 1
+    assert first_difference(trainer, replica) is None

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from ..errors import (
-    ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, StaleUpdateError, SyncTimeoutError,
-    VersionNotFoundError,
+    ChecksumMismatchError, CorruptObjectError, DeltaSyncError, ObjectNotFoundError, StaleUpdateError,
+    SyncTimeoutError, VersionNotFoundError,
 )
 from ..format import verify_bytes
 from ..keys import LATEST_KEY, MAX_VERSION, list_versions, manifest_key
@@ -464,6 +464,31 @@ class DeltaReceiver:
             raise ChecksumMismatchError(
                 f"version {self.version}: {len(bad)} tensors differ from the published checksums, e.g. {bad[:3]}"
             )
+
+    def verify_or_forget(self) -> DeltaSyncError | None:
+        """:meth:`verify` the held state; if it is not the held version, forget that version
+        (``version = None``) so that the next update rebuilds from an anchor.
+
+        For a target whose weights may have been replaced behind the receiver's back (a policy
+        copied to another device, an engine that reloaded); nothing is written here.
+
+        Returns:
+            ``None`` when nothing is held or the target holds the version bit-exactly, else the
+            error that made the receiver forget it (e.g. a ``ChecksumMismatchError``).
+
+        Raises:
+            NotImplementedError: the target holds only part of each tensor (verify across ranks
+                with :meth:`partial_checksums` instead).
+        """
+        with self._lock:
+            if self.version is None:
+                return None
+            try:
+                self.verify()
+            except DeltaSyncError as e:
+                self.version = None
+                return e
+            return None
 
     def partial_checksums(self) -> dict[str, int]:
         """This target's partial checksum per tensor (each element it holds counted once); partials

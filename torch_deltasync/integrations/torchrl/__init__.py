@@ -46,8 +46,9 @@ Replay: :class:`StalenessGatedSampler`, a use-once, oldest-version-first ``Consu
 with a staleness gate (module :mod:`._replay`).
 
 Modules (private; everything public is re-exported here): ``_scheme`` (configuration, pickling,
-sending), ``_scheme_receiver`` (receiving), ``_acks`` (acknowledgements), :mod:`torch_deltasync.gate` (policy calls
-vs writes), ``_tensors`` (weights by name), ``_collectors`` (policy-version trackers),
+sending), ``_scheme_receiver`` (receiving), ``_acks`` (the acknowledgement queues of a
+MultiCollector's workers; the protocol is :mod:`torch_deltasync.acks`), :mod:`torch_deltasync.gate`
+(policy calls vs writes), ``_tensors`` (weights by name), ``_collectors`` (policy-version trackers),
 ``_vllm_sender`` (the LLM stack's sender), ``_replay`` (the sampler).
 
 ``docs/torchrl.md`` has the configuration guide; ``research/torchrl-weight-sync.md`` the torchrl

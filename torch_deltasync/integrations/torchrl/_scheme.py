@@ -18,12 +18,13 @@ from torchrl.weight_update.utils import _resolve_model
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
 from ..._dtypes import as_dtype
+from ...acks import AckBook, StoreAcks
 from ...receiver import DeltaReceiver
 from ...sender import AnchorPolicy, DeltaSender
 from ...store import Store, open_store
 from ...store.base import check_key
 from .._sender_options import check_sender_options, sender_option
-from ._acks import AckBook, OnWorkerFailure, QueueAcks, StoreAcks
+from ._acks import OnWorkerFailure, QueueAcks, scheme_ack_book, target_workers
 from ._collectors import int_tracker, is_leaf_collector
 from ...gate import CallGate
 from ._scheme_receiver import ReceiverSide
@@ -283,8 +284,8 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         else:
             self._acks = None
         self._expected = list(range(n)) if n and self._acks is not None else []
-        self._book = None if self._acks is None else AckBook(self._acks, self._expected, self._model_id,
-                                                             self.on_worker_failure)
+        self._book = None if self._acks is None else scheme_ack_book(self._acks, self._expected, self._model_id,
+                                                                     self.on_worker_failure)
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
                                                     weights: Any = None) -> None:
@@ -388,12 +389,13 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
 
     def _wait_for_ack(self, worker_ids: int | list[int] | None = None, timeout: float | None = None) -> None:
         """Block until the target workers acknowledged the newest published version
-        (:meth:`AckBook.wait`; at most ``timeout``, default ``ack_timeout_s``)."""
+        (:meth:`torch_deltasync.acks.AckBook.wait`; at most ``timeout``, default ``ack_timeout_s``)."""
         v = self._published
         if v is None or self._book is None:
             return
         store = self._open_store().sub(self.run_prefix) if isinstance(self._acks, StoreAcks) else None
-        self._book.wait(v, worker_ids, store, timeout_s=self.ack_timeout_s if timeout is None else timeout,
+        self._book.wait(v, store, workers=target_workers(worker_ids),
+                        timeout_s=self.ack_timeout_s if timeout is None else timeout,
                         poll_s=self.poll_interval_s, process_of=self._worker_process)
 
     def worker_versions(self) -> dict[int, int]:

@@ -15,11 +15,11 @@ from torchrl.weight_update.utils import _resolve_model
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
 from ..._dtypes import bits
-from ...errors import DeltaSyncError, SyncTimeoutError
+from ...acks import StoreAcks, ack_message
+from ...errors import SyncTimeoutError
 from ...follow import wait_for_newer
 from ...receiver import DeltaReceiver, UpdateStats
 from ...targets import ModuleTarget
-from ._acks import StoreAcks
 from ._collectors import int_tracker
 from ._tensors import materialize, named_tensors
 
@@ -147,13 +147,11 @@ class ReceiverSide:
             r.target = inner
             if self._hooks:
                 self._install_hooks(new)
-            if r.version is not None:
-                try:
-                    r.verify()
-                except DeltaSyncError as e:
-                    torchrl_logger.warning(f"DeltaWeightSyncScheme worker {self._worker_idx}: the relocated policy "
-                                           f"does not hold version {r.version} ({e}); rebuilding from an anchor")
-                    r.version = None
+            held = r.version
+            e = r.verify_or_forget()  # a mismatch forgets the version: the update below rebuilds
+            if e is not None:
+                torchrl_logger.warning(f"DeltaWeightSyncScheme worker {self._worker_idx}: the relocated policy "
+                                       f"does not hold version {held} ({e}); rebuilding from an anchor")
         if r.version is None:
             self._update_and_apply()
 
@@ -188,9 +186,9 @@ class ReceiverSide:
     def _post_ack(self, version: int | None, error: str | None) -> None:
         if self._acks is None:
             return
-        msg = {"worker": self._worker_idx, "version": version, "error": error, "time": time.time()}
         try:
-            self._acks.post(self._receiver.store if isinstance(self._acks, StoreAcks) else None, msg)
+            self._acks.post(self._receiver.store if isinstance(self._acks, StoreAcks) else None,
+                            ack_message(self._worker_idx, version, error))
         except Exception as e:  # noqa: BLE001 - an ack that cannot be sent must not stop the worker
             torchrl_logger.warning(f"DeltaWeightSyncScheme worker {self._worker_idx}: cannot acknowledge: {e}")
 

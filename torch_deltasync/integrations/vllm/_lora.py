@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...errors import DeltaSyncError
+from ...follow import poll_until
 from ._steps import drive, drive_async
 
 
@@ -273,19 +274,17 @@ class VLLMAdapterLoader:
         return None if got is None else await drive_async(self._load_steps(*got), self.ops)
 
     def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.5) -> LoadedAdapter:
-        """Block until a first (or newer) version is loaded.
+        """Block until a first (or newer) version is loaded: :meth:`poll` every ``poll_s`` seconds
+        (:func:`torch_deltasync.follow.poll_until`).
 
         Raises:
             TimeoutError: nothing new within ``timeout_s`` seconds.
+            Everything :meth:`poll` raises (the wait ends at the first error).
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            got = self.poll()
-            if got is not None:
-                return got
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no new adapter version within {timeout_s} s")
-            time.sleep(poll_s)
+        got = poll_until(self.poll, timeout_s=timeout_s, poll_s=poll_s)
+        if got is None:
+            raise TimeoutError(f"no new adapter version within {timeout_s} s")
+        return got
 
     def close(self) -> None:
         self.receiver.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import StaleUpdateError
+from ...follow import follow_newer
 
 log = logging.getLogger("torch_deltasync.integrations.vllm._backend")
 
@@ -20,7 +21,11 @@ class Stager(threading.Thread):
     """Stages the newest visible version of a run while the engine generates (daemon thread).
 
     Holds at most one :class:`~torch_deltasync.receiver.StagedUpdate`; :meth:`take` hands it to the
-    committing RPC (waiting if that very version is being staged right now).
+    committing RPC (waiting if that very version is being staged right now). The loop is the core's
+    :func:`~torch_deltasync.follow.follow_newer`: one poll every ``poll_s`` seconds, a pause doubling
+    up to 5 s after errors (reported in :class:`Status`); only a version newer than the held and the
+    staged one is staged, and a version whose staging failed is not tried again by the stager (the
+    commit RPC prepares it itself and raises the reason).
     """
 
     def __init__(self, receiver: Any, poll_s: float, status: Status) -> None:
@@ -30,46 +35,51 @@ class Stager(threading.Thread):
         self._staged: Any = None
         self._busy: int | None = None
         self._failed: int | None = None  # a version whose staging failed: not retried by itself
-        self._halt = False
+        self._halt = threading.Event()
         self._wake = threading.Event()
 
     def run(self) -> None:
-        backoff = self.poll_s
-        while not self._halt:
-            try:
-                newest = self.receiver.newest_version()
-                self.status.update(newest=newest)
-                held = self.receiver.version
-                with self._cond:
-                    have = self._staged.version if self._staged is not None else None
-                    todo = (newest is not None and newest not in (held, have, self._failed)
-                            and (held is None or newest > held))
-                    if todo:
-                        self._busy = newest
-                if todo:
-                    try:
-                        staged = self.receiver.prepare(newest)
-                    except StaleUpdateError:
-                        staged = None  # a commit came in between: look again
-                    except Exception:
-                        self._failed = newest  # the commit RPC tries again and reports the reason
-                        raise
-                    finally:
-                        with self._cond:
-                            self._busy = None
-                            self._cond.notify_all()
-                    if staged is not None:
-                        with self._cond:
-                            self._staged = staged
-                            self._cond.notify_all()
-                        self.status.update(staged=staged.version, error=None)
-                backoff = self.poll_s
-            except Exception as e:  # noqa: BLE001 (reported; the commit path raises it to the caller)
-                log.warning("deltasync stager: %s", e)
-                self.status.update(error=f"{type(e).__name__}: {e}")
-                backoff = min(backoff * 2, 5.0)
-            self._wake.wait(backoff)
-            self._wake.clear()
+        follow_newer(self.receiver, self._stage, poll_s=self.poll_s, stop=self._halt, wake=self._wake,
+                     skip=self._skip, read=self._read, on_error=self._report, max_backoff_s=5.0)
+
+    def _read(self) -> int | None:
+        newest = self.receiver.newest_version()
+        self.status.update(newest=newest)
+        return newest
+
+    def _skip(self, newest: int) -> bool:
+        """Whether ``newest`` (not the held version) is not to be staged: already staged, failed,
+        or older than the held version. A version that is to be staged is marked busy in the same
+        step (``follow_newer`` hands it to :meth:`_stage` next), so that :meth:`take` waits for it."""
+        held = self.receiver.version
+        with self._cond:
+            have = self._staged.version if self._staged is not None else None
+            if newest in (have, self._failed) or (held is not None and newest < held):
+                return True
+            self._busy = newest
+            return False
+
+    def _stage(self, newest: int) -> None:
+        try:
+            staged = self.receiver.prepare(newest)
+        except StaleUpdateError:
+            staged = None  # a commit came in between: look again
+        except Exception:
+            self._failed = newest  # the commit RPC tries again and reports the reason
+            raise
+        finally:
+            with self._cond:
+                self._busy = None
+                self._cond.notify_all()
+        if staged is not None:
+            with self._cond:
+                self._staged = staged
+                self._cond.notify_all()
+            self.status.update(staged=staged.version, error=None)
+
+    def _report(self, e: Exception) -> None:
+        log.warning("deltasync stager: %s", e)
+        self.status.update(error=f"{type(e).__name__}: {e}")
 
     def take(self, version: int) -> Any:
         """The staged update of ``version`` (waiting while it is being staged), or ``None``."""
@@ -82,10 +92,12 @@ class Stager(threading.Thread):
         return None
 
     def wake(self) -> None:
+        """Poll the store now instead of at the end of the current pause (a commit just ended)."""
         self._wake.set()
 
     def stop(self) -> None:
-        self._halt = True
+        """End the loop; the thread exits once a ``prepare`` in progress returns (``join`` it)."""
+        self._halt.set()
         self._wake.set()
 
 

@@ -1,0 +1,148 @@
+"""The vLLM backend's background stager (``integrations/vllm/_stager.py``) against a fake receiver:
+it stages only the newest version newer than the held and the staged one, never retries a failed
+version by itself, reports errors to its ``Status`` and backs off while they last, and stops and
+wakes at once. No vLLM needed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from torch_deltasync.errors import CorruptObjectError, StaleUpdateError, TransientStoreError
+from torch_deltasync.integrations.vllm._stager import Stager, Status
+
+
+class FakeReceiver:
+    """``newest_version`` / ``version`` / ``prepare`` of a ``DeltaReceiver``, scripted."""
+
+    def __init__(self, newest=None, version=None):
+        self.newest, self.version = newest, version
+        self.reads = 0
+        self.prepared: list[int] = []
+        self.fail: dict[int, Exception] = {}  # version -> error its prepare raises
+        self.read_error: Exception | None = None
+
+    def newest_version(self):
+        self.reads += 1
+        if self.read_error is not None:
+            raise self.read_error
+        return self.newest
+
+    def prepare(self, version):
+        self.prepared.append(version)
+        if version in self.fail:
+            raise self.fail[version]
+        return SimpleNamespace(version=version)
+
+
+def _until(pred, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def start():
+    stagers = []
+
+    def make(receiver, poll_s=0.01):
+        s = Stager(receiver, poll_s, Status(None, 0))
+        stagers.append(s)
+        s.start()
+        return s
+
+    yield make
+    for s in stagers:
+        s.stop()
+        s.join(5)
+
+
+def test_stages_only_the_newest_version_newer_than_held_and_staged(start):
+    r = FakeReceiver(newest=3, version=0)  # versions 1 and 2 were never seen: skipped
+    s = start(r)
+    _until(lambda: s.status.state["staged"] == 3)
+    reads = r.reads
+    _until(lambda: r.reads > reads + 3)  # polls go on; the staged version is not staged again
+    assert r.prepared == [3] and s.status.state["newest"] == 3
+    assert s.take(3).version == 3 and s.take(3) is None  # handed over once
+    r.version = 3  # committed
+    r.newest = 2  # older than the held version (e.g. a stale LATEST): never staged
+    reads = r.reads
+    _until(lambda: r.reads > reads + 3)
+    r.newest = 4
+    _until(lambda: r.prepared == [3, 4])
+
+
+def test_a_failed_version_is_not_retried_by_the_stager(start):
+    r = FakeReceiver(newest=5, version=4)
+    r.fail[5] = CorruptObjectError("bad object")
+    s = start(r)
+    _until(lambda: s.status.state["error"] == "CorruptObjectError: bad object")
+    time.sleep(0.3)  # many poll periods
+    assert r.prepared == [5]
+    assert s.take(5) is None  # the commit RPC prepares it itself and raises the reason
+    r.newest = 6
+    _until(lambda: s.status.state["staged"] == 6)
+    assert r.prepared == [5, 6] and s.status.state["error"] is None
+
+
+def test_a_stale_update_is_looked_at_again(start):
+    r = FakeReceiver(newest=1)
+    r.fail[1] = StaleUpdateError("a commit came in between")
+    s = start(r)
+    _until(lambda: len(r.prepared) >= 2)  # not a failure: tried again on the next poll
+    del r.fail[1]
+    _until(lambda: s.status.state["staged"] == 1)
+    assert s.status.state["error"] is None
+
+
+def test_store_errors_are_reported_and_backed_off(start):
+    r = FakeReceiver(newest=None)
+    r.read_error = TransientStoreError("HTTP 503 SlowDown")
+    s = start(r, poll_s=0.01)
+    _until(lambda: s.status.state["error"] == "TransientStoreError: HTTP 503 SlowDown")
+    time.sleep(0.6)
+    # pauses of 0.02, 0.04, 0.08, 0.16, 0.32 s: about 6 reads, where 0.01 s polls would make ~60
+    assert r.reads <= 10
+    r.read_error, r.newest = None, 2
+    s.wake()  # the back-off pause ends at once
+    _until(lambda: s.status.state["staged"] == 2, timeout_s=2.0)
+
+
+def test_stop_and_wake_act_at_once(start):
+    r = FakeReceiver(newest=None)
+    s = start(r, poll_s=3600)
+    _until(lambda: r.reads == 1)
+    r.newest = 1
+    t0 = time.monotonic()
+    s.wake()
+    _until(lambda: s.status.state["staged"] == 1, timeout_s=2.0)
+    s.stop()
+    s.join(2.0)
+    assert not s.is_alive() and time.monotonic() - t0 < 2.0 and r.reads == 2
+
+
+def test_take_waits_while_that_version_is_being_staged(start):
+    release = threading.Event()
+    r = FakeReceiver(newest=1)
+    inner = r.prepare
+
+    def slow_prepare(version):
+        release.wait(5)
+        return inner(version)
+
+    r.prepare = slow_prepare
+    s = start(r)
+    _until(lambda: s._busy == 1)
+    got = []
+    taker = threading.Thread(target=lambda: got.append(s.take(1)))
+    taker.start()
+    time.sleep(0.1)
+    assert taker.is_alive()  # waits for the stage in progress
+    release.set()
+    taker.join(5)
+    assert got[0].version == 1
