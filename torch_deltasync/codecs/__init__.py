@@ -5,14 +5,15 @@ A codec turns the changes of one tensor into a few named tensors (stored in the 
 :func:`register_codec`; the manifest names the codec of a version and receivers look it up with
 :func:`get_codec`. Built in: ``raw`` (the seed format, 6 bytes per changed bf16 element) and
 ``packed`` (the default, about 1 byte). ``docs/format.md`` specifies both byte for byte.
-:func:`auto_codec` picks one of them by link speed.
+:func:`auto_codec` picks one of them by link speed, and :func:`sender_codec` resolves a sender's
+``codec`` / ``link_gbps`` pair (``SenderConfig`` checks it with it).
 
 Modules: ``_base`` (:class:`TensorDelta`, :class:`Codec`, the registry), ``_raw``, ``_packed``,
 ``_bits`` (the bit-stream primitives ``packed`` is built from) and ``_auto`` (the choice by link
 speed).
 """
 
-from ._auto import PACKED_BELOW_GBPS, auto_codec
+from ._auto import PACKED_BELOW_GBPS, auto_codec, sender_codec
 from ._base import Codec, TensorDelta, codec_names, get_codec, register_codec
 from ._packed import PackedCodec
 from ._packed_header import CODE_BITS, LAYOUT_VERSION
@@ -27,6 +28,7 @@ __all__ = [
     "codec_names",
     # choice by link speed (DeltaSender(codec="auto", link_gbps=...))
     "auto_codec",
+    "sender_codec",
     "PACKED_BELOW_GBPS",
     # built-in codecs
     "RawCodec",
@@ -35,7 +37,7 @@ __all__ = [
     "CODE_BITS",
 ]
 
-for _name in ("Codec", "TensorDelta", "register_codec", "get_codec", "codec_names", "auto_codec", "RawCodec",
-              "PackedCodec"):
+for _name in ("Codec", "TensorDelta", "register_codec", "get_codec", "codec_names", "auto_codec", "sender_codec",
+              "RawCodec", "PackedCodec"):
     globals()[_name].__module__ = __name__
 del _name

@@ -1,78 +1,81 @@
 """Options an integration forwards to the :class:`~torch_deltasync.DeltaSender` (or
 :class:`~torch_deltasync.DeltaReceiver`) it builds.
 
-Integrations that publish (the torchrl scheme, the torchrl vLLM sender) take the sender's keyword
-options as they are (``anchor_every``, ``anchor_policy``, ``inference_dtype``, ``codec``,
-``snapshot_device``, ``background``, ``retention``, ``metrics_path``, ...) instead of declaring
-them again: :class:`~torch_deltasync.DeltaSender` documents each one, and a new sender option
-reaches every integration without a change here.
+Integrations that publish (the torchrl scheme, the torchrl vLLM sender, PEFT's ``AdapterSender``)
+take the sender's options as they are, either as keywords (``anchor_every``, ``anchor_policy``,
+``inference_dtype``, ``codec``, ``snapshot_device``, ``background``, ``retention``, ...) or as a
+:class:`~torch_deltasync.sender.SenderConfig`, instead of declaring them again: the config
+documents and checks each one, and a new sender option reaches every integration without a change
+here. The same holds for the receiving side and :class:`~torch_deltasync.receiver.ReceiverConfig`.
+
+The options are checked when the integration is built, by building the config: a misspelt name is
+a ``TypeError`` that lists the valid ones, a bad value the config's own ``TypeError`` /
+``ValueError``, in the caller rather than at the first publish or on a worker.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
+from collections.abc import Collection, Mapping
 from typing import Any
 
-#: DeltaSender arguments an integration sets itself (the model, where it publishes, the process group).
-_OWNED = frozenset({"self", "model", "store", "prefix", "group"})
+from .._config import with_options
+from ..receiver import ReceiverConfig
+from ..sender import SenderConfig
+
+_TAKES = "besides its own options it takes {}'s"
 
 
-def _signature() -> inspect.Signature:
-    from ..sender import DeltaSender
-
-    return inspect.signature(DeltaSender.__init__)
-
-
-def check_sender_options(options: dict[str, Any], owner: str, *,
-                         owned: frozenset[str] = _OWNED) -> dict[str, Any]:
-    """Check that ``options`` are keyword options of :class:`~torch_deltasync.DeltaSender`, and
-    that its codec choice is valid, when the integration is built (not at its first publish).
+def sender_config(options: Mapping[str, Any], owner: str, *, config: SenderConfig | None = None,
+                  exclude: Collection[str] = ()) -> SenderConfig:
+    """The :class:`~torch_deltasync.sender.SenderConfig` an integration's sender publishes with.
 
     Args:
-        options: the options an integration was given (``**sender_options``).
+        options: the integration's ``**sender_options``: ``SenderConfig`` fields.
         owner: the integration's name, for the message.
-        owned: arguments the integration sets itself (default: ``model``, ``store``, ``prefix``, ``group``).
+        config: the integration's ``sender_config=`` (default ``SenderConfig()``); ``options``
+            override its fields.
+        exclude: fields the integration sets itself (refused as options).
+
+    Raises:
+        TypeError: an option that is not a ``SenderConfig`` field, or one the integration sets
+            itself (the message lists the valid names); an option of the wrong type.
+        ValueError: a value ``SenderConfig`` refuses (e.g. an unknown ``codec``, or ``codec="auto"``
+            without a valid ``link_gbps``).
+    """
+    return with_options(config or SenderConfig(), options, owner, takes=_TAKES.format("DeltaSender"),
+                        exclude=exclude)
+
+
+def receiver_config(options: Mapping[str, Any], owner: str, *, config: ReceiverConfig | None = None,
+                    exclude: Collection[str] = ()) -> ReceiverConfig:
+    """The :class:`~torch_deltasync.receiver.ReceiverConfig` an integration's receiver uses; as
+    :func:`sender_config`, for ``DeltaReceiver``'s options (``max_workers``, ``metrics_path``)."""
+    return with_options(config or ReceiverConfig(), options, owner, takes=_TAKES.format("DeltaReceiver"),
+                        exclude=exclude)
+
+
+def split_options(options: Mapping[str, Any], owner: str, *,
+                  exclude: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Sort the keywords of an integration that builds both sides into ``SenderConfig`` fields and
+    ``ReceiverConfig`` fields (a name that is a field of both goes to both).
 
     Returns:
-        A copy of ``options``.
+        ``(sender options, receiver options)``, new dicts.
 
     Raises:
-        TypeError: an option ``DeltaSender`` does not take, or one the integration sets itself;
-            the message lists the valid names.
-        ValueError: an unknown ``codec``, or ``codec="auto"`` without a valid ``link_gbps``.
+        TypeError: a name that is a field of neither, or one in ``exclude``; the message lists the
+            valid names of both.
     """
-    from ..codecs import get_codec
-    from ..codecs._auto import sender_codec
-
-    _check_names(options, owner, _signature(), owned, "DeltaSender")
-    get_codec(sender_codec(sender_option(options, "codec"), sender_option(options, "link_gbps")))
-    return dict(options)
-
-
-def check_receiver_options(options: dict[str, Any], owner: str) -> dict[str, Any]:
-    """Check that ``options`` are keyword options of :class:`~torch_deltasync.DeltaReceiver`
-    (``max_workers``, ``metrics_path``); ``target``, ``store`` and ``prefix`` are the integration's.
-
-    Raises:
-        TypeError: an option ``DeltaReceiver`` does not take; the message lists the valid names.
-    """
-    from ..receiver import DeltaReceiver
-
-    _check_names(options, owner, inspect.signature(DeltaReceiver.__init__), frozenset({"self", "target", "store", "prefix"}),
-                 "DeltaReceiver")
-    return dict(options)
-
-
-def _check_names(options: dict[str, Any], owner: str, sig: inspect.Signature, owned: frozenset[str], of: str) -> None:
-    valid = sorted(p for p in sig.parameters if p not in owned)
-    bad = sorted(k for k in options if k not in valid)
+    sender = _names(SenderConfig, exclude)
+    receiver = _names(ReceiverConfig, exclude)
+    bad = sorted(k for k in options if k not in sender and k not in receiver)
     if bad:
-        raise TypeError(f"{owner} got unexpected keyword argument(s) {bad}; besides its own options it takes "
-                        f"{of}'s: {valid}")
+        raise TypeError(f"{owner} got unexpected keyword argument(s) {bad}; {_TAKES.format('DeltaSender')}: "
+                        f"{sorted(sender)} and DeltaReceiver's: {sorted(receiver)}")
+    return ({k: v for k, v in options.items() if k in sender},
+            {k: v for k, v in options.items() if k in receiver})
 
 
-def sender_option(options: dict[str, Any], name: str) -> Any:
-    """The value ``DeltaSender`` would use for option ``name`` given ``options`` (its default when absent)."""
-    if name in options:
-        return options[name]
-    return _signature().parameters[name].default
+def _names(config: type, exclude: Collection[str]) -> set[str]:
+    return {f.name for f in dataclasses.fields(config)} - set(exclude)

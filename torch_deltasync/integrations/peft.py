@@ -47,11 +47,12 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import CorruptObjectError, IncompatibleTargetError, ObjectNotFoundError, VersionNotFoundError
-from ..receiver import DeltaReceiver
-from ..sender import AnchorPolicy, DeltaSender
+from ..receiver import DeltaReceiver, ReceiverConfig
+from ..sender import AnchorPolicy, DeltaSender, SenderConfig
 from ..store import Store, open_store
 from ..targets.module import ModuleTarget
-from ._sender_options import check_receiver_options, check_sender_options
+from ._sender_options import receiver_config as _receiver_config
+from ._sender_options import sender_config as _sender_config
 
 __all__ = [
     "ADAPTER_CONFIG_KEY",
@@ -299,15 +300,21 @@ class AdapterSender(DeltaSender):
         store: a store or anything :func:`~torch_deltasync.open_store` accepts.
         adapter_name: which adapter to publish.
         prefix: the run's sub-path in the store.
-        anchor_policy: default ``AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)``:
-            a version is a delta when that is smaller than a full adapter, else a full adapter;
-            and a receiver that joins late never downloads more than about three adapters' worth
-            (a lower ``chain_ratio`` lowers that bound and costs upload bytes: ``docs/lora.md``).
-        kwargs: any other :class:`~torch_deltasync.DeltaSender` argument (``inference_dtype``:
-            bf16 by default; ``torch.float32`` ships the fp32 factors exactly).
+        anchor_policy: default ``config.anchor_policy``, else
+            ``AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)``: a version is a
+            delta when that is smaller than a full adapter, else a full adapter; and a receiver
+            that joins late never downloads more than about three adapters' worth (a lower
+            ``chain_ratio`` lowers that bound and costs upload bytes: ``docs/lora.md``).
+            ``anchor_every`` is not used: pass a policy.
+        config: the other publish options, as for :class:`~torch_deltasync.DeltaSender`
+            (:class:`~torch_deltasync.sender.SenderConfig`; ``inference_dtype``: bf16 by default,
+            ``torch.float32`` ships the fp32 factors exactly).
+        kwargs: ``SenderConfig`` fields as keywords; they override ``config``'s.
 
     Raises:
-        TypeError: not a PEFT model with a LoRA adapter.
+        TypeError: not a PEFT model with a LoRA adapter; an option that is not a ``SenderConfig``
+            field (the message lists them) or of the wrong type.
+        ValueError: an option ``SenderConfig`` refuses.
         IncompatibleTargetError: the prefix already holds a run of an adapter with another structure
             (:data:`STRUCTURAL_FIELDS`); use a new prefix.
         CorruptObjectError: the config already in the store is invalid.
@@ -321,19 +328,19 @@ class AdapterSender(DeltaSender):
     """
 
     def __init__(self, model: Any, store: Store | str, *, adapter_name: str = "default", prefix: str = "",
-                 anchor_policy: AnchorPolicy | None = None, **kwargs: Any) -> None:
-        kwargs = check_sender_options(kwargs, "AdapterSender", owned=frozenset({"self", "model", "store", "prefix",
-                                                                                "anchor_policy"}))
+                 anchor_policy: AnchorPolicy | None = None, config: SenderConfig | None = None,
+                 **kwargs: Any) -> None:
+        config = _sender_config(kwargs, "AdapterSender", config=config, exclude=("anchor_policy",))
         adapter_state_dict(model, adapter_name)  # fail early with a clear message
-        config = _peft_config(model, adapter_name)
+        lora_config = _peft_config(model, adapter_name)
         self.peft_model = model
         self.adapter_name = adapter_name
-        policy = anchor_policy or AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)
+        policy = anchor_policy or config.anchor_policy or AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)
         super().__init__(lambda: adapter_state_dict(model, adapter_name), store, prefix=prefix,
-                         anchor_policy=policy, **kwargs)
-        self.adapter_config = config
+                         config=config, anchor_policy=policy)
+        self.adapter_config = lora_config
         if self.group.rank == 0:
-            self._write_config(config)
+            self._write_config(lora_config)
 
     def _write_config(self, config) -> None:
         data = adapter_config_json(config)
@@ -399,10 +406,15 @@ class AdapterReceiver(DeltaReceiver):
         store: a store or anything :func:`~torch_deltasync.open_store` accepts.
         adapter_name: the model's adapter to write.
         prefix: the run's sub-path in the store.
-        kwargs: any other :class:`~torch_deltasync.DeltaReceiver` argument.
+        receiver_config: the download options, as ``DeltaReceiver``'s ``config``
+            (:class:`~torch_deltasync.receiver.ReceiverConfig`); named apart because
+            :attr:`config` is the run's ``LoraConfig``.
+        kwargs: ``ReceiverConfig`` fields as keywords (``max_workers``, ``metrics_path``); they
+            override ``receiver_config``'s.
 
     Raises:
-        TypeError / ValueError: ``model`` is not a PEFT model with that LoRA adapter.
+        TypeError / ValueError: ``model`` is not a PEFT model with that LoRA adapter; an option
+            ``ReceiverConfig`` does not have or refuses (the message lists the valid names).
 
     Updates raise what :meth:`DeltaReceiver.update` raises, and also
     ``IncompatibleTargetError`` (the run's adapter structure differs from the model's) and
@@ -415,14 +427,15 @@ class AdapterReceiver(DeltaReceiver):
     """
 
     def __init__(self, model: Any | None, store: Store | str, *, adapter_name: str = "default", prefix: str = "",
-                 **kwargs: Any) -> None:
-        kwargs = check_receiver_options(kwargs, "AdapterReceiver")
+                 receiver_config: ReceiverConfig | None = None, **kwargs: Any) -> None:
+        receiver_config = _receiver_config(kwargs, "AdapterReceiver", config=receiver_config)
         tensors = local = None
         if model is not None:
             tensors = adapter_state_dict(model, adapter_name)
             local = _peft_config(model, adapter_name)
         self._adapter_config = None
-        super().__init__(AdapterTarget(tensors, self._load_config, local), store, prefix=prefix, **kwargs)
+        super().__init__(AdapterTarget(tensors, self._load_config, local), store, prefix=prefix,
+                         config=receiver_config)
 
     def _load_config(self):
         if self._adapter_config is None:  # immutable for a run: read once

@@ -36,11 +36,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 from torch import nn
 
+from .._config import with_options
 from ..errors import (
     ChecksumMismatchError, CorruptObjectError, DeltaSyncError, ObjectNotFoundError, StaleUpdateError,
     SyncTimeoutError, VersionNotFoundError,
@@ -50,6 +51,7 @@ from ..keys import LATEST_KEY, MAX_VERSION, list_versions, manifest_key
 from ..manifest import Manifest, load_manifest
 from ..store import Store, open_store
 from ..targets import ModuleTarget, Target
+from ._config import ReceiverConfig
 from ._plan import PlanStep, UpdatePlan, check_version, walk_chain
 from ._stage import StagedUpdate, UpdateStats, stage_anchor, stage_deltas, verify_checksums
 
@@ -73,12 +75,23 @@ class DeltaReceiver:
             :class:`~torch_deltasync.targets.Target` (e.g. ``VLLMTarget``).
         store: a :class:`~torch_deltasync.store.Store` or anything :func:`open_store` accepts.
         prefix: the run's sub-path in the store (as given to the sender).
-        max_workers: parallel downloads.
-        metrics_path: append one JSON line of :class:`UpdateStats` per update.
+        config: the receiver's options (:class:`~torch_deltasync.receiver.ReceiverConfig`, which
+            documents each field): ``max_workers`` (parallel downloads, 8), ``metrics_path``.
+            ``None``: ``ReceiverConfig()``.
+        options: ``ReceiverConfig`` fields given as keywords (``max_workers=4``); they override
+            ``config``'s (``dataclasses.replace``).
 
     Attributes:
         version: the version the target holds (``None`` before the first update, or after a
             failure that left the target's state unknown).
+        receiver_config: the options in force (``config`` with ``options`` applied). Not named
+            ``config``: :class:`~torch_deltasync.integrations.peft.AdapterReceiver` has a
+            ``config`` property of its own (the run's ``LoraConfig``).
+
+    Raises:
+        TypeError: an option that is not a ``ReceiverConfig`` field (the message lists the fields),
+            or an option of the wrong type.
+        ValueError: an option out of range (``max_workers < 1``).
 
     Example:
         >>> receiver = DeltaReceiver(model, LocalStore("runs/x/bucket"))
@@ -92,13 +105,16 @@ class DeltaReceiver:
         store: Store | str,
         *,
         prefix: str = "",
-        max_workers: int = 8,
-        metrics_path: str | Path | None = None,
+        config: ReceiverConfig | None = None,
+        **options: Any,
     ) -> None:
+        config = with_options(config or ReceiverConfig(), options, type(self).__name__,
+                              takes="its options are ReceiverConfig's fields")
+        self.receiver_config = config
         self.target = target if isinstance(target, Target) else ModuleTarget(target)
         self.store = open_store(store).sub(prefix)
-        self.max_workers = max_workers
-        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.max_workers = config.max_workers
+        self.metrics_path = Path(config.metrics_path) if config.metrics_path else None
         # A new value whenever the held state changes; a staged update records it. Drawn from one
         # counter for every receiver, so an update staged by another receiver is never current here.
         self._generation = next(_GENERATIONS)

@@ -2,6 +2,8 @@
 
 :class:`DeltaSender` is the face; the modules behind it follow a publish:
 
+* ``_config``: :class:`SenderConfig`, the publish options, each documented and checked where it
+  is declared (``DeltaSender`` also takes them as keywords);
 * ``_sources``: what a rank publishes (tensors or FSDP2/TP shards as blocks, tied aliases);
 * ``_policy``: :class:`AnchorPolicy`, when a version is an anchor instead of a delta;
 * ``_job``: what a publish carries from reading the live weights to its commit;
@@ -12,14 +14,15 @@
 * ``_stats``: :class:`PublishStats`, one metrics record per version.
 """
 
+from ._config import SenderConfig
 from ._policy import AnchorPolicy
 from ._sender import DeltaSender
 from ._sources import collect_sources
 from ._stats import PublishStats
 
-__all__ = ["DeltaSender", "AnchorPolicy", "PublishStats", "collect_sources"]
+__all__ = ["DeltaSender", "SenderConfig", "AnchorPolicy", "PublishStats", "collect_sources"]
 
-for _name in ("DeltaSender", "AnchorPolicy", "PublishStats"):
+for _name in ("DeltaSender", "SenderConfig", "AnchorPolicy", "PublishStats"):
     globals()[_name].__module__ = __name__
 del _name
 collect_sources.__module__ = __name__

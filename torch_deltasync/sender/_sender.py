@@ -33,27 +33,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from .._config import with_options
 from .._dtypes import as_dtype
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import get_codec
-from ..codecs._auto import sender_codec
 from ..detect import ChangeDetector
 from ..errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
 from ..format import sha256_hex
 from ..layout import TensorBlock
-from ..lease import DEFAULT_LEASE_S, PrefixLease
+from ..lease import PrefixLease
 from ..keys import MAX_VERSION, next_free_version, object_key
 from ..manifest import ObjectEntry
-from ..retention import RetentionPolicy, collect_garbage
+from ..retention import collect_garbage
 from ..store import Store, open_store
 from ._claim import claim_prefix
+from ._config import SenderConfig
 from ._commit import put_once, write_latest, write_manifest
 from ._encode import delta_parts, encode_objects
 from ._group import Group, SingleProcess
 from ._job import Job
-from ._policy import AnchorPolicy
 from ._sources import collect_sources
 from ._stats import PublishStats
 
@@ -73,27 +71,15 @@ class DeltaSender:
             recorded as aliases. FSDP2 modules (``DTensor`` parameters) publish rank by rank.
         store: a :class:`~torch_deltasync.store.Store` or anything :func:`open_store` accepts.
         prefix: sub-path of the store for this run (several runs can share one store).
-        anchor_every: anchor cadence in versions (shorthand for ``AnchorPolicy(every=...)``).
-        anchor_policy: full anchor policy; overrides ``anchor_every``.
-        inference_dtype: dtype receivers serve (bf16 default; fp16, fp32 work too).
-        snapshot_device: where the last-published snapshot lives: ``None`` = each tensor's device,
-            ``"cpu"`` = (pinned) host memory. Costs ``element_size`` bytes per element.
-        codec: name of the delta codec (see :func:`torch_deltasync.codecs.codec_names`): ``"packed"``
-            (default, ~1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes); ``"auto"``
-            picks by ``link_gbps`` (:func:`torch_deltasync.codecs.auto_codec`), once, here.
-        link_gbps: for ``codec="auto"`` only: the store-to-receiver bandwidth in Gbit/s.
-        background: default for ``publish(background=...)``.
-        run_id: identifies this writer in manifests (random by default). Receivers cross from one
-            run to another only by an anchor.
-        takeover: claim the prefix even if another writer's lease on it is live (see below).
-        lease_s: seconds the prefix stays owned after this sender stops renewing its lease (it
-            renews every ``lease_s / 4`` while open; ``close()`` releases it at once).
-        metrics_path: append one JSON line of :class:`PublishStats` per published version.
-        retention: after each published anchor, rank 0 deletes old versions under this
-            :class:`~torch_deltasync.retention.RetentionPolicy` (``None``: keep everything). A
-            failed collection is logged and never fails the publish.
         group: collectives for sharded senders; by default a single process, or the default
             ``torch.distributed`` group when the model holds DTensors.
+        config: the publish options (:class:`~torch_deltasync.sender.SenderConfig`, which documents
+            each field with its unit and default): anchors, inference dtype, snapshot device,
+            codec, background upload, run id, metrics, retention and the prefix lease. ``None``:
+            ``SenderConfig()``.
+        options: ``SenderConfig`` fields given as keywords (``anchor_every=10``, ``codec="raw"``,
+            ...); they override ``config``'s (``dataclasses.replace``). The result is
+            :attr:`config`.
 
     A sender owns its prefix while it is open (:mod:`torch_deltasync.lease`): a second sender on the
     same prefix is refused while the first one's lease is live, so two runs never interleave their
@@ -102,14 +88,19 @@ class DeltaSender:
     then fails its next publish with :class:`~torch_deltasync.errors.PrefixInUseError`.
 
     Raises:
+        TypeError: an option that is not a ``SenderConfig`` field (the message lists the fields), or
+            an option of the wrong type.
         UnsupportedLayoutError: a tensor layout that cannot be published (e.g. ``Partial``).
         PrefixInUseError: another writer's lease on the prefix is live (on every rank).
         ValueError: the ranks of a sharded sender do not address the same store and prefix (e.g.
-            each opened its own temporary folder), checked on every rank; ``codec``/``link_gbps``
-            do not fit (:func:`~torch_deltasync.codecs._auto.sender_codec`).
+            each opened its own temporary folder), checked on every rank; an option out of range,
+            e.g. ``codec``/``link_gbps`` that do not fit (:class:`SenderConfig`).
 
     Example:
         >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), anchor_every=10)
+        >>> # the same options as a config, shared by several senders:
+        >>> config = SenderConfig(anchor_every=10, codec="raw")
+        >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), config=config)
         >>> for step in range(100):
         ...     train_step(model)
         ...     v = sender.publish()          # blocks until version v is visible
@@ -121,30 +112,23 @@ class DeltaSender:
         store: Store | str,
         *,
         prefix: str = "",
-        anchor_every: int | None = 10,
-        anchor_policy: AnchorPolicy | None = None,
-        inference_dtype: torch.dtype | str = torch.bfloat16,
-        snapshot_device: torch.device | str | None = None,
-        codec: str = "packed",
-        link_gbps: float | None = None,
-        background: bool = False,
-        run_id: str | None = None,
-        metrics_path: str | Path | None = None,
         group: Group | None = None,
-        retention: RetentionPolicy | None = None,
-        takeover: bool = False,
-        lease_s: float = DEFAULT_LEASE_S,
+        config: SenderConfig | None = None,
+        **options: Any,
     ) -> None:
+        config = with_options(config or SenderConfig(), options, type(self).__name__,
+                              takes="its options are SenderConfig's fields")
+        self.config = config
         self.model = model
         self.store = open_store(store).sub(prefix)
-        self.policy = anchor_policy or AnchorPolicy(every=anchor_every)
-        self.dtype = as_dtype(inference_dtype)
-        self.codec = get_codec(sender_codec(codec, link_gbps))
-        self.background = background
-        self.run_id = run_id or uuid.uuid4().hex[:12]
-        self.metrics_path = Path(metrics_path) if metrics_path else None
-        self.retention = retention
-        self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=snapshot_device)
+        self.policy = config.effective_anchor_policy
+        self.dtype = as_dtype(config.inference_dtype)
+        self.codec = get_codec(config.codec_name)
+        self.background = config.background
+        self.run_id = config.run_id or uuid.uuid4().hex[:12]
+        self.metrics_path = Path(config.metrics_path) if config.metrics_path else None
+        self.retention = config.retention
+        self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=config.snapshot_device)
 
         sources, _ = collect_sources(model)
         if not sources:
@@ -170,9 +154,10 @@ class DeltaSender:
             plan = plan_uploads(self.group, sources)
             self._uploads, self._slots = plan.uploads, plan.slots
             self._layout = {s.name: s.slice for s in sources}
-        self._lease_s = lease_s
+        self._lease_s = config.lease_s
         self._lease: PrefixLease | None
-        self._lease, self.run_id = claim_prefix(self.group, self.store, self.run_id, lease_s=lease_s, takeover=takeover)
+        self._lease, self.run_id = claim_prefix(self.group, self.store, self.run_id, lease_s=config.lease_s,
+                                                takeover=config.takeover)
         self._in_use: str | None = None  # set on every rank once another writer took the prefix over
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.

@@ -5,6 +5,7 @@ docstring (:mod:`torch_deltasync.integrations.torchrl`).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Mapping
@@ -19,11 +20,13 @@ from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register
 
 from ..._dtypes import as_dtype
 from ...acks import AckBook, StoreAcks
-from ...receiver import DeltaReceiver
-from ...sender import AnchorPolicy, DeltaSender
+from ...receiver import DeltaReceiver, ReceiverConfig
+from ...sender import AnchorPolicy, DeltaSender, SenderConfig
 from ...store import Store, open_store
 from ...store.base import check_key
-from .._sender_options import check_sender_options, sender_option
+from .._sender_options import receiver_config as _receiver_config
+from .._sender_options import sender_config as _sender_config
+from .._sender_options import split_options
 from ._acks import OnWorkerFailure, QueueAcks, scheme_ack_book, target_workers
 from ._collectors import int_tracker, is_leaf_collector
 from ...gate import CallGate
@@ -31,6 +34,13 @@ from ._scheme_receiver import ReceiverSide
 from ._tensors import flat_tensors, named_tensors
 
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9._=+@,-]+")
+
+#: The workers' receiver options unless the scheme is given others: 4 parallel downloads (a
+#: standalone DeltaReceiver takes 8), as the scheme had before ReceiverConfig existed. A collector
+#: usually runs several workers per host, each with a receiver of its own.
+_SCHEME_RECEIVER_CONFIG = ReceiverConfig(max_workers=4)
+#: Config fields the scheme declares itself: its metrics_path is a template for both sides.
+_OWN_OPTIONS = frozenset({"metrics_path"})
 
 
 @register_weight_sync_backend("delta")
@@ -80,24 +90,32 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
             :meth:`receive` yourself (e.g. between rollouts).
         version_key: root key of the collected data that each policy call overwrites with the
             version whose weights computed the action (``None``: leave torchrl's stamps alone).
-        max_workers: parallel downloads per receiver.
         metrics_path: append publish/update stats as JSON lines (``{worker}`` is replaced by the
-            worker index, ``sender`` on the trainer).
+            worker index, ``sender`` on the trainer). Applies to both sides and overrides the
+            configs' own ``metrics_path`` (where ``{worker}`` is replaced too).
         store_options: options for :func:`~torch_deltasync.open_store` (endpoint, credentials, ...).
         strategy: torchrl ``WeightStrategy`` name, used only by :attr:`weights`.
-        sender_options: keyword options of the trainer's :class:`~torch_deltasync.DeltaSender`,
-            passed on as they are: ``anchor_every`` (anchor cadence in versions, default 10),
+        sender_config: the trainer's :class:`~torch_deltasync.sender.SenderConfig` (default
+            ``SenderConfig()``): ``anchor_every`` (anchor cadence in versions, default 10),
             ``anchor_policy`` (a full :class:`~torch_deltasync.AnchorPolicy`; overrides
             ``anchor_every``), ``inference_dtype`` (dtype the workers' weights are bit-identical
             to, as the trainer's weights cast to it; default ``torch.bfloat16``), ``codec``,
             ``snapshot_device``, ``background`` (``send`` returns once the changes are detected;
             a send that finds the previous upload still running is coalesced into the next one),
-            ``retention`` (:class:`~torch_deltasync.RetentionPolicy`), ... (see ``DeltaSender``).
-            They travel to the workers with the scheme (pickled), so they must pickle.
+            ``retention`` (:class:`~torch_deltasync.RetentionPolicy`), ...
+        receiver_config: the workers' :class:`~torch_deltasync.receiver.ReceiverConfig`. Default
+            ``ReceiverConfig(max_workers=4)``: 4 parallel downloads per worker where a standalone
+            ``DeltaReceiver`` takes 8, the scheme's default from before the config existed (a
+            collector usually runs several workers, each with its own receiver, on one host).
+        options: ``SenderConfig`` and ``ReceiverConfig`` fields as keywords (``anchor_every=50``,
+            ``codec="raw"``, ``max_workers=8``, ...); they override the fields of
+            ``sender_config`` / ``receiver_config``. The resulting configs travel to the workers
+            with the scheme (pickled), so their values must pickle.
 
     Raises:
-        ValueError: an invalid option.
-        TypeError: a keyword that is neither the scheme's nor ``DeltaSender``'s.
+        ValueError: an invalid option (the scheme's, or one the configs refuse).
+        TypeError: a keyword that is neither the scheme's nor a ``SenderConfig`` / ``ReceiverConfig``
+            field (the message lists the valid names), or an option of the wrong type.
 
     Example:
         >>> scheme = DeltaWeightSyncScheme("runs/x/bucket", inference_dtype=torch.bfloat16,
@@ -126,11 +144,12 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         connect_timeout_s: float = 300.0,
         background_receive: bool = True,
         version_key: str | None = "policy_version",
-        max_workers: int = 4,
         metrics_path: str | None = None,
         store_options: dict[str, Any] | None = None,
         strategy: Literal["tensordict", "state_dict"] = "tensordict",
-        **sender_options: Any,
+        sender_config: SenderConfig | None = None,
+        receiver_config: ReceiverConfig | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(strategy)
         if on_worker_failure not in ("raise", "skip"):
@@ -146,7 +165,13 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         self.store_spec = store
         self.store_options = dict(store_options or {})
         self.prefix = prefix
-        self.sender_options = check_sender_options(sender_options, "DeltaWeightSyncScheme")
+        owner = "DeltaWeightSyncScheme"
+        sender_options, receiver_options = split_options(options, owner, exclude=_OWN_OPTIONS)
+        #: The SenderConfig fields given as keywords (the rest of the trainer's options are sender_config's).
+        self.sender_options = sender_options
+        self.sender_config = _sender_config(sender_options, owner, config=sender_config)
+        self.receiver_config = _receiver_config(receiver_options, owner,
+                                                config=receiver_config or _SCHEME_RECEIVER_CONFIG)
         self.receiver_dtype = None if receiver_dtype is None else as_dtype(receiver_dtype)
         self.device = device
         self.sync = sync
@@ -157,7 +182,6 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         self.connect_timeout_s = float(connect_timeout_s)
         self.background_receive = background_receive
         self.version_key = version_key
-        self.max_workers = max_workers
         self.metrics_path = metrics_path
         self._acks: QueueAcks | StoreAcks | None = None  # a channel, travels to the workers
         self._expected: list[int] = []
@@ -209,8 +233,12 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
     @property
     def anchor_policy(self) -> AnchorPolicy:
         """The sender's anchor policy (``anchor_policy``, else ``AnchorPolicy(every=anchor_every)``)."""
-        return (sender_option(self.sender_options, "anchor_policy")
-                or AnchorPolicy(every=sender_option(self.sender_options, "anchor_every")))
+        return self.sender_config.effective_anchor_policy
+
+    @property
+    def max_workers(self) -> int:
+        """Parallel downloads per receiver (``receiver_config.max_workers``)."""
+        return self.receiver_config.max_workers
 
     @property
     def version(self) -> int | None:
@@ -227,8 +255,11 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
                 self._store = open_store(self.store_spec, **self.store_options)
         return self._store
 
-    def _metrics_path(self, who: str) -> str | None:
-        return self.metrics_path.replace("{worker}", who) if self.metrics_path else None
+    def _metrics_path(self, who: str, configured: str | os.PathLike | None) -> str | None:
+        """The metrics file of ``who`` (a worker index or ``"sender"``): the scheme's
+        ``metrics_path``, else the config's ``configured`` one, with ``{worker}`` replaced."""
+        path = self.metrics_path or (os.fspath(configured) if configured else None)
+        return path.replace("{worker}", who) if path else None
 
     # --- context and model (overridden to keep trackers and targets in step) ----------------------
 
@@ -293,7 +324,8 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         if weights is not None:
             self._weights = weights
         self._sender = DeltaSender(self._source(None), self._open_store(), prefix=self.run_prefix,
-                                   **{"metrics_path": self._metrics_path("sender"), **self.sender_options})
+                                   config=self.sender_config,
+                                   metrics_path=self._metrics_path("sender", self.sender_config.metrics_path))
         v = self._sender.publish(background=False)
         self._published = v
         self._align_sender_tracker(bump_follows=False)

@@ -62,9 +62,9 @@ class ReceiverSide:
                                "reference to it (the collector does) while the scheme receives")
         materialize(model, device=self.device or "cpu", dtype=self.receiver_dtype)
         store = self._open_store()
+        metrics = self._metrics_path(str(self._worker_idx), self.receiver_config.metrics_path)
         self._receiver = DeltaReceiver(ModuleTarget(named_tensors(model)), store, prefix=self.run_prefix,
-                                       max_workers=self.max_workers,
-                                       metrics_path=self._metrics_path(str(self._worker_idx)))
+                                       config=self.receiver_config, metrics_path=metrics)
         if self._acks is None and self.sync and self.num_workers:
             self._acks = StoreAcks(self.model_key)
         try:

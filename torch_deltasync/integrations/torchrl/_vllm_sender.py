@@ -10,11 +10,10 @@ from typing import Any
 from torch import nn
 from torchrl._utils import logger as torchrl_logger
 
-from ...sender import DeltaSender
+from ...sender import DeltaSender, SenderConfig
 from ...store import Store, open_store
-from .._sender_options import check_sender_options
-from ..vllm import as_llm, attach_llm, update_llm
-from ..vllm._init_info import check_init_info
+from .._sender_options import sender_config as _sender_config
+from ..vllm import as_llm, attach_llm, check_init_info, update_llm
 from ._collectors import int_tracker
 from ._tensors import flat_tensors
 
@@ -60,13 +59,17 @@ class DeltaVLLMWeightSender:
             ``max_workers``, ``metrics_path``, ...; see ``DeltaSyncInitInfo``).
         rpc_timeout_s: timeout for each ``collective_rpc`` of an ``AsyncVLLM`` (seconds; ``None``:
             the engine's).
-        sender_options: keyword options of the :class:`~torch_deltasync.DeltaSender` built on the
-            first update, passed on as they are (``anchor_every``, ``anchor_policy``,
+        sender_config: the options of the :class:`~torch_deltasync.DeltaSender` built on the first
+            update (:class:`~torch_deltasync.sender.SenderConfig`; default ``SenderConfig()``).
+        sender_options: ``SenderConfig`` fields as keywords (``anchor_every``, ``anchor_policy``,
             ``inference_dtype``, ``codec``, ``snapshot_device``, ``background``, ``retention``,
-            ``metrics_path``, ...; see ``DeltaSender``).
+            ``metrics_path``, ...); they override ``sender_config``'s.
 
     Raises:
-        TypeError: a keyword that is neither this sender's nor ``DeltaSender``'s.
+        TypeError: a keyword that is neither this sender's nor a ``SenderConfig`` field (the
+            message lists the valid names), or an option of the wrong type.
+        ValueError: an option ``SenderConfig`` refuses (e.g. an unknown ``codec``), or a bad
+            ``init_info`` value.
 
     Example:
         >>> sender = DeltaVLLMWeightSender("s3://bucket/grpo", engine, prefix="run1")
@@ -84,9 +87,11 @@ class DeltaVLLMWeightSender:
         worker_store: str | os.PathLike | None = None,
         init_info: dict[str, Any] | None = None,
         rpc_timeout_s: float | None = None,
+        sender_config: SenderConfig | None = None,
         **sender_options: Any,
     ) -> None:
-        self.sender_options = check_sender_options(sender_options, "DeltaVLLMWeightSender")
+        self.sender_options = dict(sender_options)
+        self.sender_config = _sender_config(sender_options, "DeltaVLLMWeightSender", config=sender_config)
         self.store = open_store(store)
         self.prefix = prefix
         self.worker_store = os.fspath(worker_store) if worker_store else \
@@ -165,7 +170,7 @@ class DeltaVLLMWeightSender:
         else:
             source = flat_tensors(weights)
         if self._sender is None:
-            self._sender = DeltaSender(source, self.store, prefix=self.prefix, **self.sender_options)
+            self._sender = DeltaSender(source, self.store, prefix=self.prefix, config=self.sender_config)
         else:
             self._sender.model = source
         v = self._sender.publish()

@@ -11,7 +11,9 @@ through it, and LoRA hot-swap.
   :func:`update_server` (``vllm serve``), with readiness files (:func:`wait_staged`,
   :func:`read_readiness`, :mod:`._readiness`) so that an engine pauses only for the commit.
   Engines with several replicas (torchrl's ``AsyncVLLM``) go through the same drivers as a
-  :class:`ReplicatedEngine` (:mod:`._replicas`).
+  :class:`ReplicatedEngine` (:mod:`._replicas`). :func:`check_init_info` checks a backend
+  ``init_info`` in the caller as the workers will (:mod:`._init_info`, no vLLM import), for
+  integrations that build one ahead of attaching (torchrl's ``DeltaVLLMWeightSender``).
 * **LoRA hot-swap** (:mod:`._lora`): :class:`VLLMAdapterLoader` loads each adapter version as a
   new LoRA adapter.
 
@@ -21,6 +23,7 @@ Importing this package does not import vLLM. ``docs/vllm.md`` and ``docs/lora.md
 from ._client import (
     EngineUpdate, PauseMode, attach_async_llm, attach_llm, attach_server, update_async_llm, update_llm, update_server,
 )
+from ._init_info import check_init_info
 from ._lora import LoadedAdapter, VLLMAdapterLoader, async_llm_lora_ops, llm_lora_ops, server_lora_ops
 from ._readiness import DEFAULT_STAGE_TIMEOUT_S, read_readiness, wait_staged
 from ._replicas import ReplicatedEngine, as_llm
@@ -42,6 +45,7 @@ __all__ = [
     "wait_staged",
     "read_readiness",
     "DEFAULT_STAGE_TIMEOUT_S",
+    "check_init_info",
     # several replicas
     "ReplicatedEngine",
     "as_llm",
@@ -57,7 +61,7 @@ __all__ = [
 
 for _obj in (EngineUpdate, attach_async_llm, attach_llm, attach_server, update_async_llm, update_llm, update_server,
              LoadedAdapter, VLLMAdapterLoader, async_llm_lora_ops, llm_lora_ops, server_lora_ops, read_readiness,
-             wait_staged, ReplicatedEngine, as_llm):
+             wait_staged, check_init_info, ReplicatedEngine, as_llm):
     _obj.__module__ = __name__
 del _obj
 

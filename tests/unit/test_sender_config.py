@@ -1,0 +1,206 @@
+"""The option dataclasses (``sender/_config.py``, ``receiver/_config.py``) and how ``DeltaSender``
+and ``DeltaReceiver`` take them: ``config=`` plus keyword overrides, checked before anything is
+written to the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_deltasync
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore, RetentionPolicy
+from torch_deltasync.lease import OWNER_KEY
+from torch_deltasync.receiver import ReceiverConfig
+from torch_deltasync.sender import AnchorPolicy, SenderConfig
+
+# The keyword defaults DeltaSender / DeltaReceiver had before the configs existed.
+OLD_SENDER_DEFAULTS = dict(anchor_every=10, anchor_policy=None, inference_dtype=torch.bfloat16, snapshot_device=None,
+                           codec="packed", link_gbps=None, background=False, run_id=None, metrics_path=None,
+                           retention=None, takeover=False, lease_s=60.0)
+OLD_RECEIVER_DEFAULTS = dict(max_workers=8, metrics_path=None)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))}
+
+
+# --- defaults, immutability, public path ------------------------------------------------------------
+
+
+def test_defaults_are_the_old_keyword_defaults():
+    assert dataclasses.asdict(SenderConfig()) == OLD_SENDER_DEFAULTS
+    assert dataclasses.asdict(ReceiverConfig()) == OLD_RECEIVER_DEFAULTS
+
+
+def test_a_default_sender_and_receiver_behave_as_before(tmp_path):
+    with DeltaSender(_state(), LocalStore(tmp_path)) as sender:
+        assert sender.config == SenderConfig()
+        assert sender.policy == AnchorPolicy(every=10)
+        assert sender.dtype is torch.bfloat16 and sender.codec.name == "packed"
+        assert (sender.background, sender.metrics_path, sender.retention) == (False, None, None)
+        assert len(sender.run_id) == 12 and sender._lease_s == 60.0
+    receiver = DeltaReceiver(_state(), LocalStore(tmp_path))
+    assert receiver.receiver_config == ReceiverConfig()
+    assert (receiver.max_workers, receiver.metrics_path) == (8, None)
+
+
+@pytest.mark.parametrize("config", [SenderConfig(), ReceiverConfig()], ids=["sender", "receiver"])
+def test_configs_are_frozen_and_keyword_only(config):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.metrics_path = "m.jsonl"
+    with pytest.raises(TypeError):
+        type(config)(4)  # positional: refused
+
+
+def test_configs_live_under_their_public_packages_and_pickle():
+    assert SenderConfig.__module__ == "torch_deltasync.sender"
+    assert ReceiverConfig.__module__ == "torch_deltasync.receiver"
+    assert "SenderConfig" not in torch_deltasync.__all__ and "ReceiverConfig" not in torch_deltasync.__all__
+    config = SenderConfig(anchor_policy=AnchorPolicy(every=None, chain_ratio=1.0), retention=RetentionPolicy(),
+                          inference_dtype=torch.float16, metrics_path=Path("m.jsonl"))
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert pickle.loads(pickle.dumps(ReceiverConfig(max_workers=2))) == ReceiverConfig(max_workers=2)
+
+
+def test_derived_values():
+    assert SenderConfig(anchor_every=3).effective_anchor_policy == AnchorPolicy(every=3)
+    policy = AnchorPolicy(every=None, chain_ratio=1.0)
+    assert SenderConfig(anchor_every=3, anchor_policy=policy).effective_anchor_policy is policy  # overrides
+    assert SenderConfig(codec="auto", link_gbps=1.0).codec_name == "packed"
+    assert SenderConfig(codec="auto", link_gbps=25.0).codec_name == "raw"
+    assert SenderConfig(codec="raw").codec_name == "raw"
+
+
+# --- per-field checks ---------------------------------------------------------------------------------
+
+VALID_SENDER = [
+    dict(anchor_every=None),  # never by cadence
+    dict(anchor_every=0),  # the same
+    dict(inference_dtype="fp16"),  # an alias
+    dict(inference_dtype=torch.float32),
+    dict(snapshot_device="cpu"),
+    dict(snapshot_device=torch.device("cpu")),
+    dict(snapshot_device="cuda:0"),  # a device name; whether it exists is not the config's business
+    dict(codec="auto", link_gbps=10),  # an int is a number of Gbit/s
+    dict(run_id=""),  # empty: random, as before
+    dict(metrics_path=""),  # empty: none, as before
+    dict(metrics_path=Path("m.jsonl")),
+    dict(lease_s=5),  # int seconds
+]
+
+INVALID_SENDER = [
+    # (fields, error, message, the rule it breaks)
+    (dict(anchor_every=-1), ValueError, r"SenderConfig.anchor_every must be an int >= 0 or None, got -1", "negative cadence"),
+    (dict(anchor_every=2.5), TypeError, r"SenderConfig.anchor_every must be an int >= 0 or None, got 2.5", "not an int"),
+    (dict(anchor_every=True), TypeError, r"SenderConfig.anchor_every", "a bool is not a cadence"),
+    (dict(anchor_policy=10), TypeError, r"SenderConfig.anchor_policy must be an AnchorPolicy or None", "not a policy"),
+    (dict(inference_dtype=torch.int8), ValueError, r"SenderConfig.inference_dtype: unsupported inference dtype", "integer dtype"),
+    (dict(inference_dtype="int8"), ValueError, r"SenderConfig.inference_dtype: unsupported .*'bfloat16'", "unknown name"),
+    (dict(inference_dtype=16), TypeError, r"SenderConfig.inference_dtype must be a torch.dtype or its name", "not a dtype"),
+    (dict(snapshot_device="gpu0"), ValueError, r"SenderConfig.snapshot_device must be a device such as 'cpu'", "bad device"),
+    (dict(snapshot_device=0), TypeError, r"SenderConfig.snapshot_device must be a torch.device", "an index alone"),
+    (dict(codec="zstd"), ValueError, r"SenderConfig.codec: unknown codec 'zstd'; registered codecs: \[.*'packed'", "unknown codec"),
+    (dict(codec=None), TypeError, r"SenderConfig.codec must be a codec name \(str\)", "not a name"),
+    (dict(codec="auto"), ValueError, r'codec="auto" chooses by link speed: pass link_gbps=', "auto needs a link speed"),
+    (dict(codec="auto", link_gbps=-1), ValueError, r"link_gbps must be a positive number of Gbit/s", "negative speed"),
+    (dict(codec="auto", link_gbps=float("inf")), ValueError, r"link_gbps must be a positive number", "infinite speed"),
+    (dict(link_gbps=10), ValueError, r'link_gbps is only used by codec="auto"', "speed without auto: ignored"),
+    (dict(background=1), TypeError, r"SenderConfig.background must be True or False, got 1", "not a bool"),
+    (dict(takeover="yes"), TypeError, r"SenderConfig.takeover must be True or False", "not a bool"),
+    (dict(run_id=7), TypeError, r"SenderConfig.run_id must be a string or None, got 7", "not a string"),
+    (dict(metrics_path=3), TypeError, r"SenderConfig.metrics_path must be a path", "not a path"),
+    (dict(retention=dict(keep_anchors=1)), TypeError, r"SenderConfig.retention must be a RetentionPolicy or None", "a dict"),
+    (dict(lease_s=0), ValueError, r"SenderConfig.lease_s must be a positive finite number of seconds, got 0", "zero"),
+    (dict(lease_s=float("nan")), ValueError, r"SenderConfig.lease_s must be a positive finite", "nan"),
+    (dict(lease_s="60"), TypeError, r"SenderConfig.lease_s must be a number of seconds", "a string"),
+    (dict(lease_s=True), TypeError, r"SenderConfig.lease_s", "a bool is not a duration"),
+]
+
+INVALID_RECEIVER = [
+    (dict(max_workers=0), ValueError, r"ReceiverConfig.max_workers must be an int >= 1, got 0", "no downloads"),
+    (dict(max_workers=2.0), TypeError, r"ReceiverConfig.max_workers must be an int >= 1, got 2.0", "not an int"),
+    (dict(max_workers=True), TypeError, r"ReceiverConfig.max_workers", "a bool is not a count"),
+    (dict(metrics_path=1), TypeError, r"ReceiverConfig.metrics_path must be a path", "not a path"),
+]
+
+
+@pytest.mark.parametrize("fields", VALID_SENDER, ids=lambda f: repr(f))
+def test_valid_sender_fields(fields):
+    config = SenderConfig(**fields)
+    assert {k: getattr(config, k) for k in fields} == fields  # kept as given; the sender converts them
+
+
+@pytest.mark.parametrize("fields,error,message,rule", INVALID_SENDER, ids=[r[3] for r in INVALID_SENDER])
+def test_invalid_sender_fields(fields, error, message, rule):
+    with pytest.raises(error, match=message):
+        SenderConfig(**fields)
+
+
+@pytest.mark.parametrize("fields,error,message,rule", INVALID_RECEIVER, ids=[r[3] for r in INVALID_RECEIVER])
+def test_invalid_receiver_fields(fields, error, message, rule):
+    with pytest.raises(error, match=message):
+        ReceiverConfig(**fields)
+
+
+def test_replace_checks_again():
+    with pytest.raises(ValueError, match="SenderConfig.anchor_every"):
+        dataclasses.replace(SenderConfig(), anchor_every=-2)
+
+
+# --- config= plus keyword options ---------------------------------------------------------------------
+
+
+def test_sender_options_override_the_config(tmp_path):
+    config = SenderConfig(anchor_every=5, codec="raw", inference_dtype=torch.float32)
+    with DeltaSender(_state(), LocalStore(tmp_path), config=config, anchor_every=7, background=True) as sender:
+        assert sender.config == dataclasses.replace(config, anchor_every=7, background=True)
+        assert sender.policy.every == 7 and sender.codec.name == "raw" and sender.dtype is torch.float32
+        assert sender.background is True
+        assert config.anchor_every == 5  # the caller's config is left alone
+        assert sender.publish(background=False) == 0
+
+
+def test_keyword_options_alone_still_work(tmp_path):
+    with DeltaSender(_state(), LocalStore(tmp_path), anchor_every=3, codec="raw", metrics_path=tmp_path / "m.jsonl",
+                     run_id="run-a") as sender:
+        assert sender.config == SenderConfig(anchor_every=3, codec="raw", metrics_path=tmp_path / "m.jsonl",
+                                             run_id="run-a")
+        assert sender.run_id == "run-a" and sender.metrics_path == tmp_path / "m.jsonl"
+
+
+@pytest.mark.parametrize("options,error,message", [
+    (dict(anchor_evry=3), TypeError,
+     r"DeltaSender got unexpected keyword argument\(s\) \['anchor_evry'\]; its options are SenderConfig's fields: "
+     r"\['anchor_every', 'anchor_policy', 'background', 'codec', 'inference_dtype', 'lease_s', 'link_gbps', "
+     r"'metrics_path', 'retention', 'run_id', 'snapshot_device', 'takeover'\]"),
+    (dict(max_workers=2, codec="raw"), TypeError, r"\['max_workers'\]"),  # a receiver option
+    (dict(codec="zstd"), ValueError, r"SenderConfig.codec: unknown codec 'zstd'"),
+    (dict(lease_s=-1), ValueError, r"SenderConfig.lease_s"),
+])
+def test_bad_sender_options_are_refused_before_the_store_is_touched(tmp_path, options, error, message):
+    store = LocalStore(tmp_path)
+    with pytest.raises(error, match=message):
+        DeltaSender(_state(), store, **options)
+    with pytest.raises(error, match=message):
+        DeltaSender(_state(), store, config=SenderConfig(codec="raw"), **options)
+    assert not store.exists(OWNER_KEY)  # the prefix was not claimed
+
+
+def test_receiver_options_override_the_config(tmp_path):
+    config = ReceiverConfig(max_workers=3, metrics_path=tmp_path / "a.jsonl")
+    receiver = DeltaReceiver(_state(), LocalStore(tmp_path), config=config, max_workers=2)
+    assert receiver.receiver_config == ReceiverConfig(max_workers=2, metrics_path=tmp_path / "a.jsonl")
+    assert receiver.max_workers == 2 and receiver.metrics_path == tmp_path / "a.jsonl"
+    assert DeltaReceiver(_state(), LocalStore(tmp_path), max_workers=1, metrics_path="").metrics_path is None
+
+
+def test_bad_receiver_options(tmp_path):
+    with pytest.raises(TypeError, match=r"DeltaReceiver got unexpected keyword argument\(s\) \['max_worker'\]; its "
+                                        r"options are ReceiverConfig's fields: \['max_workers', 'metrics_path'\]"):
+        DeltaReceiver(_state(), LocalStore(tmp_path), max_worker=2)
+    with pytest.raises(ValueError, match=r"ReceiverConfig.max_workers must be an int >= 1, got 0"):
+        DeltaReceiver(_state(), LocalStore(tmp_path), max_workers=0)

@@ -1,0 +1,48 @@
+"""``ReceiverConfig``: a :class:`~torch_deltasync.receiver.DeltaReceiver`'s options, declared,
+documented and checked in one place.
+
+The receiver's runtime objects (the target, the store and the run prefix) are constructor
+arguments, not fields. The options of the publishing side are in
+:class:`~torch_deltasync.sender.SenderConfig`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverConfig:
+    """How a :class:`~torch_deltasync.receiver.DeltaReceiver` downloads and reports updates.
+
+    Pass it as ``DeltaReceiver(target, store, config=ReceiverConfig(...))``, or give the fields as
+    keyword arguments (``DeltaReceiver(target, store, max_workers=4)``); keyword arguments override
+    the config's fields. It pickles.
+
+    Raises:
+        TypeError: a field of the wrong type (the message names the field and what it takes).
+        ValueError: ``max_workers`` below 1.
+
+    Example:
+        >>> receiver = DeltaReceiver(model, "runs/x/bucket", config=ReceiverConfig(max_workers=16))
+        >>> receiver.receiver_config.max_workers
+        16
+    """
+
+    max_workers: int = 8
+    """Parallel downloads (threads), an int ``>= 1``: the objects of one update are fetched this
+    many at a time."""
+
+    metrics_path: str | os.PathLike | None = None
+    """File to append one JSON line of :class:`~torch_deltasync.receiver.UpdateStats` to per
+    update. ``None`` (or ``""``): none."""
+
+    def __post_init__(self) -> None:
+        if type(self.max_workers) is not int:
+            raise TypeError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers!r}")
+        if self.max_workers < 1:
+            raise ValueError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers}")
+        if self.metrics_path is not None and not isinstance(self.metrics_path, (str, os.PathLike)):
+            raise TypeError(f"ReceiverConfig.metrics_path must be a path (str or os.PathLike) or None, "
+                            f"got {self.metrics_path!r}")
