@@ -114,10 +114,10 @@ INVALID_SENDER = [
     (dict(run_id=7), TypeError, r"SenderConfig.run_id must be a string or None, got 7", "not a string"),
     (dict(metrics_path=3), TypeError, r"SenderConfig.metrics_path must be a path", "not a path"),
     (dict(retention=dict(keep_anchors=1)), TypeError, r"SenderConfig.retention must be a RetentionPolicy or None", "a dict"),
-    (dict(lease_s=0), ValueError, r"SenderConfig.lease_s must be a positive finite number of seconds, got 0", "zero"),
-    (dict(lease_s=float("nan")), ValueError, r"SenderConfig.lease_s must be a positive finite", "nan"),
-    (dict(lease_s="60"), TypeError, r"SenderConfig.lease_s must be a number of seconds", "a string"),
-    (dict(lease_s=True), TypeError, r"SenderConfig.lease_s", "a bool is not a duration"),
+    (dict(lease_s=0), ValueError, r"SenderConfig.lease_s must be a positive number of seconds \(int or float, finite\), got 0", "zero"),
+    (dict(lease_s=float("nan")), ValueError, r"SenderConfig.lease_s must be a positive number", "nan"),
+    (dict(lease_s="60"), ValueError, r"SenderConfig.lease_s must be a positive number of seconds", "a string"),
+    (dict(lease_s=True), ValueError, r"SenderConfig.lease_s", "a bool is not a duration"),
 ]
 
 INVALID_RECEIVER = [

@@ -130,10 +130,9 @@ class SenderConfig:
         _check_optional("run_id", self.run_id, str, "a string or None")
         _check_optional("metrics_path", self.metrics_path, (str, os.PathLike), "a path (str or os.PathLike) or None")
         _check_optional("retention", self.retention, RetentionPolicy, "a RetentionPolicy or None")
-        if type(self.lease_s) not in (int, float):
-            raise TypeError(f"SenderConfig.lease_s must be a number of seconds (int or float), got {self.lease_s!r}")
-        if not (math.isfinite(self.lease_s) and self.lease_s > 0):
-            raise ValueError(f"SenderConfig.lease_s must be a positive finite number of seconds, got {self.lease_s!r}")
+        if type(self.lease_s) not in (int, float) or not (math.isfinite(self.lease_s) and self.lease_s > 0):
+            raise ValueError(f"SenderConfig.lease_s must be a positive number of seconds (int or float, finite), "
+                             f"got {self.lease_s!r}")
 
     @property
     def effective_anchor_policy(self) -> AnchorPolicy:
