@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from remote_helpers import StepModel  # noqa: E402
 
 from torch_deltasync import DeltaSender, open_store  # noqa: E402
-from torch_deltasync.store.base import Store  # noqa: E402
+from torch_deltasync.store import Store  # noqa: E402
 
 
 class KillAt(Store):

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from torch_deltasync.store.base import Store
+from torch_deltasync.store import Store
 
 
 def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

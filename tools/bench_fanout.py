@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from s3_server import S3_ENV, make_bucket  # noqa: E402
 
 from torch_deltasync import DeltaReceiver, DeltaSender, RetryPolicy, open_store  # noqa: E402
-from torch_deltasync.store.base import Store  # noqa: E402
+from torch_deltasync.store import Store  # noqa: E402
 
 
 class Counting(Store):

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from torch_deltasync.targets._vllm_layout import _flat  # noqa: E402
-from torch_deltasync.targets.vllm import VLLMTarget  # noqa: E402
+from torch_deltasync.targets import VLLMTarget  # noqa: E402
 from torch_deltasync.testing import QWEN3_SIZES  # noqa: E402
 from torch_deltasync.testing_vllm import build_vllm_model, load_hf_weights, vllm_config, vllm_state_bits  # noqa: E402
 

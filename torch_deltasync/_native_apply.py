@@ -1,7 +1,7 @@
 """Compiled CPU kernels (numba) that read and write changed elements of live tensors: the targets'
 apply step, and the read of the old values a relative delta needs.
 
-:class:`~torch_deltasync.targets.ModuleTarget` and :class:`~torch_deltasync.targets.vllm.VLLMTarget`
+:class:`~torch_deltasync.targets.ModuleTarget` and :class:`~torch_deltasync.targets.VLLMTarget`
 call them when :func:`torch_deltasync._native.enabled` is true and run their torch code
 (``index_copy_`` after the layout map) otherwise; that torch code is the specification, and
 ``tests/unit/test_native.py`` checks both paths against each other and against a plain-Python map, bit

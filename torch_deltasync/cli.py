@@ -89,7 +89,7 @@ def _open_existing(args: argparse.Namespace, uri: str | None = None):
 
 
 def _timeout_arg(p: argparse.ArgumentParser) -> None:
-    from .store.retry import DEFAULT_TIMEOUT_S
+    from .store import DEFAULT_TIMEOUT_S
 
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
                    help="deadline of one store call in seconds (per attempt on remote stores, plus time for "

@@ -30,7 +30,7 @@ from .checksum import format_checksum, parse_checksum
 from .codecs import codec_names
 from .errors import CorruptObjectError
 from .keys import MAX_VERSION, Kind, manifest_key, parse_object_key
-from .store.base import check_key
+from .store import check_key
 
 __all__ = [
     "FORMAT",

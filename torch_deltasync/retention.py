@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from .errors import CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
 from .keys import list_versions, manifest_key
 from .manifest import Manifest, load_manifest
-from .store.base import Store
+from .store import Store
 
 __all__ = ["RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention", "collect_garbage"]
 

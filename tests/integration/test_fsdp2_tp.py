@@ -319,7 +319,7 @@ def _vllm_follows(store_dir: Path, expected: list[dict[str, torch.Tensor]], work
     from torch_deltasync import DeltaReceiver, LocalStore
     from torch_deltasync.checksum import check_partials
     from torch_deltasync.manifest import load_manifest
-    from torch_deltasync.targets.vllm import VLLMTarget
+    from torch_deltasync.targets import VLLMTarget
     from torch_deltasync.testing_vllm import build_vllm_model, load_hf_weights, vllm_config, vllm_state_bits
 
     cpu_moe = ("TRITON", "BATCHED_TRITON", "CPU")  # as tests/unit/test_targets_vllm.py: loader layout

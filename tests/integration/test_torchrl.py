@@ -41,7 +41,7 @@ from torch_deltasync import LocalStore
 from torch_deltasync.errors import SyncTimeoutError, WorkerError
 from torch_deltasync.integrations.torchrl import DeltaVLLMWeightSender, DeltaWeightSyncScheme
 from torch_deltasync._dtypes import bits
-from torch_deltasync.store.base import Store
+from torch_deltasync.store import Store
 from torch_deltasync.testing import state_bits
 from helpers import PassThroughStore
 

@@ -657,7 +657,7 @@ def _fake_vllm_target(shape, local_shape, tables, base=0, transpose=False):
     of ``local_shape`` (transposed storage when ``transpose``), without vLLM."""
     from torch import nn
 
-    from torch_deltasync.targets.vllm import VLLMTarget
+    from torch_deltasync.targets import VLLMTarget
     from torch_deltasync.targets._vllm_layout import _Entry, _Place, _with_affine, _with_grid
 
     param = torch.zeros(local_shape[::-1] if transpose else local_shape, dtype=torch.bfloat16)

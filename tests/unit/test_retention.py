@@ -15,7 +15,7 @@ from torch_deltasync.cli import main as cli_main
 from torch_deltasync.keys import list_versions, manifest_key
 from torch_deltasync.manifest import load_manifest, seal_manifest
 from torch_deltasync.retention import apply_retention, plan_retention
-from torch_deltasync.store.base import Store
+from torch_deltasync.store import Store
 
 from helpers import PassThroughStore
 from remote_helpers import StepModel, assert_holds, empty_target

@@ -6,7 +6,7 @@ import pytest
 
 from torch_deltasync import LocalStore, open_store
 from torch_deltasync.errors import CorruptObjectError, ObjectNotFoundError
-from torch_deltasync.store.base import check_key
+from torch_deltasync.store import check_key
 
 BAD_KEYS = [
     ("", r"'': empty", "empty"),

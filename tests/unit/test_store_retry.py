@@ -1,4 +1,4 @@
-"""The retry and deadline layer (``store/retry.py``): which failures are retried (the classifier),
+"""The retry and deadline layer (``store/_retry.py``): which failures are retried (the classifier),
 backoff and deadlines of :func:`call_with_retry`, :class:`RetryPolicy`'s checks, and the two
 wrappers over a fault-injecting store: :class:`RetryingStore` (retries) and :class:`DeadlineStore`
 (a deadline and nothing else). Many receivers through faults: ``test_store_faults.py``."""
@@ -13,9 +13,9 @@ import pytest
 from torch_deltasync import LocalStore
 from torch_deltasync.errors import CorruptObjectError, ObjectNotFoundError, StoreError, TransientStoreError
 from torch_deltasync.store import DeadlineStore, RetryingStore, RetryPolicy
-from torch_deltasync.store import retry as retry_mod
+from torch_deltasync.store import _retry as retry_mod
 from torch_deltasync.store.faults import FaultyStore
-from torch_deltasync.store.retry import call_with_retry, classify_error
+from torch_deltasync.store._retry import call_with_retry, classify_error
 
 FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.002, jitter=0.0, timeout_s=5.0)
 

@@ -27,7 +27,7 @@ from torch_deltasync.checksum import check_partials, tensor_checksum  # noqa: E4
 from torch_deltasync.format import read_header, sha256_hex  # noqa: E402
 from torch_deltasync.keys import manifest_key
 from torch_deltasync.manifest import load_manifest, seal_manifest  # noqa: E402
-from torch_deltasync.targets.vllm import VLLMTarget  # noqa: E402
+from torch_deltasync.targets import VLLMTarget  # noqa: E402
 from torch_deltasync.testing import adam_step  # noqa: E402
 from torch_deltasync.testing_vllm import (  # noqa: E402
     TINY_VLLM_CONFIGS,
@@ -329,7 +329,7 @@ def test_engine_target_refuses_other_shapes_before_any_reload(tmp_path, publishe
     # Modules VLLMEngineTarget reloads (every linear on vLLM's CPU build; all of them with
     # in_place="never") are checked against the layer's sizes before anything is written, also
     # when only the host copy is built (engine_writes=False: the backend's assume_version).
-    from torch_deltasync.targets.vllm_engine import VLLMEngineTarget
+    from torch_deltasync.targets import VLLMEngineTarget
 
     store, model, vc, before = _other_model_published(tmp_path, published_qwen2)
     target = VLLMEngineTarget(model, vc.model_config, in_place="never")

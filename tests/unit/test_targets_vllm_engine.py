@@ -1,4 +1,4 @@
-"""VLLMEngineTarget (``targets/vllm_engine.py``) on vLLM's own CPU model classes, without an engine.
+"""VLLMEngineTarget (``targets/_vllm_engine.py``) on vLLM's own CPU model classes, without an engine.
 
 What runs here: the per-module choice between in place and reload (``check``), in-place commits
 through the TP map next to the host copy in HF layout, the host-only mode (``engine_writes=False``,
@@ -17,7 +17,7 @@ from torch import nn
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
 from torch_deltasync.checksum import tensor_checksum
 from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError
-from torch_deltasync.targets.vllm_engine import VLLMEngineTarget
+from torch_deltasync.targets import VLLMEngineTarget
 from torch_deltasync.testing import adam_step, state_bits
 
 BF16 = torch.bfloat16

@@ -50,7 +50,7 @@ from ..errors import CorruptObjectError, IncompatibleTargetError, ObjectNotFound
 from ..receiver import DeltaReceiver, ReceiverConfig
 from ..sender import AnchorPolicy, DeltaSender, SenderConfig
 from ..store import Store, open_store
-from ..targets.module import ModuleTarget
+from ..targets import ModuleTarget
 from ._sender_options import receiver_config as _receiver_config
 from ._sender_options import sender_config as _sender_config
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .base import PrefixStore, Store, check_key
-from .local import LocalStore
-from .retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
+from ._base import PrefixStore, Store, check_key
+from ._local import LocalStore
+from ._retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._fsspec import FsspecStore

@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ..errors import TransientStoreError
-from .base import Store, check_key
-from .retry import RetryPolicy, call_with_retry, classify_error
+from ._base import Store, check_key
+from ._retry import RetryPolicy, call_with_retry, classify_error
 
 __all__ = ["FsspecStore", "s3_storage_options"]
 
@@ -82,7 +82,7 @@ class FsspecStore(Store):
     one, never a torn write), so ``put`` writes the key directly. Use only protocols with that
     property; for a local or network folder use :class:`~torch_deltasync.LocalStore`.
 
-    Every call runs through :func:`~torch_deltasync.store.retry.call_with_retry` (deadline,
+    Every call runs through :func:`~torch_deltasync.store._retry.call_with_retry` (deadline,
     retries with backoff) and raises :class:`~torch_deltasync.errors.StoreError` /
     :class:`~torch_deltasync.errors.ObjectNotFoundError` naming the store, key and cause.
     Concurrent calls from several threads (the receiver's download pool) run in parallel: s3fs

@@ -18,7 +18,7 @@ store call                    ``huggingface_hub``
 
 Authentication is the standard Hugging Face one: the ``token`` argument, else ``HF_TOKEN``, else the
 token saved by ``hf auth login``; ``HF_ENDPOINT`` selects another Hub. Every call runs through
-:func:`~torch_deltasync.store.retry.call_with_retry` (deadline, retries on 429/5xx and connection
+:func:`~torch_deltasync.store._retry.call_with_retry` (deadline, retries on 429/5xx and connection
 errors). ``huggingface_hub`` retries some HTTP calls itself (``http_backoff``); that loop cannot be
 turned off, so a call may take a few more tries than :class:`RetryPolicy` says.
 """
@@ -32,8 +32,8 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
 from ._http import http_status
-from .base import Store, check_key
-from .retry import RetryPolicy, Verdict, call_with_retry, classify_error
+from ._base import Store, check_key
+from ._retry import RetryPolicy, Verdict, call_with_retry, classify_error
 
 __all__ = ["HFBucketStore", "parse_bucket_uri"]
 
@@ -60,12 +60,12 @@ def parse_bucket_uri(uri: str) -> tuple[str, str]:
 
 
 def classify_hf_error(e: BaseException) -> Verdict:
-    """:data:`~torch_deltasync.store.retry.Classifier` for ``huggingface_hub`` errors.
+    """:data:`~torch_deltasync.store._retry.Classifier` for ``huggingface_hub`` errors.
 
     A missing entry (``EntryNotFoundError``, HTTP 404 on a file) is ``"missing"``; a missing bucket
     (``BucketNotFoundError``, ``RepositoryNotFoundError``) is ``"no_store"``; a refused token (401,
     403) and offline mode are ``"fatal"``;
-    everything else is decided by :func:`~torch_deltasync.store.retry.classify_error` (429/5xx and
+    everything else is decided by :func:`~torch_deltasync.store._retry.classify_error` (429/5xx and
     connection errors are transient).
     """
     from huggingface_hub import errors as hf_errors

@@ -1,5 +1,5 @@
 """The HTTP status behind a driver's exception: what the default classifier
-(:func:`~torch_deltasync.store.retry.classify_error`) and the Hugging Face one (``_hf``) decide by."""
+(:func:`~torch_deltasync.store._retry.classify_error`) and the Hugging Face one (``_hf``) decide by."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from collections import Counter
 from typing import TypeVar
 
 from ..errors import TransientStoreError
-from .base import Store
+from ._base import Store
 
 __all__ = ["FaultyStore"]
 

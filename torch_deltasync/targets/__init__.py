@@ -1,10 +1,10 @@
 """Where deltas land: an ``nn.Module`` / state dict in HF naming, vLLM TP parameters in place, or a
 live vLLM worker (a host copy in HF layout, re-packing the modules a commit changed)."""
 
-from .base import Target
-from .module import ModuleTarget
-from .vllm import VLLMTarget  # vLLM itself is imported lazily, on first use
-from .vllm_engine import VLLMEngineTarget
+from ._base import Target
+from ._module import ModuleTarget
+from ._vllm import VLLMTarget  # vLLM itself is imported lazily, on first use
+from ._vllm_engine import VLLMEngineTarget
 
 __all__ = ["Target", "ModuleTarget", "VLLMTarget", "VLLMEngineTarget"]
 

@@ -1,7 +1,7 @@
 """How vLLM lays out each HF tensor on one TP rank: the name mapping and the place of every
 element, mirroring vLLM's own weight loaders (``ColumnParallelLinear``, ``MergedColumnParallelLinear``,
 ``QKVParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``, ``FusedMoE``; see
-:mod:`torch_deltasync.targets.vllm` for the rules and their sources). :class:`VLLMTarget` resolves
+:mod:`torch_deltasync.targets._vllm` for the rules and their sources). :class:`VLLMTarget` resolves
 every published tensor through these methods once, in ``check()``."""
 
 from __future__ import annotations

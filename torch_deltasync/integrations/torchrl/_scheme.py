@@ -22,8 +22,7 @@ from ..._dtypes import as_dtype
 from ...acks import AckBook, StoreAcks
 from ...receiver import DeltaReceiver, ReceiverConfig
 from ...sender import AnchorPolicy, DeltaSender, SenderConfig
-from ...store import Store, open_store
-from ...store.base import check_key
+from ...store import Store, check_key, open_store
 from .._sender_options import receiver_config as _receiver_config
 from .._sender_options import sender_config as _sender_config
 from .._sender_options import split_options

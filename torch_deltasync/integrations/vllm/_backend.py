@@ -22,7 +22,7 @@ Data path::
 * ``update_weights({"update_info": {"version": v}})`` commits version ``v``: the staged update when
   it is ready, else it is prepared inside the call (counted in the stall, reported in the stats).
   Only writes happen here: ``index_copy_`` into in-place parameters and a layerwise reload of the
-  vLLM modules whose live weights are derived copies (:mod:`torch_deltasync.targets.vllm_engine`).
+  vLLM modules whose live weights are derived copies (:mod:`torch_deltasync.targets._vllm_engine`).
 * ``finish_weight_update(weight_version=str(v))`` lets ``get_weight_version`` / ``/weight_info``
   report it. Pausing (``pause_generation(mode=..., clear_cache=True)``, which also drops every
   cached KV block of the old weights) and resuming stay the caller's, as for every vLLM backend;
@@ -149,7 +149,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             DeltaSyncError: the store, a version or the model does not fit (the message says which).
         """
         from ...receiver import DeltaReceiver
-        from ...targets.vllm_engine import VLLMEngineTarget
+        from ...targets import VLLMEngineTarget
 
         if init_info is None:
             return  # the init_info was refused; another worker raised the reason (parse_init_info)

@@ -13,7 +13,7 @@ from .. import _native, _native_apply
 from .._dtypes import bits, int_view_dtype
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError
-from .base import TARGET_MEMBERS, Target
+from ._base import TARGET_MEMBERS, Target
 
 __all__ = ["ModuleTarget"]
 

@@ -33,7 +33,7 @@ from typing import Callable, Literal, TypeVar
 
 from ..errors import ObjectNotFoundError, StoreError, StoreNotFoundError, TransientStoreError
 from ._http import http_status
-from .base import Store
+from ._base import Store
 
 __all__ = ["RetryPolicy", "RetryingStore", "DeadlineStore", "DEFAULT_TIMEOUT_S", "call_with_retry",
            "classify_error", "Classifier"]

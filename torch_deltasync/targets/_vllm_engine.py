@@ -12,7 +12,7 @@ tensor per published name (``host``), and pushes each commit into the engine per
 
 * **in place** where the live parameter is the loader's layout (norms; embeddings and linears when
   nothing re-packs them, e.g. bf16 on GPU): the changed elements are written with ``index_copy_``
-  through :class:`~torch_deltasync.targets.vllm.VLLMTarget`'s TP map, ``O(changed elements)``;
+  through :class:`~torch_deltasync.targets.VLLMTarget`'s TP map, ``O(changed elements)``;
 * **reload** where it is derived: the module is reloaded whole from the host copy through vLLM's
   layerwise reload (``vllm/model_executor/model_loader/reload/layerwise.py``:
   ``initialize_layerwise_reload`` on the changed modules → ``model.load_weights`` of the HF tensors
@@ -41,8 +41,8 @@ from torch import nn
 
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
-from .base import Target
-from .vllm import VLLMTarget
+from ._base import Target
+from ._vllm import VLLMTarget
 
 __all__ = ["VLLMEngineTarget"]
 
@@ -248,7 +248,7 @@ class VLLMEngineTarget(Target):
 def _full_shape(module: nn.Module | None, mapped: tuple[str, int | None] | None) -> tuple[int, ...] | None:
     """The full HF shape a reloaded tensor must have, from its vLLM layer's unsharded sizes
     (``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py``; the same attributes
-    the TP map of :mod:`torch_deltasync.targets.vllm` reads); ``None`` for layers not known here (the
+    the TP map of :mod:`torch_deltasync.targets._vllm` reads); ``None`` for layers not known here (the
     layer's loader checks those at the reload)."""
     from ._vllm_layout import _classes
 

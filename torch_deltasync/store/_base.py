@@ -151,7 +151,7 @@ class Store(Protocol):
         return None
 
     #: Whether :func:`~torch_deltasync.open_store` must wrap this store in a
-    #: :class:`~torch_deltasync.store.retry.DeadlineStore` so that no call can block forever. The
+    #: :class:`~torch_deltasync.store._retry.DeadlineStore` so that no call can block forever. The
     #: built-in stores set it to ``False``: remote ones run every call under a
     #: :class:`~torch_deltasync.store.RetryPolicy` deadline, and ``LocalStore`` makes plain file
     #: system calls (give it one with ``open_store(path, timeout_s=...)``).

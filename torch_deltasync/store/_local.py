@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import ObjectExistsError, ObjectNotFoundError, StoreError, StoreNotFoundError
-from .base import Store, check_key
+from ._base import Store, check_key
 
 __all__ = ["LocalStore"]
 
@@ -35,7 +35,7 @@ class LocalStore(Store):
     :class:`~torch_deltasync.errors.StoreError`, and :meth:`list` leaves such links out.
 
     Calls have no deadline of their own (plain file system calls); ``open_store(path,
-    timeout_s=...)`` wraps the store in a :class:`~torch_deltasync.store.retry.DeadlineStore`,
+    timeout_s=...)`` wraps the store in a :class:`~torch_deltasync.store._retry.DeadlineStore`,
     e.g. for a network mount that may hang.
 
     Args:

@@ -81,7 +81,7 @@ from torch import nn
 from .. import _native, _native_apply
 from ..checksum import checksum as _checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
-from .base import Target
+from ._base import Target
 
 from ._vllm_layout import DEFAULT_MOE_BACKENDS, _Entry, _flat, _holds_exactly, _Place, _same_tensor, _VLLMLayout
 
@@ -94,7 +94,7 @@ class VLLMTarget(_VLLMLayout, Target):
     """One vLLM worker's model (one TP rank) as a :class:`~torch_deltasync.DeltaReceiver` target.
 
     Build one per worker and give it to a ``DeltaReceiver``; inside a live engine the ``deltasync``
-    backend uses it, through :class:`~torch_deltasync.targets.vllm_engine.VLLMEngineTarget`, for
+    backend uses it, through :class:`~torch_deltasync.targets.VLLMEngineTarget`, for
     the parameters it writes in place. Every rank of the engine follows the same run; each applies exactly the
     elements it holds (replicated ones on every rank that holds them).
 
