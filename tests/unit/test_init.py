@@ -174,3 +174,23 @@ def test_names_that_left_the_root_say_where_they_live():
         assert torch_deltasync.AdapterSender is AdapterSender
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         torch_deltasync.Nope  # noqa: B018
+
+
+@pytest.mark.parametrize("old,name,public", [
+    ("torch_deltasync.store.local", "LocalStore", "torch_deltasync.store"),
+    ("torch_deltasync.store.base", "Store", "torch_deltasync.store"),
+    ("torch_deltasync.store.retry", "RetryPolicy", "torch_deltasync.store"),
+    ("torch_deltasync.targets.module", "ModuleTarget", "torch_deltasync.targets"),
+    ("torch_deltasync.targets.vllm", "VLLMTarget", "torch_deltasync.targets"),
+    ("torch_deltasync.targets.vllm_engine", "VLLMEngineTarget", "torch_deltasync.targets"),
+])
+def test_module_paths_of_0_1_still_import_with_a_warning(old, name, public):
+    import importlib
+
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=rf"{old} is private since 0.2 .*; import {name} from {public}$"):
+        obj = getattr(module, name)
+    assert obj is getattr(importlib.import_module(public), name)
+    with pytest.raises(AttributeError):  # a name the module never had is still an AttributeError
+        with pytest.warns(DeprecationWarning):
+            getattr(module, "no_such_name")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from .._moved import alias_moved as _alias_moved
 from ._base import PrefixStore, Store, check_key
 from ._local import LocalStore
 from ._retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
@@ -134,3 +135,5 @@ def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | o
     from ._fsspec import FsspecStore
 
     return FsspecStore(text, **options)
+
+_alias_moved(__name__, ("base", "local", "retry"))  # the 0.1 module paths, deprecated
