@@ -74,3 +74,17 @@ def parse_object_key(key: str) -> tuple[int, Kind, int, int] | None:
     """``(version, kind, rank, world)`` named by an object key, or ``None`` for any other key."""
     m = _OBJECT_RE.fullmatch(key)
     return (int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))) if m else None
+
+
+def check_version(version: object) -> int:
+    """A version number from the caller: an ``int`` in ``[0, MAX_VERSION]`` (``bool`` is not a version).
+
+    Raises:
+        TypeError: not an ``int``.
+        ValueError: outside ``[0, MAX_VERSION]`` (as the vLLM and HTTP helpers refuse it).
+    """
+    if type(version) is not int:
+        raise TypeError(f"a version is an int, got {type(version).__name__} {version!r}")
+    if not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version must be a published version (int in 0 ... {MAX_VERSION}), got {version}")
+    return version

@@ -29,7 +29,7 @@ from ._memory import physical_nbytes
 from .checksum import format_checksum, parse_checksum
 from .codecs import codec_names
 from .errors import CorruptObjectError
-from .keys import MAX_VERSION, Kind, manifest_key, parse_object_key
+from .keys import MAX_VERSION, Kind, check_version, manifest_key, parse_object_key
 from .store import check_key
 
 __all__ = [
@@ -67,6 +67,8 @@ def load_manifest(store, version: int) -> "Manifest":
     request) before the rest is read, so an oversized object is refused without reading it.
 
     Raises:
+        TypeError, ValueError: ``version`` is not an int in ``[0, MAX_VERSION]``
+            (:func:`~torch_deltasync.keys.check_version`).
         VersionNotFoundError: the version is not visible (never published or not retained).
         CorruptObjectError: the manifest is malformed, its digest does not match, or it is larger
             than :data:`MAX_MANIFEST_BYTES` (the message names the store, key and version).
@@ -74,8 +76,7 @@ def load_manifest(store, version: int) -> "Manifest":
     """
     from .errors import ObjectNotFoundError, VersionNotFoundError
 
-    if type(version) is not int or not 0 <= version <= MAX_VERSION:
-        raise VersionNotFoundError(f"{store.describe()}: invalid version {version!r}")
+    check_version(version)
     key = manifest_key(version)
     where = f"{store.describe()}: {key} (manifest of version {version})"
     try:

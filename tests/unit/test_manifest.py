@@ -266,3 +266,16 @@ def test_oversized_manifest_is_refused_by_its_size_before_reading(tmp_path, monk
     assert 256 < len(ok) < 4096
     store.put(manifest_key(7), ok)
     assert load_manifest(store, 7) == Manifest.from_json(ok)
+
+
+@pytest.mark.parametrize("version,error", [(-1, ValueError), (10**12, ValueError), (True, TypeError),
+                                           ("3", TypeError), (2.0, TypeError)])
+def test_load_manifest_refuses_a_version_that_cannot_exist(tmp_path, version, error):
+    from torch_deltasync import LocalStore
+    """Not "not visible" (VersionNotFoundError): no version could have that number, as the receiver
+    and the vLLM helpers say (keys.check_version)."""
+    from torch_deltasync.manifest import load_manifest
+
+    store = LocalStore(tmp_path / "b")
+    with pytest.raises(error, match="version"):
+        load_manifest(store, version)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import CorruptObjectError, VersionNotFoundError
-from ..keys import MAX_VERSION
 from ..manifest import Manifest
 
 
@@ -56,20 +55,6 @@ class UpdatePlan:
         lines = [f"update {self.from_version} -> {self.to_version} via {self.path} path, {self.nbytes:,} bytes"]
         lines += [f"  v{s.version:<8d} {s.kind:<6s} {s.nbytes:>14,d} B  {s.reason}" for s in self.steps]
         return "\n".join(lines)
-
-
-def check_version(version: object) -> int:
-    """A version number from the caller: an ``int`` in ``[0, MAX_VERSION]`` (``bool`` is not a version).
-
-    Raises:
-        TypeError: not an ``int``.
-        ValueError: outside ``[0, MAX_VERSION]`` (as the vLLM and HTTP helpers refuse it).
-    """
-    if type(version) is not int:
-        raise TypeError(f"a version is an int, got {type(version).__name__} {version!r}")
-    if not 0 <= version <= MAX_VERSION:
-        raise ValueError(f"version must be a published version (int in 0 ... {MAX_VERSION}), got {version}")
-    return version
 
 
 def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manifest: Callable[..., Manifest],

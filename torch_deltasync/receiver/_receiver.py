@@ -47,12 +47,12 @@ from ..errors import (
     SyncTimeoutError, VersionNotFoundError,
 )
 from ..format import verify_bytes
-from ..keys import LATEST_KEY, MAX_VERSION, list_versions, manifest_key
+from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manifest_key
 from ..manifest import Manifest, load_manifest
 from ..store import Store, open_store
 from ..targets import ModuleTarget, Target
 from ._config import ReceiverConfig
-from ._plan import PlanStep, UpdatePlan, check_version, walk_chain
+from ._plan import PlanStep, UpdatePlan, walk_chain
 from ._stage import StagedUpdate, UpdateStats, stage_anchor, stage_deltas, verify_checksums
 
 log = logging.getLogger("torch_deltasync.receiver")
