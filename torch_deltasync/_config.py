@@ -17,26 +17,35 @@ from typing import Any, TypeVar
 C = TypeVar("C")
 
 
-def with_options(config: C, options: Mapping[str, Any], owner: str, *, takes: str,
-                 exclude: Collection[str] = ()) -> C:
-    """``config`` with ``options`` replacing its fields; the new config checks them (``__post_init__``).
+def with_options(config: C | None, cls: type[C], options: Mapping[str, Any], owner: str, *, takes: str,
+                 exclude: Collection[str] = (), argument: str = "config") -> C:
+    """``config`` (default ``cls()``) with ``options`` replacing its fields; the new config checks
+    them (``__post_init__``).
 
     Args:
-        config: a dataclass instance (the defaults, or a config the caller passed).
+        config: the config the caller passed, or ``None`` for the defaults.
+        cls: the config class the owner takes (``SenderConfig``).
         options: ``{field name: value}`` overrides, e.g. a constructor's ``**options``.
         owner: who was given ``options``, for the message (``"DeltaSender"``).
         takes: how the message introduces the valid names (``"its options are SenderConfig's fields"``).
         exclude: fields the owner sets itself, refused as options.
+        argument: the owner's name for ``config``, for the message (``"sender_config"``).
 
     Returns:
         ``config`` itself when ``options`` is empty, else a new config.
 
     Raises:
-        TypeError: a name that is not a field of ``config`` (or is excluded); the message lists the
-            valid names, sorted. Also what the config's own checks raise for a bad value.
+        TypeError: ``config`` is not a ``cls`` (e.g. a dict, or the other side's config); a name
+            that is not a field of ``cls`` (or is excluded), the message listing the valid names,
+            sorted. Also what the config's own checks raise for a bad value.
         ValueError: what the config's own checks raise for a bad value.
     """
-    valid = sorted(f.name for f in dataclasses.fields(config) if f.name not in exclude)
+    if config is None:
+        config = cls()
+    elif not isinstance(config, cls):
+        raise TypeError(f"{owner}: {argument} must be a {cls.__name__} (or None for the defaults), got "
+                        f"{type(config).__name__} {config!r}")
+    valid = sorted(f.name for f in dataclasses.fields(cls) if f.name not in exclude)
     bad = sorted(k for k in options if k not in valid)
     if bad:
         raise TypeError(f"{owner} got unexpected keyword argument(s) {bad}; {takes}: {valid}")

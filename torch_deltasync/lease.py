@@ -36,6 +36,7 @@ import uuid
 import weakref
 from dataclasses import asdict, dataclass
 
+from ._units import is_real_number
 from .errors import ObjectExistsError, ObjectNotFoundError, PrefixInUseError
 
 __all__ = ["OWNER_KEY", "OwnerRecord", "PrefixLease", "DEFAULT_LEASE_S"]
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 OWNER_KEY = "OWNER"
 #: Default lease (seconds): a writer that stops renewing (killed) frees its prefix after this long.
 DEFAULT_LEASE_S = 60.0
+#: The shortest lease (seconds): the record is renewed every ``lease_s / 4``.
+MIN_LEASE_S = 0.1
+#: The longest ``run_id`` (and host name) an owner record holds.
+MAX_RUN_ID_CHARS = 256
+
 #: Largest owner record read (bytes); anything larger is malformed.
 _MAX_RECORD_NBYTES = 64 << 10
 
@@ -84,7 +90,7 @@ class OwnerRecord:
             return None
         strings = [doc.get(k) for k in ("run_id", "session", "host")]
         numbers = [doc.get(k) for k in ("renewed_at", "lease_s")]
-        if (not all(isinstance(s, str) and len(s) <= 256 for s in strings) or type(doc.get("pid")) is not int
+        if (not all(isinstance(s, str) and len(s) <= MAX_RUN_ID_CHARS for s in strings) or type(doc.get("pid")) is not int
                 or not all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in numbers)):
             return None
         return cls(doc["run_id"], doc["session"], doc["host"], doc["pid"], float(doc["renewed_at"]),
@@ -132,8 +138,12 @@ class PrefixLease:
     """
 
     def __init__(self, store, run_id: str, *, lease_s: float = DEFAULT_LEASE_S, takeover: bool = False) -> None:
-        if type(lease_s) not in (int, float) or not math.isfinite(lease_s) or lease_s <= 0:
-            raise ValueError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
+        if not is_real_number(lease_s) or not math.isfinite(lease_s) or lease_s < MIN_LEASE_S:
+            raise ValueError(f"lease_s must be a positive number of seconds (at least {MIN_LEASE_S:g}), got {lease_s!r}")
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= MAX_RUN_ID_CHARS:
+            raise ValueError(f"run_id must be a non-empty string of at most {MAX_RUN_ID_CHARS} characters, got "
+                             f"{run_id!r:.80}")
+        lease_s = float(lease_s)
         self.store = store
         self.record = OwnerRecord(run_id, uuid.uuid4().hex, socket.gethostname(), os.getpid(), 0.0, float(lease_s))
         self._lost: str | None = None  # why the prefix is no longer ours

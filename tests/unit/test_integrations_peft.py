@@ -292,3 +292,16 @@ def test_misspelt_options_are_named_with_the_adapter_class(tmp_path):
 
     with pytest.raises(TypeError, match=r"AdapterReceiver got unexpected keyword argument\(s\) \['prefx'\].*'max_workers'"):
         AdapterReceiver(None, str(tmp_path / "b"), prefx="x")
+
+
+def test_anchor_every_as_a_keyword_sets_the_adapter_cadence(tmp_path):
+    """``AdapterSender(..., anchor_every=k)`` anchors every k versions (it used to be ignored)."""
+    from torch_deltasync.integrations.peft import AdapterSender
+
+    model = lora_model()
+    sender = AdapterSender(model, LocalStore(tmp_path / "b"), anchor_every=5)
+    assert sender.policy.every == 5 and sender.policy.chain_ratio == 2.0
+    sender.close()
+    default = AdapterSender(model, LocalStore(tmp_path / "c"))
+    assert default.policy.every is None
+    default.close()

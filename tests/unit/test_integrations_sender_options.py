@@ -133,3 +133,21 @@ def test_vllm_weight_sender_takes_a_config(tmp_path):
     assert s.sender_options == {"inference_dtype": torch.float32}
     with pytest.raises(ValueError, match=r'link_gbps is only used by codec="auto"'):
         DeltaVLLMWeightSender(str(tmp_path), link_gbps=5.0)
+
+
+def test_a_config_of_the_other_side_is_refused_naming_the_integrations_argument():
+    with pytest.raises(TypeError, match=r"Scheme: sender_config must be a SenderConfig .*got ReceiverConfig"):
+        sender_config({}, "Scheme", config=ReceiverConfig())
+    with pytest.raises(TypeError, match=r"Scheme: receiver_config must be a ReceiverConfig .*got SenderConfig"):
+        receiver_config({"max_workers": 2}, "Scheme", config=SenderConfig())
+    with pytest.raises(TypeError, match=r"AdapterSender: config must be a SenderConfig .*got dict"):
+        sender_config({}, "AdapterSender", config={"anchor_every": 3}, argument="config")
+
+
+def test_the_torchrl_scheme_refuses_a_wrong_config_when_built():
+    from torch_deltasync.integrations.torchrl import DeltaWeightSyncScheme
+
+    with pytest.raises(TypeError, match=r"sender_config must be a SenderConfig"):
+        DeltaWeightSyncScheme("unused-bucket", sender_config=ReceiverConfig())
+    with pytest.raises(TypeError, match=r"receiver_config must be a ReceiverConfig"):
+        DeltaWeightSyncScheme("unused-bucket", receiver_config=SenderConfig(), max_workers=2)

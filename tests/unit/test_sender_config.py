@@ -84,7 +84,7 @@ VALID_SENDER = [
     dict(inference_dtype=torch.float32),
     dict(snapshot_device="cpu"),
     dict(snapshot_device=torch.device("cpu")),
-    dict(snapshot_device="cuda:0"),  # a device name; whether it exists is not the config's business
+    dict(snapshot_device=torch.device("cpu")),
     dict(codec="auto", link_gbps=10),  # an int is a number of Gbit/s
     dict(run_id=""),  # empty: random, as before
     dict(metrics_path=""),  # empty: none, as before
@@ -114,7 +114,7 @@ INVALID_SENDER = [
     (dict(run_id=7), TypeError, r"SenderConfig.run_id must be a string or None, got 7", "not a string"),
     (dict(metrics_path=3), TypeError, r"SenderConfig.metrics_path must be a path", "not a path"),
     (dict(retention=dict(keep_anchors=1)), TypeError, r"SenderConfig.retention must be a RetentionPolicy or None", "a dict"),
-    (dict(lease_s=0), ValueError, r"SenderConfig.lease_s must be a positive number of seconds \(int or float, finite\), got 0", "zero"),
+    (dict(lease_s=0), ValueError, r"SenderConfig.lease_s must be a positive number of seconds \(finite, at least 0.1\), got 0", "zero"),
     (dict(lease_s=float("nan")), ValueError, r"SenderConfig.lease_s must be a positive number", "nan"),
     (dict(lease_s="60"), ValueError, r"SenderConfig.lease_s must be a positive number of seconds", "a string"),
     (dict(lease_s=True), ValueError, r"SenderConfig.lease_s", "a bool is not a duration"),
@@ -204,3 +204,50 @@ def test_bad_receiver_options(tmp_path):
         DeltaReceiver(_state(), LocalStore(tmp_path), max_worker=2)
     with pytest.raises(ValueError, match=r"ReceiverConfig.max_workers must be an int >= 1, got 0"):
         DeltaReceiver(_state(), LocalStore(tmp_path), max_workers=0)
+
+
+@pytest.mark.parametrize("config", [ReceiverConfig(), {}, {"anchor_every": 3}, "packed"])
+def test_a_config_of_another_class_is_refused_naming_the_argument(tmp_path, config):
+    from torch_deltasync import DeltaSender, LocalStore
+
+    store = LocalStore(tmp_path / "b")
+    with pytest.raises(TypeError, match=r"DeltaSender: config must be a SenderConfig \(or None"):
+        DeltaSender({"w": torch.zeros(4)}, store, config=config)
+    assert not (tmp_path / "b" / "OWNER").exists()  # nothing claimed, nothing written
+
+
+def test_a_sender_config_given_to_the_receiver_is_refused(tmp_path):
+    from torch_deltasync import DeltaReceiver, LocalStore
+
+    with pytest.raises(TypeError, match=r"DeltaReceiver: config must be a ReceiverConfig"):
+        DeltaReceiver({"w": torch.zeros(4)}, LocalStore(tmp_path / "b"), config=SenderConfig(), max_workers=2)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(run_id="r" * 257), r"run_id must be at most 256 characters, got 257"),
+    (dict(lease_s=1e-9), r"lease_s must be a positive number of seconds \(finite, at least 0.1\)"),
+    (dict(snapshot_device="meta"), r"snapshot_device 'meta' cannot hold a snapshot \(meta tensors hold no data\)"),
+])
+def test_values_that_would_fail_a_later_publish_are_refused_when_built(options, match):
+    with pytest.raises(ValueError, match=match):
+        SenderConfig(**options)
+
+
+def test_a_256_character_run_id_and_numpy_lease_work(tmp_path):
+    import numpy as np
+
+    from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
+
+    w = {"w": torch.arange(8, dtype=torch.float32)}
+    sender = DeltaSender(w, LocalStore(tmp_path / "b"), run_id="r" * 256, lease_s=np.float64(5.0))
+    v = sender.publish()
+    sender.close()
+    replica = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    assert DeltaReceiver(replica, LocalStore(tmp_path / "b")).update() == v
+    assert torch.equal(replica["w"].view(torch.int16), w["w"].to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: 'cuda:0' is valid here")
+def test_a_cuda_snapshot_without_cuda_is_refused_when_built():
+    with pytest.raises(ValueError, match=r"snapshot_device 'cuda:0' cannot hold a snapshot on this machine \(no CUDA device\)"):
+        SenderConfig(snapshot_device="cuda:0")

@@ -27,7 +27,7 @@ _TAKES = "besides its own options it takes {}'s"
 
 
 def sender_config(options: Mapping[str, Any], owner: str, *, config: SenderConfig | None = None,
-                  exclude: Collection[str] = ()) -> SenderConfig:
+                  exclude: Collection[str] = (), argument: str = "sender_config") -> SenderConfig:
     """The :class:`~torch_deltasync.sender.SenderConfig` an integration's sender publishes with.
 
     Args:
@@ -36,23 +36,24 @@ def sender_config(options: Mapping[str, Any], owner: str, *, config: SenderConfi
         config: the integration's ``sender_config=`` (default ``SenderConfig()``); ``options``
             override its fields.
         exclude: fields the integration sets itself (refused as options).
+        argument: the integration's name for ``config``, for the message.
 
     Raises:
-        TypeError: an option that is not a ``SenderConfig`` field, or one the integration sets
+        TypeError: ``config`` is not a ``SenderConfig``; an option that is not a ``SenderConfig`` field, or one the integration sets
             itself (the message lists the valid names); an option of the wrong type.
         ValueError: a value ``SenderConfig`` refuses (e.g. an unknown ``codec``, or ``codec="auto"``
             without a valid ``link_gbps``).
     """
-    return with_options(config or SenderConfig(), options, owner, takes=_TAKES.format("DeltaSender"),
-                        exclude=exclude)
+    return with_options(config, SenderConfig, options, owner, takes=_TAKES.format("DeltaSender"),
+                        exclude=exclude, argument=argument)
 
 
 def receiver_config(options: Mapping[str, Any], owner: str, *, config: ReceiverConfig | None = None,
-                    exclude: Collection[str] = ()) -> ReceiverConfig:
+                    exclude: Collection[str] = (), argument: str = "receiver_config") -> ReceiverConfig:
     """The :class:`~torch_deltasync.receiver.ReceiverConfig` an integration's receiver uses; as
     :func:`sender_config`, for ``DeltaReceiver``'s options (``max_workers``, ``metrics_path``)."""
-    return with_options(config or ReceiverConfig(), options, owner, takes=_TAKES.format("DeltaReceiver"),
-                        exclude=exclude)
+    return with_options(config, ReceiverConfig, options, owner, takes=_TAKES.format("DeltaReceiver"),
+                        exclude=exclude, argument=argument)
 
 
 def split_options(options: Mapping[str, Any], owner: str, *,

@@ -305,7 +305,8 @@ class AdapterSender(DeltaSender):
             delta when that is smaller than a full adapter, else a full adapter; and a receiver
             that joins late never downloads more than about three adapters' worth (a lower
             ``chain_ratio`` lowers that bound and costs upload bytes: ``docs/lora.md``).
-            ``anchor_every`` is not used: pass a policy.
+            ``anchor_every=k`` as a keyword sets that default's cadence (an anchor every ``k``
+            versions); a config's ``anchor_every`` is not used: pass a policy.
         config: the other publish options, as for :class:`~torch_deltasync.DeltaSender`
             (:class:`~torch_deltasync.sender.SenderConfig`; ``inference_dtype``: bf16 by default,
             ``torch.float32`` ships the fp32 factors exactly).
@@ -330,12 +331,13 @@ class AdapterSender(DeltaSender):
     def __init__(self, model: Any, store: Store | str, *, adapter_name: str = "default", prefix: str = "",
                  anchor_policy: AnchorPolicy | None = None, config: SenderConfig | None = None,
                  **kwargs: Any) -> None:
-        config = _sender_config(kwargs, "AdapterSender", config=config, exclude=("anchor_policy",))
+        config = _sender_config(kwargs, "AdapterSender", config=config, exclude=("anchor_policy",), argument="config")
         adapter_state_dict(model, adapter_name)  # fail early with a clear message
         lora_config = _peft_config(model, adapter_name)
         self.peft_model = model
         self.adapter_name = adapter_name
-        policy = anchor_policy or config.anchor_policy or AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)
+        every = kwargs["anchor_every"] if "anchor_every" in kwargs else None  # a keyword sets the cadence
+        policy = anchor_policy or config.anchor_policy or AnchorPolicy(every=every, chain_ratio=2.0, max_delta_ratio=1.0)
         super().__init__(lambda: adapter_state_dict(model, adapter_name), store, prefix=prefix,
                          config=config, anchor_policy=policy)
         self.adapter_config = lora_config

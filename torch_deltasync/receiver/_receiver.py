@@ -108,7 +108,7 @@ class DeltaReceiver:
         config: ReceiverConfig | None = None,
         **options: Any,
     ) -> None:
-        config = with_options(config or ReceiverConfig(), options, type(self).__name__,
+        config = with_options(config, ReceiverConfig, options, type(self).__name__,
                               takes="its options are ReceiverConfig's fields")
         self.receiver_config = config
         self.target = target if isinstance(target, Target) else ModuleTarget(target)

@@ -16,7 +16,8 @@ import torch
 
 from .._dtypes import as_dtype
 from ..codecs import get_codec, sender_codec
-from ..lease import DEFAULT_LEASE_S
+from .._units import is_real_number
+from ..lease import DEFAULT_LEASE_S, MAX_RUN_ID_CHARS, MIN_LEASE_S
 from ..retention import RetentionPolicy
 from ._policy import AnchorPolicy
 
@@ -74,8 +75,8 @@ class SenderConfig:
     upload on a worker thread."""
 
     run_id: str | None = None
-    """Identifies this writer in manifests and in the prefix's owner record. ``None`` (or ``""``):
-    random. Receivers cross from one run to another only by an anchor."""
+    """Identifies this writer in manifests and in the prefix's owner record, at most 256
+    characters. ``None`` (or ``""``): random. Receivers cross from one run to another only by an anchor."""
 
     metrics_path: str | os.PathLike | None = None
     """File to append one JSON line of :class:`~torch_deltasync.sender.PublishStats` to per
@@ -91,8 +92,8 @@ class SenderConfig:
     next publish with :class:`~torch_deltasync.errors.PrefixInUseError`)."""
 
     lease_s: float = DEFAULT_LEASE_S
-    """Seconds the prefix stays owned after this sender stops renewing its lease, a positive finite
-    number (default 60). The sender renews every ``lease_s / 4`` while open; ``close()`` releases
+    """Seconds the prefix stays owned after this sender stops renewing its lease, a finite number
+    of at least 0.1 (default 60; any other value, of any type, is a ``ValueError``). The sender renews every ``lease_s / 4`` while open; ``close()`` releases
     it at once."""
 
     def __post_init__(self) -> None:
@@ -113,10 +114,14 @@ class SenderConfig:
                 raise TypeError(f"SenderConfig.snapshot_device must be a torch.device, a device string such as "
                                 f"'cpu', or None, got {self.snapshot_device!r}")
             try:
-                torch.device(self.snapshot_device)
+                device = torch.device(self.snapshot_device)
             except (RuntimeError, ValueError):
                 raise ValueError(f"SenderConfig.snapshot_device must be a device such as 'cpu' or 'cuda:0', got "
                                  f"{self.snapshot_device!r}") from None
+            if device.type == "meta" or (device.type == "cuda" and not torch.cuda.is_available()):
+                raise ValueError(f"SenderConfig.snapshot_device {self.snapshot_device!r} cannot hold a snapshot "
+                                 f"{'(meta tensors hold no data)' if device.type == 'meta' else 'on this machine (no CUDA device)'}; "
+                                 "use 'cpu' or None (each tensor's own device)")
         if not isinstance(self.codec, str):
             raise TypeError(f"SenderConfig.codec must be a codec name (str), got {self.codec!r}")
         name = self.codec_name  # "auto" without a valid link_gbps, or link_gbps with another codec
@@ -128,11 +133,14 @@ class SenderConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SenderConfig.{name} must be True or False, got {getattr(self, name)!r}")
         _check_optional("run_id", self.run_id, str, "a string or None")
+        if self.run_id is not None and len(self.run_id) > MAX_RUN_ID_CHARS:
+            raise ValueError(f"SenderConfig.run_id must be at most {MAX_RUN_ID_CHARS} characters, got "
+                             f"{len(self.run_id)}")
         _check_optional("metrics_path", self.metrics_path, (str, os.PathLike), "a path (str or os.PathLike) or None")
         _check_optional("retention", self.retention, RetentionPolicy, "a RetentionPolicy or None")
-        if type(self.lease_s) not in (int, float) or not (math.isfinite(self.lease_s) and self.lease_s > 0):
-            raise ValueError(f"SenderConfig.lease_s must be a positive number of seconds (int or float, finite), "
-                             f"got {self.lease_s!r}")
+        if not is_real_number(self.lease_s) or not (math.isfinite(self.lease_s) and self.lease_s >= MIN_LEASE_S):
+            raise ValueError(f"SenderConfig.lease_s must be a positive number of seconds (finite, at least "
+                             f"{MIN_LEASE_S:g}), got {self.lease_s!r}")
 
     @property
     def effective_anchor_policy(self) -> AnchorPolicy:

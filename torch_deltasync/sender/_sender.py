@@ -98,12 +98,13 @@ class DeltaSender:
 
     Example:
         >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), anchor_every=10)
-        >>> # the same options as a config, shared by several senders:
-        >>> config = SenderConfig(anchor_every=10, codec="raw")
-        >>> sender = DeltaSender(model, LocalStore("runs/x/bucket"), config=config)
         >>> for step in range(100):
         ...     train_step(model)
         ...     v = sender.publish()          # blocks until version v is visible
+        >>> sender.close()                    # frees the prefix for the next writer
+        >>> # the options as a config, shared by several senders (keywords override its fields):
+        >>> config = SenderConfig(anchor_every=10, codec="raw")
+        >>> sender = DeltaSender(model, "runs/x/bucket", prefix="run-2", config=config, background=True)
     """
 
     def __init__(
@@ -116,7 +117,7 @@ class DeltaSender:
         config: SenderConfig | None = None,
         **options: Any,
     ) -> None:
-        config = with_options(config or SenderConfig(), options, type(self).__name__,
+        config = with_options(config, SenderConfig, options, type(self).__name__,
                               takes="its options are SenderConfig's fields")
         self.config = config
         self.model = model
