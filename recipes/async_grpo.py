@@ -457,6 +457,7 @@ class Controller:
         self.metrics.write("setup", trainer_pids=[v["pid"] for v in setup_t.values()], generator_pids=self.gen_pids,
                            server_pids=self.server_pids, server_dirs=[g["server_dir"] for g in gens if g.get("server_dir")],
                            params=t0_info["params"], seconds=time.perf_counter() - t0,
+                           warm_up_s=[g.get("warm_up_s") for g in gens],
                            trainer_times=[v["times"] for v in setup_t.values()])
         self.say(f"policy: {t0_info['params']:,} parameters; trainer procs {cfg.trainer_procs} "
                  f"(pids {[v['pid'] for v in setup_t.values()]}); generator pids {self.gen_pids}; "

@@ -228,15 +228,22 @@ class GeneratorActor(Actor):
         self.max_new_tokens = max_new_tokens(cfg, self.tok)
         # the backend seeds torch with this: it is also the replica's sampling seed
         self.backend = make_backend(cfg.generator_backend, cfg, self.tok, seed=cfg.seed + 1000 + self.index)
+        warm_s = None
         try:
             self.backend.attach(self.bucket, self.prefix)
+            if hasattr(self.backend, "warm_up"):  # an engine whose first batch is slow: pay it now
+                from .policy import group_prompts
+
+                rng = random.Random(f"{cfg.seed}/{self.index}/warm-up")
+                pids, pmask, _ = group_prompts(self.task, self.tok, rng, cfg.prompts_per_batch, cfg.group_size)
+                warm_s = self.backend.warm_up(pids, pmask, max_new_tokens=self.max_new_tokens)
         except BaseException:
             close = getattr(self.backend, "close", None)
             if close is not None:
                 close()
             raise
         return {"pid": os.getpid(), "index": self.index, "server_pids": list(getattr(self.backend, "server_pids", [])),
-                "server_dir": getattr(self.backend, "workdir", None)}
+                "server_dir": getattr(self.backend, "workdir", None), "warm_up_s": warm_s}
 
     @endpoint
     async def update_weights(self, version: int) -> dict[str, Any]:

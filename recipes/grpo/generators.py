@@ -161,14 +161,38 @@ class VLLMServerGenerator:
         info = attach_server(self.server.url, store, prefix)
         self.status_dir = info.get("status_dir")
 
-    def update(self, version: int, *, stage_timeout_s: float = 60.0) -> dict[str, Any]:
+    def warm_up(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int) -> float:
+        """Generate one batch on the placeholder weights, as a rollout does (one request per prompt
+        group, all at once), and return its seconds. A fresh vLLM CPU server's first batch costs
+        5-21 s on 2 cores against 0.1-0.9 s for the next ones (docs/async_grpo.md); paid here, at
+        set-up, it neither delays the first rollouts nor lengthens a commit whose pause waits for a
+        slow engine step. The outputs are discarded."""
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        groups: dict[tuple[int, ...], int] = {}
+        for row, m in zip(prompt_ids, prompt_mask):
+            key = tuple(row[m.bool()].tolist())
+            groups[key] = groups.get(key, 0) + 1
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="warm-up") as pool:
+            futures = [pool.submit(self.server.generate, list(p), max_tokens=max_new_tokens,
+                                   temperature=self.cfg.temperature, n=n, stop_token_ids=[self.tok.eos_id])
+                       for p, n in groups.items()]
+            for f in futures:
+                f.result()
+        return time.perf_counter() - t0
+
+    def update(self, version: int, *, stage_timeout_s: float = 2.0) -> dict[str, Any]:
         """Commit ``version`` or a newer one, once every worker staged it (drain: nothing is in flight).
 
         The backend stages only the newest version it sees, so by the time a replica asks for
         ``version`` its workers may have staged a newer one and will never stage ``version``
         itself: the commit takes the newest version every worker staged, if it is ``>= version``
         (waiting up to ``stage_timeout_s`` for one; past it, ``version`` is committed and the
-        workers prepare it inside the pause)."""
+        workers prepare it inside the pause). The replica generates nothing meanwhile, so a
+        pause that prepares costs no more than waiting; a long wait only lets a stager that falls
+        behind a fast trainer chase it (a 44 s wait with the old 60 s bound on a loaded machine)."""
         import time
 
         from torch_deltasync.integrations.vllm import read_readiness, update_server
