@@ -41,6 +41,7 @@ class ScriptedEngine:
             if not self.waiting:
                 return None
             self._version += 1
+            self.waiting = 0  # every waiting request is released by this commit (not by a later poll)
             self.committed.append((self._version, mode))
             self.aborting = mode == "abort"
             self.cond.notify_all()
@@ -56,7 +57,6 @@ class ScriptedEngine:
                     v0 = self._version
                     self.waiting += 1
                     self.cond.wait_for(lambda: self._version != v0)
-                    self.waiting -= 1
                     if self.aborting:
                         self.aborting = False
                         finish = "abort"
