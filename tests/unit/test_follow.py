@@ -341,3 +341,24 @@ def test_follow_newer_refuses_pauses_that_would_spin(kw, error, message):
 def test_follow_refuses_durations_that_are_not_finite_seconds(tmp_path, kw, error, message):
     with pytest.raises(error, match=message):
         follow(LocalStore(tmp_path), out=io.StringIO(), **{"poll_s": 0.01, "idle_timeout_s": 0.05, **kw})
+
+
+def test_the_cli_keeps_inf_as_never_and_refuses_an_infinite_poll(tmp_path, capsys, monkeypatch):
+    """``--idle-timeout inf`` meant "never" (as ``<= 0`` does) before ``follow`` refused infinite
+    timeouts: it still does; ``--poll inf`` is refused by the parser, as ``--poll -1`` is."""
+    import torch_deltasync.follow as follow_module
+
+    seen = []
+
+    def fake_follow(store, **kw):
+        seen.append(kw["idle_timeout_s"])
+        return follow_module.FollowReport()
+
+    monkeypatch.setattr(follow_module, "follow", fake_follow)
+    for value, expected in (("inf", None), ("0", None), ("-1", None), ("2.5", 2.5)):
+        assert main(["follow", str(tmp_path), "--idle-timeout", value]) == 0
+        assert seen.pop() == expected
+    for bad in ("inf", "nan", "0"):
+        with pytest.raises(SystemExit) as e:
+            main(["follow", str(tmp_path), "--poll", bad])
+        assert e.value.code == 2 and "--poll: must be a positive finite number" in capsys.readouterr().err
