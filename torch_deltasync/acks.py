@@ -15,7 +15,8 @@ sender's side: the newest version each worker acknowledged, and :meth:`AckBook.w
 hangs: a dead worker process is noticed within one poll, a silent one after the timeout.
 
 Acknowledgements are untrusted input: they are parsed as JSON (never unpickled), and a malformed one
-is ignored, as if it had not arrived.
+(including one whose ``worker`` is not the worker its key or queue belongs to, or whose ``version``
+no run could have) is ignored, as if it had not arrived, and logged at debug level.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Literal, Protocol
 
+from ._units import check_seconds
 from .errors import SyncTimeoutError, WorkerError
-from .keys import ack_key
+from .keys import MAX_VERSION, ack_key, check_ack_model, check_worker
 
 __all__ = ["AckBook", "AckChannel", "OnFailure", "StoreAcks", "ack_message", "parse_ack"]
 
@@ -54,22 +56,37 @@ def ack_message(worker: int, version: int | None, error: str | None) -> dict[str
 
     Args:
         worker: the receiver's index, ``>= 0``.
-        version: the version it now holds, or (with ``error``) the version it could not apply;
-            ``None`` when unknown.
+        version: the version it now holds, or (with ``error``) the version it could not apply
+            (an ``int`` in ``[0, MAX_VERSION]``); ``None`` when unknown.
         error: why the version could not be applied (``"TypeName: message"``), ``None`` on success.
 
     Returns:
         ``{"worker", "version", "error", "time"}``; ``time`` is the receiver's wall clock (seconds
         since the epoch), for logs only.
+
+    Raises:
+        TypeError: ``worker`` or ``version`` is not an ``int`` (``bool`` is refused), or ``error``
+            is neither a ``str`` nor ``None``.
+        ValueError: ``worker`` is negative, or ``version`` is outside ``[0, MAX_VERSION]``.
     """
+    check_worker(worker, "ack_message")
+    if version is not None and type(version) is not int:
+        raise TypeError(f"ack_message: version must be an int in 0 ... {MAX_VERSION} or None, got "
+                        f"{type(version).__name__} {version!r}")
+    if version is not None and not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"ack_message: version must be an int in 0 ... {MAX_VERSION} or None, got {version}")
+    if error is not None and not isinstance(error, str):
+        raise TypeError(f"ack_message: error must be a str ('TypeName: message') or None, got "
+                        f"{type(error).__name__} {error!r}")
     return {"worker": worker, "version": version, "error": error, "time": time.time()}
 
 
 def parse_ack(msg: Any) -> tuple[int, int | None, str | None] | None:
     """``(worker, version, error)`` from an acknowledgement, or ``None`` if it is malformed.
 
-    Malformed: not a dict, ``worker`` not an int (``bool`` is refused), ``version`` neither ``None``
-    nor an int. An ``error`` that is not a string reads as ``None`` (no error).
+    Malformed: not a dict, ``worker`` not an int ``>= 0`` (``bool`` is refused), ``version`` neither
+    ``None`` nor an int in ``[0, MAX_VERSION]`` (a version no run could have would count as caught
+    up forever). An ``error`` that is not a string reads as ``None`` (no error).
 
     Example:
         >>> parse_ack({"worker": 2, "version": 7, "error": None})
@@ -80,7 +97,7 @@ def parse_ack(msg: Any) -> tuple[int, int | None, str | None] | None:
     if not isinstance(msg, dict):
         return None
     w, v, err = msg.get("worker"), msg.get("version"), msg.get("error")
-    if not isinstance(w, int) or isinstance(w, bool) or (v is not None and (not isinstance(v, int) or isinstance(v, bool))):
+    if type(w) is not int or w < 0 or (v is not None and (type(v) is not int or not 0 <= v <= MAX_VERSION)):
         return None
     return w, v, err if isinstance(err, str) else None
 
@@ -92,14 +109,19 @@ class StoreAcks:
 
     For receivers that share no process tree with the sender (standalone collectors, other hosts).
     Receivers need write access to the store. Objects are read as untrusted JSON: one that is
-    missing, unreadable or not a JSON object counts as no acknowledgement.
+    missing, unreadable, not a JSON object, or whose ``worker`` is not the worker of its key counts
+    as no acknowledgement.
 
     Args:
         model_key: the model's name as a key segment (no ``/``), shared by sender and receivers.
+
+    Raises:
+        TypeError: ``model_key`` is not a ``str``.
+        ValueError: ``model_key`` is not one key segment (e.g. it contains ``/``).
     """
 
     def __init__(self, model_key: str) -> None:
-        self.model_key = model_key
+        self.model_key = check_ack_model(model_key, "StoreAcks(model_key=...)")
 
     def key(self, worker: int) -> str:
         """The key of ``worker``'s acknowledgement, relative to the run prefix."""
@@ -109,6 +131,7 @@ class StoreAcks:
         """Write ``msg`` (an :func:`ack_message`) as ``msg["worker"]``'s acknowledgement.
 
         Raises:
+            TypeError, ValueError: ``msg["worker"]`` is not a worker index (an ``int >= 0``).
             StoreError: the store refused the write (the caller decides whether that matters).
         """
         store.put(self.key(msg["worker"]), json.dumps(msg).encode())
@@ -116,15 +139,23 @@ class StoreAcks:
     def poll(self, store: Any, workers: set[int], wait_s: float) -> list[dict[str, Any]]:
         """The current acknowledgement object of each of ``workers`` (one store read each), in
         worker order; sleeps ``wait_s`` seconds when there is none. Never raises for a missing or
-        malformed object."""
+        malformed object; one whose ``worker`` is not ``w`` (written under another worker's key) is
+        ignored, so no worker can confirm for another."""
         out = []
         for w in sorted(workers):
+            key = self.key(w)
             try:
-                raw = json.loads(store.get(self.key(w)).decode())
+                raw = json.loads(store.get(key).decode())
             except Exception:  # noqa: BLE001 - not written yet, or garbage: no acknowledgement
                 continue
-            if isinstance(raw, dict):
-                out.append(raw)
+            if not isinstance(raw, dict):
+                log.debug("ignoring the acknowledgement at %r: not a JSON object", key)
+                continue
+            if type(raw.get("worker")) is not int or raw["worker"] != w:
+                log.debug("ignoring the acknowledgement at %r: its worker field %r is not %d",
+                          key, raw.get("worker"), w)
+                continue
+            out.append(raw)
         if not out:
             time.sleep(wait_s)
         return out
@@ -175,17 +206,22 @@ class AckBook:
             version: the version to wait for.
             store: passed to the channel (the run's store for :class:`StoreAcks`).
             workers: the workers to wait for, ``None``: all expected; ids not expected are ignored.
-            timeout_s: seconds to wait for the slowest worker, counted from the call.
-            poll_s: seconds between reads of the channel (at most 0.05 s are used).
+            timeout_s: seconds to wait for the slowest worker, counted from the call (finite,
+                ``>= 0``; ``0``: read once).
+            poll_s: seconds between reads of the channel (finite, ``> 0``; at most 0.05 s are used).
             process_of: the process of a worker (``None`` when unknown), with ``is_alive()``,
                 ``pid`` and ``exitcode`` (a ``multiprocessing.Process``); ``None``: never checked.
 
         Raises:
+            TypeError, ValueError: ``timeout_s`` or ``poll_s`` is not a finite number of seconds in
+                range (checked before anything is read).
             WorkerError: (``on_failure="raise"``) a worker died or reported an error applying
                 ``version`` or a newer one.
             SyncTimeoutError: (same) a worker did not confirm within ``timeout_s``; the message
                 names each such worker, ``version`` and the version it holds.
         """
+        check_seconds(timeout_s, "timeout_s", "AckBook.wait", positive=False)
+        check_seconds(poll_s, "poll_s", "AckBook.wait", positive=True)
         deadline = time.monotonic() + timeout_s
         # Read what arrived since the last wait first: a skipped worker that acknowledged since is
         # waited for again, even when every target worker had been skipped.
@@ -226,6 +262,8 @@ class AckBook:
         for msg in self.channel.poll(store, set(self.expected), wait_s):
             parsed = parse_ack(msg)
             if parsed is None:
+                if self.log.isEnabledFor(logging.DEBUG):
+                    self.log.debug(f"{self.who}: ignoring a malformed acknowledgement {msg!r:.200}")
                 continue
             w, ver, err = parsed
             if err is not None:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -58,6 +59,13 @@ def _positive_float(text: str) -> float:
     v = float(text)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def _positive_finite_float(text: str) -> float:
+    v = float(text)
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return v
 
 
@@ -399,9 +407,9 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
     p.add_argument("--model", default=None,
                    help="HF checkpoint to receive into (none: zeros shaped from the first manifest)")
-    p.add_argument("--poll", type=_positive_float, default=0.2, help="seconds between polls")
+    p.add_argument("--poll", type=_positive_finite_float, default=0.2, help="seconds between polls")
     p.add_argument("--idle-timeout", type=float, default=60.0,
-                   help="stop after this many seconds without a new version (<= 0: never)")
+                   help="stop after this many seconds without a new version (<= 0 or inf: never)")
     p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates (none: never)")
     p.add_argument("--until", type=int, default=None,
                    help="stop once this version (or a newer one) is held (none: never)")
@@ -414,7 +422,7 @@ def _follow(args: argparse.Namespace) -> int:
     from .follow import follow
 
     report = follow(_open(args.store, args), prefix=args.prefix, model=args.model, poll_s=args.poll,
-                    idle_timeout_s=args.idle_timeout if args.idle_timeout > 0 else None,
+                    idle_timeout_s=args.idle_timeout if 0 < args.idle_timeout < math.inf else None,
                     max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)
     print(f"{len(report.versions)} updates, {len(report.failures)} failed"
           + (f", store unavailable {report.outages} times (ridden out)" if report.outages else ""))

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO, TypeVar
 
-from ._units import format_bytes
+from ._units import check_seconds, format_bytes
 
 __all__ = ["follow", "FollowReport", "follow_newer", "poll_until", "wait_for_newer"]
 
@@ -95,9 +95,9 @@ def wait_for_newer(
 
     Args:
         receiver: the :class:`~torch_deltasync.DeltaReceiver` whose held ``version`` is compared.
-        poll_s: seconds between polls.
+        poll_s: seconds between polls (finite, ``> 0``).
         idle_timeout_s: return ``None`` once the newest visible version has not changed for this
-            many seconds (counted from the call; ``0``: poll once); ``None``: never.
+            many seconds (counted from the call; finite, ``>= 0``; ``0``: poll once); ``None``: never.
         stop: return ``None`` once set; polls wait on it, so setting it ends the wait at once.
         skip: versions not to return although newer (e.g. one whose update just failed); called
             with the newest visible version.
@@ -106,7 +106,13 @@ def wait_for_newer(
 
     Returns:
         The newest visible version (``!= receiver.version``, not skipped), or ``None``.
+
+    Raises:
+        TypeError, ValueError: ``poll_s`` or ``idle_timeout_s`` is not a finite number of seconds
+            in range (checked before the first poll).
     """
+    check_seconds(poll_s, "poll_s", "wait_for_newer", positive=True)
+    check_seconds(idle_timeout_s, "idle_timeout_s", "wait_for_newer", positive=False, none_ok=True)
     read = read or receiver.newest_version
     last_seen, last_new = None, time.monotonic()
     while True:
@@ -155,15 +161,21 @@ def follow_newer(
     Args:
         receiver: the :class:`~torch_deltasync.DeltaReceiver` whose held ``version`` is compared.
         handle: called with each newer version (on this thread); its return value is ignored.
-        poll_s: seconds of pause between two rounds.
+        poll_s: seconds of pause between two rounds (finite, ``> 0``).
         stop: ends the loop once set; pauses wait on it (on ``wake`` when given: set ``stop``, then
             ``wake``, to end a pause at once).
         wake: ends the current pause early (then cleared): the next poll happens at once.
         skip: newer versions not to hand (see :func:`wait_for_newer`).
         read: reads the newest visible version (see :func:`wait_for_newer`).
         on_error: called with each error of ``read`` or ``handle`` (default: a logged warning).
-        max_backoff_s: the longest pause after errors, in seconds.
+        max_backoff_s: the longest pause after errors, in seconds (finite, ``> 0``).
+
+    Raises:
+        TypeError, ValueError: ``poll_s`` or ``max_backoff_s`` is not a finite number of seconds
+            ``> 0`` (checked before the first round: a pause of ``0`` or less would spin).
     """
+    check_seconds(poll_s, "poll_s", "follow_newer", positive=True)
+    check_seconds(max_backoff_s, "max_backoff_s", "follow_newer", positive=True)
     pause = poll_s
     waiter = wake if wake is not None else stop
     while not stop.is_set():
@@ -188,13 +200,20 @@ def poll_until(check: Callable[[], T | None], *, timeout_s: float, poll_s: float
 
     Args:
         check: one poll (e.g. "load the newest version if it is newer"); its errors propagate.
-        timeout_s: seconds after the call from which no further poll starts (``0``: poll once).
-        poll_s: seconds of sleep between two polls.
+        timeout_s: seconds after the call from which no further poll starts (finite, ``>= 0``;
+            ``0``: poll once).
+        poll_s: seconds of sleep between two polls (finite, ``> 0``).
 
     Returns:
         The first result of ``check()`` that is not ``None``, or ``None`` once ``timeout_s`` passed
         (callers raise their own ``TimeoutError`` naming what did not appear).
+
+    Raises:
+        TypeError, ValueError: ``timeout_s`` or ``poll_s`` is not a finite number of seconds in
+            range (checked before the first poll).
     """
+    check_seconds(timeout_s, "timeout_s", "poll_until", positive=False)
+    check_seconds(poll_s, "poll_s", "poll_until", positive=True)
     deadline = time.monotonic() + timeout_s
     while True:
         got = check()
@@ -225,9 +244,9 @@ def follow(
         prefix: the run's prefix inside the store.
         model: a Hugging Face checkpoint (folder or hub id) to receive into; ``None`` builds a
             state dict of zeros from the first manifest's shapes, in the inference dtype.
-        poll_s: seconds between polls of the store.
+        poll_s: seconds between polls of the store (finite, ``> 0``).
         idle_timeout_s: stop after this many seconds without a new version (also while waiting for
-            the first one); ``None``: never.
+            the first one; finite, ``>= 0``); ``None``: never.
         max_updates: stop after this many successful updates; ``None``: never.
         until_version: stop once the model holds this version or a newer one; ``None``: never.
         metrics_path: append one JSON line per update (the printed numbers plus the receiver's
@@ -240,6 +259,8 @@ def follow(
         A :class:`FollowReport`.
 
     Raises:
+        TypeError, ValueError: ``poll_s`` or ``idle_timeout_s`` is not a finite number of seconds
+            in range.
         VersionNotFoundError: no version appeared within ``idle_timeout_s``.
         IncompatibleTargetError: ``model`` does not match the published tensors.
         StoreError: the store failed other than transiently (e.g. ``StoreNotFoundError``).
@@ -250,6 +271,8 @@ def follow(
     from .receiver import DeltaReceiver
     from .store import open_store
 
+    check_seconds(poll_s, "poll_s", "follow", positive=True)
+    check_seconds(idle_timeout_s, "idle_timeout_s", "follow", positive=False, none_ok=True)
     out = out or sys.stdout
     st = open_store(store).sub(prefix)
     report = FollowReport()

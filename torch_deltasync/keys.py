@@ -24,6 +24,8 @@ MAX_VERSION = 10**12 - 1
 
 Kind = Literal["anchor", "delta"]
 _MANIFEST_RE = re.compile(r"versions/([0-9]{12})\.json")
+#: One key segment (as :func:`torch_deltasync.store.check_key` allows them).
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._=+@,-]+")
 _OBJECT_RE = re.compile(r"objects/([0-9]{12})/(anchor|delta)-r([0-9]{5})-of([0-9]{5})\.safetensors")
 
 
@@ -42,10 +44,47 @@ def ack_key(model: str, worker: int) -> str:
     relative to the run prefix: ``acks/<model>/worker-<worker:05d>.json``.
 
     Args:
-        model: the acknowledging model's name, already a safe key segment (no ``/``).
-        worker: the receiver's index, ``>= 0`` (5 digits in the key; larger indices get more).
+        model: the acknowledging model's name, already a safe key segment (no ``/``;
+            :func:`check_ack_model`).
+        worker: the receiver's index, ``>= 0`` (5 digits in the key; larger indices get more;
+            :func:`check_worker`).
+
+    Raises:
+        TypeError, ValueError: ``model`` or ``worker`` is not one (see the two checks).
     """
-    return f"acks/{model}/worker-{worker:05d}.json"
+    return f"acks/{check_ack_model(model)}/worker-{check_worker(worker):05d}.json"
+
+
+def check_ack_model(model: object, where: str = "ack_key") -> str:
+    """A model name for acknowledgement keys: one key segment (``[A-Za-z0-9._=+@,-]+``, not ``.``
+    or ``..``; in particular no ``/``).
+
+    Raises:
+        TypeError: not a ``str``.
+        ValueError: not one key segment.
+    """
+    if not isinstance(model, str):
+        raise TypeError(f"{where}: the model name must be a str, got {type(model).__name__} {model!r}")
+    if model in (".", "..") or not _SEGMENT_RE.fullmatch(model):
+        why = "contains '/'" if "/" in model else "is not one key segment"
+        raise ValueError(f"{where}: model name {model!r} {why}; pass the model's name as a single key segment "
+                         "(letters, digits and ._=+@,- only, e.g. 'policy')")
+    return model
+
+
+def check_worker(worker: object, where: str = "ack_key") -> int:
+    """A receiver's (worker's) index: an ``int`` ``>= 0`` (``bool`` is not one).
+
+    Raises:
+        TypeError: not an ``int``.
+        ValueError: negative.
+    """
+    if type(worker) is not int:
+        raise TypeError(f"{where}: worker must be an int >= 0 (the receiver's index), got "
+                        f"{type(worker).__name__} {worker!r}")
+    if worker < 0:
+        raise ValueError(f"{where}: worker must be >= 0 (the receiver's index), got {worker}")
+    return worker
 
 
 def list_versions(store) -> list[int]:

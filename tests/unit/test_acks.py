@@ -14,7 +14,7 @@ import pytest
 from torch_deltasync import LocalStore
 from torch_deltasync.acks import AckBook, StoreAcks, ack_message, parse_ack
 from torch_deltasync.errors import SyncTimeoutError, WorkerError
-from torch_deltasync.keys import ack_key
+from torch_deltasync.keys import MAX_VERSION, ack_key
 
 
 @pytest.fixture
@@ -119,6 +119,11 @@ MALFORMED = [
     (json.dumps({"worker": True, "version": 9}).encode(), "worker a bool"),
     (json.dumps({"worker": 0, "version": "9"}).encode(), "version not an int"),
     (json.dumps({"worker": 0, "version": 9.0}).encode(), "version a float"),
+    (json.dumps({"worker": 0, "version": 99999999999999999999999}).encode(), "version past MAX_VERSION"),
+    (json.dumps({"worker": 0, "version": 10**12}).encode(), "version one past MAX_VERSION"),
+    (json.dumps({"worker": 0, "version": -1}).encode(), "version negative"),
+    (json.dumps({"worker": 1, "version": 9}).encode(), "worker 1 under worker 0's key"),
+    (json.dumps({"worker": -1, "version": 9}).encode(), "worker negative"),
 ]
 
 
@@ -138,5 +143,127 @@ def test_parse_ack():
     assert parse_ack({"worker": 2, "version": None, "error": "E: x"}) == (2, None, "E: x")
     assert parse_ack({"worker": 2, "version": 7, "error": 5}) == (2, 7, None)  # a non-string error is no error
     assert parse_ack({"worker": 2}) == (2, None, None)
-    for bad in (None, [2, 7], {"version": 7}, {"worker": 1.0, "version": 7}, {"worker": 1, "version": False}):
-        assert parse_ack(bad) is None
+    assert parse_ack({"worker": 0, "version": MAX_VERSION}) == (0, MAX_VERSION, None)
+    for bad in (None, [2, 7], {"version": 7}, {"worker": 1.0, "version": 7}, {"worker": 1, "version": False},
+                {"worker": -1, "version": 7}, {"worker": 1, "version": -1}, {"worker": 1, "version": MAX_VERSION + 1},
+                {"worker": 0, "version": 99999999999999999999999, "error": "E: x"}):
+        assert parse_ack(bad) is None, bad
+
+
+def test_an_ack_under_another_workers_key_does_not_confirm_that_worker(store, caplog):
+    """Worker 0's object claiming to be worker 1's acknowledgement credits nobody (any process that
+    may write one worker's key could otherwise confirm versions for every other worker)."""
+    acks = StoreAcks("m")
+    store.put(acks.key(0), json.dumps({"worker": 1, "version": 5}).encode())
+    book = _book(acks, 2)
+    with caplog.at_level(logging.DEBUG, logger="torch_deltasync.acks"):
+        with pytest.raises(SyncTimeoutError, match=r"worker 1 did not confirm version 5 within 0.05 s \(it holds "
+                                                   r"version None\)"):
+            book.wait(5, store, workers=[1], timeout_s=0.05, poll_s=0.01)
+    assert book.acked == {} and book.errors == {}
+    assert "'acks/m/worker-00000.json': its worker field 1 is not 0" in caplog.text
+    assert acks.poll(store, {0, 1}, 0.0) == []
+    acks.post(store, ack_message(1, 5, None))  # worker 1's own: counts
+    book.wait(5, store, workers=[1], timeout_s=5, poll_s=0.01)
+    assert book.acked == {1: 5}
+
+
+def test_a_version_no_run_could_have_never_counts_as_caught_up(store):
+    acks = StoreAcks("m")
+    store.put(acks.key(0), json.dumps({"worker": 0, "version": 99999999999999999999999}).encode())
+    book = _book(acks, 1)
+    with pytest.raises(SyncTimeoutError, match="worker 0 did not confirm version 5"):
+        book.wait(5, store, timeout_s=0.05, poll_s=0.01)
+    acks.post(store, ack_message(0, 5, None))
+    book.wait(5, store, timeout_s=5, poll_s=0.01)
+    with pytest.raises(SyncTimeoutError, match="worker 0 did not confirm version 6"):  # 5 was not "forever"
+        book.wait(6, store, timeout_s=0.05, poll_s=0.01)
+
+
+@pytest.mark.parametrize("model,error,message", [
+    ("a/b", ValueError, r"StoreAcks\(model_key=...\): model name 'a/b' contains '/'; pass the model's name as a "
+                        r"single key segment"),
+    ("", ValueError, r"model name '' is not one key segment"),
+    ("..", ValueError, r"model name '..' is not one key segment"),
+    ("a b", ValueError, r"model name 'a b' is not one key segment"),
+    (5, TypeError, r"StoreAcks\(model_key=...\): the model name must be a str, got int 5"),
+])
+def test_store_acks_refuses_a_model_name_that_is_not_one_key_segment(model, error, message):
+    with pytest.raises(error, match=message):
+        StoreAcks(model)
+    with pytest.raises(error, match=message.replace(r"StoreAcks\(model_key=...\)", "ack_key")):
+        ack_key(model, 0)
+
+
+@pytest.mark.parametrize("worker,error,message", [
+    (-1, ValueError, r"ack_message: worker must be >= 0 \(the receiver's index\), got -1"),
+    (True, TypeError, r"ack_message: worker must be an int >= 0 \(the receiver's index\), got bool True"),
+    ("0", TypeError, r"ack_message: worker must be an int >= 0 .*got str '0'"),
+    (1.0, TypeError, r"ack_message: worker must be an int >= 0 .*got float 1.0"),
+    (None, TypeError, r"ack_message: worker must be an int >= 0 .*got NoneType None"),
+])
+def test_ack_message_refuses_a_worker_that_is_not_an_index(store, worker, error, message):
+    with pytest.raises(error, match=message):
+        ack_message(worker, 1, None)
+    with pytest.raises(error, match=message.replace("ack_message", "ack_key")):
+        ack_key("m", worker)
+    with pytest.raises(error, match=message.replace("ack_message", "ack_key")):  # a hand-made message
+        StoreAcks("m").post(store, {"worker": worker, "version": 1, "error": None})
+    assert store.list("acks") == []  # nothing like worker--0001.json was written
+
+
+@pytest.mark.parametrize("version,error,message", [
+    (-1, ValueError, r"ack_message: version must be an int in 0 ... 999999999999 or None, got -1"),
+    (MAX_VERSION + 1, ValueError, r"ack_message: version must be an int in 0 ... 999999999999 or None, got "
+                                  r"1000000000000"),
+    (True, TypeError, r"ack_message: version must be .*, got bool True"),
+    ("3", TypeError, r"ack_message: version must be .*, got str '3'"),
+])
+def test_ack_message_refuses_a_version_no_run_could_have(version, error, message):
+    with pytest.raises(error, match=message):
+        ack_message(0, version, None)
+
+
+def test_ack_message_refuses_an_error_that_is_not_a_string():
+    with pytest.raises(TypeError, match=r"ack_message: error must be a str \('TypeName: message'\) or None, got "
+                                        r"int 5"):
+        ack_message(0, 1, 5)
+    assert ack_message(0, None, "E: x")["error"] == "E: x" and ack_message(0, MAX_VERSION, None)["version"] == MAX_VERSION
+
+
+class _CountingChannel:
+    def __init__(self):
+        self.polls = 0
+
+    def post(self, store, msg):
+        pass
+
+    def poll(self, store, workers, wait_s):
+        self.polls += 1
+        return []
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(timeout_s=float("nan")), ValueError, r"AckBook.wait: timeout_s must be a finite number of seconds >= 0, "
+                                               r"got nan"),
+    (dict(timeout_s=float("inf")), ValueError, r"AckBook.wait: timeout_s must be a finite .*got inf"),
+    (dict(timeout_s=-1), ValueError, r"AckBook.wait: timeout_s must be a finite number of seconds >= 0, got -1"),
+    (dict(timeout_s="5"), TypeError, r"AckBook.wait: timeout_s must be a number of seconds >= 0, got str '5'"),
+    (dict(timeout_s=None), TypeError, r"AckBook.wait: timeout_s must be a number of seconds >= 0, got NoneType"),
+    (dict(poll_s=-1), ValueError, r"AckBook.wait: poll_s must be a finite number of seconds > 0, got -1"),
+    (dict(poll_s=0), ValueError, r"AckBook.wait: poll_s must be a finite number of seconds > 0, got 0"),
+    (dict(poll_s=float("nan")), ValueError, r"AckBook.wait: poll_s must be a finite .*got nan"),
+    (dict(poll_s=True), TypeError, r"AckBook.wait: poll_s must be a number of seconds > 0, got bool True"),
+])
+def test_wait_refuses_timeouts_and_poll_intervals_that_are_not_finite_seconds(kw, error, message):
+    """A NaN timeout used to wait forever (every comparison with NaN is false), a negative poll
+    interval to fail in ``time.sleep`` without naming ``poll_s``: both are refused before anything
+    is read."""
+    channel = _CountingChannel()
+    book = AckBook(channel, [0], who="x")
+    with pytest.raises(error, match=message):
+        book.wait(5, None, **{"timeout_s": 0.05, "poll_s": 0.05, **kw})
+    assert channel.polls == 0
+    with pytest.raises(SyncTimeoutError):  # valid values: unchanged
+        book.wait(5, None, timeout_s=0, poll_s=0.05)

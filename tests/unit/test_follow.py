@@ -145,7 +145,7 @@ def test_follow_rides_out_store_outages(tmp_path):
 
     store.hook = hook
     out = io.StringIO()
-    report = follow(store, idle_timeout_s=None, poll_s=0.0, until_version=2, out=out)
+    report = follow(store, idle_timeout_s=None, poll_s=0.001, until_version=2, out=out)
     assert stage == ["holding 1", "between", "mid-update"] and store.refused == 65
     assert report.versions == [1, 2] and report.failures == [] and report.outages == 3
     printed = out.getvalue()
@@ -244,3 +244,121 @@ def test_poll_until_returns_the_first_result_or_none_after_the_timeout():
 
     assert poll_until(check, timeout_s=5, poll_s=0.001) == "ready" and len(calls) == 3
     assert poll_until(lambda: None, timeout_s=0, poll_s=3600) is None  # polls once
+
+
+# --- durations are checked at entry: a NaN used to poll forever, a poll interval <= 0 to spin -------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+class _Never:
+    """A receiver whose store never shows a version; counts the reads."""
+
+    version = None
+
+    def __init__(self):
+        self.reads = 0
+
+    def newest_version(self):
+        self.reads += 1
+        return None
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(timeout_s=NAN), ValueError, r"poll_until: timeout_s must be a finite number of seconds >= 0, got nan"),
+    (dict(timeout_s=INF), ValueError, r"poll_until: timeout_s must be a finite number of seconds >= 0, got inf"),
+    (dict(timeout_s=-1), ValueError, r"poll_until: timeout_s must be a finite number of seconds >= 0, got -1"),
+    (dict(timeout_s="1"), TypeError, r"poll_until: timeout_s must be a number of seconds >= 0, got str '1'"),
+    (dict(timeout_s=None), TypeError, r"poll_until: timeout_s must be a number of seconds >= 0, got NoneType"),
+    (dict(poll_s=-1), ValueError, r"poll_until: poll_s must be a finite number of seconds > 0, got -1"),
+    (dict(poll_s=0), ValueError, r"poll_until: poll_s must be a finite number of seconds > 0, got 0"),
+    (dict(poll_s=NAN), ValueError, r"poll_until: poll_s must be a finite number of seconds > 0, got nan"),
+    (dict(poll_s=True), TypeError, r"poll_until: poll_s must be a number of seconds > 0, got bool True"),
+])
+def test_poll_until_refuses_durations_that_are_not_finite_seconds(kw, error, message):
+    from torch_deltasync.follow import poll_until
+
+    calls = []
+    with pytest.raises(error, match=message):
+        poll_until(lambda: calls.append(1), **{"timeout_s": 0.05, "poll_s": 0.01, **kw})
+    assert calls == []  # refused before the first poll
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(idle_timeout_s=NAN), ValueError, r"wait_for_newer: idle_timeout_s must be a finite number of seconds >= 0, "
+                                           r"got nan; pass None to wait without a time limit"),
+    (dict(idle_timeout_s=INF), ValueError, r"wait_for_newer: idle_timeout_s must be a finite .*got inf; pass None"),
+    (dict(idle_timeout_s=-1), ValueError, r"wait_for_newer: idle_timeout_s must be a finite .*>= 0, got -1"),
+    (dict(idle_timeout_s="1"), TypeError, r"wait_for_newer: idle_timeout_s must be a number of seconds >= 0 or None, "
+                                          r"got str '1'"),
+    (dict(poll_s=-1), ValueError, r"wait_for_newer: poll_s must be a finite number of seconds > 0, got -1"),
+    (dict(poll_s=0), ValueError, r"wait_for_newer: poll_s must be a finite number of seconds > 0, got 0"),
+    (dict(poll_s=NAN), ValueError, r"wait_for_newer: poll_s must be a finite number of seconds > 0, got nan"),
+    (dict(poll_s=None), TypeError, r"wait_for_newer: poll_s must be a number of seconds > 0, got NoneType None"),
+])
+def test_wait_for_newer_refuses_durations_that_are_not_finite_seconds(kw, error, message):
+    from torch_deltasync.follow import wait_for_newer
+
+    receiver = _Never()
+    with pytest.raises(error, match=message):
+        wait_for_newer(receiver, **{"poll_s": 0.01, "idle_timeout_s": 0.05, **kw})
+    assert receiver.reads == 0  # refused before the first poll
+    assert wait_for_newer(receiver, poll_s=0.01, idle_timeout_s=0.05) is None  # valid values: unchanged
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(poll_s=0), ValueError, r"follow_newer: poll_s must be a finite number of seconds > 0, got 0"),
+    (dict(poll_s=-1), ValueError, r"follow_newer: poll_s must be a finite number of seconds > 0, got -1"),
+    (dict(poll_s=NAN), ValueError, r"follow_newer: poll_s must be a finite number of seconds > 0, got nan"),
+    (dict(poll_s="0.1"), TypeError, r"follow_newer: poll_s must be a number of seconds > 0, got str '0.1'"),
+    (dict(max_backoff_s=-1), ValueError, r"follow_newer: max_backoff_s must be a finite number of seconds > 0, got -1"),
+    (dict(max_backoff_s=0), ValueError, r"follow_newer: max_backoff_s must be a finite number of seconds > 0, got 0"),
+    (dict(max_backoff_s=NAN), ValueError, r"follow_newer: max_backoff_s must be a finite .*got nan"),
+])
+def test_follow_newer_refuses_pauses_that_would_spin(kw, error, message):
+    """``follow_newer`` loops until ``stop``: with a pause of 0 or less (or NaN) it used to spin."""
+    import threading
+
+    from torch_deltasync.follow import follow_newer
+
+    receiver, handled = _Never(), []
+    with pytest.raises(error, match=message):
+        follow_newer(receiver, handled.append, stop=threading.Event(), **{"poll_s": 0.01, **kw})
+    assert receiver.reads == 0 and handled == []
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(poll_s=0), ValueError, r"follow: poll_s must be a finite number of seconds > 0, got 0"),
+    (dict(poll_s=-1), ValueError, r"follow: poll_s must be a finite number of seconds > 0, got -1"),
+    (dict(idle_timeout_s=NAN), ValueError, r"follow: idle_timeout_s must be a finite number of seconds >= 0, got nan; "
+                                           r"pass None to wait without a time limit"),
+    (dict(idle_timeout_s=-1), ValueError, r"follow: idle_timeout_s must be a finite .*got -1"),
+])
+def test_follow_refuses_durations_that_are_not_finite_seconds(tmp_path, kw, error, message):
+    with pytest.raises(error, match=message):
+        follow(LocalStore(tmp_path), out=io.StringIO(), **{"poll_s": 0.01, "idle_timeout_s": 0.05, **kw})
+
+
+def test_the_cli_keeps_inf_as_never_and_refuses_an_infinite_poll(tmp_path, capsys, monkeypatch):
+    """``--idle-timeout inf`` meant "never" (as ``<= 0`` does) before ``follow`` refused infinite
+    timeouts: it still does; ``--poll inf`` is refused by the parser, as ``--poll -1`` is."""
+    import torch_deltasync.follow as follow_module
+
+    seen = []
+
+    def fake_follow(store, **kw):
+        seen.append(kw["idle_timeout_s"])
+        return follow_module.FollowReport()
+
+    monkeypatch.setattr(follow_module, "follow", fake_follow)
+    for value, expected in (("inf", None), ("0", None), ("-1", None), ("2.5", 2.5)):
+        assert main(["follow", str(tmp_path), "--idle-timeout", value]) == 0
+        assert seen.pop() == expected
+    for bad in ("inf", "nan", "0"):
+        with pytest.raises(SystemExit) as e:
+            main(["follow", str(tmp_path), "--poll", bad])
+        assert e.value.code == 2 and "--poll: must be a positive finite number" in capsys.readouterr().err

@@ -5,6 +5,7 @@ docstring (:mod:`torch_deltasync.integrations.torchrl`).
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import threading
@@ -19,6 +20,7 @@ from torchrl.weight_update.utils import _resolve_model
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
 from ..._dtypes import as_dtype
+from ..._units import check_seconds
 from ...acks import AckBook, StoreAcks
 from ...receiver import DeltaReceiver, ReceiverConfig
 from ...sender import AnchorPolicy, DeltaSender, SenderConfig
@@ -40,6 +42,53 @@ _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9._=+@,-]+")
 _SCHEME_RECEIVER_CONFIG = ReceiverConfig(max_workers=4)
 #: Config fields the scheme declares itself: its metrics_path is a template for both sides.
 _OWN_OPTIONS = frozenset({"metrics_path"})
+
+
+_OWNER = "DeltaWeightSyncScheme"
+
+
+def _check_own_options(*, sync: Any, num_workers: Any, ack_timeout_s: Any, poll_interval_s: Any,
+                       connect_timeout_s: Any, background_receive: Any, version_key: Any, metrics_path: Any,
+                       store_options: Any) -> None:
+    """Refuse the scheme's own options of the wrong type (``TypeError``) or out of range
+    (``ValueError``) when it is built, not at connect or send time in another process."""
+    for name, value, meaning in (
+        ("sync", sync, "True: send waits for the workers' acknowledgements"),
+        ("background_receive", background_receive, "True: receivers follow the store on a daemon thread"),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{_OWNER}: {name} must be a bool ({meaning}), got {type(value).__name__} {value!r}")
+    if num_workers is not None:
+        if type(num_workers) is not int:
+            raise TypeError(f"{_OWNER}: num_workers must be an int >= 1 (the number of receivers send waits for) "
+                            f"or None, got {type(num_workers).__name__} {num_workers!r}")
+        if num_workers < 1:
+            raise ValueError(f"{_OWNER}: num_workers must be >= 1 or None, got {num_workers}")
+    # send's wait never waits forever (AckBook.wait): ack_timeout_s is finite, as the poll interval
+    check_seconds(ack_timeout_s, "ack_timeout_s", _OWNER, positive=True)
+    check_seconds(poll_interval_s, "poll_interval_s", _OWNER, positive=True)
+    if not isinstance(connect_timeout_s, numbers.Real) or isinstance(connect_timeout_s, bool):
+        raise TypeError(f"{_OWNER}: connect_timeout_s must be a number of seconds > 0, got "
+                        f"{type(connect_timeout_s).__name__} {connect_timeout_s!r}")
+    if not connect_timeout_s > 0:
+        raise ValueError(f"{_OWNER}: connect_timeout_s must be > 0 seconds, got {connect_timeout_s}")
+    if version_key is not None and not isinstance(version_key, str):
+        raise TypeError(f"{_OWNER}: version_key must be a str (the root key of the collected data stamped with "
+                        f"the policy version) or None, got {type(version_key).__name__} {version_key!r}")
+    if version_key == "":
+        raise ValueError(f"{_OWNER}: version_key must be a non-empty str or None (None: leave torchrl's stamps "
+                         "alone), got ''")
+    if metrics_path is not None and not (isinstance(metrics_path, (str, os.PathLike))
+                                         and isinstance(os.fspath(metrics_path), str)):
+        raise TypeError(f"{_OWNER}: metrics_path must be a path (str or os.PathLike; '{{worker}}' is replaced by "
+                        f"the worker index) or None, got {type(metrics_path).__name__} {metrics_path!r}")
+    if store_options is not None:
+        if not isinstance(store_options, Mapping):
+            raise TypeError(f"{_OWNER}: store_options must be a dict of open_store options (endpoint, "
+                            f"credentials, ...) or None, got {type(store_options).__name__} {store_options!r}")
+        bad = sorted(repr(k) for k in store_options if not isinstance(k, str))
+        if bad:
+            raise TypeError(f"{_OWNER}: store_options keys must be open_store option names (str), got {bad}")
 
 
 @register_weight_sync_backend("delta")
@@ -70,29 +119,31 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
             ``torch.bfloat16`` makes workers serve in bf16 (the policy must accept bf16 weights).
         device: where a worker materialises a policy that arrived without data (default CPU;
             torchrl moves it to the collector's ``policy_device`` afterwards).
-        sync: ``send`` returns only once the workers have applied the new version (or failed,
+        sync: (bool) ``send`` returns only once the workers have applied the new version (or failed,
             died or timed out; see ``on_worker_failure``). Needs an acknowledgement channel: a
             MultiCollector's workers get a queue; other receivers write ``<prefix>/acks/...``
             objects when ``num_workers`` is set.
-        num_workers: for senders without worker processes of their own (a standalone sender, a
-            single ``Collector``): how many receivers (worker ids ``0..num_workers-1``) ``send``
-            waits for. Receivers configured with it write their acknowledgements to the store.
-        ack_timeout_s: seconds ``send`` waits for acknowledgements before giving up on a worker.
+        num_workers: (int ``>= 1`` or ``None``) for senders without worker processes of their own
+            (a standalone sender, a single ``Collector``): how many receivers (worker ids
+            ``0..num_workers-1``) ``send`` waits for. Receivers configured with it write their
+            acknowledgements to the store.
+        ack_timeout_s: seconds ``send`` waits for acknowledgements before giving up on a worker
+            (finite, ``> 0``).
         on_worker_failure: what ``send`` does when a worker died, reported an error, or timed out:
             ``"raise"`` (:class:`~torch_deltasync.errors.WorkerError` /
             :class:`~torch_deltasync.errors.SyncTimeoutError`) or ``"skip"`` (log a warning, stop waiting
             for that worker until it acknowledges again, carry on with the others).
-        poll_interval_s: how often receivers look for a new version (seconds). Each poll reads
-            ``LATEST`` and checks one manifest: raise it for remote stores (e.g. 1-5 s on S3).
-        connect_timeout_s: how long a receiver's ``connect`` waits for the first version.
-        background_receive: receivers follow the store on a daemon thread; with ``False`` call
+        poll_interval_s: how often receivers look for a new version (seconds; finite, ``> 0``). Each
+            poll reads ``LATEST`` and checks one manifest: raise it for remote stores (e.g. 1-5 s on S3).
+        connect_timeout_s: how long a receiver's ``connect`` waits for the first version (seconds, ``> 0``).
+        background_receive: (bool) receivers follow the store on a daemon thread; with ``False`` call
             :meth:`receive` yourself (e.g. between rollouts).
-        version_key: root key of the collected data that each policy call overwrites with the
+        version_key: (str) root key of the collected data that each policy call overwrites with the
             version whose weights computed the action (``None``: leave torchrl's stamps alone).
-        metrics_path: append publish/update stats as JSON lines (``{worker}`` is replaced by the
-            worker index, ``sender`` on the trainer). Applies to both sides and overrides the
-            configs' own ``metrics_path`` (where ``{worker}`` is replaced too).
-        store_options: options for :func:`~torch_deltasync.open_store` (endpoint, credentials, ...).
+        metrics_path: (str or ``os.PathLike``) append publish/update stats as JSON lines
+            (``{worker}`` is replaced by the worker index, ``sender`` on the trainer). Applies to both
+            sides and overrides the configs' own ``metrics_path`` (where ``{worker}`` is replaced too).
+        store_options: options for :func:`~torch_deltasync.open_store` (a dict: endpoint, credentials, ...).
         strategy: torchrl ``WeightStrategy`` name, used only by :attr:`weights`.
         sender_config: the trainer's :class:`~torch_deltasync.sender.SenderConfig` (default
             ``SenderConfig()``): ``anchor_every`` (anchor cadence in versions, default 10),
@@ -143,7 +194,7 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         connect_timeout_s: float = 300.0,
         background_receive: bool = True,
         version_key: str | None = "policy_version",
-        metrics_path: str | None = None,
+        metrics_path: str | os.PathLike | None = None,
         store_options: dict[str, Any] | None = None,
         strategy: Literal["tensordict", "state_dict"] = "tensordict",
         sender_config: SenderConfig | None = None,
@@ -153,12 +204,10 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         super().__init__(strategy)
         if on_worker_failure not in ("raise", "skip"):
             raise ValueError(f"on_worker_failure must be 'raise' or 'skip', got {on_worker_failure!r}")
-        for name, value in (("ack_timeout_s", ack_timeout_s), ("poll_interval_s", poll_interval_s),
-                            ("connect_timeout_s", connect_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value}")
-        if num_workers is not None and num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1 or None, got {num_workers}")
+        _check_own_options(sync=sync, num_workers=num_workers, ack_timeout_s=ack_timeout_s,
+                           poll_interval_s=poll_interval_s, connect_timeout_s=connect_timeout_s,
+                           background_receive=background_receive, version_key=version_key,
+                           metrics_path=metrics_path, store_options=store_options)
         if prefix is not None:
             check_key(prefix, allow_empty=True)
         self.store_spec = store
@@ -181,7 +230,7 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         self.connect_timeout_s = float(connect_timeout_s)
         self.background_receive = background_receive
         self.version_key = version_key
-        self.metrics_path = metrics_path
+        self.metrics_path = None if metrics_path is None else os.fspath(metrics_path)
         self._acks: QueueAcks | StoreAcks | None = None  # a channel, travels to the workers
         self._expected: list[int] = []
         self._reset_runtime()

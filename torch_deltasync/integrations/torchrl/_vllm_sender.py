@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 from torchrl._utils import logger as torchrl_logger
 
+from ..._units import check_seconds
 from ...sender import DeltaSender, SenderConfig
 from ...store import Store, open_store
 from .._sender_options import sender_config as _sender_config
@@ -57,8 +58,8 @@ class DeltaVLLMWeightSender:
         init_info: extra fields of the backend's ``init_info`` (``assume_version``: the engine
             loaded that version's checkpoint, so the first update is a delta; ``in_place``,
             ``max_workers``, ``metrics_path``, ...; see ``DeltaSyncInitInfo``).
-        rpc_timeout_s: timeout for each ``collective_rpc`` of an ``AsyncVLLM`` (seconds; ``None``:
-            the engine's).
+        rpc_timeout_s: timeout for each ``collective_rpc`` of an ``AsyncVLLM`` (seconds, finite and
+            ``> 0``; ``None``: the engine's).
         sender_config: the options of the :class:`~torch_deltasync.DeltaSender` built on the first
             update (:class:`~torch_deltasync.sender.SenderConfig`; default ``SenderConfig()``).
         sender_options: ``SenderConfig`` fields as keywords (``anchor_every``, ``anchor_policy``,
@@ -68,8 +69,8 @@ class DeltaVLLMWeightSender:
     Raises:
         TypeError: a keyword that is neither this sender's nor a ``SenderConfig`` field (the
             message lists the valid names), or an option of the wrong type.
-        ValueError: an option ``SenderConfig`` refuses (e.g. an unknown ``codec``), or a bad
-            ``init_info`` value.
+        ValueError: an option ``SenderConfig`` refuses (e.g. an unknown ``codec``), a bad
+            ``init_info`` value, or an ``rpc_timeout_s`` that is not finite and ``> 0``.
 
     Example:
         >>> sender = DeltaVLLMWeightSender("s3://bucket/grpo", engine, prefix="run1")
@@ -90,6 +91,8 @@ class DeltaVLLMWeightSender:
         sender_config: SenderConfig | None = None,
         **sender_options: Any,
     ) -> None:
+        check_seconds(rpc_timeout_s, "rpc_timeout_s", "DeltaVLLMWeightSender", positive=True, none_ok=True,
+                      none_means="to use the engine's own timeout")
         self.sender_options = dict(sender_options)
         self.sender_config = _sender_config(sender_options, "DeltaVLLMWeightSender", config=sender_config)
         self.store = open_store(store)

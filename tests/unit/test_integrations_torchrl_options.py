@@ -1,0 +1,98 @@
+"""The torchrl integration's own options (``DeltaWeightSyncScheme``, ``DeltaVLLMWeightSender``) are
+checked when it is built, with the option named: a wrong type is a ``TypeError`` (``bool`` is not
+an ``int``), an out-of-range value a ``ValueError``. Values that pass used to fail much later (at
+``connect`` in a worker process, at the first ``send``) or never (a ``sync='no'`` that waits)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchrl")
+
+from torch_deltasync.integrations.torchrl import DeltaVLLMWeightSender, DeltaWeightSyncScheme  # noqa: E402
+
+NAN, INF = float("nan"), float("inf")
+
+# (option, value, error, message)
+BAD_SCHEME_OPTIONS = [
+    ("metrics_path", 5, TypeError, r"DeltaWeightSyncScheme: metrics_path must be a path \(str or os.PathLike; "
+                                   r"'\{worker\}' is replaced by the worker index\) or None, got int 5"),
+    ("metrics_path", b"m.jsonl", TypeError, r"metrics_path must be a path .*got bytes b'm.jsonl'"),
+    ("num_workers", True, TypeError, r"DeltaWeightSyncScheme: num_workers must be an int >= 1 \(the number of "
+                                     r"receivers send waits for\) or None, got bool True"),
+    ("num_workers", 2.5, TypeError, r"num_workers must be an int >= 1 .*got float 2.5"),
+    ("num_workers", "2", TypeError, r"num_workers must be an int >= 1 .*got str '2'"),
+    ("num_workers", 0, ValueError, r"DeltaWeightSyncScheme: num_workers must be >= 1 or None, got 0"),
+    ("sync", "no", TypeError, r"DeltaWeightSyncScheme: sync must be a bool \(True: send waits for the workers' "
+                              r"acknowledgements\), got str 'no'"),
+    ("sync", 1, TypeError, r"sync must be a bool .*got int 1"),
+    ("sync", None, TypeError, r"sync must be a bool .*got NoneType None"),
+    ("background_receive", "x", TypeError, r"DeltaWeightSyncScheme: background_receive must be a bool \(True: "
+                                           r"receivers follow the store on a daemon thread\), got str 'x'"),
+    ("version_key", 5, TypeError, r"DeltaWeightSyncScheme: version_key must be a str \(the root key of the collected "
+                                  r"data stamped with the policy version\) or None, got int 5"),
+    ("version_key", "", ValueError, r"DeltaWeightSyncScheme: version_key must be a non-empty str or None"),
+    ("ack_timeout_s", "5", TypeError, r"DeltaWeightSyncScheme: ack_timeout_s must be a number of seconds > 0, "
+                                      r"got str '5'"),
+    ("ack_timeout_s", True, TypeError, r"ack_timeout_s must be a number of seconds > 0, got bool True"),
+    ("ack_timeout_s", 0, ValueError, r"DeltaWeightSyncScheme: ack_timeout_s must be a finite number of seconds > 0, "
+                                     r"got 0"),
+    ("ack_timeout_s", NAN, ValueError, r"ack_timeout_s must be a finite number of seconds > 0, got nan"),
+    ("ack_timeout_s", INF, ValueError, r"ack_timeout_s must be a finite number of seconds > 0, got inf"),
+    ("poll_interval_s", "0.1", TypeError, r"DeltaWeightSyncScheme: poll_interval_s must be a number of seconds > 0"),
+    ("poll_interval_s", -1, ValueError, r"poll_interval_s must be a finite number of seconds > 0, got -1"),
+    ("poll_interval_s", INF, ValueError, r"poll_interval_s must be a finite number of seconds > 0, got inf"),
+    ("connect_timeout_s", "300", TypeError, r"DeltaWeightSyncScheme: connect_timeout_s must be a number of seconds > 0, "
+                                            r"got str '300'"),
+    ("connect_timeout_s", NAN, ValueError, r"DeltaWeightSyncScheme: connect_timeout_s must be > 0 seconds, got nan"),
+    ("store_options", 5, TypeError, r"DeltaWeightSyncScheme: store_options must be a dict of open_store options "
+                                    r"\(endpoint, credentials, ...\) or None, got int 5"),
+    ("store_options", [("endpoint", "x")], TypeError, r"store_options must be a dict .*got list"),
+    ("store_options", {1: "x"}, TypeError, r"DeltaWeightSyncScheme: store_options keys must be open_store option "
+                                           r"names \(str\), got \['1'\]"),
+]
+
+
+@pytest.mark.parametrize("option,value,error,message", BAD_SCHEME_OPTIONS,
+                         ids=[f"{o}={v!r}" for o, v, _, _ in BAD_SCHEME_OPTIONS])
+def test_scheme_refuses_a_bad_value_of_its_own_options_when_built(tmp_path, option, value, error, message):
+    with pytest.raises(error, match=message):
+        DeltaWeightSyncScheme(str(tmp_path), **{option: value})
+
+
+def test_scheme_keeps_valid_values_of_its_own_options(tmp_path):
+    s = DeltaWeightSyncScheme(str(tmp_path), sync=False, num_workers=2, ack_timeout_s=5, poll_interval_s=0.5,
+                              connect_timeout_s=INF, background_receive=False, version_key=None,
+                              metrics_path=tmp_path / "m-{worker}.jsonl", store_options={})
+    assert (s.sync, s.num_workers, s.ack_timeout_s, s.poll_interval_s, s.background_receive, s.version_key) == \
+        (False, 2, 5.0, 0.5, False, None)
+    assert s.metrics_path == str(tmp_path / "m-{worker}.jsonl")  # a Path is kept as the str template
+    assert s._metrics_path("3", None) == str(tmp_path / "m-3.jsonl")
+    assert pickle.loads(pickle.dumps(s)).metrics_path == s.metrics_path
+    d = DeltaWeightSyncScheme(str(tmp_path))
+    assert (d.sync, d.num_workers, d.ack_timeout_s, d.poll_interval_s, d.connect_timeout_s, d.background_receive,
+            d.version_key, d.metrics_path, d.store_options) == (True, None, 120.0, 0.05, 300.0, True, "policy_version",
+                                                                None, {})
+
+
+@pytest.mark.parametrize("value,error,message", [
+    (-1, ValueError, r"DeltaVLLMWeightSender: rpc_timeout_s must be a finite number of seconds > 0, got -1; pass None "
+                     r"to use the engine's own timeout"),
+    (0, ValueError, r"rpc_timeout_s must be a finite number of seconds > 0, got 0"),
+    (NAN, ValueError, r"rpc_timeout_s must be a finite number of seconds > 0, got nan"),
+    (INF, ValueError, r"rpc_timeout_s must be a finite number of seconds > 0, got inf"),
+    ("x", TypeError, r"DeltaVLLMWeightSender: rpc_timeout_s must be a number of seconds > 0 or None, got str 'x'"),
+    (True, TypeError, r"rpc_timeout_s must be a number of seconds > 0 or None, got bool True"),
+])
+def test_vllm_sender_refuses_a_bad_rpc_timeout_when_built(tmp_path, value, error, message):
+    with pytest.raises(error, match=message):
+        DeltaVLLMWeightSender(str(tmp_path), rpc_timeout_s=value)
+
+
+def test_vllm_sender_keeps_a_valid_rpc_timeout(tmp_path):
+    assert DeltaVLLMWeightSender(str(tmp_path)).rpc_timeout_s is None
+    assert DeltaVLLMWeightSender(str(tmp_path), rpc_timeout_s=30).rpc_timeout_s == 30
+    assert DeltaVLLMWeightSender(Path(tmp_path), rpc_timeout_s=0.5).rpc_timeout_s == 0.5
