@@ -218,7 +218,7 @@ class VLLMServerGenerator:
         r = update_server(self.server.url, target, mode="wait", stage_timeout_s=1.0)
         self.version = r.version
         return {"version": r.version, "apply_ms": r.stall_ms, "stall_ms": r.stall_ms, "wait_ms": r.wait_ms,
-                "total_ms": r.total_ms, "staged": r.staged}
+                "total_ms": r.total_ms, "staged": r.staged, "steps_ms": r.steps_ms}
 
     def sync(self, mode: str = "keep") -> dict[str, Any] | None:
         """Commit the newest version every worker has staged, if at least ``cfg.sync_lag`` newer than
@@ -239,7 +239,7 @@ class VLLMServerGenerator:
         r = update_server(self.server.url, v, mode=mode)
         before, self.version = self.version, r.version
         return {"version": r.version, "from_version": before, "stall_ms": r.stall_ms, "apply_ms": r.stall_ms,
-                "total_ms": r.total_ms, "staged": r.staged, "mode": mode}
+                "total_ms": r.total_ms, "staged": r.staged, "mode": mode, "steps_ms": r.steps_ms}
 
     def generate(self, prompt_ids, prompt_mask, *, max_new_tokens, temperature):
         r = self.generate_versioned(prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, interrupt="drain")

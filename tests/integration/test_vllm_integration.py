@@ -94,6 +94,9 @@ def test_offline_llm_commits_the_staged_version(run):
     assert [w.engine.last_commit["staged_ahead"] for w in run.workers] == [True, True]
     assert [w.engine.last_commit["path"] for w in run.workers] == ["delta", "delta"]
     assert 0 <= out.stall_ms <= out.total_ms and 0 <= out.wait_ms <= out.total_ms
+    # the stall by step, in the order the engine saw them; together they are the stall
+    assert list(out.steps_ms) == ["start", "update", "finish", "reset_cache"]
+    assert all(ms >= 0 for ms in out.steps_ms.values()) and sum(out.steps_ms.values()) <= out.stall_ms
     assert llm.get_weight_version() == str(v2)
     assert {s["held"] for s in read_readiness(info["status_dir"]).values()} == {v2}
     run.assert_serves(_bf16(run.hf))
@@ -153,6 +156,8 @@ def test_async_llm_pauses_commits_and_always_resumes(run):
         engine.calls.clear()
         out = await update_async_llm(engine, mode="keep")
         assert out.version == v1 and out.staged is True and out.mode == "keep"
+        assert list(out.steps_ms) == ["pause", "start", "update", "finish", "resume"]
+        assert sum(out.steps_ms.values()) <= out.stall_ms
         assert engine.calls == [("pause_generation", "keep", True), ("start_weight_update",),
                                 ("update_weights", {"version": v1}), ("finish_weight_update", str(v1)),
                                 ("resume_generation",)]

@@ -43,7 +43,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ...errors import DeltaSyncError
@@ -73,6 +73,9 @@ class EngineUpdate:
             for an offline ``LLM``, which has no pause, ``start_weight_update`` → prefix-cache reset.
         total_ms: the whole call (version lookup, wait, stall, checks).
         mode: the pause mode (``None`` for an offline ``LLM``).
+        steps_ms: the stall by step, in order: ``pause`` (until the engine stopped scheduling:
+            vLLM finishes the step it is in, then sleeps 20 ms), ``start``, ``update`` (the commit
+            on every worker), ``finish``, ``resume`` (or ``reset_cache`` for an offline ``LLM``).
     """
 
     version: int
@@ -81,6 +84,7 @@ class EngineUpdate:
     stall_ms: float = 0.0
     total_ms: float = 0.0
     mode: str | None = None
+    steps_ms: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,12 +181,14 @@ def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: 
     v = (yield ("newest",)) if version is None else _version(version)
     staged = yield ("wait", v, stage_timeout_s)
     t1 = time.perf_counter()
+    steps_ms: dict[str, float] = {}
+    steps = [("pause", mode)] if pause else []
+    steps += [("start",), ("update", v), ("finish", v)]
     try:
-        if pause:
-            yield ("pause", mode)
-        yield ("start",)
-        yield ("update", v)
-        yield ("finish", v)
+        for step in steps:
+            ts = time.perf_counter()
+            yield step
+            steps_ms[step[0]] = (time.perf_counter() - ts) * 1e3
     except BaseException:
         if pause:
             try:
@@ -190,11 +196,14 @@ def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: 
             except Exception as e:  # noqa: BLE001 (the update's error is the one to raise)
                 log.error("resuming the engine failed after a failed update: %s", e)
         raise
-    yield ("resume",) if pause else ("reset_cache",)
+    ts = time.perf_counter()
+    last = ("resume",) if pause else ("reset_cache",)
+    yield last
     t2 = time.perf_counter()
+    steps_ms[last[0]] = (t2 - ts) * 1e3
     yield ("check", v)
     return EngineUpdate(version=v, staged=staged, wait_ms=(t1 - t0) * 1e3, stall_ms=(t2 - t1) * 1e3,
-                        total_ms=(time.perf_counter() - t0) * 1e3, mode=mode)
+                        total_ms=(time.perf_counter() - t0) * 1e3, mode=mode, steps_ms=steps_ms)
 
 
 def _readiness_ops(att: Attachment | None) -> dict[str, Any]:
