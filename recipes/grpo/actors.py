@@ -227,7 +227,8 @@ class GeneratorActor(Actor):
         self.task = SortTask(digits=cfg.digits)
         self.max_new_tokens = max_new_tokens(cfg, self.tok)
         # the backend seeds torch with this: it is also the replica's sampling seed
-        self.backend = make_backend(cfg.generator_backend, cfg, self.tok, seed=cfg.seed + 1000 + self.index)
+        self.backend = make_backend(cfg.generator_backend, cfg, self.tok, seed=cfg.seed + 1000 + self.index,
+                                    replica=self.index)
         warm_s = None
         try:
             self.backend.attach(self.bucket, self.prefix)

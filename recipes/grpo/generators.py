@@ -70,9 +70,10 @@ class HFGenerator:
         cfg: run configuration.
         tok: tokenizer.
         seed: initialisation seed (deliberately different per replica).
+        replica: this generator's index (unused: the model runs in the actor's process).
     """
 
-    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> None:
+    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int, replica: int = 0) -> None:
         self.tok = tok
         self.model = build_policy(cfg, tok, dtype=torch.bfloat16, seed=seed, load_weights=False)
         self.receiver = None
@@ -123,6 +124,8 @@ class VLLMServerGenerator:
         cfg: run configuration (``run_dir`` for the server log, ``vllm_python``, ``temperature``).
         tok: tokenizer (end-of-sequence id).
         seed: the engine's sampling seed and the initialisation seed of the placeholder weights.
+        replica: this generator's index (0-based): its server's OpenMP threads are bound to core
+            ``replica % os.cpu_count()`` (``VLLM_CPU_OMP_THREADS_BIND`` from the environment wins).
 
     Raises:
         ServerDied: the server did not come up (the message names its log).
@@ -131,7 +134,7 @@ class VLLMServerGenerator:
     #: Prompts of the end-of-run comparison with a fresh engine (token ids of the built-in tokenizer's range).
     PROBES = [[1, 3, 4, 5], [1, 7, 6, 5, 4], [1, 4, 4, 10, 12, 3]]
 
-    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> None:
+    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int, replica: int = 0) -> None:
         import os
         import tempfile
 
@@ -145,8 +148,10 @@ class VLLMServerGenerator:
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"vllm-{os.getpid()}.log"
+        # One core per replica: vLLM's automatic binding puts every single-rank CPU server on core 0,
+        # so two replicas took turns on one core and one of them stalled for seconds at a time.
         self.server = VLLMServer(self.workdir, self.log_path, python=cfg.vllm_python, seed=seed,
-                                 remove_when_done=self.workdir)
+                                 remove_when_done=self.workdir, cpus=str(replica % (os.cpu_count() or 1)))
         self.version: int | None = None
         self.status_dir: str | None = None
 
@@ -343,13 +348,14 @@ class VLLMGenerator:
             replaced by the run's anchor on the first update).
         tok: tokenizer (end-of-sequence id).
         seed: sampling seed.
+        replica: this generator's index (unused: vLLM places its own workers).
 
     Raises:
         ValueError: no ``--model``.
         ImportError: vLLM is not installed.
     """
 
-    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> None:
+    def __init__(self, cfg: GRPOConfig, tok: Tokenizer, *, seed: int, replica: int = 0) -> None:
         if not cfg.model_path:
             raise ValueError("the vLLM generator serves a checkpoint: pass --model PATH")
         from vllm import LLM
@@ -410,7 +416,8 @@ _BACKENDS: dict[str, Callable[..., GeneratorBackend]] = {"hf": HFGenerator, "vll
 
 
 def register_backend(name: str, factory: Callable[..., GeneratorBackend]) -> None:
-    """Make ``factory(cfg, tok, seed=...)`` available as ``--generator-backend name``."""
+    """Make ``factory(cfg, tok, seed=..., replica=...)`` available as ``--generator-backend name``
+    (``replica``: the generator's index, 0-based)."""
     _BACKENDS[name] = factory
 
 
@@ -418,12 +425,12 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def make_backend(name: str, cfg: GRPOConfig, tok: Tokenizer, *, seed: int) -> GeneratorBackend:
-    """Build the backend ``name``.
+def make_backend(name: str, cfg: GRPOConfig, tok: Tokenizer, *, seed: int, replica: int = 0) -> GeneratorBackend:
+    """Build the backend ``name`` for generator ``replica`` (0-based).
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
     """
     if name not in _BACKENDS:
         raise ValueError(f"unknown generator backend {name!r}; known: {backend_names()}")
-    return _BACKENDS[name](cfg, tok, seed=seed)
+    return _BACKENDS[name](cfg, tok, seed=seed, replica=replica)

@@ -85,6 +85,9 @@ class VLLMServer:
         extra_args: further server flags.
         remove_when_done: a folder the supervisor deletes once the server has ended (e.g. the
             temporary checkpoint it loaded), whichever way the server ends.
+        cpus: the cores the engine's OpenMP threads are bound to (vLLM's
+            ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-3"``; the environment's value wins).
+            ``None``: vLLM's automatic binding, which puts every single-rank CPU server on core 0.
 
     Raises:
         ServerDied: the server exited before answering ``/health``, or did not answer within
@@ -94,7 +97,8 @@ class VLLMServer:
 
     def __init__(self, model_dir: str, log_path: str | Path, *, python: str | None = None, seed: int = 0,
                  max_model_len: int | None = None, deltasync: bool = True, start_timeout_s: float = 600.0,
-                 extra_args: list[str] | None = None, remove_when_done: str | None = None) -> None:
+                 extra_args: list[str] | None = None, remove_when_done: str | None = None,
+                 cpus: str | None = None) -> None:
         python = python or default_vllm_python()
         if not Path(python).exists():
             raise FileNotFoundError(f"vLLM interpreter {python} does not exist: run `bash tools/setup.sh` (it builds "
@@ -113,6 +117,8 @@ class VLLMServer:
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(
                        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        if cpus is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the caller's setting wins
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
         sup = [python, __file__, "--log", str(self.log_path)]
         if remove_when_done:
             sup += ["--remove-when-done", str(remove_when_done)]
