@@ -245,8 +245,8 @@ def test_roundtrip_rl_like(dtype, density):
 @pytest.mark.parametrize("r", [0, 1, 5, 20])
 def test_every_code_width_and_gap_shift(monkeypatch, dtype, b, r):
     # The encoder picks b and r by estimates; force each one so every decoder path is exercised.
-    monkeypatch.setattr(PackedCodec, "_choose_code_bits", staticmethod(lambda *a: b))
-    monkeypatch.setattr(PackedCodec, "_choose_gap_shift", staticmethod(lambda *a: r))
+    monkeypatch.setattr(PackedCodec, "_force_code_bits", b)
+    monkeypatch.setattr(PackedCodec, "_force_gap_shift", r)
     mix = {"ulp": 0.6, "mid": 0.2, "wide": 0.1, "many": 0.05, "flip": 0.02, "special": 0.02, "same": 0.01}
     numel = 2_000_000  # sparse enough that even 20-bit gap fields beat the bitmap
     pos, new, old = make_change_set(b * 100 + r, dtype, numel, 0.005, mix)

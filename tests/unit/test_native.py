@@ -106,8 +106,8 @@ def test_encode_decode_match_the_specification(seed, dtype, numel, density, mix)
 def test_every_code_width_and_gap_shift(monkeypatch, dtype, b, r):
     # r = 8 and 9 straddle the kernels' whole-byte path for low bits; forcing r outside the
     # estimator's window exercises the kernels' worst-case escape buffers.
-    monkeypatch.setattr(PackedCodec, "_choose_code_bits", staticmethod(lambda *a: b))
-    monkeypatch.setattr(PackedCodec, "_choose_gap_shift", staticmethod(lambda *a: r))
+    monkeypatch.setattr(PackedCodec, "_force_code_bits", b)
+    monkeypatch.setattr(PackedCodec, "_force_gap_shift", r)
     mix = {"ulp": 0.6, "mid": 0.2, "wide": 0.1, "many": 0.05, "flip": 0.02, "special": 0.02, "same": 0.01}
     numel = 3_000_000
     pos, new, old = make_change_set(b * 100 + r, dtype, numel, 0.003, mix)

@@ -50,12 +50,15 @@ import numpy as np
 import torch
 
 from .. import _native
+from . import _packed_decode as _decode_kernels
 from . import _packed_kernels as _kernels
-from .._dtypes import bits
+from .._dtypes import int_view_dtype
 from ..checksum import checksum
 from ..errors import CorruptObjectError
-from ._base import Codec, TensorDelta, check_parts, register_codec
-from ._packed_estimates import STEP_SAMPLE, best_gap_shift, best_step_code, binary_entropy, huffman_bits
+from ._base import _UNSIGNED, Codec, TensorDelta, check_parts, register_codec
+from ._packed_estimates import (
+    STEP_CAP, STEP_SAMPLE, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
+)
 from ._packed_header import (
     CODE_BITS, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, STREAMS, VAL_RAW, VAL_STEPS, read_header, write_header,
 )
@@ -81,6 +84,10 @@ from ._bits import (
 
 
 
+#: The least an estimate of raw values can be, in bits per byte: Huffman's floor of one bit, the
+#: smallest ``p_max`` (1/256) and Gallager's constant (:meth:`PackedCodec._choose_code_bits`).
+_RAW_FLOOR_BITS = 1 + 1 / 256 + 0.086
+
 _ZEROS: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -94,8 +101,9 @@ def _zero(dtype: torch.dtype) -> torch.Tensor:
 
 def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` as a flat contiguous CPU tensor (of ``dtype`` if given), without copies when it is one."""
-    t = t.detach()
-    if t.device.type != "cpu" or (dtype is not None and t.dtype != dtype):
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu or (dtype is not None and t.dtype != dtype):
         t = t.to("cpu", dtype or t.dtype)
     if t.dim() != 1:
         t = t.reshape(-1)
@@ -104,7 +112,7 @@ def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
     """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view)."""
-    return bits(t).numpy().view(f"u{t.element_size()}")
+    return t.view(int_view_dtype(t.dtype)).numpy().view(_UNSIGNED[t.element_size()])
 
 
 
@@ -139,6 +147,10 @@ class PackedCodec(Codec):
     """
 
     name = "packed"
+    # A gap shift / code width to use instead of the estimates' choice (None: choose). Tests set
+    # them to drive every decoder path; any value the format allows decodes.
+    _force_gap_shift: int | None = None
+    _force_code_bits: int | None = None
 
     def __init__(self, level: int = 1) -> None:
         self.level = level
@@ -174,59 +186,29 @@ class PackedCodec(Codec):
         width = new.element_size()
         cctx = compressor(self.level)
         new_u, old_u = _bit_pattern(new), _bit_pattern(old)
-        r_lo, r_hi = _gap_shift_window(pos, numel)
-        span = 255 << (r_hi - r_lo)
-        cap = 1 << 12  # steps with z >= cap are costed as raw values
-        every = STEP_SAMPLE if k >= STEP_SAMPLE * _native.BLOCK * 4 else 1  # blocks of steps costed
-        # The histograms for the choices below, and the base checksum: what the receiver's old
-        # values must add up to before it applies relative steps.
-        z = gaps = None
+        force_r, force_b = self._force_gap_shift, self._force_code_bits
         if native:
-            hist, ok, hz, n_costed, base = _kernels.encode_stats(pos, new_u, old_u, width, numel, r_lo, span, cap, every)
+            # One kernel call: the histograms, the gap shift and the best small code width, the
+            # escape bounds and the base checksum (what the receiver's old values must add up
+            # to before it applies relative steps).
+            ok, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base = _kernels.encode_plan(
+                pos, new_u, old_u, width, numel, MAX_GAP_SHIFT,
+                -1 if force_r is None else force_r, -1 if force_b is None else force_b)
+            if not ok:
+                raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
             base = int(base)
-        else:
-            gaps = np.diff(pos, prepend=-1) - 1
-            ok = not k or (int(gaps.min()) >= 0 and int(pos[-1]) < numel)
-            if ok:
-                gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
-                hist = np.bincount(np.minimum(gaps >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
-                if width <= 4:
-                    z = self._zigzag_steps(new_u, old_u, width)
-                    sample = z.reshape(-1) if every == 1 else z[(np.arange(k) // _native.BLOCK) % every == 0]
-                    hz = np.bincount(np.minimum(sample, cap), minlength=cap + 1)
-                    n_costed = sample.size
-                base = checksum(old, torch.from_numpy(pos)) if k else 0
-        if not ok:
-            raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
-
-        # Positions: split gaps at the shift with the smallest estimate. Values: raw bit patterns,
-        # or steps with the code width that the estimate favours.
-        r = self._choose_gap_shift(k, r_lo, r_hi, hist)
-        b = 0
-        if width <= 4:
-
-            def byte_histograms() -> np.ndarray:
-                if native:
-                    return _kernels.byte_histograms(new_u, width)
-                return np.stack([np.bincount((new_u >> (8 * j)) & 0xFF, minlength=256) for j in range(width)])
-
-            def code16_histograms() -> tuple[np.ndarray, int]:
-                if native:
-                    h16, n_esc16 = _kernels.code16_histograms(new_u, old_u, width)
-                    return h16, int(n_esc16)
-                c16 = np.where(z == 0, 0xFFFF, np.minimum(z - 1, 0xFFFF))
-                h16 = np.stack([np.bincount(c16 & 0xFF, minlength=256), np.bincount(c16 >> 8, minlength=256)])
-                return h16, int((c16 == 0xFFFF).sum())
-
-            b = self._choose_code_bits(int(n_costed), width, hz, byte_histograms, code16_histograms)
-        if native:
-            n_gap_esc, n_val_esc = _kernels.escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every)
+            if width <= 4 and k and force_b is None and (try16 or best >= n_costed * width * _RAW_FLOOR_BITS):
+                b16 = self._refine_code_bits(
+                    int(n_costed), width, int(b), float(best), bool(try16),
+                    lambda: _kernels.byte_histograms(new_u, width),
+                    lambda: _code16_histograms_native(new_u, old_u, width))
+                if b16 != b:
+                    b, n_val_esc = b16, k  # no exact bound for 16-bit codes or raw values
             raw_streams = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
             if raw_streams is None:  # cannot happen: the bounds above are exact or upper bounds
                 raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
         else:
-            raw_streams = _gap_streams(gaps, r) + (_step_streams(new_u, width, b, z) if b else
-                                                   [np.empty(0, np.uint8)] * 2 + [to_planes(new_u)])
+            r, b, base, raw_streams = self._encode_reference(pos, new_u, old_u, old, width, numel, force_r, force_b)
         streams = [pack_stream(x, cctx) for x in raw_streams]
 
         # The dense fallback for positions: a bitmap, when the gaps are not clearly smaller.
@@ -246,6 +228,44 @@ class PackedCodec(Codec):
                 empty = (METHOD_STORED, b"", 0)
                 pos_mode, r, streams[:3] = POS_BITMAP, 0, [bm, empty, empty]
         return {"packed": self._blob(pos_mode, r, VAL_STEPS if b else VAL_RAW, b, base, streams)}
+
+    def _encode_reference(self, pos: np.ndarray, new_u: np.ndarray, old_u: np.ndarray, old: torch.Tensor,
+                          width: int, numel: int, force_r: int | None, force_b: int | None):
+        """The numpy specification of the encoder's choices and streams (what
+        :func:`._packed_kernels.encode_plan` and ``encode_streams`` compute in one pass each):
+        ``(r, b, base checksum, the six uncompressed streams)``."""
+        k = pos.size
+        r_lo, r_hi = gap_shift_window(k, int(pos[-1]) if k else 0, MAX_GAP_SHIFT)
+        span = 255 << (r_hi - r_lo)
+        every = STEP_SAMPLE if k >= STEP_SAMPLE * _native.BLOCK * 4 else 1  # blocks of steps costed
+        gaps = np.diff(pos, prepend=-1) - 1
+        if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
+            raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
+        gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
+        hist = np.bincount(np.minimum(gaps >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
+        r = self._choose_gap_shift(k, r_lo, r_hi, hist) if force_r is None else force_r
+        b, z = 0, None
+        if width <= 4:
+            z = self._zigzag_steps(new_u, old_u, width)
+            if force_b is not None:
+                b = force_b
+            else:
+                sample = z.reshape(-1) if every == 1 else z[(np.arange(k) // _native.BLOCK) % every == 0]
+                hz = np.bincount(np.minimum(sample, STEP_CAP), minlength=STEP_CAP + 1)
+
+                def byte_histograms() -> np.ndarray:
+                    return np.stack([np.bincount((new_u >> (8 * j)) & 0xFF, minlength=256) for j in range(width)])
+
+                def code16_histograms() -> tuple[np.ndarray, int]:
+                    c16 = np.where(z == 0, 0xFFFF, np.minimum(z - 1, 0xFFFF))
+                    h16 = np.stack([np.bincount(c16 & 0xFF, minlength=256), np.bincount(c16 >> 8, minlength=256)])
+                    return h16, int((c16 == 0xFFFF).sum())
+
+                b = self._choose_code_bits(sample.size, width, hz, byte_histograms, code16_histograms)
+        base = checksum(old, torch.from_numpy(pos)) if k else 0
+        raw_streams = _gap_streams(gaps, r) + (_step_streams(new_u, width, b, z) if b else
+                                               [np.empty(0, np.uint8)] * 2 + [to_planes(new_u)])
+        return r, b, base, raw_streams
 
     @staticmethod
     def _blob(pos_mode: int, r: int, val_mode: int, b: int, base: int,
@@ -302,12 +322,20 @@ class PackedCodec(Codec):
         if k == 0:
             return CODE_BITS[0]
         best_b, best, try16 = best_step_code(k, width, hz)
+        return PackedCodec._refine_code_bits(k, width, best_b, best, try16, byte_histograms, code16_histograms)
+
+    @staticmethod
+    def _refine_code_bits(k: int, width: int, best_b: int, best: float, try16: bool,
+                          byte_histograms, code16_histograms) -> int:
+        """The second half of :meth:`_choose_code_bits`, from the best of the 2-, 4- and 8-bit
+        codes (``best_step_code``): cost 16-bit codes when ``try16``, raw values when the best
+        estimate is above their floor."""
         if try16:  # else almost every step fits 8 bits
             h16, n_esc16 = code16_histograms()
             est = huffman_bits(h16[0], 1, False) + huffman_bits(h16[1], 1, False) + n_esc16 * 8 * width
             if est < best:
                 best_b, best = 16, est
-        if best >= k * width * (1 + 1 / 256 + 0.086):
+        if best >= k * width * _RAW_FLOOR_BITS:
             hb = byte_histograms()
             if sum(huffman_bits(hb[j], 1, False) for j in range(width)) <= best:
                 best_b = 0
@@ -343,9 +371,16 @@ class PackedCodec(Codec):
         if not 0 <= count <= numel < 2**63:
             raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}] or tensor of {numel} >= 2**63 elements")
         width = dtype.itemsize
-        data = memoryview(t.contiguous().numpy().tobytes())
-        h = read_header(data, what)
+        blob = t.contiguous().numpy()
+        blob.flags.writeable = False  # (this view only) streams from zstd are read-only too: one kernel type
         native = _native.enabled()
+        if native:
+            d = _decode_native(blob, numel, count, width, dtype, what)
+            if d is not None:
+                return d
+        # The numpy reference: also what raises the specific error for a blob the kernels refuse.
+        data = memoryview(blob)
+        h = read_header(data, what)
 
         def stream(i: int, lo: int, hi: int) -> np.ndarray:
             method, raw_len, off, stored_len = h.streams[i]
@@ -398,20 +433,46 @@ class PackedCodec(Codec):
         return TensorDelta(positions, values, torch.from_numpy(steps), rel, h.base_checksum)
 
 
+def _decode_native(blob: np.ndarray, numel: int, count: int, width: int, dtype: torch.dtype,
+                   what: str) -> TensorDelta | None:
+    """:meth:`PackedCodec.decode` in two kernel calls (:mod:`._packed_decode`); ``None`` when the
+    kernels or zstd refuse the blob (the caller then decodes it with the reference to raise)."""
+    status, pos_mode, r, val_mode, b, base, entries = _decode_kernels.parse_header(blob, numel, count, width)
+    if status != _native.OK:
+        return None
+    s = []
+    for method, raw_len, off, stored_len in entries.tolist():  # lengths bounded by parse_header
+        if method == METHOD_STORED:
+            s.append(blob[off : off + raw_len])
+            continue
+        try:
+            s.append(unpack_stream(method, memoryview(blob[off : off + stored_len]), raw_len, what))
+        except CorruptObjectError:
+            return None
+    u = _UNSIGNED[width]
+    pos = np.empty(count, np.int64)
+    steps = np.empty(count if val_mode == VAL_STEPS else 0, f"i{width}")
+    values = np.empty(count, u)
+    status, n_raw, relative = _decode_kernels.decode_streams(
+        pos_mode, r, val_mode, b, numel, count, width, *s, pos, steps, values)
+    if status != _native.OK:
+        return None
+    positions = torch.from_numpy(pos)
+    if val_mode == VAL_RAW:
+        return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), base_checksum=int(base))
+    if not n_raw:  # every entry relative: the values are placeholders (one zero, expanded)
+        return TensorDelta(positions, _zero(dtype).expand(count), torch.from_numpy(steps), None, int(base))
+    return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), torch.from_numpy(steps),
+                       torch.from_numpy(relative), int(base))
+
+
 # --- encoder stream builders (numpy reference and compiled kernels) ------------------------------
 
 
-def _gap_shift_window(pos: np.ndarray, numel: int) -> tuple[int, int]:
-    """The candidate gap shifts ``r_lo .. r_hi`` around ``r0 = floor(log2(mean gap / 24))``
-    (``r0 - 1 .. r0 + 2``, within ``0 .. MAX_GAP_SHIFT``). The mean gap is exact from the last
-    position: the gaps of ``k`` positions add up to ``pos[-1] - (k - 1)``."""
-    k = pos.size
-    if k == 0:
-        return 0, 0
-    mean = (int(pos[-1]) - k + 1) / k
-    r0 = max(0, int(np.log2(max(mean, 1.0) / 24)))
-    r_hi = min(MAX_GAP_SHIFT, r0 + 2)
-    return min(max(0, r0 - 1), r_hi), r_hi
+def _code16_histograms_native(new_u: np.ndarray, old_u: np.ndarray, width: int) -> tuple[np.ndarray, int]:
+    """The histograms of the bytes of 16-bit codes and their escapes, by the kernel."""
+    h16, n_esc16 = _kernels.code16_histograms(new_u, old_u, width)
+    return h16, int(n_esc16)
 
 
 def _gap_streams(gaps: np.ndarray, r: int) -> list[np.ndarray]:

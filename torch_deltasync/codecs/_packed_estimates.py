@@ -105,6 +105,20 @@ def best_step_code(k: int, width: int, hz: np.ndarray) -> tuple[int, float, bool
     return best_b, best, width >= 2 and hz[256:].sum() * 64 >= k
 
 
+@_native.jit
+def gap_shift_window(k: int, last: int, max_shift: int) -> tuple[int, int]:
+    """The candidate gap shifts ``r_lo .. r_hi`` for ``k`` positions ending at ``last``: around
+    ``r0 = floor(log2(mean gap / 24))``, ``r0 - 1 .. r0 + 2`` within ``0 .. max_shift``. The mean
+    gap is exact from the last position: the gaps of ``k`` positions add up to ``last - (k - 1)``
+    (compiled; shared by both encoders)."""
+    if k == 0:
+        return 0, 0
+    mean = (last - k + 1) / k
+    r0 = max(0, int(np.log2(max(mean, 1.0) / 24)))
+    r_hi = min(max_shift, r0 + 2)
+    return min(max(0, r0 - 1), r_hi), r_hi
+
+
 def binary_entropy(p: float) -> float:
     """Entropy in bits of a Bernoulli(``p``) variable: ``-p log2 p - (1-p) log2 (1-p)``."""
     if p <= 0 or p >= 1:
@@ -116,3 +130,6 @@ def binary_entropy(p: float) -> float:
 #: (the estimate needs the step distribution, not every step; the histogram pass is a third of
 #: the encoder's kernel time otherwise).
 STEP_SAMPLE = 4
+#: Steps with a zigzag value of at least this are costed as raw values (the last bin of the step
+#: histogram).
+STEP_CAP = 1 << 12

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit
+from ._packed_estimates import STEP_CAP, STEP_SAMPLE, best_gap_shift, best_step_code, gap_shift_window
 
 
 @jit
@@ -262,20 +263,51 @@ def encode_steps(new, old, width, b, codes, ext, raw):
 
 
 @jit
-def encode_stats(pos, new, old, width, numel, r_lo, span, cap, every):
-    """What the packed encoder's choices and header need, from one call: the gap histogram and
-    validity of ``pos`` (:func:`gap_histogram`), the step histogram (:func:`step_histogram`;
-    empty for 8-byte values), the number of steps it counts, and the base checksum of ``old`` at
-    ``pos`` (uint64)."""
-    hist, ok = gap_histogram(pos, numel, r_lo, span)
-    hz = step_histogram(new, old, width, cap, every) if width <= 4 else np.zeros(0, np.int64)
-    return hist, ok, hz, hz.sum(), checksum_at(pos, old)
+def encode_plan(pos, new, old, width, numel, max_shift, force_r, force_b):
+    """The packed encoder's choices for one tensor in one call (what :mod:`._packed` does step by
+    step in its numpy path, with the same shared estimates, so both choose alike):
+
+    Args:
+        pos: int64 ``(k,)`` positions; ``new``, ``old``: unsigned bit patterns of ``width`` bytes.
+        numel: elements of the tensor; ``max_shift``: the largest gap shift the format allows.
+        force_r, force_b: a gap shift / code width to use instead of choosing one (-1: choose).
+
+    Returns:
+        ``(ok, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base)``: whether ``pos`` is
+        strictly increasing in ``[0, numel)``; the gap shift; the best code width among 2, 4 and 8
+        (0 for 8-byte values) with its estimate in bits and whether 16-bit codes could do better
+        (the caller then costs 16-bit codes and raw values, :meth:`PackedCodec._refine_code_bits`)
+        and the number of steps the estimate counted;
+        upper bounds on the gap and step escapes at ``r`` and ``b`` (the buffer sizes
+        :func:`encode_streams` needs; exact from the histograms where they count every step);
+        and the base checksum of ``old`` at ``pos`` (uint64).
+    """
+    k = pos.size
+    r_lo, r_hi = gap_shift_window(k, pos[k - 1] if k else 0, max_shift)
+    every = STEP_SAMPLE if k >= STEP_SAMPLE * _BLOCK * 4 else 1
+    hist, ok = gap_histogram(pos, numel, r_lo, 255 << (r_hi - r_lo))
+    r = force_r
+    if r < 0:
+        r = best_gap_shift(k, r_lo, r_hi, hist) if k else 0
+    b, best, try16 = 0, 0.0, False
+    if width <= 4:
+        hz = step_histogram(new, old, width, STEP_CAP, every)
+        if k:
+            b, best, try16 = best_step_code(hz.sum(), width, hz)
+        else:
+            b = 2
+    else:
+        hz = np.zeros(0, np.int64)
+    if force_b >= 0 and width <= 4:
+        b, best, try16 = force_b, 0.0, False
+    n_gap, n_val = escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every)
+    return ok, r, b, best, try16, hz.sum(), n_gap, n_val, checksum_at(pos, old)
 
 
 @jit
 def escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every):
     """Upper bounds on the gap escapes at shift ``r`` and the step escapes at code width ``b``
-    (exact from the histograms of :func:`encode_stats`, else ``k``): the buffer sizes
+    (exact from the histograms of :func:`encode_plan`, else ``k``): the buffer sizes
     :func:`encode_streams` needs."""
     n_gap = k
     if r_lo <= r <= r_hi:

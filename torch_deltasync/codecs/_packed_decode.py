@@ -1,0 +1,198 @@
+"""Compiled decoding of one ``packed`` blob in two kernel calls: the header, then the streams.
+
+:meth:`PackedCodec.decode <torch_deltasync.codecs.PackedCodec.decode>` parses the header
+(:func:`parse_header`), decompresses the streams that are zstd frames (zstandard, in Python:
+each declared length is first bounded by the change count and the tensor size, so nothing
+expands past what the manifest allows) and decodes positions and values in one pass each
+(:func:`decode_streams`). Both kernels validate everything the numpy reference in
+:mod:`._packed` validates and return a status instead of raising; on any failure the caller
+decodes the blob again with the reference, which raises the specific
+:class:`~torch_deltasync.errors.CorruptObjectError` (``tests/unit/test_native.py`` checks that
+both accept exactly the same blobs). What this saves is the Python between the kernels: a
+decode of a small tensor went from about a dozen kernel and helper calls to two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._native import BAD, OK, _get_varint, bitmap_positions, count_code, count_code16, decode_gaps, decode_steps, jit, scan_escapes
+from ._bits import MAX_VARINT_BYTES, METHOD_STORED, METHOD_ZSTD
+from ._packed_header import CODE_BITS, HEADER_FIXED, LAYOUT_VERSION, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, VAL_RAW, VAL_STEPS
+
+
+@jit
+def _bit_length(v):
+    n = 0
+    while v > 0:
+        v >>= 1
+        n += 1
+    return n
+
+
+@jit
+def _varint_limit(v):
+    """Bytes of the longest varint of a value up to ``v`` (at least 1)."""
+    return max(1, (_bit_length(max(v, 0)) + 6) // 7)
+
+
+@jit
+def gap_limits(r, numel):
+    """``(max_ext, ext_len)`` of gap mode at shift ``r``: the largest escape varint value (negative
+    when no gap can need one) and the longest escape varint in bytes (as ``_gap_ext_limits``)."""
+    max_ext = (max(numel - 1, 0) >> r) - 255
+    return max_ext, _varint_limit(max_ext)
+
+
+@jit
+def step_limits(b, width, count):
+    """``(M, code bytes, e_max, e_len)`` of steps mode (as ``_step_limits``)."""
+    M = (1 << b) - 1
+    n_code_bytes = count * b // 8 if b >= 8 else (count * b + 7) // 8
+    e_max = (np.int64(1) << (8 * width)) - 1 - M
+    return M, n_code_bytes, e_max, _varint_limit(e_max)
+
+
+@jit
+def parse_header(data, numel, count, width):
+    """The header of a packed blob (``docs/format.md``, "Codec packed") and an upper bound on every
+    stream's declared length from ``count``, ``numel`` and ``width`` (what a stream may decompress
+    to; exact where the header alone decides it).
+
+    Args:
+        data: the blob, uint8 ``(n,)``.
+        numel, count, width: the tensor's elements, the manifest's change count and bytes per value.
+
+    Returns:
+        ``(status, pos_mode, gap_shift, val_mode, code_bits, base_checksum, streams)``: ``OK`` or
+        ``BAD``; the fields; ``streams`` int64 ``(6, 4)``, per stream ``(method, raw_len, offset,
+        stored_len)``.
+    """
+    streams = np.zeros((6, 4), np.int64)
+    n = data.size
+    bad = (BAD, 0, 0, 0, 0, np.uint64(0), streams)
+    if n < HEADER_FIXED:
+        return bad
+    version, pos_mode, r = np.int64(data[0]), np.int64(data[1]), np.int64(data[2])
+    val_mode, b = np.int64(data[3]), np.int64(data[4])
+    if version != LAYOUT_VERSION or pos_mode > POS_BITMAP or val_mode > VAL_STEPS:
+        return bad
+    if r > (MAX_GAP_SHIFT if pos_mode == POS_GAPS else 0):
+        return bad
+    if val_mode == VAL_RAW and b != 0:
+        return bad
+    if val_mode == VAL_STEPS:
+        known = False
+        for c in CODE_BITS:
+            known |= b == c
+        if not known or width > 4 or b > 8 * width:
+            return bad
+    base = np.uint64(0)
+    for j in range(8):
+        base |= np.uint64(data[5 + j]) << np.uint64(8 * j)
+    at = HEADER_FIXED
+    for i in range(6):
+        if at >= n:
+            return bad
+        method = np.int64(data[at])
+        at += 1
+        if method != METHOD_STORED and method != METHOD_ZSTD:
+            return bad
+        raw_len, at = _get_varint(data, at, MAX_VARINT_BYTES)
+        if at < 0:
+            return bad
+        stored_len = raw_len
+        if method != METHOD_STORED:
+            stored_len, at = _get_varint(data, at, MAX_VARINT_BYTES)
+            if at < 0:
+                return bad
+        if stored_len > np.uint64(n):  # (a 9-byte varint is below 2**63: raw_len fits int64)
+            return bad
+        streams[i, 0] = method
+        streams[i, 1] = np.int64(raw_len)
+        streams[i, 3] = np.int64(stored_len)
+    for i in range(6):
+        streams[i, 2] = at
+        at += streams[i, 3]
+        if at > n:
+            return bad
+    if at != n:
+        return bad
+    # Upper bounds on what each stream may hold, before anything is decompressed.
+    if pos_mode == POS_GAPS:
+        _, ext_len = gap_limits(r, numel)
+        hi0, hi1, hi2 = count, count * ext_len, (count * r + 7) // 8
+    else:
+        hi0, hi1, hi2 = (numel + 7) // 8, 0, 0
+    if val_mode == VAL_RAW:
+        hi3, hi4, hi5 = 0, 0, count * width
+    else:
+        _, n_code_bytes, _, e_len = step_limits(b, width, count)
+        hi3, hi4, hi5 = n_code_bytes, count * e_len, count * width
+    his = (hi0, hi1, hi2, hi3, hi4, hi5)
+    for i in range(6):
+        if streams[i, 1] > his[i]:
+            return bad
+    return OK, pos_mode, r, val_mode, b, base, streams
+
+
+@jit
+def decode_streams(pos_mode, r, val_mode, b, numel, count, width, s0, s1, s2, s3, s4, s5, pos, steps, values):
+    """Positions and values from the six (decompressed) streams, with every check of the reference
+    decoder (``_gap_positions``, ``_bitmap_positions``, ``_steps`` in :mod:`._packed`).
+
+    Args:
+        pos_mode, r, val_mode, b: the header's fields (:func:`parse_header`).
+        numel, count, width: the tensor's elements, the change count and bytes per value.
+        s0 .. s5: the streams, uint8.
+        pos: int64 ``(count,)``, filled with the positions.
+        steps: signed of the width, ``(count,)`` in steps mode (filled with the steps, 0 at raw
+            escapes), else empty.
+        values: unsigned of the width, ``(count,)``: the new bit patterns in raw values mode; in
+            steps mode the raw escapes' new values (0 elsewhere), written only when there are any.
+
+    Returns:
+        ``(status, n_raw, relative)``: ``OK`` or ``BAD``, the raw escapes of steps mode and, when
+        there are any, which entries are relative (bool ``(count,)``; else empty).
+    """
+    no_mask = np.empty(0, np.bool_)
+    if pos_mode == POS_GAPS:
+        max_ext, ext_len = gap_limits(r, numel)
+        if s0.size != count:
+            return BAD, 0, no_mask
+        n_esc = 0
+        for i in range(count):
+            n_esc += s0[i] == 255
+        if n_esc and max_ext < 0:
+            return BAD, 0, no_mask
+        if not n_esc <= s1.size <= n_esc * ext_len or s2.size != (count * r + 7) // 8:
+            return BAD, 0, no_mask
+        limit = min(MAX_VARINT_BYTES, _varint_limit(max(max_ext, 1)))
+        if decode_gaps(s0, s1, s2, r, numel, max(max_ext, 0), limit, pos) != OK:
+            return BAD, 0, no_mask
+    else:
+        if s0.size != (numel + 7) // 8 or s1.size or s2.size:
+            return BAD, 0, no_mask
+        if bitmap_positions(s0, numel, count, pos) != OK:
+            return BAD, 0, no_mask
+    if val_mode == VAL_RAW:
+        if s3.size or s4.size or s5.size != count * width:
+            return BAD, 0, no_mask
+        for i in range(count):
+            x = np.uint64(0)
+            for j in range(width):
+                x |= np.uint64(s5[j * count + i]) << np.uint64(8 * j)
+            values[i] = x
+        return OK, 0, no_mask
+    M, n_code_bytes, e_max, e_len = step_limits(b, width, count)
+    if s3.size != n_code_bytes:
+        return BAD, 0, no_mask
+    n_esc = count_code16(s3, count) if b == 16 else count_code(s3, count, b)
+    if n_esc < 0 or not n_esc <= s4.size <= n_esc * e_len:
+        return BAD, 0, no_mask
+    n_raw = scan_escapes(s4, n_esc, min(MAX_VARINT_BYTES, e_len), e_max)
+    if n_raw < 0 or s5.size != n_raw * width:
+        return BAD, 0, no_mask
+    relative = np.empty(count if n_raw else 0, np.bool_)
+    decode_steps(s3, count, b, width, s4, s5, n_raw, steps, values if n_raw else values[:0], relative)
+    return OK, n_raw, relative
