@@ -56,6 +56,7 @@ from .._dtypes import int_view_dtype
 from ..checksum import checksum
 from ..errors import CorruptObjectError
 from ._base import _UNSIGNED, Codec, TensorDelta, check_parts, register_codec
+from ._packed_decode import zero as _zero
 from ._packed_estimates import (
     STEP_CAP, STEP_SAMPLE, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
 )
@@ -87,17 +88,6 @@ from ._bits import (
 #: The least an estimate of raw values can be, in bits per byte: Huffman's floor of one bit, the
 #: smallest ``p_max`` (1/256) and Gallager's constant (:meth:`PackedCodec._choose_code_bits`).
 _RAW_FLOOR_BITS = 1 + 1 / 256 + 0.086
-
-_ZEROS: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _zero(dtype: torch.dtype) -> torch.Tensor:
-    """A shared one-element zero of ``dtype`` (placeholder values are it, expanded; never written)."""
-    z = _ZEROS.get(dtype)
-    if z is None:
-        z = _ZEROS[dtype] = torch.zeros(1, dtype=dtype)
-    return z
-
 
 def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` as a flat contiguous CPU tensor (of ``dtype`` if given), without copies when it is one."""
@@ -375,7 +365,7 @@ class PackedCodec(Codec):
         blob.flags.writeable = False  # (this view only) streams from zstd are read-only too: one kernel type
         native = _native.enabled()
         if native:
-            d = _decode_native(blob, numel, count, width, dtype, what)
+            d = _decode_kernels.decode_blob(blob, numel, count, width, dtype, what)
             if d is not None:
                 return d
         # The numpy reference: also what raises the specific error for a blob the kernels refuse.
@@ -431,39 +421,6 @@ class PackedCodec(Codec):
             values = torch.from_numpy(values_u.view(f"i{width}")).view(dtype)
         rel = None if relative is None else torch.from_numpy(relative)
         return TensorDelta(positions, values, torch.from_numpy(steps), rel, h.base_checksum)
-
-
-def _decode_native(blob: np.ndarray, numel: int, count: int, width: int, dtype: torch.dtype,
-                   what: str) -> TensorDelta | None:
-    """:meth:`PackedCodec.decode` in two kernel calls (:mod:`._packed_decode`); ``None`` when the
-    kernels or zstd refuse the blob (the caller then decodes it with the reference to raise)."""
-    status, pos_mode, r, val_mode, b, base, entries = _decode_kernels.parse_header(blob, numel, count, width)
-    if status != _native.OK:
-        return None
-    s = []
-    for method, raw_len, off, stored_len in entries.tolist():  # lengths bounded by parse_header
-        if method == METHOD_STORED:
-            s.append(blob[off : off + raw_len])
-            continue
-        try:
-            s.append(unpack_stream(method, memoryview(blob[off : off + stored_len]), raw_len, what))
-        except CorruptObjectError:
-            return None
-    u = _UNSIGNED[width]
-    pos = np.empty(count, np.int64)
-    steps = np.empty(count if val_mode == VAL_STEPS else 0, f"i{width}")
-    values = np.empty(count, u)
-    status, n_raw, relative = _decode_kernels.decode_streams(
-        pos_mode, r, val_mode, b, numel, count, width, *s, pos, steps, values)
-    if status != _native.OK:
-        return None
-    positions = torch.from_numpy(pos)
-    if val_mode == VAL_RAW:
-        return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), base_checksum=int(base))
-    if not n_raw:  # every entry relative: the values are placeholders (one zero, expanded)
-        return TensorDelta(positions, _zero(dtype).expand(count), torch.from_numpy(steps), None, int(base))
-    return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), torch.from_numpy(steps),
-                       torch.from_numpy(relative), int(base))
 
 
 # --- encoder stream builders (numpy reference and compiled kernels) ------------------------------

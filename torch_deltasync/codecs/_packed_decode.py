@@ -1,7 +1,7 @@
 """Compiled decoding of one ``packed`` blob in two kernel calls: the header, then the streams.
 
-:meth:`PackedCodec.decode <torch_deltasync.codecs.PackedCodec.decode>` parses the header
-(:func:`parse_header`), decompresses the streams that are zstd frames (zstandard, in Python:
+:func:`decode_blob`, the fast path of :meth:`PackedCodec.decode
+<torch_deltasync.codecs.PackedCodec.decode>`, parses the header (:func:`parse_header`), decompresses the streams that are zstd frames (zstandard, in Python:
 each declared length is first bounded by the change count and the tensor size, so nothing
 expands past what the manifest allows) and decodes positions and values in one pass each
 (:func:`decode_streams`). Both kernels validate everything the numpy reference in
@@ -15,9 +15,12 @@ decode of a small tensor went from about a dozen kernel and helper calls to two.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .._native import BAD, OK, _get_varint, bitmap_positions, count_code, count_code16, decode_gaps, decode_steps, jit, scan_escapes
-from ._bits import MAX_VARINT_BYTES, METHOD_STORED, METHOD_ZSTD
+from ..errors import CorruptObjectError
+from ._base import _UNSIGNED, TensorDelta
+from ._bits import MAX_VARINT_BYTES, METHOD_STORED, METHOD_ZSTD, unpack_stream
 from ._packed_header import CODE_BITS, HEADER_FIXED, LAYOUT_VERSION, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, VAL_RAW, VAL_STEPS
 
 
@@ -196,3 +199,47 @@ def decode_streams(pos_mode, r, val_mode, b, numel, count, width, s0, s1, s2, s3
     relative = np.empty(count if n_raw else 0, np.bool_)
     decode_steps(s3, count, b, width, s4, s5, n_raw, steps, values if n_raw else values[:0], relative)
     return OK, n_raw, relative
+
+
+_ZEROS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def zero(dtype: torch.dtype) -> torch.Tensor:
+    """A shared one-element zero of ``dtype`` (placeholder values are it, expanded; never written)."""
+    z = _ZEROS.get(dtype)
+    if z is None:
+        z = _ZEROS[dtype] = torch.zeros(1, dtype=dtype)
+    return z
+
+
+def decode_blob(blob: np.ndarray, numel: int, count: int, width: int, dtype: torch.dtype,
+                   what: str) -> TensorDelta | None:
+    """:meth:`PackedCodec.decode` of ``blob`` (uint8, read-only) in two kernel calls; ``None`` when
+    the kernels or zstd refuse it (the caller then decodes it with the reference to raise)."""
+    status, pos_mode, r, val_mode, b, base, entries = parse_header(blob, numel, count, width)
+    if status != OK:
+        return None
+    s = []
+    for method, raw_len, off, stored_len in entries.tolist():  # lengths bounded by parse_header
+        if method == METHOD_STORED:
+            s.append(blob[off : off + raw_len])
+            continue
+        try:
+            s.append(unpack_stream(method, memoryview(blob[off : off + stored_len]), raw_len, what))
+        except CorruptObjectError:
+            return None
+    u = _UNSIGNED[width]
+    pos = np.empty(count, np.int64)
+    steps = np.empty(count if val_mode == VAL_STEPS else 0, f"i{width}")
+    values = np.empty(count, u)
+    status, n_raw, relative = decode_streams(
+        pos_mode, r, val_mode, b, numel, count, width, *s, pos, steps, values)
+    if status != OK:
+        return None
+    positions = torch.from_numpy(pos)
+    if val_mode == VAL_RAW:
+        return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), base_checksum=int(base))
+    if not n_raw:  # every entry relative: the values are placeholders (one zero, expanded)
+        return TensorDelta(positions, zero(dtype).expand(count), torch.from_numpy(steps), None, int(base))
+    return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), torch.from_numpy(steps),
+                       torch.from_numpy(relative), int(base))
