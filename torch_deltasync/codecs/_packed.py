@@ -89,6 +89,7 @@ from ._bits import (
 #: smallest ``p_max`` (1/256) and Gallager's constant (:meth:`PackedCodec._choose_code_bits`).
 _RAW_FLOOR_BITS = 1 + 1 / 256 + 0.086
 
+
 def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` as a flat contiguous CPU tensor (of ``dtype`` if given), without copies when it is one."""
     if t.requires_grad:
@@ -188,12 +189,12 @@ class PackedCodec(Codec):
                 raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
             base = int(base)
             if width <= 4 and k and force_b is None and (try16 or best >= n_costed * width * _RAW_FLOOR_BITS):
-                b16 = self._refine_code_bits(
+                refined = self._refine_code_bits(
                     int(n_costed), width, int(b), float(best), bool(try16),
                     lambda: _kernels.byte_histograms(new_u, width),
                     lambda: _code16_histograms_native(new_u, old_u, width))
-                if b16 != b:
-                    b, n_val_esc = b16, k  # no exact bound for 16-bit codes or raw values
+                if refined != b:
+                    b, n_val_esc = refined, k  # no exact bound for 16-bit codes or raw values
             raw_streams = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
             if raw_streams is None:  # cannot happen: the bounds above are exact or upper bounds
                 raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
