@@ -25,7 +25,7 @@ from test_codecs_packed import DTYPES, GOOD, _blob, make_change_set
 from torch_deltasync import _native, get_codec
 from torch_deltasync.detect import ChangeDetector
 from torch_deltasync.errors import ChecksumMismatchError, CorruptObjectError
-from torch_deltasync.codecs import _bits, _packed as packed_mod
+from torch_deltasync.codecs import _bits, _packed as packed_mod, _packed_decode
 from torch_deltasync._dtypes import bits
 from torch_deltasync.checksum import checksum, checksum_change, tensor_checksum
 from torch_deltasync.codecs import PackedCodec
@@ -252,6 +252,39 @@ def test_arbitrary_bytes_same_outcome(head, body, numel, count, dtype):
     codec = get_codec("packed")
     fast, ref = both(lambda: codec.decode(parts, numel=numel, count=count, dtype=dtype))
     assert same_delta(fast, ref)
+
+
+@pytest.mark.parametrize("numel, count, dtype", [(2**40, 2**40, torch.bfloat16),
+                                                  (7613716252851486890, 2063690565181498743, torch.float32)])
+def test_a_count_the_blob_does_not_hold_is_refused_before_allocating(numel, count, dtype):
+    # Six empty stored streams that claim `count` changes: refused from the header (the positions
+    # stream must hold `count` bytes), not by allocating `count` positions first (found by fuzzing:
+    # MemoryError for 8 TiB, or "array is too big", instead of the reference's error).
+    parts = {"packed": torch.tensor(list(bytes([1, 0, 0, 0, 0]) + bytes(8) + bytes(12)), dtype=torch.uint8)}
+    fast, ref = both(lambda: get_codec("packed").decode(parts, numel=numel, count=count, dtype=dtype))
+    assert isinstance(ref, tuple) and ref[0] is CorruptObjectError and "positions stream declares 0 bytes" in ref[1]
+    assert same_delta(fast, ref)
+
+
+def test_a_zstd_frame_longer_than_the_header_allows_is_not_decompressed(monkeypatch):
+    # Stream 5 (raw values) declares 4 * count bytes, but stream 0 is empty: the count is refused
+    # from the header before the 256 MiB frame is expanded.
+    count = numel = 2**26
+    frame = _bits.compressor(1).compress(bytes(4 * count))
+    header = bytes([1, 0, 0, 0, 0]) + bytes(8) + bytes(10) + bytes([1]) + _bits.leb128_encode(
+        np.array([4 * count, len(frame)], np.uint64)).tobytes()
+    parts = {"packed": torch.tensor(list(header + frame), dtype=torch.uint8)}
+    expanded = []
+
+    def unpack_stream(*args):
+        expanded.append(args[2])
+        raise AssertionError("decompressed a stream of a refused blob")
+
+    monkeypatch.setattr(packed_mod, "unpack_stream", unpack_stream)
+    monkeypatch.setattr(_packed_decode, "unpack_stream", unpack_stream)
+    with pytest.raises(CorruptObjectError, match="positions stream declares 0 bytes"):
+        get_codec("packed").decode(parts, numel=numel, count=count, dtype=torch.float32)
+    assert expanded == []
 
 
 @pytest.mark.parametrize("case", [

@@ -58,9 +58,9 @@ def step_limits(b, width, count):
 
 @jit
 def parse_header(data, numel, count, width):
-    """The header of a packed blob (``docs/format.md``, "Codec packed") and an upper bound on every
-    stream's declared length from ``count``, ``numel`` and ``width`` (what a stream may decompress
-    to; exact where the header alone decides it).
+    """The header of a packed blob (``docs/format.md``, "Codec packed"), with every stream's declared
+    length checked against ``count``, ``numel`` and ``width``: exactly where the header alone
+    decides it, else bounded from above (what a stream may decompress to).
 
     Args:
         data: the blob, uint8 ``(n,)``.
@@ -136,6 +136,12 @@ def parse_header(data, numel, count, width):
     for i in range(6):
         if streams[i, 1] > his[i]:
             return bad
+    # Exact where the header alone decides (the reference's ``stream(i, n, n)``), so a count the
+    # blob does not hold is refused before anything is decompressed or allocated for it.
+    if streams[0, 1] != hi0 or streams[2, 1] != hi2 or streams[3, 1] != hi3:
+        return bad
+    if val_mode == VAL_RAW and streams[5, 1] != hi5:
+        return bad
     return OK, pos_mode, r, val_mode, b, base, streams
 
 
