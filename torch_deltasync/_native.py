@@ -106,6 +106,7 @@ def _materialize() -> None:
         from numba.cpython.unsafe.numbers import trailing_zeros  # count trailing zero bits (an LLVM intrinsic)
 
         globals()["trailing_zeros"] = trailing_zeros
+        python_prefetch, compiled_prefetch = prefetch, _prefetch_intrinsic()
         for proxy in _DEFERRED:
             proxy.dispatcher = nb.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(proxy.fn)
         # Every module that defines kernels, or imported one by name (``from .._native import
@@ -118,7 +119,56 @@ def _materialize() -> None:
             for name, value in list(namespace.items()):
                 if isinstance(value, _Deferred):
                     namespace[name] = value.dispatcher
+                elif value is python_prefetch:
+                    namespace[name] = compiled_prefetch
         numba = nb
+
+
+#: How many changes ahead the apply and read kernels prefetch (:func:`prefetch`). Sorted positions
+#: at 0.2-1% density are one cache line apart or more, so each access misses; the loads are
+#: independent, but the core keeps only ~10 misses in flight: 9.4-10.7 ns per element read, and
+#: 4.2-4.9 ns with a prefetch 64 elements ahead (32: 5.8-6.6; 128: 3.2-4.6 at 0.2%, 4.6 at 1%;
+#: 4.8M and 0.96M reads from a 480M-element bf16 tensor, this machine).
+PREFETCH_AHEAD = 64
+
+
+def prefetch(arr, i):
+    """Hint the CPU to bring ``arr[i]`` into its caches (never faults; ``i`` need not be in
+    range). Compiled: LLVM's ``llvm.prefetch`` (read, locality 3: all cache levels); in Python, and
+    without numba, a no-op. Kernels call it :data:`PREFETCH_AHEAD` elements ahead."""
+
+
+def _prefetch_intrinsic():
+    """:func:`prefetch` as a numba intrinsic (made when numba is imported, :func:`_materialize`)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx, arr, i):
+        def codegen(context, builder, signature, args):
+            arr_type = signature.args[0]
+            array = context.make_array(arr_type)(context, builder, args[0])
+            # The address of arr[i] without the in-bounds promise of an indexing GEP: i may be
+            # past the end, and a prefetch never faults.
+            data = builder.ptrtoint(array.data, ir.IntType(64))
+            index = context.cast(builder, args[1], signature.args[1], types.int64)
+            offset = builder.mul(index, ir.Constant(ir.IntType(64), context.get_abi_sizeof(
+                context.get_data_type(arr_type.dtype))))
+            byte_ptr = ir.IntType(8).as_pointer()
+            address = builder.inttoptr(builder.add(data, offset), byte_ptr)
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0")
+            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        if not isinstance(arr, types.Array) or not isinstance(i, types.Integer):
+            return None
+        return types.void(arr, i), codegen
+
+    return prefetch
 
 
 def jit(fn):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._dtypes import bits
+from ._native import PREFETCH_AHEAD, prefetch
 from ._native import jit as _jit
 
 __all__ = ["np_bits", "warm", "scatter", "scatter_widened", "gather", "gather_widened", "grid_first_bad", "grid_held",
@@ -33,9 +34,13 @@ def np_bits(t):
 @_jit
 def scatter(flat, pos, vals, offset):
     """``flat[pos[i] + offset] = vals[i]`` for every ``i`` (bit patterns of one width; ``pos``
-    int64 ``(k,)``): ``index_copy_`` into a 1-D tensor, in one pass. The caller checked that every
-    ``pos + offset`` is inside ``flat``."""
-    for i in range(pos.size):
+    int64 ``(k,)``): ``index_copy_`` into a 1-D tensor, in one pass (each target line prefetched
+    :data:`~torch_deltasync._native.PREFETCH_AHEAD` changes ahead, as in every kernel here). The
+    caller checked that every ``pos + offset`` is inside ``flat``."""
+    k = pos.size
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            prefetch(flat, pos[i + PREFETCH_AHEAD] + offset)
         flat[pos[i] + offset] = vals[i]
 
 
@@ -44,7 +49,10 @@ def scatter_widened(flat, pos, vals):
     """``flat[pos[i]] = vals[i] << 16``: bf16 bit patterns (uint16) into fp32 storage (uint32),
     where a bf16 value is the fp32 whose high half is its pattern (``ModuleTarget``'s widened
     storage). The caller checked the positions."""
-    for i in range(pos.size):
+    k = pos.size
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            prefetch(flat, pos[i + PREFETCH_AHEAD])
         flat[pos[i]] = np.uint32(vals[i]) << np.uint32(16)
 
 
@@ -55,7 +63,10 @@ def gather(flat, pos, out, offset):
     costs ~40 ns per element on the CPU, this ~1-5). Returns the index of the first ``pos[i] +
     offset`` outside ``flat`` (``out`` then holds garbage from there on), else -1."""
     n = flat.size
-    for i in range(pos.size):
+    k = pos.size
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            prefetch(flat, pos[i + PREFETCH_AHEAD] + offset)  # a prefetch never faults
         p = pos[i] + offset
         if p < 0 or p >= n:
             return i
@@ -68,7 +79,10 @@ def gather_widened(flat, pos, out):
     """``out[i] = flat[pos[i]] >> 16``: the bf16 bit patterns (uint16) held in fp32 storage
     (uint32), the inverse of :func:`scatter_widened`. Returns the first out-of-range index, else -1."""
     n = flat.size
-    for i in range(pos.size):
+    k = pos.size
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            prefetch(flat, pos[i + PREFETCH_AHEAD])
         p = pos[i]
         if p < 0 or p >= n:
             return i
@@ -132,7 +146,12 @@ def scatter_grid(flat, pos, vals, ncols, rows, cols, s0, s1, base):
     maps; its module doc) fused with the scatter, one division per row change. The caller ran
     :func:`grid_first_bad` on ``pos`` first (every entry held and in range)."""
     start, rb = -ncols - 1, np.int64(0)
-    for i in range(pos.size):
+    ahead, ahead_rb = -ncols - 1, np.int64(0)  # a second cursor, mapping the entry to prefetch
+    k = pos.size
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            ahead, ahead_rb, next_at = _grid_at(pos[i + PREFETCH_AHEAD], ahead, ahead_rb, ncols, rows, cols, s0, s1, base)
+            prefetch(flat, next_at)
         start, rb, at = _grid_at(pos[i], start, rb, ncols, rows, cols, s0, s1, base)
         flat[at] = vals[i]
 
@@ -142,7 +161,12 @@ def gather_grid(flat, pos, out, ncols, rows, cols, s0, s1, base):
     """``out[i] = flat[base + R(r) * s0 + C(c) * s1]`` for ``pos[i] = r * ncols + c``: the read
     of :func:`scatter_grid`'s map. The caller ran :func:`grid_first_bad` on ``pos`` first."""
     start, rb = -ncols - 1, np.int64(0)
-    for i in range(pos.size):
+    ahead, ahead_rb = -ncols - 1, np.int64(0)
+    k = pos.size
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            ahead, ahead_rb, next_at = _grid_at(pos[i + PREFETCH_AHEAD], ahead, ahead_rb, ncols, rows, cols, s0, s1, base)
+            prefetch(flat, next_at)
         start, rb, at = _grid_at(pos[i], start, rb, ncols, rows, cols, s0, s1, base)
         out[i] = flat[at]
 
