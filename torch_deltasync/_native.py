@@ -616,20 +616,23 @@ def apply_at(flat, pos, steps, relative, values, check, base):
     means overwrite every entry with ``values``. With ``check``, the checksum of the old values at
     ``pos`` must equal ``base`` (uint64) first, else nothing is written and False is returned.
     ``pos`` must be in range (the decoder checked it against the tensor's size)."""
+    k = pos.size
     if check:
         ck = _U0
-        for i in range(pos.size):
+        for i in range(k):
+            if i + PREFETCH_AHEAD < k:
+                prefetch(flat, pos[i + PREFETCH_AHEAD])
             ck += _mix(_u64(pos[i])) * (_u64(flat[pos[i]]) + _K3)
         if ck != base:
             return False
-    if steps.size == 0:
-        for i in range(pos.size):
-            flat[pos[i]] = values[i]
-    elif relative.size == 0:
-        for i in range(pos.size):
-            flat[pos[i]] = flat[pos[i]] + steps[i]
-    else:
-        for i in range(pos.size):
-            p = pos[i]
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            prefetch(flat, pos[i + PREFETCH_AHEAD])
+        p = pos[i]
+        if steps.size == 0:
+            flat[p] = values[i]
+        elif relative.size == 0:
+            flat[p] = flat[p] + steps[i]
+        else:
             flat[p] = flat[p] + steps[i] if relative[i] else values[i]
     return True
