@@ -124,18 +124,13 @@ def _materialize() -> None:
         numba = nb
 
 
-#: How many changes ahead the apply and read kernels prefetch (:func:`prefetch`). Sorted positions
-#: at 0.2-1% density are one cache line apart or more, so each access misses; the loads are
-#: independent, but the core keeps only ~10 misses in flight: 9.4-10.7 ns per element read, and
-#: 4.2-4.9 ns with a prefetch 64 elements ahead (32: 5.8-6.6; 128: 3.2-4.6 at 0.2%, 4.6 at 1%;
-#: 4.8M and 0.96M reads from a 480M-element bf16 tensor, this machine).
+#: Changes ahead that the apply and read kernels (:mod:`._native_apply`) prefetch: reads at 0.2-1%
+#: density went from ~9.5 to ~4.3 ns per element (docs/benchmarks.md, "Prefetching the target lines").
 PREFETCH_AHEAD = 64
 
 
 def prefetch(arr, i):
-    """Hint the CPU to bring ``arr[i]`` into its caches (never faults; ``i`` need not be in
-    range). Compiled: LLVM's ``llvm.prefetch`` (read, locality 3: all cache levels); in Python, and
-    without numba, a no-op. Kernels call it :data:`PREFETCH_AHEAD` elements ahead."""
+    """Hint the CPU to cache ``arr[i]`` (``llvm.prefetch`` when compiled, never faults; Python: a no-op)."""
 
 
 def _prefetch_intrinsic():
@@ -148,20 +143,16 @@ def _prefetch_intrinsic():
     @intrinsic
     def prefetch(typingctx, arr, i):
         def codegen(context, builder, signature, args):
-            arr_type = signature.args[0]
-            array = context.make_array(arr_type)(context, builder, args[0])
-            # The address of arr[i] without the in-bounds promise of an indexing GEP: i may be
-            # past the end, and a prefetch never faults.
-            data = builder.ptrtoint(array.data, ir.IntType(64))
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            # arr.data + i * itemsize as an integer: i may be out of range (no in-bounds GEP)
             index = context.cast(builder, args[1], signature.args[1], types.int64)
-            offset = builder.mul(index, ir.Constant(ir.IntType(64), context.get_abi_sizeof(
-                context.get_data_type(arr_type.dtype))))
-            byte_ptr = ir.IntType(8).as_pointer()
-            address = builder.inttoptr(builder.add(data, offset), byte_ptr)
-            i32 = ir.IntType(32)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0")
-            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            size = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
+            address = builder.add(builder.ptrtoint(array.data, ir.IntType(64)),
+                                  builder.mul(index, ir.Constant(ir.IntType(64), size)))
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+            builder.call(fn, [builder.inttoptr(address, i8p)] + [ir.Constant(i32, c) for c in (0, 3, 1)])
             return context.get_dummy_value()
 
         if not isinstance(arr, types.Array) or not isinstance(i, types.Integer):
@@ -607,32 +598,3 @@ def resolve_steps(pos, old, steps, relative, values, check, base, new_out):
         for i in range(pos.size):
             new_out[i] = old[i] + steps[i] if relative[i] else values[i]
     return (not check) or checksum_at(pos, old) == base
-
-
-@_jit
-def apply_at(flat, pos, steps, relative, values, check, base):
-    """Write a decoded delta into ``flat`` (unsigned bit patterns of the whole tensor) in place:
-    ``flat[p] = flat[p] + step`` (wrapped) where relative, else the raw value; ``steps`` empty
-    means overwrite every entry with ``values``. With ``check``, the checksum of the old values at
-    ``pos`` must equal ``base`` (uint64) first, else nothing is written and False is returned.
-    ``pos`` must be in range (the decoder checked it against the tensor's size)."""
-    k = pos.size
-    if check:
-        ck = _U0
-        for i in range(k):
-            if i + PREFETCH_AHEAD < k:
-                prefetch(flat, pos[i + PREFETCH_AHEAD])
-            ck += _mix(_u64(pos[i])) * (_u64(flat[pos[i]]) + _K3)
-        if ck != base:
-            return False
-    for i in range(k):
-        if i + PREFETCH_AHEAD < k:
-            prefetch(flat, pos[i + PREFETCH_AHEAD])
-        p = pos[i]
-        if steps.size == 0:
-            flat[p] = values[i]
-        elif relative.size == 0:
-            flat[p] = flat[p] + steps[i]
-        else:
-            flat[p] = flat[p] + steps[i] if relative[i] else values[i]
-    return True

@@ -1,5 +1,7 @@
 """Compiled CPU kernels (numba) that read and write changed elements of live tensors: the targets'
-apply step, and the read of the old values a relative delta needs.
+apply step, the read of the old values a relative delta needs, and a decoded delta written in one
+pass (:func:`apply_at`). Each prefetches the line it will touch :data:`PREFETCH_AHEAD` changes
+ahead (:func:`prefetch`).
 
 :class:`~torch_deltasync.targets.ModuleTarget` and :class:`~torch_deltasync.targets.VLLMTarget`
 call them when :func:`torch_deltasync._native.enabled` is true and run their torch code
@@ -16,9 +18,10 @@ from __future__ import annotations
 import numpy as np
 
 from ._dtypes import bits
-from ._native import PREFETCH_AHEAD, prefetch
+from ._native import _K3, _U0, PREFETCH_AHEAD, _mix, _u64, prefetch
 from ._native import jit as _jit
 
+# The kernels a commit calls, which warm() compiles (apply_at serves the receiver's anchor path).
 __all__ = ["np_bits", "warm", "scatter", "scatter_widened", "gather", "gather_widened", "grid_first_bad", "grid_held",
            "scatter_grid", "gather_grid"]
 
@@ -35,7 +38,7 @@ def np_bits(t):
 def scatter(flat, pos, vals, offset):
     """``flat[pos[i] + offset] = vals[i]`` for every ``i`` (bit patterns of one width; ``pos``
     int64 ``(k,)``): ``index_copy_`` into a 1-D tensor, in one pass (each target line prefetched
-    :data:`~torch_deltasync._native.PREFETCH_AHEAD` changes ahead, as in every kernel here). The
+    :data:`PREFETCH_AHEAD` changes ahead, as in every kernel here). The
     caller checked that every ``pos + offset`` is inside ``flat``."""
     k = pos.size
     for i in range(k):
@@ -169,6 +172,35 @@ def gather_grid(flat, pos, out, ncols, rows, cols, s0, s1, base):
             prefetch(flat, next_at)
         start, rb, at = _grid_at(pos[i], start, rb, ncols, rows, cols, s0, s1, base)
         out[i] = flat[at]
+
+
+@_jit
+def apply_at(flat, pos, steps, relative, values, check, base):
+    """Write a decoded delta into ``flat`` (unsigned bit patterns of the whole tensor) in place:
+    ``flat[p] = flat[p] + step`` (wrapped) where relative, else the raw value; ``steps`` empty
+    means overwrite every entry with ``values``. With ``check``, the checksum of the old values at
+    ``pos`` must equal ``base`` (uint64) first, else nothing is written and False is returned.
+    ``pos`` must be in range (the decoder checked it against the tensor's size)."""
+    k = pos.size
+    if check:
+        ck = _U0
+        for i in range(k):
+            if i + PREFETCH_AHEAD < k:
+                prefetch(flat, pos[i + PREFETCH_AHEAD])
+            ck += _mix(_u64(pos[i])) * (_u64(flat[pos[i]]) + _K3)
+        if ck != base:
+            return False
+    for i in range(k):
+        if i + PREFETCH_AHEAD < k:
+            prefetch(flat, pos[i + PREFETCH_AHEAD])
+        p = pos[i]
+        if steps.size == 0:
+            flat[p] = values[i]
+        elif relative.size == 0:
+            flat[p] = flat[p] + steps[i]
+        else:
+            flat[p] = flat[p] + steps[i] if relative[i] else values[i]
+    return True
 
 
 def warm() -> None:

@@ -27,7 +27,7 @@ from typing import Callable, ClassVar, Mapping, Protocol, Sequence, runtime_chec
 import numpy as np
 import torch
 
-from .. import _native
+from .. import _native, _native_apply
 from .._dtypes import bits, int_view_dtype
 from ..errors import ChecksumMismatchError, CorruptObjectError
 
@@ -157,7 +157,7 @@ class TensorDelta:
         steps = self.steps.contiguous().numpy() if self.steps is not None else np.empty(0, u)
         rel = self.relative.contiguous().numpy() if self.relative is not None else _NO_MASK
         check = self.steps is not None and self.base_checksum is not None
-        if not _native.apply_at(bits(flat).numpy().view(u), self.positions.contiguous().numpy(), steps, rel, vals,
+        if not _native_apply.apply_at(bits(flat).numpy().view(u), self.positions.contiguous().numpy(), steps, rel, vals,
                                 check, np.uint64(self.base_checksum or 0)):
             self._mismatch(flat[self.positions])
 
