@@ -22,6 +22,7 @@ from ..errors import CorruptObjectError
 from ._base import _UNSIGNED, TensorDelta
 from ._bits import MAX_VARINT_BYTES, METHOD_STORED, METHOD_ZSTD, unpack_stream
 from ._packed_header import CODE_BITS, HEADER_FIXED, LAYOUT_VERSION, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, VAL_RAW, VAL_STEPS
+from ._packed_kernels import from_planes
 
 
 @jit
@@ -187,11 +188,7 @@ def decode_streams(pos_mode, r, val_mode, b, numel, count, width, s0, s1, s2, s3
     if val_mode == VAL_RAW:
         if s3.size or s4.size or s5.size != count * width:
             return BAD, 0, no_mask
-        for i in range(count):
-            x = np.uint64(0)
-            for j in range(width):
-                x |= np.uint64(s5[j * count + i]) << np.uint64(8 * j)
-            values[i] = x
+        from_planes(s5, count, width, values)
         return OK, 0, no_mask
     M, n_code_bytes, e_max, e_len = step_limits(b, width, count)
     if s3.size != n_code_bytes:
