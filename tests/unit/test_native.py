@@ -141,10 +141,38 @@ def test_extreme_positions_and_blocks():
     check_encode_decode(pos, new, old, 10_000)
 
 
+@pytest.mark.parametrize("b", [2, 4, 8, 16])
+def test_escapes_on_the_edges_of_the_kernels_bit_groups(monkeypatch, b):
+    # The kernels find escapes (a gap's high part 255, a step's escape code) by walking one bit per
+    # entry in groups of 64, in blocks of 4096: every kind of escape sits on the first and last
+    # entries of groups and blocks here, among ordinary entries.
+    monkeypatch.setattr(PackedCodec, "_force_code_bits", b)
+    monkeypatch.setattr(PackedCodec, "_force_gap_shift", 0)
+    k = 3 * 4096 + 70
+    edges = np.array(sorted({0, 1, 62, 63, 64, 65, 127, 128, 4095, 4096, 4159, 4160, 8191, 8192, k - 2, k - 1}))
+    rng = np.random.default_rng(b)
+    gaps = rng.integers(0, 40, k)
+    gaps[edges] = np.resize([255, 300, 70_000, 2**30], edges.size)  # escapes of one to five varint bytes
+    pos = torch.from_numpy(np.cumsum(gaps + 1) - 1)
+    old = bits(torch.randn(k).to(torch.bfloat16)).numpy().astype(np.int64)
+    M = (1 << b) - 1
+    z = np.resize([1, 2, 3], k)  # steps of +-1 and -2: no escape at any width
+    kinds = [zz for zz in (M + 1, M + 2, M + 127, M + 128, M + 300) if zz < 1 << 16] + [0]  # 0: new == old, raw
+    z[edges] = np.resize(kinds, edges.size)
+    new = (old + ((z >> 1) ^ -(z & 1))) & 0xFFFF
+    new_t = torch.from_numpy(new.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    old_t = torch.from_numpy(old.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    numel = int(pos[-1]) + 1
+    blob = check_encode_decode(pos, new_t, old_t, numel)["packed"].numpy()
+    _, _, r, _, code_bits, _, streams = _packed_decode.parse_header(blob, numel, k, 2)
+    assert (r, code_bits) == (0, b)
+    assert streams[1, 1] > 0 and streams[4, 1] > 0 and streams[5, 1] > 0  # gap escapes, step escapes, raw values
+
+
 @pytest.mark.parametrize("mix", [{"ulp": 0.9, "many": 0.1}, {"ulp": 0.5, "mid": 0.3, "same": 0.1, "flip": 0.1},
                                  {"random": 1.0}])
 def test_long_change_sets(mix):
-    # From 65536 changes the code width is costed on a sample of the steps: the escapes the
+    # From 16384 changes the code width is costed on a sample of the steps: the escapes the
     # kernels write are not bounded by the sample (every 8th block here has all of them).
     k = 300_000
     pos, new, old = make_change_set(k, torch.bfloat16, 2 * k, 0.5, mix)

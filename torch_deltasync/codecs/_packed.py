@@ -58,7 +58,7 @@ from ..errors import CorruptObjectError
 from ._base import _UNSIGNED, Codec, TensorDelta, check_parts, register_codec
 from ._packed_decode import zero as _zero
 from ._packed_estimates import (
-    STEP_CAP, STEP_SAMPLE, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
+    STEP_CAP, STEP_SAMPLE, STEP_SAMPLE_FROM, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
 )
 from ._packed_header import (
     CODE_BITS, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, STREAMS, VAL_RAW, VAL_STEPS, read_header, write_header,
@@ -228,7 +228,7 @@ class PackedCodec(Codec):
         k = pos.size
         r_lo, r_hi = gap_shift_window(k, int(pos[-1]) if k else 0, MAX_GAP_SHIFT)
         span = 255 << (r_hi - r_lo)
-        every = STEP_SAMPLE if k >= STEP_SAMPLE * _native.BLOCK * 4 else 1  # blocks of steps costed
+        every = STEP_SAMPLE if k >= STEP_SAMPLE_FROM else 1  # blocks of steps costed
         gaps = np.diff(pos, prepend=-1) - 1
         if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
@@ -396,7 +396,7 @@ class PackedCodec(Codec):
             pos = None
             if native:
                 pos = np.empty(count, np.int64)
-                if _native.bitmap_positions(bm, numel, count, pos) != _native.OK:
+                if _decode_kernels.bitmap_positions(bm, numel, count, pos) != _native.OK:
                     pos = None
             if pos is None:
                 pos = _bitmap_positions(bm, numel, count, what)
@@ -513,7 +513,7 @@ def _gap_positions_native(stream, r: int, numel: int, count: int, what: str) -> 
     low = stream(2, n_low, n_low)
     pos = np.empty(count, np.int64)
     limit = min(MAX_VARINT_BYTES, max(1, math.ceil(max(max_ext, 1).bit_length() / 7)))
-    if _native.decode_gaps(high_b, ext, low, r, numel, max(max_ext, 0), limit, pos) != _native.OK:
+    if _decode_kernels.decode_gaps(high_b, ext, low, r, numel, max(max_ext, 0), limit, pos) != _native.OK:
         return None
     return pos
 
@@ -569,16 +569,16 @@ def _steps_native(stream, count: int, b: int, width: int, what: str):
     """:func:`_steps` by the kernels; ``None`` when they find the streams invalid."""
     M, n_code_bytes, e_max, e_len = _step_limits(b, width, count)
     codes = stream(3, n_code_bytes, n_code_bytes)
-    n_esc = _native.count_code16(codes, count) if b == 16 else _native.count_code(codes, count, b)
+    n_esc = _decode_kernels.count_code16(codes, count) if b == 16 else _decode_kernels.count_code(codes, count, b)
     if n_esc < 0:
         return None
     ext = stream(4, n_esc, n_esc * e_len)
-    n_raw = _native.scan_escapes(ext, n_esc, min(MAX_VARINT_BYTES, e_len), e_max)
+    n_raw = _decode_kernels.scan_escapes(ext, n_esc, min(MAX_VARINT_BYTES, e_len), e_max)
     if n_raw < 0:
         return None
     raw = stream(5, n_raw * width, n_raw * width)
     steps = np.empty(count, f"i{width}")
     values = np.empty(count if n_raw else 0, f"u{width}")
     relative = np.empty(count if n_raw else 0, np.bool_)
-    _native.decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relative)
+    _decode_kernels.decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relative)
     return (steps, values, relative) if n_raw else (steps, None, None)

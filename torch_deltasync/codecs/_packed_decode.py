@@ -10,6 +10,12 @@ decodes the blob again with the reference, which raises the specific
 :class:`~torch_deltasync.errors.CorruptObjectError` (``tests/unit/test_native.py`` checks that
 both accept exactly the same blobs). What this saves is the Python between the kernels: a
 decode of a small tensor went from about a dozen kernel and helper calls to two.
+
+The stream kernels (:func:`decode_gaps`, :func:`count_code`, :func:`scan_escapes`,
+:func:`decode_steps`, :func:`bitmap_positions`) are also what the numpy reference calls first when
+the kernels are on. Escapes (a gap's high part 255, a step's escape code) are rare but fall at
+random: the kernels mark them with one bit per entry, without a branch, and walk the set bits
+(``trailing_zeros``), as change detection extracts positions.
 """
 
 from __future__ import annotations
@@ -17,12 +23,267 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .._native import BAD, OK, _get_varint, bitmap_positions, count_code, count_code16, decode_gaps, decode_steps, jit, scan_escapes
+from .._native import _BLOCK, _U0, _U1, BAD, OK, _u64, jit, trailing_zeros
 from ..errors import CorruptObjectError
 from ._base import _UNSIGNED, TensorDelta
 from ._bits import MAX_VARINT_BYTES, METHOD_STORED, METHOD_ZSTD, unpack_stream
 from ._packed_header import CODE_BITS, HEADER_FIXED, LAYOUT_VERSION, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, VAL_RAW, VAL_STEPS
 from ._packed_kernels import from_planes
+
+
+# --- the streams (also called by the numpy reference in ._packed, which raises on BAD) ----------
+
+
+@jit
+def _get_varint(buf, at, limit):
+    """One varint at ``buf[at:]`` of at most ``limit`` bytes, no overlong form: ``(value, next
+    offset)``, or ``(0, -1)`` when it is cut off, too long or overlong."""
+    v = _U0
+    n = buf.size
+    for j in range(limit):
+        if at + j >= n:
+            return _U0, -1
+        byte = buf[at + j]
+        v |= _u64(byte & 0x7F) << _u64(7 * j)
+        if byte < 0x80:
+            if j and byte == 0:
+                return _U0, -1
+            return v, at + j + 1
+    return _U0, -1
+
+
+@jit
+def decode_gaps(high, ext, low, r, numel, max_ext, ext_limit, pos_out):
+    """Positions of gap mode into ``pos_out`` (int64 ``(k,)``), validating what the reference
+    decoder validates: exactly one varint (at most ``ext_limit`` bytes, not overlong, at most
+    ``max_ext``) per 255 byte filling ``ext``, zero padding bits in ``low``, every gap at most
+    ``numel - 1`` and every position below ``numel``. Returns ``OK`` or ``BAD``."""
+    k = high.size
+    rr = _u64(r)
+    lmask = (_U1 << rr) - _U1
+    max_gap = _u64(max(numel - 1, 0))
+    max_high = max_gap >> rr
+    unumel = _u64(numel)
+    g = np.empty(_BLOCK, np.uint64)
+    acc = _U0  # bit reader of the low parts (fields past whole groups of 8, and r > 8)
+    nbits = 0
+    li = 0
+    e = 0
+    p = _U0 - _U1  # the position before the first: p + g + 1 wraps to g
+    for a in range(0, k, _BLOCK):
+        hb = high[a : a + _BLOCK]
+        m = hb.size
+        n_esc = 0
+        top = np.uint8(0)
+        for j in range(m):  # vectorises
+            g[j] = _u64(hb[j])
+            n_esc += hb[j] == 255
+            top = max(top, hb[j])
+        if _u64(top) > max_high:  # every high part <= max_high (escapes: below), so no shift overflows
+            return BAD
+        for g0 in range(0, m if n_esc else 0, 64):  # the escapes, in order, by walking set bits
+            w = _U0
+            for q in range(min(64, m - g0)):
+                w |= _u64(hb[g0 + q] == 255) << _u64(q)
+            while w:
+                j = g0 + trailing_zeros(w)
+                w &= w - _U1
+                x, e = _get_varint(ext, e, ext_limit)
+                if e < 0 or x > _u64(max_ext) or x + _u64(255) > max_high:
+                    return BAD
+                g[j] += x
+        j0 = 0
+        if 0 < r <= 8 and nbits == 0:  # whole groups of 8 fields fill r bytes
+            j0 = m // 8 * 8
+            for o in range(j0 // 8):
+                w = _U0
+                for q in range(r):
+                    w |= _u64(low[li + q]) << _u64(8 * q)
+                li += r
+                for q in range(8):
+                    g[8 * o + q] = (g[8 * o + q] << rr) | ((w >> _u64(q * r)) & lmask)
+        for j in range(j0, m):
+            lo = _U0
+            if r:
+                while nbits < r:
+                    acc |= _u64(low[li]) << _u64(nbits)
+                    li += 1
+                    nbits += 8
+                lo = acc & lmask
+                acc >>= rr
+                nbits -= r
+            g[j] = (g[j] << rr) | lo
+        out = pos_out[a : a + _BLOCK]
+        bad = False
+        for j in range(m):
+            bad |= g[j] > max_gap
+            p = p + g[j] + _U1  # cannot wrap: p < numel <= 2**63 and g <= numel - 1 (checked below)
+            bad |= p >= unumel
+            out[j] = np.int64(p)
+        if bad:
+            return BAD
+    if e != ext.size or li != low.size or acc != _U0:
+        return BAD
+    return OK
+
+
+@jit
+def count_code(codes, count, b):
+    """Number of codes equal to ``M = 2**b - 1`` among the ``count`` codes of ``codes``
+    (``b`` = 2, 4, 8), or -1 when padding bits after the last code are set."""
+    M = (1 << b) - 1
+    per = 8 // b
+    lut = np.zeros(256, np.int64)  # escape codes in each byte value
+    for v in range(256):
+        for q in range(per):
+            lut[v] += ((v >> (q * b)) & M) == M
+    n = 0
+    for i in range(codes.size):
+        n += lut[codes[i]]
+    tail = count % per
+    if tail:
+        last = np.int64(codes[codes.size - 1])
+        if last >> (tail * b):
+            return -1
+    return n
+
+
+@jit
+def count_code16(codes, count):
+    """:func:`count_code` for ``b = 16`` (two byte planes)."""
+    n = 0
+    for i in range(count):
+        n += codes[i] == 0xFF and codes[count + i] == 0xFF
+    return n
+
+
+@jit
+def scan_escapes(ext, n_esc, limit, e_max):
+    """Validate the ext stream (exactly ``n_esc`` varints filling it, each at most ``limit``
+    bytes, not overlong, at most ``e_max``) and count its zeros (raw escapes); -1 when invalid."""
+    at = 0
+    zeros = 0
+    for _ in range(n_esc):
+        x, at = _get_varint(ext, at, limit)
+        if at < 0 or x > _u64(e_max):
+            return -1
+        zeros += x == _U0
+    if at != ext.size:
+        return -1
+    return zeros
+
+
+@jit
+def _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative):
+    """Entry ``i`` with the escape code: its varint (already validated) and, for a 0, the next raw
+    value. Returns the next ext offset and raw index."""
+    first = ext[e_at]
+    if 0 < first < 0x80:  # the common escape: a one-byte varint, z = M + first
+        z = np.int64(M) + np.int64(first)
+        steps[i] = (z >> 1) ^ -(z & 1)
+        return e_at + 1, ri
+    x, e_at = _get_varint(ext, e_at, 9)
+    if x == _U0:
+        v = _U0
+        for j in range(width):
+            v |= _u64(raw[j * n_raw + ri]) << _u64(8 * j)
+        values[i] = v
+        steps[i] = 0
+        relative[i] = False
+        return e_at, ri + 1
+    z = np.int64(M) + np.int64(x)
+    steps[i] = (z >> 1) ^ -(z & 1)
+    return e_at, ri
+
+
+@jit
+def decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relative):
+    """Steps, raw values and the relative mask from the value streams (already validated by
+    :func:`count_code` and :func:`scan_escapes`): ``steps`` (signed, ``(k,)``, 0 at raw
+    escapes) and, when there are raw escapes (else pass empty arrays), ``values`` (unsigned bit
+    patterns: the raw escapes' new values, else 0) and ``relative`` (bool, false at raw
+    escapes). ``raw`` holds the raw escapes as byte planes."""
+    M = (1 << b) - 1
+    if values.size:
+        values[:] = 0
+        relative[:] = True
+    e_at = 0
+    ri = 0
+    if b >= 8:
+        lut = np.empty(M, steps.dtype)  # code c < M is the step of zigzag z = c + 1
+        for c in range(M):
+            z = c + 1
+            lut[c] = (z >> 1) ^ -(z & 1)
+        for i in range(count):
+            c = np.int64(codes[i]) | (np.int64(codes[count + i]) << 8) if b == 16 else np.int64(codes[i])
+            if c == M:
+                e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+            else:
+                steps[i] = lut[c]
+        return
+    # b = 2 or 4: every byte's steps from a table, and a bit per escape code (from a second
+    # table) for each 64 entries; then the escapes among them, in order, by walking the set bits
+    per = 8 // b
+    lut = np.zeros((256, 4), steps.dtype)
+    esc = np.zeros(256, np.uint64)  # bit q: code q of the byte value is an escape
+    for v in range(256):
+        for q in range(per):
+            c = (v >> (q * b)) & M
+            if c == M:
+                esc[v] |= _U1 << _u64(q)
+            else:
+                z = c + 1
+                lut[v, q] = (z >> 1) ^ -(z & 1)
+    whole = count // per
+    group = 64 // per  # bytes per 64 entries
+    for o0 in range(0, whole, group):
+        w = _U0
+        for o in range(o0, min(o0 + group, whole)):
+            v = codes[o]
+            i = o * per
+            if per == 4:
+                steps[i] = lut[v, 0]
+                steps[i + 1] = lut[v, 1]
+                steps[i + 2] = lut[v, 2]
+                steps[i + 3] = lut[v, 3]
+            else:
+                steps[i] = lut[v, 0]
+                steps[i + 1] = lut[v, 1]
+            w |= esc[v] << _u64((o - o0) * per)
+        while w:
+            e_at, ri = _decode_escape(o0 * per + trailing_zeros(w), M, width, ext, e_at, raw, n_raw, ri,
+                                      steps, values, relative)
+            w &= w - _U1
+    for i in range(whole * per, count):
+        c = (np.int64(codes[i // per]) >> ((i % per) * b)) & M
+        if c == M:
+            e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
+        else:
+            steps[i] = lut[c, 0]
+
+
+@jit
+def bitmap_positions(bm, numel, count, pos_out):
+    """Positions of the set bits of a bitmap into ``pos_out`` (int64 ``(count,)``); ``BAD`` when
+    another number of bits is set or a bit at or past ``numel`` is set."""
+    k = 0
+    for byte_i in range(bm.size):
+        v = np.int64(bm[byte_i])
+        while v:
+            bit = 0
+            while not (v >> bit) & 1:
+                bit += 1
+            p = byte_i * 8 + bit
+            if p >= numel or k >= count:
+                return BAD
+            pos_out[k] = p
+            k += 1
+            v &= v - 1
+    return OK if k == count else BAD
+
+
+
+# --- one blob ----------------------------------------------------------------------------------
 
 
 @jit

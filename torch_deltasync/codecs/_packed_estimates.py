@@ -126,10 +126,13 @@ def binary_entropy(p: float) -> float:
     return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
 
 
-#: Change sets of 65536 changes and more cost their code widths on every 4th block of 4096 steps
-#: (the estimate needs the step distribution, not every step; the histogram pass is a third of
-#: the encoder's kernel time otherwise).
+#: Change sets of ``STEP_SAMPLE_FROM`` changes and more cost their code widths on every
+#: ``STEP_SAMPLE``-th block of 4096 steps, the first included (the estimate needs the step
+#: distribution, not every step; costing every step was a third of the encoder's kernel time).
+#: From 16384 changes on at least 4 blocks (16384 steps) are costed; the choices and sizes of the
+#: change sets in ``tools/bench_codec.py`` are the same as when costing every step.
 STEP_SAMPLE = 4
+STEP_SAMPLE_FROM = 1 << 14
 #: Steps with a zigzag value of at least this are costed as raw values (the last bin of the step
 #: histogram).
 STEP_CAP = 1 << 12

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._native import trailing_zeros
 from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit
-from ._packed_estimates import STEP_CAP, STEP_SAMPLE, best_gap_shift, best_step_code, gap_shift_window
+from ._packed_estimates import STEP_CAP, STEP_SAMPLE, STEP_SAMPLE_FROM, best_gap_shift, best_step_code, gap_shift_window
 
 
 @jit
@@ -132,9 +133,9 @@ def step_histogram(new, old, width, cap, every):
     (the first, then every ``every``-th), int64 ``(cap + 1,)``."""
     full = np.int64(1) << (8 * width)
     half = full >> 1
-    ways = 4 if new.size >= 8 * every * (cap + 1) else 1
-    h4 = np.zeros((ways, cap + 1), np.int64)
-    zc = np.empty(_BLOCK, np.int32)
+    h = np.zeros(cap + 1, np.int64)
+    hot = np.zeros((4, 64), np.int64)  # four copies of the small bins, where almost every step falls:
+    zc = np.empty(_BLOCK, np.int32)    # one would make each increment wait for the previous one
     n = new.size
     for a in range(0, n, _BLOCK * every):
         nb = new[a : a + _BLOCK]
@@ -148,8 +149,13 @@ def step_histogram(new, old, width, cap, every):
             for j in range(m):  # vectorises
                 zc[j] = min(_zigzag_step(nb[j], ob[j], full, half), cap)
         for j in range(m):
-            h4[j & (ways - 1), zc[j]] += 1
-    return h4.sum(axis=0)
+            z = zc[j]
+            if z < 64:
+                hot[j & 3, z] += 1
+            else:
+                h[z] += 1
+    h[:64] += hot.sum(axis=0)
+    return h
 
 
 @jit
@@ -203,6 +209,7 @@ def encode_steps(new, old, width, b, codes, ext, raw):
     e_at = 0
     n_raw = 0
     c = np.zeros(_BLOCK, np.uint16)  # codes of one block, one per element
+    zb = np.empty(_BLOCK, np.uint32)  # zigzag steps of one block (< 2**32 for widths up to 4)
     c8 = np.zeros(_BLOCK, np.uint8)
     c16 = c8.view(np.uint16)
     c32 = c8.view(np.uint32)
@@ -214,21 +221,35 @@ def encode_steps(new, old, width, b, codes, ext, raw):
         if width == 2:  # 32-bit lanes; z = 0 wraps to the largest unsigned value, code M
             for j in range(m):
                 d = np.int32(np.int16(np.int32(nb[j]) - np.int32(ob[j])))
-                cj = np.uint16(min(np.uint32((d << 1) ^ (d >> 31)) - np.uint32(1), np.uint32(M)))
+                z = np.uint32((d << 1) ^ (d >> 31))
+                cj = np.uint16(min(z - np.uint32(1), np.uint32(M)))
                 n_esc += cj == M
+                zb[j] = z
                 c[j] = cj
         else:
             for j in range(m):
                 z = _zigzag_step(nb[j], ob[j], full, half)
                 cj = np.uint16(min(np.uint32(z - 1), np.uint32(M)))
                 n_esc += cj == M
+                zb[j] = np.uint32(z)
                 c[j] = cj
         if n_esc:
             if e_at + width * n_esc > ext.size:
                 return -1, -1  # the caller sized ext too small
-            for j in range(m):
-                if c[j] == M:
-                    z = _zigzag_step(nb[j], ob[j], full, half)
+            # Escapes are rare but placed at random: a bit per element marks them (no branch),
+            # then each 64 elements' escapes are coded in order by walking the set bits.
+            for g0 in range(0, m, 64):
+                w = _U0
+                if g0 + 64 <= m:
+                    for q in range(64):  # vectorises
+                        w |= _u64(c[g0 + q] == M) << _u64(q)
+                else:
+                    for q in range(m - g0):
+                        w |= _u64(c[g0 + q] == M) << _u64(q)
+                while w:
+                    j = g0 + trailing_zeros(w)
+                    w &= w - _U1
+                    z = np.int64(zb[j])
                     if 0 < z - M < 0x80:  # the common escape: a one-byte varint
                         ext[e_at] = np.uint8(z - M)
                         e_at += 1
@@ -284,7 +305,7 @@ def encode_plan(pos, new, old, width, numel, max_shift, force_r, force_b):
     """
     k = pos.size
     r_lo, r_hi = gap_shift_window(k, pos[k - 1] if k else 0, max_shift)
-    every = STEP_SAMPLE if k >= STEP_SAMPLE * _BLOCK * 4 else 1
+    every = STEP_SAMPLE if k >= STEP_SAMPLE_FROM else 1
     hist, ok = gap_histogram(pos, numel, r_lo, 255 << (r_hi - r_lo))
     r = force_r
     if r < 0:
