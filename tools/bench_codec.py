@@ -333,7 +333,7 @@ def gil_free_share(cs: ChangeSet) -> dict:
     the largest tensor's share of the changes bounds it too (a tensor is not split). Torch and
     numpy calls outside the kernels count as GIL-held here although many release it, so the bound
     is conservative."""
-    from torch_deltasync.codecs import _packed
+    from torch_deltasync.codecs import _bits
 
     codec = get_codec("packed")
     items = [(pos, new, old, numel) for pos, old, new, numel in cs.values() if pos.numel()]
@@ -360,7 +360,10 @@ def gil_free_share(cs: ChangeSet) -> dict:
     # ``codecs._packed_kernels``, and modules that imported a kernel by name), and zstd.
     patched = [(mod, n, f) for m, mod in list(sys.modules.items()) if m.startswith("torch_deltasync")
                for n, f in list(vars(mod).items()) if hasattr(f, "py_func") or isinstance(f, _native._Deferred)]
-    patched += [(_packed, "pack_stream", _packed.pack_stream), (_packed, "unpack_stream", _packed.unpack_stream)]
+    # zstd, wherever its wrappers were imported by name (the reference codec, the fast decoder)
+    zstd_calls = {_bits.pack_stream, _bits.unpack_stream}
+    patched += [(mod, n, f) for m, mod in list(sys.modules.items()) if m.startswith("torch_deltasync")
+                for n, f in list(vars(mod).items()) if n in ("pack_stream", "unpack_stream") and f in zstd_calls]
     out = {}
     try:
         for mod, n, f in patched:

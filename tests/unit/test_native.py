@@ -521,6 +521,42 @@ def test_many_runs_small_items_inline_and_shares_out_the_large_ones(monkeypatch)
         _base._map_largest_first(fn, [0], sizes, 0)
 
 
+def test_helper_threads_are_kept_between_calls_and_nested_or_forked_calls_run(monkeypatch):
+    """The helper threads outlive a call (starting a pool cost as much as a small change set), a
+    map inside a helper's item does not wait for itself, and a forked child makes its own pool."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from torch_deltasync.codecs import _base
+
+    monkeypatch.setattr(_base, "_POOL", None)
+    seen = []  # the threads (kept alive, so their ids stay distinct)
+
+    def fn(i):
+        seen.append(threading.current_thread())
+        time.sleep(0.005)
+        return i
+
+    big = [1 << 20] * 4
+    for _ in range(3):
+        assert _base._map_largest_first(fn, [0, 1, 2, 3], big, 2) == [0, 1, 2, 3]
+    assert len({id(t) for t in seen}) == 2, seen  # the caller and the same helper every time
+
+    def outer(i):  # every helper busy with an item that maps again
+        return sum(_base._map_largest_first(fn, [i, i, i], big[:3], 2))
+
+    assert _base._map_largest_first(outer, [0, 1, 2, 3], big, 2) == [0, 3, 6, 9]
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool object, without its threads
+        signal.alarm(20)  # a deadlock ends the child with SIGALRM
+        ok = _base._map_largest_first(fn, [0, 1, 2, 3], big, 2) == [0, 1, 2, 3]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 # --- without numba ---------------------------------------------------------------------------------
 
 

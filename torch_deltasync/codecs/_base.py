@@ -267,6 +267,23 @@ class Codec(Protocol):
 #: Items with fewer changes than this are coded on the calling thread (see _map_largest_first).
 PARALLEL_MIN_CHANGES = 1 << 14
 
+_POOL: tuple[ThreadPoolExecutor, int, int] | None = None  # (pool, workers, pid that made it)
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The codec's helper threads, kept between calls and shared by all callers: starting and
+    stopping a pool cost ~0.2 ms on 2 cores, as much as coding a 1% change set of 40M elements
+    takes on two threads, and each new thread makes its own zstd contexts. Grown when a caller
+    asks for more workers; made anew in a forked child (whose copy has no threads)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[1] < workers or _POOL[2] != os.getpid():
+            if _POOL is not None and _POOL[2] == os.getpid():
+                _POOL[0].shutdown(wait=False)  # its running tasks finish; new ones go to the larger pool
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="deltasync-codec"), workers, os.getpid()
+        return _POOL[0]
+
 
 def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
     """``[fn(x) for x in items]`` on up to ``threads`` threads, the calling thread included: the
@@ -305,13 +322,13 @@ def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], thre
                 return
             run(i)
 
-    with ThreadPoolExecutor(min(threads - 1, len(big)), thread_name_prefix="deltasync-codec") as pool:
-        helpers = [pool.submit(drain) for _ in range(min(threads - 1, len(big)))]
-        for i in range(n):
-            if sizes[i] < PARALLEL_MIN_CHANGES:
-                run(i)
-        drain()
-        for h in helpers:
+    helpers = [_pool(threads - 1).submit(drain) for _ in range(min(threads - 1, len(big)))]
+    for i in range(n):
+        if sizes[i] < PARALLEL_MIN_CHANGES:
+            run(i)
+    drain()
+    for h in helpers:  # a helper still queued (behind another caller's work) has nothing left to do
+        if not h.cancel():
             h.result()
     if errors:
         raise errors[min(errors)]
