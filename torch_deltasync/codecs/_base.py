@@ -87,8 +87,7 @@ class TensorDelta:
             return self.values
         if old_values is None or old_values.shape != self.values.shape:
             raise ValueError("this delta stores steps; pass the old values at its positions")
-        if (_native.enabled() and old_values.device.type == "cpu" and self.positions.device.type == "cpu"
-                and self.steps.device.type == "cpu"):
+        if _native.enabled() and old_values.is_cpu and self.positions.is_cpu and self.steps.is_cpu:
             if old_values.dtype != self.values.dtype:
                 old_values = old_values.to(self.values.dtype)
             return self._resolve_native(old_values if old_values.is_contiguous() else old_values.contiguous())
