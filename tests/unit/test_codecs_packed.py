@@ -766,3 +766,27 @@ def test_object_decoded_on_threads_names_the_corrupt_tensor(tmp_path, threads):
     _, meta = read_header(data, "test")
     with pytest.raises(CorruptObjectError, match=rf"object {o.key}: tensor 'b': .*packed layout version 99"):
         decode_delta(st_save(tensors, metadata=meta), m, o, threads=threads)
+
+
+@pytest.mark.parametrize("mix", [{"random": 1.0}, {"wide": 1.0}, {"ulp": 0.9, "many": 0.1}])
+@pytest.mark.parametrize("k", [16_384, 30_000, 100_000])
+def test_a_sampled_code_width_estimate_chooses_as_costing_every_step(monkeypatch, mix, k):
+    # From STEP_SAMPLE_FROM changes the code width is costed on every STEP_SAMPLE-th block of
+    # steps, unless the first block is spread wide (its entropy is underestimated on a sample:
+    # 2-bit codes were chosen for random and wide steps, 9% larger than 16-bit codes or raw values).
+    from torch_deltasync import _native
+    from torch_deltasync.codecs import _packed
+
+    pos, new, old = make_change_set(k, torch.bfloat16, 2 * k, 0.5, mix)
+    codec = get_codec("packed")
+    sampled = codec.encode(pos, new, old, numel=2 * k)["packed"]
+    prev = _native.set_enabled(False)  # the specification, costing every step
+    try:
+        monkeypatch.setattr(_packed, "STEP_SAMPLE_FROM", 1 << 62)
+        every_step = codec.encode(pos, new, old, numel=2 * k)["packed"]
+    finally:
+        _native.set_enabled(prev)
+    assert sampled[4].item() == every_step[4].item()  # the code width
+    assert sampled.numel() <= 1.01 * every_step.numel()
+    d = codec.decode({"packed": sampled}, numel=2 * k, count=k, dtype=torch.bfloat16)
+    assert torch.equal(bits(d.resolve(old)), bits(new))

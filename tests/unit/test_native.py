@@ -557,6 +557,68 @@ def test_helper_threads_are_kept_between_calls_and_nested_or_forked_calls_run(mo
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_pool_replaced_by_a_larger_one_never_refuses_a_callers_work(monkeypatch):
+    """Callers asking for more threads replace the pool while others submit to it: no call may
+    find its pool shut down ("cannot schedule new futures after shutdown")."""
+    import threading
+
+    from torch_deltasync.codecs import _base
+
+    monkeypatch.setattr(_base, "_POOL", None)
+    errors, stop = [], threading.Event()
+
+    def caller():
+        while not stop.is_set():
+            try:
+                assert _base._map_largest_first(lambda i: i, [0, 1, 2], [1 << 20] * 3, 2) == [0, 1, 2]
+            except Exception as e:  # noqa: BLE001 - collected for the assertion below
+                errors.append(repr(e))
+
+    callers = [threading.Thread(target=caller) for _ in range(3)]
+    for t in callers:
+        t.start()
+    try:
+        for workers in range(3, 120):  # every call grows the pool
+            assert _base._map_largest_first(lambda i: i, [0, 1], [1 << 20] * 2, workers) == [0, 1]
+    finally:
+        stop.set()
+        for t in callers:
+            t.join()
+    assert not errors, errors[:3]
+
+
+def test_a_child_forked_while_the_pool_lock_is_held_still_codes():
+    """Another thread held the pool's lock at the fork: the child has its own lock and pool."""
+    import os
+    import signal
+
+    from torch_deltasync.codecs import _base
+
+    with _base._POOL_LOCK:  # as if another thread were inside _submit at the fork
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a deadlock ends the child with SIGALRM
+            ok = _base._map_largest_first(lambda i: i * 2, [0, 1, 2], [1 << 20] * 3, 2) == [0, 2, 4]
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("numel, count, dtype, blob, message", [
+    (14736, 90, torch.float8_e4m3fn,
+     "01000201029dda564e401a59d2015a45000c00000017001c000728b52ffd205ae50100a2050e15b025e90cc3300cc3300cc330659dd01a"
+     "216dcb2453ff6b49694310d5c564663c7274294fd9850e92577180411b85c05554cabd46bfc02a00f00a130c8b1eb0108b1eb10170cf13"
+     "dd3cf050557dfd3c4450cf1cc11134c130dc400002040202010200020202020002000201020102010000140200020202b3d84ab7ddc39e",
+     "gap escapes: expected 6 varints, found 7 complete ones in 12 bytes"),
+])
+def test_a_blob_with_two_bad_streams_gets_the_specifications_error(numel, count, dtype, blob, message):
+    # Found by fuzzing: its gap escapes and its pos_low stream are both wrong. The specification
+    # reads the escapes first; the kernels' fallback used to report pos_low.
+    parts = {"packed": torch.tensor(list(bytes.fromhex(blob)), dtype=torch.uint8)}
+    fast, ref = both(lambda: get_codec("packed").decode(parts, numel=numel, count=count, dtype=dtype))
+    assert fast == ref == (CorruptObjectError, f"packed codec: {message}")
+
+
 # --- without numba ---------------------------------------------------------------------------------
 
 

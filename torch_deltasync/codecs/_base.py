@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from abc import abstractmethod
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -266,22 +266,34 @@ class Codec(Protocol):
 #: Items with fewer changes than this are coded on the calling thread (see _map_largest_first).
 PARALLEL_MIN_CHANGES = 1 << 14
 
-_POOL: tuple[ThreadPoolExecutor, int, int] | None = None  # (pool, workers, pid that made it)
+_POOL: tuple[ThreadPoolExecutor, int] | None = None  # (pool, workers)
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """The codec's helper threads, kept between calls and shared by all callers: starting and
-    stopping a pool cost ~0.2 ms on 2 cores, as much as coding a 1% change set of 40M elements
-    takes on two threads, and each new thread makes its own zstd contexts. Grown when a caller
-    asks for more workers; made anew in a forked child (whose copy has no threads)."""
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool has no threads there, and its lock may have been held
+    by a thread that does not exist either."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _submit(fn: Callable[[], None], n: int, workers: int) -> list[Future]:
+    """Run ``fn`` ``n`` times on the codec's helper threads, which are kept between calls and
+    shared by all callers: starting and stopping a pool cost ~0.2 ms on 2 cores, as much as coding
+    a 1% change set of 40M elements takes on two threads, and each new thread makes its own zstd
+    contexts. The pool grows when a caller asks for more ``workers`` (the old one finishes what it
+    was given) and is made anew in a forked child (:func:`_forget_pool`). Submitting under the
+    lock keeps a call from submitting to a pool another call has just replaced."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL[1] < workers or _POOL[2] != os.getpid():
-            if _POOL is not None and _POOL[2] == os.getpid():
-                _POOL[0].shutdown(wait=False)  # its running tasks finish; new ones go to the larger pool
-            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="deltasync-codec"), workers, os.getpid()
-        return _POOL[0]
+        if _POOL is None or _POOL[1] < workers:
+            if _POOL is not None:
+                _POOL[0].shutdown(wait=False)
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="deltasync-codec"), workers
+        return [_POOL[0].submit(fn) for _ in range(n)]
 
 
 def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
@@ -321,7 +333,7 @@ def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], thre
                 return
             run(i)
 
-    helpers = [_pool(threads - 1).submit(drain) for _ in range(min(threads - 1, len(big)))]
+    helpers = _submit(drain, min(threads - 1, len(big)), threads - 1)
     for i in range(n):
         if sizes[i] < PARALLEL_MIN_CHANGES:
             run(i)

@@ -59,6 +59,7 @@ from ._base import _UNSIGNED, Codec, TensorDelta, check_parts, register_codec
 from ._packed_decode import zero as _zero
 from ._packed_estimates import (
     STEP_CAP, STEP_SAMPLE, STEP_SAMPLE_FROM, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
+    wide_steps,
 )
 from ._packed_header import (
     CODE_BITS, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, STREAMS, VAL_RAW, VAL_STEPS, read_header, write_header,
@@ -192,7 +193,7 @@ class PackedCodec(Codec):
                 refined = self._refine_code_bits(
                     int(n_costed), width, int(b), float(best), bool(try16),
                     lambda: _kernels.byte_histograms(new_u, width),
-                    lambda: _code16_histograms_native(new_u, old_u, width))
+                    lambda: _code16_histograms_native(new_u, old_u, width), k)
                 if refined != b:
                     b, n_val_esc = refined, k  # no exact bound for 16-bit codes or raw values
             raw_streams = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
@@ -228,7 +229,6 @@ class PackedCodec(Codec):
         k = pos.size
         r_lo, r_hi = gap_shift_window(k, int(pos[-1]) if k else 0, MAX_GAP_SHIFT)
         span = 255 << (r_hi - r_lo)
-        every = STEP_SAMPLE if k >= STEP_SAMPLE_FROM else 1  # blocks of steps costed
         gaps = np.diff(pos, prepend=-1) - 1
         if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
@@ -238,6 +238,9 @@ class PackedCodec(Codec):
         b, z = 0, None
         if width <= 4:
             z = self._zigzag_steps(new_u, old_u, width)
+            every = STEP_SAMPLE if k >= STEP_SAMPLE_FROM else 1  # blocks of steps costed
+            if every > 1 and wide_steps(int((z[: _native.BLOCK] >= 256).sum()), min(k, _native.BLOCK)):
+                every = 1
             if force_b is not None:
                 b = force_b
             else:
@@ -252,7 +255,7 @@ class PackedCodec(Codec):
                     h16 = np.stack([np.bincount(c16 & 0xFF, minlength=256), np.bincount(c16 >> 8, minlength=256)])
                     return h16, int((c16 == 0xFFFF).sum())
 
-                b = self._choose_code_bits(sample.size, width, hz, byte_histograms, code16_histograms)
+                b = self._choose_code_bits(sample.size, width, hz, byte_histograms, code16_histograms, k)
         base = checksum(old, torch.from_numpy(pos)) if k else 0
         raw_streams = _gap_streams(gaps, r) + (_step_streams(new_u, width, b, z) if b else
                                                [np.empty(0, np.uint8)] * 2 + [to_planes(new_u)])
@@ -289,7 +292,8 @@ class PackedCodec(Codec):
         return zigzag(s)
 
     @staticmethod
-    def _choose_code_bits(k: int, width: int, hz: np.ndarray, byte_histograms, code16_histograms) -> int:
+    def _choose_code_bits(k: int, width: int, hz: np.ndarray, byte_histograms, code16_histograms,
+                          k_all: int | None = None) -> int:
         """Code width for the steps stream, or 0 for raw values, by estimated compressed size.
 
         Each byte stream is costed as zstd's Huffman literals would code it: its order-0 entropy,
@@ -309,18 +313,23 @@ class PackedCodec(Codec):
             code16_histograms: returns the histograms of the low and high bytes of 16-bit codes,
                 ``(2, 256)``, and the number of escapes (code ``2**16 - 1``); called only when
                 16-bit codes could win.
+            k_all: the changes the other two histograms count, when ``hz`` counts a sample of
+                ``k`` of them (``STEP_SAMPLE``); ``None``: ``k``.
         """
         if k == 0:
             return CODE_BITS[0]
         best_b, best, try16 = best_step_code(k, width, hz)
-        return PackedCodec._refine_code_bits(k, width, best_b, best, try16, byte_histograms, code16_histograms)
+        return PackedCodec._refine_code_bits(k, width, best_b, best, try16, byte_histograms, code16_histograms, k_all)
 
     @staticmethod
     def _refine_code_bits(k: int, width: int, best_b: int, best: float, try16: bool,
-                          byte_histograms, code16_histograms) -> int:
+                          byte_histograms, code16_histograms, k_all: int | None = None) -> int:
         """The second half of :meth:`_choose_code_bits`, from the best of the 2-, 4- and 8-bit
         codes (``best_step_code``): cost 16-bit codes when ``try16``, raw values when the best
-        estimate is above their floor."""
+        estimate is above their floor. The 16-bit and raw estimates count all ``k_all`` changes,
+        so an estimate from a sample of ``k`` is scaled to them first."""
+        if k_all is not None and k_all != k:
+            best, k = best * k_all / k, k_all
         if try16:  # else almost every step fits 8 bits
             h16, n_esc16 = code16_histograms()
             est = huffman_bits(h16[0], 1, False) + huffman_bits(h16[1], 1, False) + n_esc16 * 8 * width
@@ -510,7 +519,10 @@ def _gap_positions_native(stream, r: int, numel: int, count: int, what: str) -> 
         return None
     ext = stream(1, n_esc, n_esc * ext_len)
     n_low = -(-count * r // 8)
-    low = stream(2, n_low, n_low)
+    try:
+        low = stream(2, n_low, n_low)
+    except CorruptObjectError:  # the reference reads the escapes first: its error names them if they are bad too
+        return None
     pos = np.empty(count, np.int64)
     limit = min(MAX_VARINT_BYTES, max(1, math.ceil(max(max_ext, 1).bit_length() / 7)))
     if _decode_kernels.decode_gaps(high_b, ext, low, r, numel, max(max_ext, 0), limit, pos) != _native.OK:
