@@ -129,8 +129,9 @@ def binary_entropy(p: float) -> float:
 #: Change sets of ``STEP_SAMPLE_FROM`` changes and more cost their code widths on every
 #: ``STEP_SAMPLE``-th block of 4096 steps, the first included (the estimate needs the step
 #: distribution, not every step; costing every step was a third of the encoder's kernel time).
-#: From 16384 changes on at least 4 blocks (16384 steps) are costed; the choices and sizes of the
-#: change sets in ``tools/bench_codec.py`` are the same as when costing every step.
+#: From 16384 changes on at least one block (4096 steps) is costed, and steps spread wide
+#: (:func:`wide_steps`) are costed in full; the choices and sizes of the change sets in
+#: ``tools/bench_codec.py`` are the same as when costing every step.
 STEP_SAMPLE = 4
 STEP_SAMPLE_FROM = 1 << 14
 
@@ -143,6 +144,8 @@ def wide_steps(n_wide: int, m: int) -> bool:
     choose 2-bit codes 9% larger than 16-bit codes or raw values (compiled; shared by both
     encoders)."""
     return n_wide * 64 > m
+
+
 #: Steps with a zigzag value of at least this are costed as raw values (the last bin of the step
 #: histogram).
 STEP_CAP = 1 << 12

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._native import trailing_zeros
-from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit
+from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit, trailing_zeros
 from ._packed_estimates import (
     STEP_CAP, STEP_SAMPLE, STEP_SAMPLE_FROM, best_gap_shift, best_step_code, gap_shift_window, wide_steps,
 )
