@@ -13,6 +13,7 @@ import asyncio
 import json
 import socket
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -247,6 +248,17 @@ def test_wait_staged_reads_every_worker(tmp_path):
     _write(failed, 1, held=3, newest=4, error="CorruptObjectError: sha256 mismatch in version 4")
     with pytest.raises(SyncTimeoutError, match="error CorruptObjectError"):  # not seen yet: still waiting
         wait_staged(failed, 5, timeout_s=0)
+    # a worker that staged a newer version will not stage this one (its stager stages the newest):
+    # nothing to wait for, and the driver learns it was not staged (the commit prepares it)
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    _write(newer, 0, held=164, staged=200, newest=200)
+    t0 = time.monotonic()
+    assert wait_staged(newer, 165, timeout_s=30, workers=1)["rank-0"]["staged"] == 200
+    assert time.monotonic() - t0 < 5
+    _write(newer, 0, held=164, staged=164, newest=200)  # still staging the newest: keep waiting
+    with pytest.raises(SyncTimeoutError, match=r"did not stage version 165 within 0 s \(rank-0: staged 164"):
+        wait_staged(newer, 165, timeout_s=0, workers=1)
     (tmp_path / "rank-9.json").write_text("[1, 2")
     with pytest.raises(DeltaSyncError, match="rank-9.json: unreadable readiness file"):
         wait_staged(tmp_path, 4, timeout_s=0)

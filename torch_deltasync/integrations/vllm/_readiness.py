@@ -51,10 +51,14 @@ def read_readiness(status_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 
 def _ready(state: dict[str, Any], version: int) -> bool:
-    """A worker is ready for ``version`` when it staged or holds it, or when it has seen the version
-    and reports a staging error (then the commit prepares it again and raises the reason)."""
+    """A worker is ready for ``version`` when it staged or holds it; when it staged a newer one (its
+    stager stages only the newest version, so waiting would not make it stage this one: the commit
+    prepares it inside the pause); or when it has seen the version and reports a staging error
+    (then the commit prepares it again and raises the reason)."""
     held, staged, newest = state.get("held"), state.get("staged"), state.get("newest")
     if staged == version or (isinstance(held, int) and held >= version):
+        return True
+    if isinstance(staged, int) and staged > version:
         return True
     return bool(state.get("error")) and isinstance(newest, int) and newest >= version
 
@@ -67,7 +71,9 @@ def wait_staged(status_dir: str | os.PathLike, version: int, timeout_s: float = 
     Drivers on the same host as the engine's workers read the files the ``deltasync`` backend keeps
     in ``init_info["status_dir"]`` (one per worker, ``rank-<r>.json``). A worker that has seen
     ``version`` but failed to stage it (its ``error`` is set) counts as ready: the commit then
-    prepares the version again and raises the reason.
+    prepares the version again and raises the reason. So does a worker that staged a newer version:
+    it will not stage an older one, and the commit prepares ``version`` inside the pause (waiting
+    would only run into the timeout).
 
     Args:
         status_dir: the backend's ``status_dir``.
