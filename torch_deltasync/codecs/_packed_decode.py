@@ -28,7 +28,7 @@ from ..errors import CorruptObjectError
 from ._base import _UNSIGNED, TensorDelta
 from ._bits import MAX_VARINT_BYTES, METHOD_STORED, METHOD_ZSTD, unpack_stream
 from ._packed_header import CODE_BITS, HEADER_FIXED, LAYOUT_VERSION, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, VAL_RAW, VAL_STEPS
-from ._packed_kernels import from_planes
+from ._packed_kernels import equal_bits, from_planes
 
 
 # --- the streams (also called by the numpy reference in ._packed, which raises on BAD) ----------
@@ -82,9 +82,7 @@ def decode_gaps(high, ext, low, r, numel, max_ext, ext_limit, pos_out):
         if _u64(top) > max_high:  # every high part <= max_high (escapes: below), so no shift overflows
             return BAD
         for g0 in range(0, m if n_esc else 0, 64):  # the escapes, in order, by walking set bits
-            w = _U0
-            for q in range(min(64, m - g0)):
-                w |= _u64(hb[g0 + q] == 255) << _u64(q)
+            w = equal_bits(hb, g0, m, 255)
             while w:
                 j = g0 + trailing_zeros(w)
                 w &= w - _U1

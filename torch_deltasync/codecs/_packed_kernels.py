@@ -206,6 +206,21 @@ def _varint_len(v):
 
 
 @jit
+def equal_bits(a, g0, m, v):
+    """Bit ``q`` set where ``a[g0 + q] == v``, for the entries ``g0 .. min(g0 + 64, m) - 1`` (uint64):
+    escapes are rare but fall at random, so the kernels mark them without a branch and walk the set
+    bits (``trailing_zeros``) instead of branching on every entry."""
+    w = _U0
+    if g0 + 64 <= m:
+        for q in range(64):  # vectorises
+            w |= _u64(a[g0 + q] == v) << _u64(q)
+    else:
+        for q in range(m - g0):
+            w |= _u64(a[g0 + q] == v) << _u64(q)
+    return w
+
+
+@jit
 def encode_steps(new, old, width, b, codes, ext, raw):
     """The value streams of steps mode (format "Values, mode 1") for code width ``b``: packed codes
     into ``codes`` (``ceil(k b / 8)`` bytes; ``b = 16`` as two byte planes), escape varints into
@@ -249,13 +264,7 @@ def encode_steps(new, old, width, b, codes, ext, raw):
             # Escapes are rare but placed at random: a bit per element marks them (no branch),
             # then each 64 elements' escapes are coded in order by walking the set bits.
             for g0 in range(0, m, 64):
-                w = _U0
-                if g0 + 64 <= m:
-                    for q in range(64):  # vectorises
-                        w |= _u64(c[g0 + q] == M) << _u64(q)
-                else:
-                    for q in range(m - g0):
-                        w |= _u64(c[g0 + q] == M) << _u64(q)
+                w = equal_bits(c, g0, m, M)
                 while w:
                     j = g0 + trailing_zeros(w)
                     w &= w - _U1
