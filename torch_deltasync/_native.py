@@ -90,8 +90,8 @@ def set_enabled(on: bool) -> bool:
 class _Deferred:
     """A kernel whose numba dispatcher is made on the first call of any kernel (:func:`jit`)."""
 
-    def __init__(self, fn) -> None:
-        self.fn, self.dispatcher = fn, None
+    def __init__(self, fn, options: dict) -> None:
+        self.fn, self.options, self.dispatcher = fn, options, None
         self.__doc__, self.__name__ = fn.__doc__, fn.__name__
 
     def __call__(self, *args, **kwargs):
@@ -112,7 +112,7 @@ def _materialize() -> None:
 
         compiled = {prefetch: _prefetch_intrinsic(), trailing_zeros: cttz}  # Python stand-ins -> intrinsics
         for proxy in _DEFERRED:
-            proxy.dispatcher = nb.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(proxy.fn)
+            proxy.dispatcher = nb.njit(**proxy.options)(proxy.fn)
         # Every module that defines kernels, or imported one by name (``from .._native import
         # checksum_at``), now sees dispatchers, so kernels compile against each other's and
         # Python callers skip the proxy (modules imported later get the dispatchers directly).
@@ -171,16 +171,26 @@ def _prefetch_intrinsic():
     return prefetch
 
 
-def jit(fn):
+def jit(fn=None, *, inline: bool = False):
     """Compile ``fn`` with numba (cached on disk, releasing the GIL) when numba is installed;
     else return it unchanged (it then runs as Python). For code that both the numpy and the
     native paths share, such as the codec's size estimates. numba is imported, and every such
-    function gets its dispatcher, on the first call of any of them."""
+    function gets its dispatcher, on the first call of any of them.
+
+    ``@jit(inline=True)`` marks a small helper that kernels call inside their loops: numba then
+    inlines its body into each kernel (``inline="always"``) instead of calling it (``equal_bits``,
+    once per 64 steps: ``encode_steps`` 15-30% faster; ``docs/benchmarks.md``, issue 14, seventh
+    part)."""
+    if fn is None:
+        return lambda f: jit(f, inline=inline)
     if not AVAILABLE:
         return fn
+    options = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False)
+    if inline:
+        options["inline"] = "always"
     if numba is not None:  # defined after the first call
-        return numba.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)(fn)
-    proxy = _Deferred(fn)
+        return numba.njit(**options)(fn)
+    proxy = _Deferred(fn, options)
     _DEFERRED.append(proxy)
     return proxy
 

@@ -771,7 +771,7 @@ def test_object_decoded_on_threads_names_the_corrupt_tensor(tmp_path, threads):
 @pytest.mark.parametrize("mix", [{"random": 1.0}, {"wide": 1.0}, {"ulp": 0.9, "many": 0.1}])
 @pytest.mark.parametrize("k", [16_384, 30_000, 100_000])
 def test_a_sampled_code_width_estimate_chooses_as_costing_every_step(monkeypatch, mix, k):
-    # From STEP_SAMPLE_FROM changes the code width is costed on every STEP_SAMPLE-th block of
+    # From SAMPLE_FROM changes the code width is costed on every SAMPLE_EVERY-th block of
     # steps, unless the first block is spread wide (its entropy is underestimated on a sample:
     # 2-bit codes were chosen for random and wide steps, 9% larger than 16-bit codes or raw values).
     from torch_deltasync import _native
@@ -782,11 +782,53 @@ def test_a_sampled_code_width_estimate_chooses_as_costing_every_step(monkeypatch
     sampled = codec.encode(pos, new, old, numel=2 * k)["packed"]
     prev = _native.set_enabled(False)  # the specification, costing every step
     try:
-        monkeypatch.setattr(_packed, "STEP_SAMPLE_FROM", 1 << 62)
+        monkeypatch.setattr(_packed, "SAMPLE_FROM", 1 << 62)
         every_step = codec.encode(pos, new, old, numel=2 * k)["packed"]
     finally:
         _native.set_enabled(prev)
     assert sampled[4].item() == every_step[4].item()  # the code width
     assert sampled.numel() <= 1.01 * every_step.numel()
     d = codec.decode({"packed": sampled}, numel=2 * k, count=k, dtype=torch.bfloat16)
+    assert torch.equal(bits(d.resolve(old)), bits(new))
+
+
+@pytest.mark.parametrize("layout", ["bernoulli", "bursts", "periodic"])
+@pytest.mark.parametrize("density", [0.002, 0.018, 0.1])
+def test_a_sampled_gap_shift_estimate_chooses_as_costing_every_gap(monkeypatch, layout, density):
+    # From SAMPLE_FROM changes the gap shift is costed on every SAMPLE_EVERY-th block of 4096 gaps.
+    # Bernoulli positions (what RL steps give) and bursts choose the shift that costing every gap
+    # chooses; positions whose density changes with the sampling period fool the sample, which
+    # may cost a shift off by one: at most a few percent.
+    from torch_deltasync import _native
+    from torch_deltasync.codecs import _packed
+
+    rng = np.random.default_rng(7)
+    k = 60_000
+    numel = int(k / density)
+    if layout == "bernoulli":
+        pos = np.sort(rng.choice(numel, size=k, replace=False))
+    elif layout == "bursts":  # a tenth of the changes in 30 dense runs, the rest spread out
+        runs = np.concatenate([s + np.arange(200) for s in rng.choice(numel - 200, size=30, replace=False)])
+        pos = np.unique(np.concatenate([runs, rng.choice(numel, size=k - runs.size, replace=False)]))
+    else:  # the sampled blocks (every 4th of 4096 changes) dense, the others sparse
+        gaps = np.where((np.arange(k) // 4096) % 4 == 0, 1, int(1.3 / density))
+        pos = np.cumsum(gaps) - 1
+        numel = int(pos[-1]) + 1
+    pos = torch.from_numpy(pos.astype(np.int64))
+    old = torch.randn(pos.numel(), generator=torch.Generator().manual_seed(1)).mul_(0.02).bfloat16()
+    new = (bits(old) + 1).view(torch.bfloat16)
+    codec = get_codec("packed")
+    sampled = codec.encode(pos, new, old, numel=numel)["packed"]
+    prev = _native.set_enabled(False)  # the specification, costing every gap
+    try:
+        assert torch.equal(codec.encode(pos, new, old, numel=numel)["packed"], sampled)
+        monkeypatch.setattr(_packed, "SAMPLE_FROM", 1 << 62)
+        every_gap = codec.encode(pos, new, old, numel=numel)["packed"]
+    finally:
+        _native.set_enabled(prev)
+    if layout != "periodic":
+        assert sampled[2].item() == every_gap[2].item()  # the gap shift
+    assert sampled.numel() <= 1.05 * every_gap.numel()
+    d = codec.decode({"packed": sampled}, numel=numel, count=pos.numel(), dtype=torch.bfloat16)
+    assert torch.equal(d.positions, pos)
     assert torch.equal(bits(d.resolve(old)), bits(new))

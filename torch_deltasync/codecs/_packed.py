@@ -58,7 +58,7 @@ from ..errors import CorruptObjectError
 from ._base import _UNSIGNED, Codec, TensorDelta, check_parts, register_codec
 from ._packed_decode import zero as _zero
 from ._packed_estimates import (
-    STEP_CAP, STEP_SAMPLE, STEP_SAMPLE_FROM, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
+    STEP_CAP, SAMPLE_EVERY, SAMPLE_FROM, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
     wide_steps,
 )
 from ._packed_header import (
@@ -233,18 +233,20 @@ class PackedCodec(Codec):
         if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
         gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
-        hist = np.bincount(np.minimum(gaps >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
-        r = self._choose_gap_shift(k, r_lo, r_hi, hist) if force_r is None else force_r
+        every = SAMPLE_EVERY if k >= SAMPLE_FROM else 1  # blocks of gaps and steps costed
+        sampled = None if every == 1 else (np.arange(k) // _native.BLOCK) % every == 0
+        g = gaps if sampled is None else gaps[sampled]
+        hist = np.bincount(np.minimum(g >> np.uint64(r_lo), span).astype(np.int64), minlength=span + 1)
+        r = self._choose_gap_shift(g.size, r_lo, r_hi, hist) if force_r is None else force_r
         b, z = 0, None
         if width <= 4:
             z = self._zigzag_steps(new_u, old_u, width)
-            every = STEP_SAMPLE if k >= STEP_SAMPLE_FROM else 1  # blocks of steps costed
             if every > 1 and wide_steps(int((z[: _native.BLOCK] >= 256).sum()), min(k, _native.BLOCK)):
                 every = 1
             if force_b is not None:
                 b = force_b
             else:
-                sample = z.reshape(-1) if every == 1 else z[(np.arange(k) // _native.BLOCK) % every == 0]
+                sample = z.reshape(-1) if every == 1 else z[sampled]
                 hz = np.bincount(np.minimum(sample, STEP_CAP), minlength=STEP_CAP + 1)
 
                 def byte_histograms() -> np.ndarray:
@@ -275,8 +277,8 @@ class PackedCodec(Codec):
         coding is within a few percent of the entropy of geometric gaps.
 
         Args:
-            k: number of gaps.
-            r_lo, r_hi: the candidate shifts (:func:`_gap_shift_window`).
+            k: number of gaps the histogram counts (all of them, or a sample: ``SAMPLE_EVERY``).
+            r_lo, r_hi: the candidate shifts (:func:`gap_shift_window`).
             base: the histogram of ``min(g >> r_lo, 255 << (r_hi - r_lo))``, int64: it serves every
                 candidate, since the high part at shift ``r_lo + d`` is the ``r_lo`` one divided
                 by ``2**d``, so its bins are sums of ``2**d`` adjacent bins.
@@ -314,7 +316,7 @@ class PackedCodec(Codec):
                 ``(2, 256)``, and the number of escapes (code ``2**16 - 1``); called only when
                 16-bit codes could win.
             k_all: the changes the other two histograms count, when ``hz`` counts a sample of
-                ``k`` of them (``STEP_SAMPLE``); ``None``: ``k``.
+                ``k`` of them (``SAMPLE_EVERY``); ``None``: ``k``.
         """
         if k == 0:
             return CODE_BITS[0]

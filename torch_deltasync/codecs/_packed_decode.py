@@ -249,9 +249,15 @@ def decode_steps(codes, count, b, width, ext, raw, n_raw, steps, values, relativ
                 steps[i + 1] = lut[v, 1]
             w |= esc[v] << _u64((o - o0) * per)
         while w:
-            e_at, ri = _decode_escape(o0 * per + trailing_zeros(w), M, width, ext, e_at, raw, n_raw, ri,
-                                      steps, values, relative)
+            i = o0 * per + trailing_zeros(w)
             w &= w - _U1
+            first = ext[e_at]
+            if 0 < first < 0x80:  # the common escape, here rather than in the call (2-3x faster)
+                z = np.int64(M) + np.int64(first)
+                steps[i] = (z >> 1) ^ -(z & 1)
+                e_at += 1
+            else:
+                e_at, ri = _decode_escape(i, M, width, ext, e_at, raw, n_raw, ri, steps, values, relative)
     for i in range(whole * per, count):
         c = (np.int64(codes[i // per]) >> ((i % per) * b)) & M
         if c == M:

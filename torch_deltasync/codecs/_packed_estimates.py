@@ -126,14 +126,15 @@ def binary_entropy(p: float) -> float:
     return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
 
 
-#: Change sets of ``STEP_SAMPLE_FROM`` changes and more cost their code widths on every
-#: ``STEP_SAMPLE``-th block of 4096 steps, the first included (the estimate needs the step
-#: distribution, not every step; costing every step was a third of the encoder's kernel time).
-#: From 16384 changes on at least one block (4096 steps) is costed, and steps spread wide
+#: Change sets of ``SAMPLE_FROM`` changes and more cost their gap shift and code width on every
+#: ``SAMPLE_EVERY``-th block of 4096 gaps and steps, the first included (the estimates need the
+#: distributions, not every entry: the full gap histogram was two thirds of ``encode_plan``'s time
+#: and the full step histogram a third of the encoder's kernel time before it was sampled). From
+#: 16384 changes on at least one block (4096 entries) is costed, and steps spread wide
 #: (:func:`wide_steps`) are costed in full; the choices and sizes of the change sets in
-#: ``tools/bench_codec.py`` are the same as when costing every step.
-STEP_SAMPLE = 4
-STEP_SAMPLE_FROM = 1 << 14
+#: ``tools/bench_codec.py`` are the same as when costing every entry.
+SAMPLE_EVERY = 4
+SAMPLE_FROM = 1 << 14
 
 
 @_native.jit

@@ -12,24 +12,33 @@ import numpy as np
 
 from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit, trailing_zeros
 from ._packed_estimates import (
-    STEP_CAP, STEP_SAMPLE, STEP_SAMPLE_FROM, best_gap_shift, best_step_code, gap_shift_window, wide_steps,
+    STEP_CAP, SAMPLE_EVERY, SAMPLE_FROM, best_gap_shift, best_step_code, gap_shift_window, wide_steps,
 )
 
 
 @jit
-def gap_histogram(pos, numel, r_lo, span):
+def gap_histogram(pos, numel, r_lo, span, every):
     """Histogram of ``min(g >> r_lo, span)`` over the gaps ``g`` of ``pos`` (int64, the encoder's
-    positions), int64 ``(span + 1,)``, and whether ``pos`` is strictly increasing in
-    ``[0, numel)``."""
+    positions) in every ``every``-th block of ``BLOCK`` gaps (the first, then every ``every``-th),
+    int64 ``(span + 1,)``, and whether all of ``pos`` is strictly increasing in ``[0, numel)``
+    (checked on every block: a vectorised minimum, where the histogram's increments are not)."""
+    n_sampled = 0
+    for a in range(0, pos.size, _BLOCK * every):
+        n_sampled += min(_BLOCK, pos.size - a)
     # Four interleaved histograms for long inputs: most gaps fall in a few bins, and one histogram
     # would make every increment wait for the previous one to the same bin.
-    ways = 4 if pos.size >= 8 * (span + 1) else 1  # zeroing and adding 4 histograms costs too
+    ways = 4 if n_sampled >= 8 * (span + 1) else 1  # zeroing and adding 4 histograms costs too
     h4 = np.zeros((ways, span + 1), np.int64)
     v = np.empty(_BLOCK, np.int64)
     low = 0
     for a in range(0, pos.size, _BLOCK):
         p = pos[a : a + _BLOCK]
         m = p.size
+        low = min(low, p[0] - (pos[a - 1] if a else -1) - 1)
+        if (a // _BLOCK) % every:  # not sampled: only the check
+            for j in range(1, m):  # vectorises
+                low = min(low, p[j] - p[j - 1] - 1)
+            continue
         v[0] = p[0] - (pos[a - 1] if a else -1) - 1
         for j in range(1, m):
             v[j] = p[j] - p[j - 1] - 1
@@ -205,7 +214,7 @@ def _varint_len(v):
     return n
 
 
-@jit
+@jit(inline=True)
 def equal_bits(a, g0, m, v):
     """Bit ``q`` set where ``a[g0 + q] == v``, for the entries ``g0 .. min(g0 + 64, m) - 1`` (uint64):
     escapes are rare but fall at random, so the kernels mark them without a branch and walk the set
@@ -324,14 +333,14 @@ def encode_plan(pos, new, old, width, numel, max_shift, force_r, force_b):
     """
     k = pos.size
     r_lo, r_hi = gap_shift_window(k, pos[k - 1] if k else 0, max_shift)
-    every = STEP_SAMPLE if k >= STEP_SAMPLE_FROM else 1
-    hist, ok = gap_histogram(pos, numel, r_lo, 255 << (r_hi - r_lo))
+    every = SAMPLE_EVERY if k >= SAMPLE_FROM else 1
+    hist, ok = gap_histogram(pos, numel, r_lo, 255 << (r_hi - r_lo), every)
     r = force_r
     if r < 0:
-        r = best_gap_shift(k, r_lo, r_hi, hist) if k else 0
-    b, best, try16 = 0, 0.0, False
+        r = best_gap_shift(hist.sum(), r_lo, r_hi, hist) if k else 0
+    b, best, try16, step_every = 0, 0.0, False, every
     if width <= 4:
-        hz, every = step_histogram(new, old, width, STEP_CAP, every)
+        hz, step_every = step_histogram(new, old, width, STEP_CAP, every)
         if k:
             b, best, try16 = best_step_code(hz.sum(), width, hz)
         else:
@@ -340,20 +349,23 @@ def encode_plan(pos, new, old, width, numel, max_shift, force_r, force_b):
         hz = np.zeros(0, np.int64)
     if force_b >= 0 and width <= 4:
         b, best, try16 = force_b, 0.0, False
-    n_gap, n_val = escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every)
+    gap_sum = pos[k - 1] - (k - 1) if k else 0  # the gaps add up to this
+    n_gap, n_val = escape_bounds(k, gap_sum, hist, r, r_lo, r_hi, every, hz, b, step_every)
     return ok, r, b, best, try16, hz.sum(), n_gap, n_val, checksum_at(pos, old)
 
 
 @jit
-def escape_bounds(k, hist, r, r_lo, r_hi, hz, b, every):
+def escape_bounds(k, gap_sum, hist, r, r_lo, r_hi, every, hz, b, step_every):
     """Upper bounds on the gap escapes at shift ``r`` and the step escapes at code width ``b``
-    (exact from the histograms of :func:`encode_plan`, else ``k``): the buffer sizes
-    :func:`encode_streams` needs."""
-    n_gap = k
-    if r_lo <= r <= r_hi:
+    (the buffer sizes :func:`encode_streams` needs): exact from the histograms of
+    :func:`encode_plan` where they count every entry; else, for gaps, no more than the gaps'
+    sum ``gap_sum`` allows (an escaped gap's high part ``g >> r`` is at least 255, and the high
+    parts add up to at most ``gap_sum >> r``), and ``k`` for steps."""
+    n_gap = min(k, (max(gap_sum, 0) >> r) // 255)
+    if r_lo <= r <= r_hi and every == 1:
         n_gap = hist[255 << (r - r_lo) :].sum()
     n_val = k
-    if 0 < b <= 8 and every == 1:
+    if 0 < b <= 8 and step_every == 1:
         n_val = hz[0] + hz[(1 << b) :].sum()  # z = 0 or z > M = 2**b - 1
     return n_gap, n_val
 
