@@ -34,12 +34,13 @@ def gap_histogram(pos, numel, r_lo, span, every):
     for a in range(0, pos.size, _BLOCK):
         p = pos[a : a + _BLOCK]
         m = p.size
-        low = min(low, p[0] - (pos[a - 1] if a else -1) - 1)
+        first = p[0] - (pos[a - 1] if a else -1) - 1
         if (a // _BLOCK) % every:  # not sampled: only the check
+            low = min(low, first)
             for j in range(1, m):  # vectorises
                 low = min(low, p[j] - p[j - 1] - 1)
             continue
-        v[0] = p[0] - (pos[a - 1] if a else -1) - 1
+        v[0] = first
         for j in range(1, m):
             v[j] = p[j] - p[j - 1] - 1
         for j in range(m):  # vectorises
