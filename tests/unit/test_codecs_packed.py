@@ -832,3 +832,61 @@ def test_a_sampled_gap_shift_estimate_chooses_as_costing_every_gap(monkeypatch, 
     d = codec.decode({"packed": sampled}, numel=numel, count=pos.numel(), dtype=torch.bfloat16)
     assert torch.equal(d.positions, pos)
     assert torch.equal(bits(d.resolve(old)), bits(new))
+
+
+def _huffman_bits_by_definition(hist, per_byte, table):
+    # huffman_bits as its docstring states it: Shannon's -sum c log2(c / total) over the non-zero
+    # bins, at least one bit per byte, Gallager's p_max + 0.086 per byte, 4 bits per table symbol.
+    c = hist[hist > 0].astype(np.float64)
+    if not c.size:
+        return 0.0
+    total, nbytes = c.sum(), c.sum() / per_byte
+    entropy = float(-(c * np.log2(c / total)).sum())
+    table_bits = 4 * min(c.size ** per_byte, 256) if table else 0
+    return max(entropy, nbytes) + nbytes * ((c.max() / total) ** per_byte + 0.086) + table_bits
+
+
+def _histogram(rng, m):
+    # sparse or dense, small counts (the table's range) or large ones (log2 calls), or empty
+    scale = float(rng.choice([0.0, 1, 30, 3000, 1e6]))
+    return (rng.exponential(scale, m) * (rng.random(m) < rng.uniform(0.02, 1))).astype(np.int64)
+
+
+def test_size_estimates_match_their_definitions():
+    # huffman_bits sums c log2 c from a table (and splits Shannon's log), best_gap_shift builds
+    # each shift's bins from prefix sums, best_step_code costs the escapes' tails in one pass:
+    # each must give what the plain formulas give, so the encoder's choices stay the same.
+    from torch_deltasync.codecs._packed_estimates import best_gap_shift, best_step_code, huffman_bits
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        h = _histogram(rng, int(rng.choice([1, 4, 256, 5000])))
+        for per_byte in (1, 2, 4):
+            for table in (False, True):
+                want = _huffman_bits_by_definition(h, per_byte, table)
+                assert huffman_bits(h, per_byte, table) == pytest.approx(want, rel=1e-12, abs=1e-9)
+
+        base = _histogram(rng, (255 << 3) + 1)
+        k = int(base.sum()) + int(rng.integers(0, 50))  # high parts past the window count as escapes
+        if k:
+            ests = []
+            for r in range(5, 9):
+                f = 1 << (r - 5)
+                hist = np.array([base[j * f : (j + 1) * f].sum() for j in range(255)] + [0], np.int64)
+                hist[255] = k - hist[:255].sum()
+                ests.append(_huffman_bits_by_definition(hist, 1, True) + hist[255] * 16 + k * r)
+            assert best_gap_shift(k, 5, 8, base) == 5 + int(np.argmin(ests))
+
+        hz = _histogram(rng, 4097)
+        hz[int(rng.integers(1, 4096)) :] *= rng.random() < 0.5  # often an empty top, as steps give
+        k = int(hz.sum())
+        for width in (1, 2, 4) if k else ():
+            ests = {}
+            for b in (2, 4, 8):  # every width has at least 8 bits
+                M = (1 << b) - 1
+                codes = np.append(hz[1 : M + 1], hz[M + 1 :].sum() + hz[0])
+                ests[b] = (_huffman_bits_by_definition(codes, 8 // b, False) + (hz[0] + hz[-1]) * 8 * width
+                           + _huffman_bits_by_definition(hz[M + 1 : -1], 1, False))
+            b, est, try16 = best_step_code(k, width, hz)
+            assert b == min(ests, key=ests.get) and est == pytest.approx(ests[b], rel=1e-12)
+            assert try16 == (width >= 2 and hz[256:].sum() * 64 >= k)
