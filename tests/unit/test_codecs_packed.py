@@ -859,6 +859,7 @@ def test_size_estimates_match_their_definitions():
     from torch_deltasync.codecs._packed_estimates import best_gap_shift, best_step_code, huffman_bits
 
     rng = np.random.default_rng(3)
+    try16_seen = set()
     for _ in range(300):
         h = _histogram(rng, int(rng.choice([1, 4, 256, 5000])))
         for per_byte in (1, 2, 4):
@@ -877,8 +878,15 @@ def test_size_estimates_match_their_definitions():
                 ests.append(_huffman_bits_by_definition(hist, 1, True) + hist[255] * 16 + k * r)
             assert best_gap_shift(k, 5, 8, base) == 5 + int(np.argmin(ests))
 
-        hz = _histogram(rng, 4097)
-        hz[int(rng.integers(1, 4096)) :] *= rng.random() < 0.5  # often an empty top, as steps give
+        if rng.random() < 0.5:
+            hz = _histogram(rng, 4097)
+            hz[int(rng.integers(1, 4096)) :] *= rng.random() < 0.5  # often an empty top, as steps give
+        else:  # steps as RL gives them: mostly small, about 1 in 64 wide (try16's threshold either side)
+            hz = np.zeros(4097, np.int64)
+            hz[:256] = _histogram(rng, 256) + 1
+            n_wide = max(int(hz[:256].sum()) // 63 + int(rng.integers(-2, 3)), 0)
+            hz[-1] = rng.integers(0, n_wide + 1)  # some of them huge (the last bin, cap)
+            hz[256:-1] = rng.multinomial(n_wide - hz[-1], rng.dirichlet(np.full(3840, 0.05)))
         k = int(hz.sum())
         for width in (1, 2, 4) if k else ():
             ests = {}
@@ -890,3 +898,5 @@ def test_size_estimates_match_their_definitions():
             b, est, try16 = best_step_code(k, width, hz)
             assert b == min(ests, key=ests.get) and est == pytest.approx(ests[b], rel=1e-12)
             assert try16 == (width >= 2 and hz[256:].sum() * 64 >= k)
+            try16_seen.add((try16, width >= 2 and abs(hz[256:].sum() * 64 - k) < 256))
+    assert try16_seen >= {(True, True), (False, True)}  # both sides of the threshold, close to it
