@@ -61,7 +61,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -69,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.grpo.config import GRPOConfig
+from recipes.grpo.vllm_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_S = 900.0  # generator setup with --engine vllm: the server's start timeout plus its setup
@@ -155,12 +155,6 @@ def config_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | N
 
 class RunAborted(RuntimeError):
     """The run cannot continue (trainer failure, no generator left, timeout); the message says why."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _first_line(e: BaseException) -> str:
@@ -423,7 +417,7 @@ class Controller:
         self.gen_procs = this_host().spawn_procs(per_host={"procs": cfg.generators}, name="generators")
         warm_path = warm_start_path(cfg)
         self.trainer = self.trainer_procs.spawn("trainer", TrainerActor, cfg, str(warm_path.resolve()), bucket,
-                                                prefix, _free_port())
+                                                prefix, free_port())
         self.gens = self.gen_procs.spawn("generator", GeneratorActor, cfg, bucket, prefix)
 
         torch.set_num_threads(1)  # several busy processes share few cores; extra threads only spin

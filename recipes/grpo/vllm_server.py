@@ -21,8 +21,9 @@ This file runs under the vLLM environment's Python as a script (standard library
 Server flags (``docs/vllm.md``): ``VLLM_SERVER_DEV_MODE=1`` enables the RL routes (``/pause``,
 ``/init_weight_transfer_engine``, ``/update_weights``, ...) and must only be exposed on a private
 interface: the server binds 127.0.0.1. ``--weight-transfer-config '{"backend": "deltasync"}'`` selects
-torch_deltasync's backend; ``--logprobs-mode processed_logprobs`` returns the log-probs of the
-distribution actually sampled from (after temperature), which truncated importance sampling needs;
+torch_deltasync's backend; ``--logprobs-mode processed_logprobs`` (the default of
+:class:`VLLMServer`) returns the log-probs of the distribution actually sampled from (after
+temperature), which truncated importance sampling needs;
 ``--enable-scale-out`` serves vLLM's token API (``/inference/v1/generate``), whose completions carry
 the weight version of every output token (:meth:`VLLMServer.generate`).
 """
@@ -42,7 +43,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VLLMServer", "ServerDied", "default_vllm_python"]
+__all__ = ["VLLMServer", "ServerDied", "default_vllm_python", "free_port"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +65,8 @@ class ServerDied(RuntimeError):
     """The server process is gone (or never came up); the message has its exit status and log path."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -88,6 +90,9 @@ class VLLMServer:
         cpus: the cores the engine's OpenMP threads are bound to (vLLM's
             ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-3"``; the environment's value wins).
             ``None``: vLLM's automatic binding, which puts every single-rank CPU server on core 0.
+        logprobs_mode: vLLM's ``--logprobs-mode``: ``"processed_logprobs"`` (after temperature, what
+            truncated importance sampling needs) or ``"raw_logprobs"`` (the model's, as an offline
+            ``vllm.LLM`` returns them by default).
 
     Raises:
         ServerDied: the server exited before answering ``/health``, or did not answer within
@@ -98,18 +103,18 @@ class VLLMServer:
     def __init__(self, model_dir: str, log_path: str | Path, *, python: str | None = None, seed: int = 0,
                  max_model_len: int | None = None, deltasync: bool = True, start_timeout_s: float = 600.0,
                  extra_args: list[str] | None = None, remove_when_done: str | None = None,
-                 cpus: str | None = None) -> None:
+                 cpus: str | None = None, logprobs_mode: str = "processed_logprobs") -> None:
         python = python or default_vllm_python()
         if not Path(python).exists():
             raise FileNotFoundError(f"vLLM interpreter {python} does not exist: run `bash tools/setup.sh` (it builds "
                                     ".venv-vllm) or set TORCH_DELTASYNC_VLLM_PYTHON")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         self.log_path = Path(log_path)
         args = ["--model", self.model, "--served-model-name", "policy", "--host", "127.0.0.1", "--port",
                 str(self.port), "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
-                *(["--max-model-len", str(max_model_len)] if max_model_len else []), "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
+                *(["--max-model-len", str(max_model_len)] if max_model_len else []), "--seed", str(seed), "--logprobs-mode", logprobs_mode,
                 "--disable-log-stats", "--uvicorn-log-level", "warning", "--enable-scale-out", *(extra_args or [])]
         if deltasync:
             args += ["--weight-transfer-config", json.dumps({"backend": "deltasync"})]
@@ -178,6 +183,15 @@ class VLLMServer:
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
+    def get(self, path: str, timeout: float = 120.0) -> Any:
+        """GET ``path`` (e.g. ``/weight_info``), return the JSON answer.
+
+        Raises:
+            ServerDied: the server is gone.
+            RuntimeError: an HTTP error (the server's message) or an unreachable live server.
+        """
+        return self._call(urllib.request.Request(self.url + path), timeout)
+
     def post(self, path: str, body: dict[str, Any], timeout: float = 600.0) -> Any:
         """POST JSON, return the JSON answer.
 
@@ -187,18 +201,21 @@ class VLLMServer:
         """
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
+        return self._call(req, timeout)
+
+    def _call(self, req: urllib.request.Request, timeout: float) -> Any:
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (our own child)
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"POST {self.url}{path}: HTTP {e.code}: {e.read()[:2000]!r}") from None
+            raise RuntimeError(f"{req.get_method()} {req.full_url}: HTTP {e.code}: {e.read()[:2000]!r}") from None
         except OSError as e:
             try:  # a server that just died: let its supervisor finish, then say so
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
             self.check_alive()
-            raise RuntimeError(f"POST {self.url}{path}: {e}") from None
+            raise RuntimeError(f"{req.get_method()} {req.full_url}: {e}") from None
 
     def generate(self, prompt: list[int], *, max_tokens: int, temperature: float, n: int = 1,
                  stop_token_ids: list[int] | None = None) -> list[dict[str, Any]]:
@@ -208,8 +225,9 @@ class VLLMServer:
         Returns:
             ``[{"tokens": [int], "logprobs": [float], "finish_reason": str, "versions": [{"version":
             str, "start": int, "end": int}]}]`` in choice order: sampled token ids, their log-probs
-            (processed: after temperature), why it ended (``"abort"``: a ``/pause?mode=abort`` cut it
-            short) and the engine's spans of output tokens per weight version.
+            (as ``logprobs_mode`` sets them; by default processed: after temperature), why it ended
+            (``"abort"``: a ``/pause?mode=abort`` cut it short) and the engine's spans of output
+            tokens per weight version.
         """
         body = {"token_ids": list(prompt), "sampling_params": {
             "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "logprobs": 0,
@@ -228,7 +246,8 @@ class VLLMServer:
 
         Returns:
             ``[{"tokens": [int], "logprobs": [float], "finish_reason": str, "top": [...]}]``:
-            sampled token ids, their log-probs (processed: after temperature) and, with
+            sampled token ids, their log-probs (as ``logprobs_mode`` sets them; by default processed: after
+            temperature) and, with
             ``top_logprobs``, the top-``logprobs`` ``{token: logprob}`` of every step.
         """
         body = {"model": "policy", "prompt": prompts, "max_tokens": max_tokens, "temperature": temperature,
@@ -265,23 +284,29 @@ def _supervise(argv: list[str]) -> int:
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     Path(ns.log).with_suffix(".pid").write_text(str(child.pid))
     done = threading.Event()
+    # A second caller (the main thread once the server exits, while the stdin thread is still in its
+    # grace period) waits until the first has ended the group, so the process never exits before
+    # the SIGKILL that takes the engine core with it. Re-entrant: a signal handler runs in the main
+    # thread, possibly while it holds the lock.
+    ending = threading.RLock()
 
     def end(*_: Any) -> None:
-        if done.is_set():
-            return
-        done.set()
-        try:
-            os.killpg(child.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            child.wait(ns.grace)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # the engine core may outlive the API process
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        with ending:
+            if done.is_set():
+                return
+            done.set()
+            try:
+                os.killpg(child.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            try:
+                child.wait(ns.grace)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # the engine core may outlive the API process
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def watch_stdin() -> None:
         try:

@@ -5,7 +5,11 @@ calls (anchor assumed, a chain of deltas, a single delta, a corrupted version an
 refused, recovery through the next anchor); a late engine C starts from the original checkpoint
 without ``assume_version`` and catches up through the anchor path. The oracle for every checked
 version is a fresh engine started from the trainer's weights (``save_pretrained``): greedy tokens,
-top-20 log-probs and vLLM's own weight checksums must be identical. (vLLM's own
+top-20 log-probs and vLLM's own weight checksums must be identical. For version 0 the oracle is A
+itself before its first weight-transfer call (started from version 0's checkpoint, with the backend
+configured, which touches no weight until a transfer: one engine start less); so "assumed" checks
+that initialising with ``assume_version`` changes nothing, and any difference between an engine
+with and without the backend would show in every later check against the plain fresh engines. (vLLM's own
 ``reload_weights`` from disk is not used as an oracle: on the CPU build its outputs differ from a
 fresh engine's.)
 Usage: ``offline.py WORKDIR [TP]``.
@@ -50,6 +54,10 @@ def main() -> None:
     res = {"tp": tp, "checks": []}
 
     a = engine(d0, tp=tp)
+    # A has not touched a weight yet: a fresh engine on version 0's checkpoint, the v0 oracle. Its
+    # prefix cache is dropped, so "assumed" below cannot reuse KV computed before the transfer init.
+    oracles = {v0: (outputs(a), a.collective_rpc("compute_weight_checksums"))}
+    a.reset_prefix_cache()
 
     def refused(fn):
         try:
@@ -73,8 +81,6 @@ def main() -> None:
         llm.finish_weight_update(weight_version=str(v))
         llm.reset_prefix_cache()
         return (time.perf_counter() - t) * 1e3
-
-    oracles = {}
 
     def oracle(v):
         """Outputs and vLLM checksums of a fresh engine on the trainer's weights at ``v``."""
