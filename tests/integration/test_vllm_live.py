@@ -2,8 +2,8 @@
 
 vLLM cannot share torch with ``.venv``, so each scenario runs as a script under
 ``.venv-vllm/bin/python`` (``tests/vllm_live/``) and reports what it saw as JSON; these tests check
-the report. The oracle is always a fresh engine started from the trainer's weights (for a version
-0 checkpoint, the engine under test itself before its first weight-transfer call).
+the report. The oracle is a fresh engine started from the trainer's weights (in the offline scenario,
+for version 0, the engine under test itself before its first weight-transfer call).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def run_live(script: str, *args: str, timeout: int = 900) -> dict:
     return json.loads(lines[-1])
 
 
-# TP 2 covers every check with sharded parameters; TP 1 repeats them (~5 min on 2 cores) and runs
-# with `-m slow` (TP 1 engines are live-tested by default in the AsyncLLM and server scenarios).
+# TP 2 covers every check with sharded parameters on vLLM's multiprocess executor; TP 1 repeats them
+# on the in-process single-worker executor (~5 min on 2 cores) with `-m slow` (by default TP 1 engines
+# are live-tested in the AsyncLLM and server scenarios: syncs, in-flight requests, a missing version).
 @pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_offline_llm_follows_versions_bit_exact(tmp_path, tp):
     res = run_live("offline.py", str(tmp_path), str(tp))

@@ -37,11 +37,11 @@ def group_alive(pgid: int, wait_s: float = 10.0) -> bool:
     while True:
         alive = False
         for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            except (OSError, IndexError):
-                continue  # the process ended while we looked
-            alive |= int(pgrp) == pgid and state != "Z"
+            try:  # bytes: a process name need not be UTF-8
+                state, _ppid, pgrp = stat.read_bytes().rsplit(b")", 1)[1].split()[:3]
+            except (OSError, ValueError, IndexError):
+                continue  # the process ended while we looked, or an odd entry
+            alive |= int(pgrp) == pgid and state != b"Z"
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
