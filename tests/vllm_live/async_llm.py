@@ -24,16 +24,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import PROMPTS, engine, outputs, perturb, report, save, tiny_qwen3  # noqa: E402
+from common import PROMPTS, completion, engine, outputs, perturb, report, save, tiny_qwen3  # noqa: E402
 
 N = 200  # tokens per request (EOS ignored): a margin of steps for the sync to land mid-request
 K = 4  # tokens every request has streamed before a sync starts
-
-
-def _steps(c):
-    """Token ids and top-20 log-probs (exact float bits) of a completion, as ``common.outputs``."""
-    lps = [sorted((int(t), float(lp.logprob).hex()) for t, lp in step.items()) for step in (c.logprobs or [])]
-    return {"tokens": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason}
 
 
 async def generate_all(llm, tag, prompts=PROMPTS, on_k=None):
@@ -62,7 +56,8 @@ async def generate_all(llm, tag, prompts=PROMPTS, on_k=None):
         at_sync = list(seen)
         result = await on_k()
     await asyncio.gather(*tasks)
-    return [_steps(c) for c in final], (at_sync if on_k is not None else None), result
+    records = [{**completion(c), "finish_reason": c.finish_reason} for c in final]
+    return records, (at_sync if on_k is not None else None), result
 
 
 def _common_prefix(a, b):

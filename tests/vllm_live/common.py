@@ -72,12 +72,14 @@ def outputs(llm, prompts=PROMPTS, max_tokens: int = 8, logprobs: int = 20, ignor
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, detokenize=False,
                         ignore_eos=ignore_eos)
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    out = []
-    for r in res:
-        c = r.outputs[0]
-        lps = [sorted((int(t), float(lp.logprob).hex()) for t, lp in step.items()) for step in (c.logprobs or [])]
-        out.append({"tokens": list(c.token_ids), "logprobs": lps})
-    return out
+    return [completion(r.outputs[0]) for r in res]
+
+
+def completion(c) -> dict:
+    """Token ids and the top log-probs of every step (exact float bits, ``float.hex``, sorted by
+    token id) of one vLLM ``CompletionOutput``."""
+    lps = [sorted((int(t), float(lp.logprob).hex()) for t, lp in step.items()) for step in (c.logprobs or [])]
+    return {"tokens": list(c.token_ids), "logprobs": lps}
 
 
 def report(obj) -> None:
