@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -82,3 +83,19 @@ class PassThroughStore(Store):
 
     def describe(self):
         return self.inner.describe()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid`` (a vLLM server's engine processes share its group),
+    zombies excluded (Linux ``/proc``)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:  # bytes: a process name need not be UTF-8
+            state, _ppid, pgrp = (d / "stat").read_bytes().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # the process ended while we looked, or an odd entry
+        if int(pgrp) == pgid and state != b"Z":
+            out.append(int(d.name))
+    return out

@@ -246,9 +246,9 @@ class VLLMServer:
 
         Returns:
             ``[{"tokens": [int], "logprobs": [float], "finish_reason": str, "top": [...]}]``:
-            sampled token ids, their log-probs (as ``logprobs_mode`` sets them; by default processed: after
-            temperature) and, with
-            ``top_logprobs``, the top-``logprobs`` ``{token: logprob}`` of every step.
+            sampled token ids, their log-probs (as ``logprobs_mode`` sets them; by default processed:
+            after temperature) and, with ``top_logprobs``, the top-``logprobs`` ``{token: logprob}``
+            of every step.
         """
         body = {"model": "policy", "prompt": prompts, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": 1.0, "logprobs": logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,

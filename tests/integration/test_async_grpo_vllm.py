@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from recipes.grpo.vllm_server import default_vllm_python
+from helpers import group_members
 from test_async_grpo import REPO, SMALL, events, run_recipe
 
 
@@ -38,21 +39,6 @@ def processes_mentioning(text: str) -> list[str]:
         if text in cmd and state != "Z":
             found.append(f"{d.name}: {cmd[:300]}")
     return found
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes in process group ``pgid`` (a vLLM server's engine processes share its group)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(d.name))
-    return out
 
 
 def assert_no_server_left(tmp_path: Path, setup: dict) -> None:

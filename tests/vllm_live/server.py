@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
 sys.path.insert(0, str(Path(__file__).parents[2]))  # the repository root: recipes
 from common import PROMPTS, engine, outputs, perturb, report, save, tiny_qwen3  # noqa: E402
 
+from helpers import group_members  # noqa: E402
 from recipes.grpo.vllm_server import VLLMServer  # noqa: E402  (the recipe's server, supervised: no orphans)
 
 
@@ -28,23 +30,6 @@ def completions(server: VLLMServer, prompts=PROMPTS, max_tokens: int = 8, logpro
     """Greedy completions of token-id prompts through ``/v1/completions``, in ``common.outputs``' format."""
     out = server.complete(prompts, max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, top_logprobs=True)
     return [{"tokens": c["tokens"], "logprobs": c["top"]} for c in out]
-
-
-def group_alive(pgid: int, wait_s: float = 10.0) -> bool:
-    """Whether a process of group ``pgid`` (the API server and its engine core) still runs, not counting
-    zombies, after waiting up to ``wait_s`` for the group to end (Linux ``/proc``)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = False
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:  # bytes: a process name need not be UTF-8
-                state, _ppid, pgrp = stat.read_bytes().rsplit(b")", 1)[1].split()[:3]
-            except (OSError, ValueError, IndexError):
-                continue  # the process ended while we looked, or an odd entry
-            alive |= int(pgrp) == pgid and state != b"Z"
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
 
 
 def main() -> None:
@@ -86,7 +71,10 @@ def main() -> None:
     finally:
         server.stop()
     # stop() ends the supervisor; the API server's process group, engine core included, must go too
-    res["server_stopped"] = not server.alive() and server.server_pid is not None and not group_alive(server.server_pid)
+    deadline = time.monotonic() + 10
+    while server.server_pid is not None and group_members(server.server_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    res["server_stopped"] = not server.alive() and server.server_pid is not None and not group_members(server.server_pid)
     fresh = engine(d2, backend=False)
     oracle = outputs(fresh)
     res["outputs_equal"] = after == oracle
