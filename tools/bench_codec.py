@@ -29,7 +29,8 @@ timed part):
 * as a ratio to a **DRAM copy of the seed-format bytes** of the same change set (6 bytes per
   change, copied within a buffer of at least 256 MiB so it streams from memory, timed next to
   each repeat): issue 14's goal is <= 15x for encode and for decode+resolve;
-* with 2 threads over the tensors (``Codec.encode_many`` / ``decode_many``) against 1, in wall
+* with 2 threads over the tensors (``Codec.encode_many``; decode + resolve per tensor on the pool, as
+  the receiver stages) against 1, in wall
   time (best of ``--scaling-trials`` alternating runs each, with the load average seen: other
   jobs on the cores make every speedup a lower bound);
 * a cost model: for a model of ``--model-params`` elements at each set's density, the time to a
@@ -67,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_deltasync import _native  # noqa: E402
 from torch_deltasync._dtypes import bits  # noqa: E402
+from torch_deltasync._pool import map_largest_first  # noqa: E402
 from torch_deltasync.codecs import get_codec  # noqa: E402
 from torch_deltasync.format import encode_delta  # noqa: E402
 
@@ -290,8 +292,9 @@ def codec_run(name: str, cs: ChangeSet, repeat: int, copy: DramCopy) -> dict:
 
 
 def thread_scaling(cs: ChangeSet, trials: int) -> dict:
-    """Wall-time speedup of ``packed`` ``encode_many`` / ``decode_many`` (+ resolve) on 2 threads
-    over 1, the tensors of ``cs`` spread over a thread pool (largest first). 1- and 2-thread runs
+    """Wall-time speedup of ``packed`` ``encode_many`` / decode + resolve on 2 threads over 1, the
+    tensors of ``cs`` spread over a thread pool (largest first; a tensor's decode and resolve run on
+    one thread, as the receiver stages them). 1- and 2-thread runs
     alternate ``trials`` times and the best (shortest) wall time of each is kept: on a machine
     shared with other jobs the best run is the least disturbed, and a median would measure the
     neighbours. Also returned: the 1-minute load average before and after, and the process's CPU
@@ -302,9 +305,12 @@ def thread_scaling(cs: ChangeSet, trials: int) -> dict:
     parts = codec.encode_many(items, threads=1)
     dec_items = [(p, numel, pos.numel(), torch.bfloat16) for p, (pos, _, _, numel) in zip(parts, items)]
 
-    def decode(t):
-        ds = codec.decode_many(dec_items, threads=t)
-        return [d.resolve(old) if d.needs_base else d.values for d, (_, _, old, _) in zip(ds, items)]
+    def decode_one(i: int) -> torch.Tensor:
+        d = codec.decode(dec_items[i][0], numel=dec_items[i][1], count=dec_items[i][2], dtype=torch.bfloat16)
+        return d.resolve(items[i][2]) if d.needs_base else d.values
+
+    def decode(t):  # as the receiver stages: each tensor decoded and resolved by one thread
+        return map_largest_first(decode_one, range(len(items)), [it[0].numel() for it in items], t)
 
     load_before = os.getloadavg()[0]
     out = {}

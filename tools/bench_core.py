@@ -18,6 +18,9 @@ random tokens) it measures, in one run on the same machine:
 * **apply per change**: the receiver's in-place write alone (``target.write`` of the staged
   changes, a ``ModuleTarget`` on a bf16 replica) in ns per changed element, and over a plain
   ``index_copy_`` of the same changes into the same tensors (CPU time);
+* **threads** (``--compare-threads``): the receiver's update without the download with its default
+  ``threads`` (one per core) against a second receiver that stages on one thread, on the same
+  versions in the same run;
 * **memory**: extra peak RSS of ``publish()`` and of ``update()`` / model bytes in bf16, for the
   anchor and for steady-state deltas (peak RSS reset through ``/proc/self/clear_refs``).
 
@@ -169,7 +172,8 @@ def apply_vs_index_copy(target, sparse: dict, device: str, repeat: int = 3) -> t
     return (_timed(apply, repeat, clock), _timed(index_copy, repeat, clock), sum(p.numel() for _, p, _ in items))
 
 
-def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "cpu", synthetic: bool = False) -> dict:
+def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "cpu", synthetic: bool = False,
+               compare_threads: bool = False) -> dict:
     model = tiny_qwen3(size, seed=0, device=device)
     numel = sum(p.numel() for p in model.parameters())
     model_nbytes = numel * 2
@@ -192,7 +196,10 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
     sender = DeltaSender(model, store, anchor_every=1000)
     full_sync = FullSnapshotSync(model, full_store)  # the baseline: a full bf16 copy per version
     replica = tiny_qwen3(size, seed=1, dtype=torch.bfloat16, device=device)
-    receiver = DeltaReceiver(replica, store)
+    receiver = DeltaReceiver(replica, store)  # threads=None: one per core (the default)
+    # --compare-threads: a second replica updated by a receiver that stages on the calling thread only
+    serial = DeltaReceiver(tiny_qwen3(size, seed=3, dtype=torch.bfloat16, device=device), store, threads=1) \
+        if compare_threads else None
     full_replica = tiny_qwen3(size, seed=2, dtype=torch.bfloat16, device=device)
 
 
@@ -202,6 +209,8 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
     with Peak() as m:
         receiver.update()
     anchor_upd_mem = m.extra
+    if serial is not None:
+        serial.update()
 
     # memory-copy baseline: read the fp32 weights and the bf16 snapshot into preallocated buffers
     params = [p.detach() for p in model.parameters()]
@@ -218,7 +227,7 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
             torch.cuda.synchronize()
 
     rows = []
-    for _ in range(steps):
+    for i in range(steps):
         step()
         det = sender.detector
         sd = model.state_dict()
@@ -238,6 +247,8 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
         st = sender.last_stats
         full_publish_ms = full_sync.publish()
         os.sync()  # untimed: the snapshot's writeback would otherwise stall the measurements below
+        if serial is not None and i % 2 == 0:  # alternate which receiver goes first
+            serial.update()
         ru = resource.getrusage(resource.RUSAGE_SELF)
         with Peak() as mu:
             staged = receiver.prepare()  # what update() does, keeping the staged changes for the apply rows
@@ -246,6 +257,8 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
         update_rusage = {"user_ms": (ru2.ru_utime - ru.ru_utime) * 1e3, "sys_ms": (ru2.ru_stime - ru.ru_stime) * 1e3,
                          "minor_faults": ru2.ru_minflt - ru.ru_minflt}
         ust = receiver.last_stats
+        if serial is not None and i % 2 == 1:
+            serial.update()
         apply_s, index_copy_s, n_apply = apply_vs_index_copy(receiver.target, staged._sparse or {}, device)
         full_update_ms, full_download_ms = full_sync.update(full_replica)
         full_load_ms = full_update_ms - full_download_ms
@@ -271,6 +284,12 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
             "publish_peak_extra_over_model": mp.extra / model_nbytes,
             "update_peak_extra_over_model": mu.extra / model_nbytes,
         }
+        if serial is not None:
+            sst = serial.last_stats
+            row["serial_update_load_ms"] = sst.total_ms - sst.download_ms
+            row["serial_update_parts_ms"] = {k: getattr(sst, f"{k}_ms") for k in ("download", "decode", "verify", "apply")}
+            row["threads_speedup"] = row["serial_update_load_ms"] / update_load_ms
+            assert first_difference(model, serial.target.tensors) is None
         rows.append(row)
         print(f"  v{st.version}: density {st.density:.2%}, bytes {row['bytes_ratio']:.4f} of full, "
               f"detect {detect_s * 1e3:.0f} ms = {row['detect_over_memcpy']:.2f}x memcpy, "
@@ -284,6 +303,10 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
               f"index_copy_ ({row['index_copy_ns_per_change']:.2f}), "
               f"peak +{row['publish_peak_extra_over_model']:.2f}x / +{row['update_peak_extra_over_model']:.2f}x model",
               flush=True)
+        if serial is not None:
+            print(f"    staging on 1 thread: update without the download {row['serial_update_load_ms']:.0f} ms "
+                  f"({', '.join(f'{k} {v:.0f}' for k, v in row['serial_update_parts_ms'].items())}); "
+                  f"default threads {row['threads_speedup']:.2f}x faster", flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
     return {
         "size": size, "numel": numel, "model_nbytes": model_nbytes, "lr": lr, "steps": rows, "median": med,
@@ -302,6 +325,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (weights, snapshots and replicas live there)")
     ap.add_argument("--synthetic", action="store_true",
                     help="Adam-first-step-like updates without forward/backward (for 1B/7B sizes)")
+    ap.add_argument("--compare-threads", action="store_true",
+                    help="also update a second replica with a receiver that stages on one thread (threads=1), "
+                         "alternating which goes first, and report the default receiver's speedup over it")
     ap.add_argument("--out", default="runs/bench/core.json")
     args = ap.parse_args()
     if args.threads:
@@ -311,7 +337,8 @@ def main() -> None:
                "torch": torch.__version__, "sizes": []}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            results["sizes"].append(bench_size(size, args.steps, args.lr, Path(tmp), args.device, args.synthetic))
+            results["sizes"].append(bench_size(size, args.steps, args.lr, Path(tmp), args.device, args.synthetic,
+                                                 args.compare_threads))
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     out = Path(args.out)
@@ -329,6 +356,9 @@ def main() -> None:
               f"{m['publish_peak_extra_over_model']:>8.2f} "
               f"{m['update_peak_extra_over_model']:>8.2f} {r['anchor_publish_peak_extra_over_model']:>14.2f} "
               f"{r['anchor_update_peak_extra_over_model']:>14.2f}")
+        if "threads_speedup" in m:
+            print(f"{'':>6} staging on the default threads: {m['threads_speedup']:.2f}x faster than on one "
+                  f"(update without the download, median)")
     print(f"wrote {out}")
 
 

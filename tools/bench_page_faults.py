@@ -1,10 +1,12 @@
 """Page faults of decoding whole change sets: glibc's default allocator against raised thresholds.
 
-A receiver decodes every changed tensor of a version (``Codec.decode_many``, one thread) and
-resolves its steps against the old values; the decoded arrays (positions, steps, values, mask and
-the resolved values: 10-15 bytes per change) stay alive until the version is done. This tool repeats
-that for ``--rounds`` rounds per change set and reports, per round, ns per change (wall time) and
-the minor page faults (``getrusage``), in two child processes run alternately: glibc's defaults, and
+A receiver decodes every changed tensor of a version and resolves its steps against the old values
+(``DeltaReceiver.prepare``, tensor by tensor); the decoded arrays (positions, steps, values, mask
+and the resolved values: 10-15 bytes per change) are allocated afresh for every version, and the
+positions and new values stay alive until the version is committed. This tool decodes a whole set
+(``Codec.decode_many``, one thread) and resolves it, ``--rounds`` rounds per change set, and
+reports per round ns per change (wall time) and the minor page faults (``getrusage``), in two
+child processes run alternately: glibc's defaults, and
 ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864`` (glibc's own environment
 variables: a fixed 32 MiB mmap threshold, up to 64 MiB of free heap kept), one child per change set
 (a receiver holds one model; glibc's adaptive thresholds depend on what the process freed before,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -30,6 +31,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from ._dtypes import dtype_name
+from ._pool import map_largest_first
 from .codecs import TensorDelta, get_codec
 from .errors import CorruptObjectError
 from .layout import TensorSlice
@@ -41,6 +43,8 @@ __all__ = [
     "decode_anchor",
     "encode_delta",
     "decode_delta",
+    "read_delta",
+    "EncodedDelta",
     "read_header",
     "verify_bytes",
     "verify_stored",
@@ -260,20 +264,56 @@ def encode_delta(
     return _st_save(tensors, metadata=meta)
 
 
-def decode_delta(data: bytes, manifest: Manifest, entry: ObjectEntry, *,
-                 threads: int | None = None) -> dict[str, TensorDelta]:
-    """Read and validate one verified delta object of ``manifest``.
+@dataclass(frozen=True)
+class EncodedDelta:
+    """One tensor's changes as one verified delta object stores them, checked but not decoded yet
+    (what :func:`read_delta` returns; :meth:`decode` does the rest).
 
-    Args:
-        threads: tensors decoded at once (:meth:`Codec.decode_many
-            <torch_deltasync.codecs.Codec.decode_many>`; ``None``: one per CPU core, at most 8).
+    Attributes:
+        name: the tensor's HF name.
+        parts: the codec's ``{part: tensor}`` as parsed from the object (CPU, owning their bytes).
+        numel: elements of the full tensor (from the manifest).
+        count: changed elements the object declares for this tensor, in ``[0, numel]``.
+        codec: the codec's name (the manifest's).
+        dtype: the inference dtype.
+        where: the object, for error messages (``"version V object KEY"``).
+    """
+
+    name: str
+    parts: Mapping[str, torch.Tensor]
+    numel: int
+    count: int
+    codec: str
+    dtype: torch.dtype
+    where: str
+
+    def decode(self) -> TensorDelta:
+        """The codec's validating decode (global flat positions).
+
+        Raises:
+            CorruptObjectError: anything the codec's decoder rejects (out-of-range, unsorted or
+                duplicate indices, wrong dtypes, ...), or a decoded count other than ``count``
+                (whatever the codec checks itself), naming the object and the tensor.
+        """
+        try:
+            d = get_codec(self.codec).decode(self.parts, numel=self.numel, count=self.count, dtype=self.dtype)
+        except CorruptObjectError as e:
+            raise CorruptObjectError(f"{self.where}: tensor {self.name!r}: {e}") from None
+        if d.numel != self.count:
+            raise CorruptObjectError(f"{self.where}: tensor {self.name!r}: {d.numel} changes decoded, "
+                                     f"the object declares {self.count}")
+        return d
+
+
+def read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str, EncodedDelta]:
+    """Read and check one verified delta object of ``manifest``, without decoding its tensors.
 
     Returns:
-        ``{name: TensorDelta}`` for the tensors this object changes (global flat positions).
+        ``{name: EncodedDelta}`` for the tensors this object changes, in the object's order.
 
     Raises:
-        CorruptObjectError: unknown tensor names or parts, counts that disagree, or anything the
-            codec's decoder rejects (out-of-range, unsorted or duplicate indices, wrong dtypes).
+        CorruptObjectError: metadata that disagrees with the manifest, unknown tensor names,
+            counts missing, extra or outside ``[0, numel]``.
     """
     where = f"version {manifest.version} object {entry.key}"
     tensors, meta = _load(data, manifest, entry, "delta")
@@ -289,21 +329,30 @@ def decode_delta(data: bytes, manifest: Manifest, entry: ObjectEntry, *,
         grouped.setdefault(name, {})[part] = t
     if set(counts) != set(grouped):
         raise CorruptObjectError(f"{where}: counts metadata and tensors name different tensors")
-    codec = get_codec(manifest.codec)
-    items = []
+    get_codec(manifest.codec)  # an unknown codec fails here, for the whole object
+    out = {}
     for name, ps in grouped.items():
         count = counts[name]
         if type(count) is not int or not 0 <= count <= specs[name].numel:
             raise CorruptObjectError(f"{where}: bad count {count!r} for {name!r}")
-        items.append((ps, specs[name].numel, count, manifest.inference_dtype))
-    try:
-        # the tensors of the object on a thread pool: the compiled kernels and zstd release the GIL
-        return dict(zip(grouped, codec.decode_many(items, threads=threads)))
-    except CorruptObjectError:
-        pass
-    for name, (ps, numel, count, dtype) in zip(grouped, items):  # again one by one, to name the tensor
-        try:
-            codec.decode(ps, numel=numel, count=count, dtype=dtype)
-        except CorruptObjectError as e:
-            raise CorruptObjectError(f"{where}: tensor {name!r}: {e}") from None
-    raise AssertionError("decode_many refused what decode accepts")  # pragma: no cover
+        out[name] = EncodedDelta(name, ps, specs[name].numel, count, manifest.codec, manifest.inference_dtype, where)
+    return out
+
+
+def decode_delta(data: bytes, manifest: Manifest, entry: ObjectEntry, *,
+                 threads: int | None = None) -> dict[str, TensorDelta]:
+    """Read and validate one verified delta object of ``manifest``: :func:`read_delta`, then
+    :meth:`EncodedDelta.decode` of its tensors on ``threads`` threads (the compiled kernels and
+    zstd release the GIL; ``None``: one per CPU core, at most 8).
+
+    Returns:
+        ``{name: TensorDelta}`` for the tensors this object changes (global flat positions).
+
+    Raises:
+        CorruptObjectError: as :func:`read_delta` and :meth:`EncodedDelta.decode` (the first
+            failing tensor in the object's order).
+    """
+    encoded = read_delta(data, manifest, entry)
+    decoded = map_largest_first(EncodedDelta.decode, list(encoded.values()), [e.count for e in encoded.values()],
+                                threads)
+    return dict(zip(encoded, decoded))

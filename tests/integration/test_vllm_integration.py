@@ -82,9 +82,10 @@ def run(tmp_path):
 
 def test_offline_llm_commits_the_staged_version(run):
     llm = ScriptedLLM(run.workers)
-    info = attach_llm(llm, run.bucket, assume_version=run.v0)
+    info = attach_llm(llm, run.bucket, assume_version=run.v0, threads=1)
     assert info["store"] == run.bucket and info["assume_version"] == run.v0
     assert sorted(read_readiness(info["status_dir"])) == ["rank-0", "rank-1"]
+    assert [w.engine.receiver.receiver_config.threads for w in run.workers] == [1, 1]  # passed to each worker
     run.step()
     v2 = run.step()
     out = update_llm(llm)  # the newest version in the store
@@ -130,6 +131,8 @@ def test_bad_init_info_installs_nothing(run):
         attach_llm(llm, run.bucket, poll_secs=1)
     with pytest.raises(ValueError, match=r"init_info 'max_workers' must be an int in \[1, 256\], got 0"):
         attach_llm(llm, run.bucket, max_workers=0)
+    with pytest.raises(ValueError, match=r"init_info 'threads' must be an int in \[1, 256\] or null \(one per CPU core\), got 0"):
+        attach_llm(llm, run.bucket, threads=0)
     with pytest.raises(TypeError, match="status_dir must be a path, None .* or False .*, got 0"):
         attach_llm(llm, run.bucket, status_dir=0)  # 0 == False, but it is not False
     assert llm.calls == [] and set(Path(tempfile.gettempdir()).glob("deltasync-ready-*")) == tmp_before

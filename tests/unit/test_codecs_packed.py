@@ -739,7 +739,7 @@ def test_object_decoded_on_threads_names_the_corrupt_tensor(tmp_path, threads):
     # in the error, and the others decode to what was published.
     from safetensors.torch import load as st_load, save as st_save
 
-    from torch_deltasync.format import decode_delta, read_header
+    from torch_deltasync.format import decode_delta, read_delta, read_header
 
     g = torch.Generator().manual_seed(0)
     model = {n: torch.randn(3000, generator=g) for n in ("a", "b", "c")}
@@ -764,8 +764,16 @@ def test_object_decoded_on_threads_names_the_corrupt_tensor(tmp_path, threads):
     blob[0] = 99  # the layout version byte
     tensors["b:packed"] = blob
     _, meta = read_header(data, "test")
+    bad = st_save(tensors, metadata=meta)
     with pytest.raises(CorruptObjectError, match=rf"object {o.key}: tensor 'b': .*packed layout version 99"):
-        decode_delta(st_save(tensors, metadata=meta), m, o, threads=threads)
+        decode_delta(bad, m, o, threads=threads)
+    # read_delta checks the object and its counts but decodes nothing: the receiver decodes each
+    # tensor where it stages it; the corrupt one fails there, named the same way.
+    encoded = read_delta(bad, m, o)
+    assert {n: e.count for n, e in encoded.items()} == {n: good[n].numel for n in "abc"}
+    assert torch.equal(encoded["a"].decode().positions, good["a"].positions)
+    with pytest.raises(CorruptObjectError, match=rf"object {o.key}: tensor 'b': .*packed layout version 99"):
+        encoded["b"].decode()
 
 
 @pytest.mark.parametrize("mix", [{"random": 1.0}, {"wide": 1.0}, {"ulp": 0.9, "many": 0.1}])

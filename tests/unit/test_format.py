@@ -101,6 +101,25 @@ def test_handmade_delta_decodes_to_exact_bits():
     assert d.values.view(torch.int16).tolist() == [0xBF80 - 0x10000, 0x3E00]
 
 
+def test_a_codec_that_decodes_another_count_than_declared_is_refused(monkeypatch):
+    """The count an object declares is checked on every decode, not left to each codec."""
+    from torch_deltasync.codecs import TensorDelta, get_codec
+
+    raw = type(get_codec("raw"))
+    decode = raw.decode
+
+    def one_short(self, parts, **kw):
+        d = decode(self, parts, **kw)
+        return TensorDelta(d.positions[:-1], d.values[:-1])
+
+    monkeypatch.setattr(raw, "decode", one_short)
+    entries = {"w:idx": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]},
+               "w:val": {"dtype": "BF16", "shape": [2], "data_offsets": [8, 12]}}
+    m = _manifest(4, "delta")
+    with pytest.raises(CorruptObjectError, match=r"tensor 'w': 1 changes decoded, the object declares 2"):
+        decode_delta(_handmade(DELTA_META, entries, DELTA_DATA), m, m.objects[0])
+
+
 @pytest.mark.parametrize("member, value, why", [
     ("version", "5", "metadata version='5', expected '4'"),
     ("codec", "packed", "codec/base_version metadata disagree"),

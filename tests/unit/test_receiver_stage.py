@@ -9,8 +9,9 @@ import pytest
 import torch
 from helpers import make_mlp, train_step
 
-from torch_deltasync import DeltaReceiver, DeltaSender
-from torch_deltasync.errors import StaleUpdateError
+from torch_deltasync import DeltaReceiver, DeltaSender, _pool
+from torch_deltasync.errors import CorruptObjectError, StaleUpdateError
+from torch_deltasync.targets import ModuleTarget
 from torch_deltasync.testing import first_difference, state_bits
 
 
@@ -108,3 +109,98 @@ def test_an_update_staged_by_another_receiver_is_refused(store, tmp_path):
     with pytest.raises(StaleUpdateError, match="another receiver staged it"):
         receiver.commit(foreign)
     assert _same_bits(state_bits(replica), before) and receiver.version is None
+
+
+def _record_staging(monkeypatch, threads: int) -> list[tuple[str, bool]]:
+    """Record which thread stages each tensor: ``[(name, on the main thread)]``. With more than one
+    thread, the first two tensors wait for each other (a barrier), so a helper surely takes part
+    and a staging that ran on one thread only would fail instead of passing by chance."""
+    from torch_deltasync.receiver import _stage
+
+    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)  # the small model's tensors count as large
+    seen: list[tuple[str, bool]] = []
+    barrier = threading.Barrier(2, timeout=10)
+    stage_tensor = _stage._stage_tensor
+
+    def recording(target, name, chain, dtype):
+        seen.append((name, threading.current_thread() is threading.main_thread()))
+        if threads > 1 and len(seen) <= 2:
+            barrier.wait()
+        return stage_tensor(target, name, chain, dtype)
+
+    monkeypatch.setattr(_stage, "_stage_tensor", recording)
+    return seen
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tensors_are_staged_on_threads_bit_exactly(store, monkeypatch, threads):
+    """``threads=2``: the tensors of an update are staged (decoded, old values read, steps
+    resolved, versions merged) on a helper thread as well as the calling one; ``threads=1`` stages
+    them all on the calling thread. Same bits either way, for one version and for a chain of two."""
+    trainer, _, sender, _, opt, gen = _setup(store, steps=1)
+    for _ in range(2):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store, threads=threads)
+    receiver.update(0)  # the anchor
+    seen = _record_staging(monkeypatch, threads)
+    for version, n_versions in ((1, 1), (3, 2)):
+        seen.clear()
+        assert receiver.update(version) == version
+        assert receiver.last_stats.path == "delta" and receiver.last_stats.versions_applied == n_versions
+        assert sorted(n for n, _ in seen) == sorted(n for n, _ in trainer.named_parameters())  # all changed
+        assert any(not main for _, main in seen) == (threads > 1), seen
+    assert first_difference(trainer, replica) is None
+    receiver.verify()
+
+
+def test_a_drifted_tensor_staged_on_threads_is_named_and_recovered_from_the_anchor(store, monkeypatch, caplog):
+    """Drift found while the tensors are staged on two threads: the warning names the version and
+    the tensor, the update recovers from the anchor (staging writes nothing), the commit is exact."""
+    trainer, replica, sender, _, opt, gen = _setup(store, steps=1)
+    receiver = DeltaReceiver(replica, store, threads=2)
+    receiver.update(1)
+    train_step(trainer, opt, gen)
+    sender.publish()
+    with torch.no_grad():
+        replica[2].weight.view(torch.int16).add_(1)  # the held weights drift from version 1
+    before = state_bits(replica)
+    seen = _record_staging(monkeypatch, 2)
+    with caplog.at_level("WARNING", logger="torch_deltasync.receiver"):
+        staged = receiver.prepare(2)
+    assert any(not main for _, main in seen)
+    assert _same_bits(state_bits(replica), before)
+    assert "version 2 tensor '2.weight': the old values at the" in caplog.text
+    assert staged.plan.path == "anchor" and staged.stats.recovered
+    assert receiver.commit(staged) == 2
+    assert first_difference(trainer, replica) is None
+
+
+class _PartialTarget(ModuleTarget):
+    """A target that holds none of ``2.weight`` (as a TP or EP rank may hold none of a tensor's
+    changes): reading it is an error, as on ``VLLMTarget``."""
+
+    holds_all = False
+
+    def owned(self, name, positions):
+        return torch.full_like(positions, name != "2.weight", dtype=torch.bool)
+
+    def read(self, name, positions, dtype):
+        if name == "2.weight":
+            raise CorruptObjectError(f"{name!r}: this rank holds no element of it")
+        return super().read(name, positions, dtype)
+
+
+def test_a_rank_holding_none_of_a_tensors_changes_reads_nothing(store):
+    trainer, _, sender, _, opt, gen = _setup(store, steps=1)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(_PartialTarget(replica), store)
+    receiver.update(1)  # the anchor path: whole tensors, no reads
+    held = replica[2].weight.detach().clone()
+    train_step(trainer, opt, gen)
+    sender.publish()
+    assert receiver.update(2) == 2 and receiver.last_stats.path == "delta" and not receiver.last_stats.recovered
+    assert torch.equal(replica[2].weight.view(torch.int16), held.view(torch.int16))  # not this rank's
+    want = {n: t for n, t in state_bits(trainer).items() if n != "2.weight"}
+    assert _same_bits({n: t for n, t in state_bits(replica).items() if n != "2.weight"}, want)

@@ -21,7 +21,7 @@ from torch_deltasync.sender import AnchorPolicy, SenderConfig
 OLD_SENDER_DEFAULTS = dict(anchor_every=10, anchor_policy=None, inference_dtype=torch.bfloat16, snapshot_device=None,
                            codec="packed", link_gbps=None, background=False, run_id=None, metrics_path=None,
                            retention=None, takeover=False, lease_s=60.0)
-OLD_RECEIVER_DEFAULTS = dict(max_workers=8, metrics_path=None)
+OLD_RECEIVER_DEFAULTS = dict(max_workers=8, threads=None, metrics_path=None)  # threads: new, None as before
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -124,6 +124,9 @@ INVALID_RECEIVER = [
     (dict(max_workers=0), ValueError, r"ReceiverConfig.max_workers must be an int >= 1, got 0", "no downloads"),
     (dict(max_workers=2.0), TypeError, r"ReceiverConfig.max_workers must be an int >= 1, got 2.0", "not an int"),
     (dict(max_workers=True), TypeError, r"ReceiverConfig.max_workers", "a bool is not a count"),
+    (dict(threads=0), ValueError, r"ReceiverConfig.threads must be an int >= 1 or None \(one per CPU core\), got 0",
+     "no thread"),
+    (dict(threads=2.0), TypeError, r"ReceiverConfig.threads must be an int >= 1 or None", "threads not an int"),
     (dict(metrics_path=1), TypeError, r"ReceiverConfig.metrics_path must be a path", "not a path"),
 ]
 
@@ -200,7 +203,7 @@ def test_receiver_options_override_the_config(tmp_path):
 
 def test_bad_receiver_options(tmp_path):
     with pytest.raises(TypeError, match=r"DeltaReceiver got unexpected keyword argument\(s\) \['max_worker'\]; its "
-                                        r"options are ReceiverConfig's fields: \['max_workers', 'metrics_path'\]"):
+                                        r"options are ReceiverConfig's fields: \['max_workers', 'metrics_path', 'threads'\]"):
         DeltaReceiver(_state(), LocalStore(tmp_path), max_worker=2)
     with pytest.raises(ValueError, match=r"ReceiverConfig.max_workers must be an int >= 1, got 0"):
         DeltaReceiver(_state(), LocalStore(tmp_path), max_workers=0)

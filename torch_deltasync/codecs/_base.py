@@ -17,18 +17,16 @@ receivers look it up with :func:`get_codec`. Built in:
 
 from __future__ import annotations
 
-import os
-import threading
 from abc import abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
+from typing import ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
 from .. import _native, _native_apply
 from .._dtypes import bits, int_view_dtype
+from .._pool import map_largest_first
 from ..errors import ChecksumMismatchError, CorruptObjectError
 
 
@@ -225,7 +223,7 @@ class Codec(Protocol):
         Raises:
             ValueError: as :meth:`encode`, for the first failing item in ``items`` order.
         """
-        return _map_largest_first(lambda it: self.encode(it[0], it[1], it[2], numel=it[3]), items,
+        return map_largest_first(lambda it: self.encode(it[0], it[1], it[2], numel=it[3]), items,
                                   [it[0].numel() for it in items], threads)
 
     def decode_many(self, items: Sequence[tuple[Mapping[str, torch.Tensor], int, int, torch.dtype]], *,
@@ -242,7 +240,7 @@ class Codec(Protocol):
         Raises:
             CorruptObjectError: as :meth:`decode`, for the first failing item in ``items`` order.
         """
-        return _map_largest_first(lambda it: self.decode(it[0], numel=it[1], count=it[2], dtype=it[3]), items,
+        return map_largest_first(lambda it: self.decode(it[0], numel=it[1], count=it[2], dtype=it[3]), items,
                                   [it[2] for it in items], threads)
 
     @abstractmethod
@@ -261,89 +259,6 @@ class Codec(Protocol):
             CorruptObjectError: missing or unexpected parts, wrong dtype or shape, a count that does
                 not match, indices out of range, unsorted or duplicated.
         """
-
-
-#: Items with fewer changes than this are coded on the calling thread (see _map_largest_first).
-PARALLEL_MIN_CHANGES = 1 << 14
-
-_POOL: tuple[ThreadPoolExecutor, int] | None = None  # (pool, workers)
-_POOL_LOCK = threading.Lock()
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's pool has no threads there, and its lock may have been held
-    by a thread that does not exist either."""
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _submit(fn: Callable[[], None], n: int, workers: int) -> list[Future]:
-    """Run ``fn`` ``n`` times on the codec's helper threads, which are kept between calls and
-    shared by all callers: starting and stopping a pool cost ~0.2 ms on 2 cores, as much as coding
-    a 1% change set of 40M elements takes on two threads, and each new thread makes its own zstd
-    contexts. The pool grows when a caller asks for more ``workers`` (the old one finishes what it
-    was given) and is made anew in a forked child (:func:`_forget_pool`). Submitting under the
-    lock keeps a call from submitting to a pool another call has just replaced."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[1] < workers:
-            if _POOL is not None:
-                _POOL[0].shutdown(wait=False)
-            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="deltasync-codec"), workers
-        return [_POOL[0].submit(fn) for _ in range(n)]
-
-
-def _map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
-    """``[fn(x) for x in items]`` on up to ``threads`` threads, the calling thread included: the
-    items of at least :data:`PARALLEL_MIN_CHANGES` changes are shared out largest first (so the
-    last ones to finish are small), the smaller ones run on the calling thread, which then helps
-    with the large ones. The first ``Exception`` in ``items`` order is raised.
-
-    The split follows from where the time goes: a tensor costs ~30-60 us of Python (which holds the
-    GIL) plus ~4-5 ns per change in the compiled kernels and zstd (which release it). Below ~16K
-    changes the Python dominates, and two threads running it only take turns on the GIL (measured
-    0.8x of one thread for 200 tensors of 2,000 changes); above it the kernels of one tensor run
-    beside the Python of another."""
-    n = len(items)
-    threads = min(8, os.cpu_count() or 1) if threads is None else threads
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    big = sorted((i for i in range(n) if sizes[i] >= PARALLEL_MIN_CHANGES), key=lambda i: -sizes[i])
-    if threads == 1 or not big or n < 2:
-        return [fn(x) for x in items]
-    results: dict[int, object] = {}
-    errors: dict[int, Exception] = {}
-    queue = iter(big)
-    lock = threading.Lock()
-
-    def run(i: int) -> None:
-        try:
-            results[i] = fn(items[i])
-        except Exception as e:  # noqa: BLE001 - re-raised below, in items order
-            errors[i] = e
-
-    def drain() -> None:  # take the next large item until none is left
-        while True:
-            with lock:
-                i = next(queue, None)
-            if i is None:
-                return
-            run(i)
-
-    helpers = _submit(drain, min(threads - 1, len(big)), threads - 1)
-    for i in range(n):
-        if sizes[i] < PARALLEL_MIN_CHANGES:
-            run(i)
-    drain()
-    for h in helpers:  # a helper still queued (behind another caller's work) has nothing left to do
-        if not h.cancel():
-            h.result()
-    if errors:
-        raise errors[min(errors)]
-    return [results[i] for i in range(n)]
 
 
 _UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}

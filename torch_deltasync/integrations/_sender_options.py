@@ -51,7 +51,7 @@ def sender_config(options: Mapping[str, Any], owner: str, *, config: SenderConfi
 def receiver_config(options: Mapping[str, Any], owner: str, *, config: ReceiverConfig | None = None,
                     exclude: Collection[str] = (), argument: str = "receiver_config") -> ReceiverConfig:
     """The :class:`~torch_deltasync.receiver.ReceiverConfig` an integration's receiver uses; as
-    :func:`sender_config`, for ``DeltaReceiver``'s options (``max_workers``, ``metrics_path``)."""
+    :func:`sender_config`, for ``DeltaReceiver``'s options (``max_workers``, ``threads``, ``metrics_path``)."""
     return with_options(config, ReceiverConfig, options, owner, takes=_TAKES.format("DeltaReceiver"),
                         exclude=exclude, argument=argument)
 

@@ -411,7 +411,7 @@ class AdapterReceiver(DeltaReceiver):
         receiver_config: the download options, as ``DeltaReceiver``'s ``config``
             (:class:`~torch_deltasync.receiver.ReceiverConfig`); named apart because
             :attr:`config` is the run's ``LoraConfig``.
-        kwargs: ``ReceiverConfig`` fields as keywords (``max_workers``, ``metrics_path``); they
+        kwargs: ``ReceiverConfig`` fields as keywords (``max_workers``, ``threads``, ``metrics_path``); they
             override ``receiver_config``'s.
 
     Raises:

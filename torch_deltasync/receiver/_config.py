@@ -22,7 +22,7 @@ class ReceiverConfig:
 
     Raises:
         TypeError: a field of the wrong type (the message names the field and what it takes).
-        ValueError: ``max_workers`` below 1.
+        ValueError: ``max_workers`` or ``threads`` below 1.
 
     Example:
         >>> receiver = DeltaReceiver(model, "runs/x/bucket", config=ReceiverConfig(max_workers=16))
@@ -34,6 +34,13 @@ class ReceiverConfig:
     """Parallel downloads (threads), an int ``>= 1``: the objects of one update are fetched this
     many at a time."""
 
+    threads: int | None = None
+    """Tensors decoded, staged (old values read, steps resolved) and verified at once, on the
+    library's helper threads and the calling one: an int ``>= 1``, or ``None`` for one per CPU
+    core, at most 8. ``1`` keeps it all on the calling thread, in order: use it for a custom
+    :class:`~torch_deltasync.targets.Target` whose :meth:`~torch_deltasync.targets.Target.read`
+    must not run for two tensors at once. The writes of a commit always run on the calling thread."""
+
     metrics_path: str | os.PathLike | None = None
     """File to append one JSON line of :class:`~torch_deltasync.receiver.UpdateStats` to per
     update. ``None`` (or ``""``): none."""
@@ -43,6 +50,9 @@ class ReceiverConfig:
             raise TypeError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers!r}")
         if self.max_workers < 1:
             raise ValueError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers}")
+        if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
+            kind = TypeError if type(self.threads) is not int else ValueError
+            raise kind(f"ReceiverConfig.threads must be an int >= 1 or None (one per CPU core), got {self.threads!r}")
         if self.metrics_path is not None and not isinstance(self.metrics_path, (str, os.PathLike)):
             raise TypeError(f"ReceiverConfig.metrics_path must be a path (str or os.PathLike) or None, "
                             f"got {self.metrics_path!r}")

@@ -76,7 +76,8 @@ class DeltaReceiver:
         store: a :class:`~torch_deltasync.store.Store` or anything :func:`open_store` accepts.
         prefix: the run's sub-path in the store (as given to the sender).
         config: the receiver's options (:class:`~torch_deltasync.receiver.ReceiverConfig`, which
-            documents each field): ``max_workers`` (parallel downloads, 8), ``metrics_path``.
+            documents each field): ``max_workers`` (parallel downloads, 8), ``threads`` (tensors
+            decoded and staged at once, one per core), ``metrics_path``.
             ``None``: ``ReceiverConfig()``.
         options: ``ReceiverConfig`` fields given as keywords (``max_workers=4``); they override
             ``config``'s (``dataclasses.replace``).
@@ -91,7 +92,7 @@ class DeltaReceiver:
     Raises:
         TypeError: an option that is not a ``ReceiverConfig`` field (the message lists the fields),
             or an option of the wrong type.
-        ValueError: an option out of range (``max_workers < 1``).
+        ValueError: an option out of range (``max_workers < 1``, ``threads < 1``).
 
     Example:
         >>> receiver = DeltaReceiver(model, LocalStore("runs/x/bucket"))
@@ -574,16 +575,16 @@ class DeltaReceiver:
 
         t = time.perf_counter()
         if plan.path == "anchor":
-            dense = stage_anchor(plan, blobs, shapes)
+            dense = stage_anchor(plan, blobs, shapes, self.receiver_config.threads)
             sparse = base = None
         else:
-            sparse, base = stage_deltas(self.target, plan.manifests, blobs, dtype)
+            sparse, base = stage_deltas(self.target, plan.manifests, blobs, dtype, self.receiver_config.threads)
             dense = None
         del blobs
         decode_ms = (time.perf_counter() - t) * 1e3
 
         t = time.perf_counter()
-        new_checksums = verify_checksums(self.target, final, dense, sparse, checksums, base)
+        new_checksums = verify_checksums(self.target, final, dense, sparse, checksums, base, self.receiver_config.threads)
         verify_ms = (time.perf_counter() - t) * 1e3
         stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
                             download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms)

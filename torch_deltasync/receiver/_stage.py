@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from .._pool import map_largest_first
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import TensorDelta
 from ..errors import ChecksumMismatchError, CorruptObjectError
-from ..format import decode_anchor, decode_delta
+from ..format import EncodedDelta, decode_anchor, read_delta
 from ..manifest import Manifest
 from ..targets import Target
 from ._plan import UpdatePlan
@@ -117,51 +118,108 @@ def concat(parts: list[TensorDelta], what: str) -> TensorDelta:
                        base)
 
 
-def decode_version(m: Manifest, blobs: dict[str, bytes]) -> dict[str, TensorDelta]:
-    """Decode every delta object of ``m`` and check the counts against the manifest."""
-    per_tensor: dict[str, list[TensorDelta]] = {}
+def read_version(m: Manifest, blobs: dict[str, bytes]) -> dict[str, list[EncodedDelta]]:
+    """Read every delta object of ``m`` (:func:`~torch_deltasync.format.read_delta`, nothing
+    decoded yet) and check the declared counts against the manifest.
+
+    Returns:
+        ``{name: [EncodedDelta per object]}`` for the tensors ``m`` changes, in ``m``'s order.
+
+    Raises:
+        CorruptObjectError: as ``read_delta``, or a tensor whose objects declare another number of
+            changes than the manifest (each decode then checks its blob holds what it declares).
+    """
+    per_tensor: dict[str, list[EncodedDelta]] = {}
     for o in m.delta_objects:
-        for name, d in decode_delta(blobs[o.key], m, o).items():
-            per_tensor.setdefault(name, []).append(d)
+        for name, e in read_delta(blobs[o.key], m, o).items():
+            per_tensor.setdefault(name, []).append(e)
     out = {}
     for entry in m.tensors:
         parts = per_tensor.get(entry.name, [])
-        n = sum(p.numel for p in parts)
+        n = sum(p.count for p in parts)
         if n != entry.changed:
             raise CorruptObjectError(
                 f"version {m.version}: tensor {entry.name!r} has {n} changes in its objects, manifest says {entry.changed}"
             )
         if parts:
-            out[entry.name] = concat(parts, f"version {m.version} tensor {entry.name!r}")
+            out[entry.name] = parts
     return out
 
-def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[str, bytes], dtype: torch.dtype):
+
+def _decode(version: int, name: str, parts: list[EncodedDelta]) -> TensorDelta:
+    """One tensor's changes in one version, from all of the version's objects."""
+    return concat([p.decode() for p in parts], f"version {version} tensor {name!r}")
+
+
+def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[str, bytes], dtype: torch.dtype,
+                 threads: int | None = None):
     """Compose a delta chain without touching the target.
+
+    Each changed tensor is staged on its own: its changes decoded version by version, the entries
+    it holds selected, its old values read from the target, steps resolved, versions merged. The
+    tensors are shared out over ``threads`` threads largest first
+    (:func:`~torch_deltasync._pool.map_largest_first`): the compiled kernels, zstd and the torch
+    ops behind the reads release the GIL, and a tensor's decoded changes are still in cache when
+    its old values are read and resolved. So :meth:`Target.read` runs for different tensors at once.
+
+    Args:
+        threads: tensors staged at once; ``None``: one per CPU core, at most 8; 1: all on the
+            calling thread, in order.
 
     Returns:
         ``(staged, base)``: ``staged`` maps each changed tensor to ``(positions, final values)``
         (int64 and ``dtype``, ``(k,)``, sorted); ``base`` maps the tensors changed by exactly one
         version of the chain with a relative codec to the target's values at those positions, read
         once here and reused by :func:`verify_checksums`.
+
+    Raises:
+        CorruptObjectError: as :func:`read_version` and the codec's decoder (naming the version,
+            object and tensor), or a position the target refuses.
+        ChecksumMismatchError: the target's old values are not the chain's base (a relative delta's
+            ``base_checksum``), naming the version and tensor.
+        Every object of the chain is read and checked (:func:`read_version`) before any tensor is
+        staged; of the tensors whose staging fails, the error of the first in the order the
+        manifests list them is raised (whatever its kind: a target's own error on one tensor is
+        raised before a corrupt blob of a later one).
     """
-    staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    base: dict[str, torch.Tensor] = {}
+    chains: dict[str, list[tuple[int, list[EncodedDelta]]]] = {}
     for m in manifests:
-        for name, d in decode_version(m, blobs).items():
-            if not target.holds_all:
-                d = d.select(target.owned(name, d.positions))
-            if d.needs_base:
-                d_old = _lookup(target, name, staged.get(name), d.positions, dtype)
+        for name, parts in read_version(m, blobs).items():
+            chains.setdefault(name, []).append((m.version, parts))
+    names = list(chains)
+    sizes = [sum(p.count for _, parts in chains[n] for p in parts) for n in names]
+    # chains.pop: each tensor's encoded parts are let go once it is staged
+    results = map_largest_first(lambda n: _stage_tensor(target, n, chains.pop(n), dtype), names, sizes, threads)
+    staged = dict(zip(names, (s for s, _ in results)))
+    base = {n: b for n, (_, b) in zip(names, results) if b is not None}
+    return staged, base
+
+
+def _stage_tensor(target: Target, name: str, chain: list[tuple[int, list[EncodedDelta]]], dtype: torch.dtype):
+    """One tensor's part of :func:`stage_deltas`: ``((positions, final values), base or None)``
+    from its ``(version, encoded parts)`` chain."""
+    staged: tuple[torch.Tensor, torch.Tensor] | None = None
+    base = None
+    for version, parts in chain:
+        d = _decode(version, name, parts)
+        if not target.holds_all:
+            d = d.select(target.owned(name, d.positions))
+        if d.needs_base and d.numel:  # (a rank that holds none of the changes has nothing to read)
+            d_old = _lookup(target, name, staged, d.positions, dtype)
+            try:
                 new = d.resolve(d_old)
-                if name not in staged:
-                    base[name] = d_old
-            else:
-                new = d.values
-            if name in staged:
-                staged[name] = merge(*staged[name], d.positions, new)
-                base.pop(name, None)  # the union's old values are no longer one read
-            else:
-                staged[name] = (d.positions, new)
+            except ChecksumMismatchError as e:
+                raise ChecksumMismatchError(f"version {version} tensor {name!r}: {e}") from None
+            if staged is None:
+                base = d_old
+        else:
+            new = d.values
+        if staged is None:
+            staged = (d.positions, new)
+        else:
+            staged = merge(*staged, d.positions, new)
+            base = None  # the union's old values are no longer one read
+    assert staged is not None
     return staged, base
 
 
@@ -184,8 +242,10 @@ def _lookup(target: Target, name: str, staged: tuple[torch.Tensor, torch.Tensor]
         out[miss] = target.read(name, pos[miss], dtype)
     return out
 
-def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tuple[int, ...]]):
-    """Rebuild full tensors from the anchor's blocks, then apply the chain's deltas to them."""
+def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tuple[int, ...]],
+                 threads: int | None = None):
+    """Rebuild full tensors from the anchor's blocks, then apply the chain's deltas to them (the
+    tensors of each version on ``threads`` threads, as :func:`stage_deltas`)."""
     anchor = plan.manifests[0]
     blocks: dict[str, list] = {}
     for o in anchor.anchor_objects:
@@ -211,34 +271,42 @@ def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tu
             raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap or leave gaps")
         dense[name] = full
     for m in plan.manifests[1:]:
-        for name, d in decode_version(m, blobs).items():
-            d.apply_to(dense[name].view(-1))  # one compiled pass: checksum of the old values, steps, write
+        changed = read_version(m, blobs)
+
+        def apply(name: str, version: int = m.version) -> None:
+            # decode, then one compiled pass: checksum of the old values, steps, write
+            _decode(version, name, changed[name]).apply_to(dense[name].view(-1))
+
+        map_largest_first(apply, list(changed), [sum(p.count for p in parts) for parts in changed.values()], threads)
     return dense
 
 def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: dict[str, int],
-                     base: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+                     base: dict[str, torch.Tensor] | None = None, threads: int | None = None) -> dict[str, int]:
     """Checksums of the staged state, from the held state's ``checksums`` and the changes;
-    raise if they differ from ``final``'s manifest."""
+    raise if they differ from ``final``'s manifest. Tensors are checked on ``threads`` threads
+    (as :func:`stage_deltas`)."""
     if not target.holds_all:
         return {}  # partial holders cannot see whole tensors; sha256 protected the bytes
-    new: dict[str, int] = {}
-    bad = []
-    for entry in final.tensors:
+    base = base or {}
+
+    def one(name: str) -> int:
         if dense is not None:
-            c = tensor_checksum(dense[entry.name])
-        else:
-            c = checksums.get(entry.name)
-            if c is None:
-                raise CorruptObjectError(f"no checksum held for {entry.name!r}")
-            if entry.name in staged:
-                pos, val = staged[entry.name]
-                old = (base or {}).get(entry.name)
-                if old is None:  # not read while staging
-                    old = target.read(entry.name, pos, final.inference_dtype)
-                c = combine(c, checksum_change(pos, old, val))
-        if c != entry.checksum:
-            bad.append(entry.name)
-        new[entry.name] = c
+            return tensor_checksum(dense[name])
+        c = checksums.get(name)
+        if c is None:
+            raise CorruptObjectError(f"no checksum held for {name!r}")
+        if name in staged:
+            pos, val = staged[name]
+            old = base.get(name)
+            if old is None:  # not read while staging
+                old = target.read(name, pos, final.inference_dtype)
+            c = combine(c, checksum_change(pos, old, val))
+        return c
+
+    names = [entry.name for entry in final.tensors]
+    sizes = [dense[n].numel() if dense is not None else staged[n][0].numel() if n in staged else 0 for n in names]
+    new = dict(zip(names, map_largest_first(one, names, sizes, threads)))
+    bad = [entry.name for entry in final.tensors if new[entry.name] != entry.checksum]
     if bad:
         raise ChecksumMismatchError(
             f"version {final.version}: the staged state differs from the published checksums for "

@@ -29,7 +29,10 @@ class Target(Protocol):
     Receivers call :meth:`check` once per manifest, then, only after everything was downloaded,
     decoded and verified, :meth:`write` (deltas) or :meth:`assign` (anchors), then :meth:`finish`. Implementations must
     write in place into the existing storage (CUDA graphs and engines keep pointers to it) and must
-    not change anything in :meth:`check`, :meth:`read` or :meth:`checksum`.
+    not change anything in :meth:`check`, :meth:`read` or :meth:`checksum`. While staging, a
+    receiver calls :meth:`owned` and :meth:`read` for different tensors on several threads at once
+    (``ReceiverConfig.threads``; ``threads=1`` keeps every call on the calling thread); writes
+    always come from one thread.
     """
 
     #: True when the target holds every element of every tensor (so the receiver can verify the

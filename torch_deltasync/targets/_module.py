@@ -3,6 +3,7 @@ torchrl policies)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping
 
 import numpy as np
@@ -93,6 +94,9 @@ class ModuleTarget(Target):
             raise TypeError(f"expected an nn.Module, a state dict or a Target, got {type(model).__name__}{hint}")
         self._source = model
         self.strict = strict
+        # A receiver reads tensors on several threads: a lookup that finds a replaced tensor (and
+        # checks the whole target again, or finds every tensor again) must not be seen half done.
+        self._lookup_lock = threading.RLock()
         self._bind()
         self._mirrors: dict[str, list[str]] = {}  # canonical -> untied aliases to write as well
         self._codecs: dict[str, _Codec] = {}
@@ -161,12 +165,13 @@ class ModuleTarget(Target):
 
     def _live(self, name: str) -> torch.Tensor:
         """``name``'s live tensor, detached; the whole target is checked again first if any checked
-        tensor was replaced since."""
-        t = self._get(name)
-        key = self._keys.get(name)
-        if key is not None and _identity(t) != key:
-            self._recheck()
+        tensor was replaced since (one thread at a time)."""
+        with self._lookup_lock:
             t = self._get(name)
+            key = self._keys.get(name)
+            if key is not None and _identity(t) != key:
+                self._recheck()
+                t = self._get(name)
         return t.detach()
 
     def _scan(self) -> None:

@@ -158,7 +158,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         def build():
             target = VLLMEngineTarget(self.model, self.model_config, in_place=init_info.in_place)  # type: ignore[arg-type]
             receiver = DeltaReceiver(target, init_info.store, prefix=init_info.prefix,
-                                     max_workers=init_info.max_workers)
+                                     max_workers=init_info.max_workers, threads=init_info.threads)
             try:
                 if init_info.assume_version is not None:
                     target.engine_writes = False  # the engine serves it already: build the host copy only

@@ -27,6 +27,9 @@ class InitInfo:
             ``update_weights``).
         poll_s: seconds between looks at the store for a newer version (background stager).
         max_workers: parallel downloads per worker.
+        threads: tensors staged at once per worker (``ReceiverConfig.threads``); ``None``: one per
+            CPU core, at most 8. With several workers on one host (TP), ``cores / workers`` keeps
+            them from competing for the same cores.
         status_dir: directory for per-worker readiness files (``._readiness``); ``None``: none.
         metrics_path: append one JSON line per commit (``{rank}`` is replaced by the worker rank);
             ``None`` or ``""``: none.
@@ -42,6 +45,7 @@ class InitInfo:
     stage_ahead: bool = True
     poll_s: float = 0.05
     max_workers: int = 8
+    threads: int | None = None
     status_dir: str | None = None
     metrics_path: str | None = None
 
@@ -60,6 +64,9 @@ class InitInfo:
             raise ValueError(f"init_info 'poll_s' must be in (0, 60] seconds, got {self.poll_s!r}")
         if type(self.max_workers) is not int or not 1 <= self.max_workers <= 256:
             raise ValueError(f"init_info 'max_workers' must be an int in [1, 256], got {self.max_workers!r}")
+        if self.threads is not None and (type(self.threads) is not int or not 1 <= self.threads <= 256):
+            raise ValueError(f"init_info 'threads' must be an int in [1, 256] or null (one per CPU core), "
+                             f"got {self.threads!r}")
         if self.status_dir is not None and (not isinstance(self.status_dir, str) or not self.status_dir):
             raise ValueError(f"init_info 'status_dir' must be a non-empty path or null, got {self.status_dir!r}")
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):

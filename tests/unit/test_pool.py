@@ -1,0 +1,116 @@
+"""The helper threads (``torch_deltasync/_pool.py``): which thread runs what, results in order, the
+first error raised, a kept pool that survives nesting, growth and forks."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from torch_deltasync import _pool
+
+
+def test_many_runs_small_items_inline_and_shares_out_the_large_ones(monkeypatch):
+    """Items below PARALLEL_MIN_CHANGES run on the calling thread, large ones on up to ``threads``
+    threads (the caller included); results keep the items' order, the first error in that order is
+    raised, and no more than ``threads`` items run at once."""
+    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 100)
+    sizes = [5, 300, 99, 100, 7, 1000, 400, 150]
+    main = threading.main_thread()
+    where, running, peak = {}, [0], [0]
+    lock = threading.Lock()
+
+    def fn(i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        where[i] = threading.current_thread() is main
+        time.sleep(0.01)  # long enough for the threads to overlap
+        with lock:
+            running[0] -= 1
+        if sizes[i] in (7, 1000):
+            raise ValueError(f"item {i}")
+        return i * 10
+
+    for threads in (2, 3):
+        peak[0] = 0
+        with pytest.raises(ValueError, match="item 4"):  # item 5 (large) fails too; item 4 comes first
+            _pool.map_largest_first(fn, list(range(8)), sizes, threads)
+        assert all(where[i] for i in (0, 2, 4)), where  # the small ones, on the calling thread
+        assert 1 < peak[0] <= threads
+    ok = [0, 1, 2, 3, 6, 7]
+    assert _pool.map_largest_first(fn, ok, [sizes[i] for i in ok], 2) == [i * 10 for i in ok]
+    # Nothing large, or one thread: everything on the calling thread, in order.
+    assert _pool.map_largest_first(lambda i: (i, threading.current_thread() is main), [0, 2, 4], [5, 99, 7], 4) \
+        == [(0, True), (2, True), (4, True)]
+    assert _pool.map_largest_first(lambda i: threading.current_thread() is main, [1, 5], [300, 1000], 1) == [True, True]
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        _pool.map_largest_first(fn, [0], sizes, 0)
+
+
+def test_helper_threads_are_kept_between_calls_and_nested_or_forked_calls_run(monkeypatch):
+    """The helper threads outlive a call (starting a pool cost as much as a small change set), a
+    map inside a helper's item does not wait for itself, and a forked child makes its own pool."""
+    monkeypatch.setattr(_pool, "_POOL", None)
+    seen = []  # the threads (kept alive, so their ids stay distinct)
+
+    def fn(i):
+        seen.append(threading.current_thread())
+        time.sleep(0.005)
+        return i
+
+    big = [1 << 20] * 4
+    for _ in range(3):
+        assert _pool.map_largest_first(fn, [0, 1, 2, 3], big, 2) == [0, 1, 2, 3]
+    assert len({id(t) for t in seen}) == 2, seen  # the caller and the same helper every time
+
+    def outer(i):  # every helper busy with an item that maps again
+        return sum(_pool.map_largest_first(fn, [i, i, i], big[:3], 2))
+
+    assert _pool.map_largest_first(outer, [0, 1, 2, 3], big, 2) == [0, 3, 6, 9]
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool object, without its threads
+        signal.alarm(20)  # a deadlock ends the child with SIGALRM
+        ok = _pool.map_largest_first(fn, [0, 1, 2, 3], big, 2) == [0, 1, 2, 3]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_pool_replaced_by_a_larger_one_never_refuses_a_callers_work(monkeypatch):
+    """Callers asking for more threads replace the pool while others submit to it: no call may
+    find its pool shut down ("cannot schedule new futures after shutdown")."""
+    monkeypatch.setattr(_pool, "_POOL", None)
+    errors, stop = [], threading.Event()
+
+    def caller():
+        while not stop.is_set():
+            try:
+                assert _pool.map_largest_first(lambda i: i, [0, 1, 2], [1 << 20] * 3, 2) == [0, 1, 2]
+            except Exception as e:  # noqa: BLE001 - collected for the assertion below
+                errors.append(repr(e))
+
+    callers = [threading.Thread(target=caller) for _ in range(3)]
+    for t in callers:
+        t.start()
+    try:
+        for workers in range(3, 120):  # every call grows the pool
+            assert _pool.map_largest_first(lambda i: i, [0, 1], [1 << 20] * 2, workers) == [0, 1]
+    finally:
+        stop.set()
+        for t in callers:
+            t.join()
+    assert not errors, errors[:3]
+
+
+def test_a_child_forked_while_the_pool_lock_is_held_still_codes():
+    """Another thread held the pool's lock at the fork: the child has its own lock and pool."""
+    with _pool._POOL_LOCK:  # as if another thread were inside _submit at the fork
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a deadlock ends the child with SIGALRM
+            ok = _pool.map_largest_first(lambda i: i * 2, [0, 1, 2], [1 << 20] * 3, 2) == [0, 2, 4]
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

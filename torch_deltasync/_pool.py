@@ -1,0 +1,98 @@
+"""The library's helper threads: one kept pool that maps a function over tensors, largest first.
+
+The compiled kernels (:mod:`._native`), zstd and torch's CPU ops release the GIL, so tensors of one
+version can be coded, read and resolved on several threads while the Python around each holds it
+only briefly. Used by :meth:`Codec.encode_many <torch_deltasync.codecs.Codec.encode_many>` /
+``decode_many`` and by the receiver's staging (:mod:`torch_deltasync.receiver`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+
+__all__ = ["PARALLEL_MIN_CHANGES", "map_largest_first"]
+
+#: Items with fewer changes than this run on the calling thread (see :func:`map_largest_first`).
+PARALLEL_MIN_CHANGES = 1 << 14
+
+_POOL: tuple[ThreadPoolExecutor, int] | None = None  # (pool, workers)
+_POOL_LOCK = threading.Lock()
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool has no threads there, and its lock may have been held
+    by a thread that does not exist either."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _submit(fn: Callable[[], None], n: int, workers: int) -> list[Future]:
+    """Run ``fn`` ``n`` times on the library's helper threads, which are kept between calls and
+    shared by all callers: starting and stopping a pool cost ~0.2 ms on 2 cores, as much as coding
+    a 1% change set of 40M elements takes on two threads, and each new thread makes its own zstd
+    contexts. The pool grows when a caller asks for more ``workers`` (the old one finishes what it
+    was given) and is made anew in a forked child (:func:`_forget_pool`). Submitting under the
+    lock keeps a call from submitting to a pool another call has just replaced."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[1] < workers:
+            if _POOL is not None:
+                _POOL[0].shutdown(wait=False)
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="deltasync"), workers
+        return [_POOL[0].submit(fn) for _ in range(n)]
+
+
+def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
+    """``[fn(x) for x in items]`` on up to ``threads`` threads, the calling thread included: the
+    items of at least :data:`PARALLEL_MIN_CHANGES` changes are shared out largest first (so the
+    last ones to finish are small), the smaller ones run on the calling thread, which then helps
+    with the large ones. The first ``Exception`` in ``items`` order is raised.
+
+    The split follows from where the time goes: a tensor costs ~30-60 us of Python (which holds the
+    GIL) plus ~4-5 ns per change in the compiled kernels and zstd (which release it). Below ~16K
+    changes the Python dominates, and two threads running it only take turns on the GIL (measured
+    0.8x of one thread for 200 tensors of 2,000 changes); above it the kernels of one tensor run
+    beside the Python of another."""
+    n = len(items)
+    threads = min(8, os.cpu_count() or 1) if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    big = sorted((i for i in range(n) if sizes[i] >= PARALLEL_MIN_CHANGES), key=lambda i: -sizes[i])
+    if threads == 1 or not big or n < 2:
+        return [fn(x) for x in items]
+    results: dict[int, object] = {}
+    errors: dict[int, Exception] = {}
+    queue = iter(big)
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(items[i])
+        except Exception as e:  # noqa: BLE001 - re-raised below, in items order
+            errors[i] = e
+
+    def drain() -> None:  # take the next large item until none is left
+        while True:
+            with lock:
+                i = next(queue, None)
+            if i is None:
+                return
+            run(i)
+
+    helpers = _submit(drain, min(threads - 1, len(big)), threads - 1)
+    for i in range(n):
+        if sizes[i] < PARALLEL_MIN_CHANGES:
+            run(i)
+    drain()
+    for h in helpers:  # a helper still queued (behind another caller's work) has nothing left to do
+        if not h.cancel():
+            h.result()
+    if errors:
+        raise errors[min(errors)]
+    return [results[i] for i in range(n)]
