@@ -48,6 +48,15 @@ def _submit(fn: Callable[[], None], n: int, workers: int) -> list[Future]:
         return [_POOL[0].submit(fn) for _ in range(n)]
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which TP workers and containers narrow;
+    ``os.cpu_count()`` where the platform has no mask)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
     """``[fn(x) for x in items]`` on up to ``threads`` threads, the calling thread included: the
     items of at least :data:`PARALLEL_MIN_CHANGES` changes are shared out largest first (so the
@@ -60,7 +69,7 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
     0.8x of one thread for 200 tensors of 2,000 changes); above it the kernels of one tensor run
     beside the Python of another."""
     n = len(items)
-    threads = min(8, os.cpu_count() or 1) if threads is None else threads
+    threads = min(8, available_cpus()) if threads is None else threads
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     big = sorted((i for i in range(n) if sizes[i] >= PARALLEL_MIN_CHANGES), key=lambda i: -sizes[i])

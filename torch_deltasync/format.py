@@ -264,7 +264,7 @@ def encode_delta(
     return _st_save(tensors, metadata=meta)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EncodedDelta:
     """One tensor's changes as one verified delta object stores them, checked but not decoded yet
     (what :func:`read_delta` returns; :meth:`decode` does the rest).
@@ -288,7 +288,12 @@ class EncodedDelta:
     where: str
 
     def decode(self) -> TensorDelta:
-        """The codec's validating decode (global flat positions).
+        """The codec's validating decode.
+
+        Returns:
+            A :class:`~torch_deltasync.codecs.TensorDelta` of ``count`` changes: int64 global flat
+            positions ``(count,)``, sorted; values ``(count,)`` in ``dtype``; steps and the
+            relative mask where the codec codes steps (see ``TensorDelta``).
 
         Raises:
             CorruptObjectError: anything the codec's decoder rejects (out-of-range, unsorted or
@@ -314,6 +319,7 @@ def read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str,
     Raises:
         CorruptObjectError: metadata that disagrees with the manifest, unknown tensor names,
             counts missing, extra or outside ``[0, numel]``.
+        ValueError: the manifest names a codec that is not registered here.
     """
     where = f"version {manifest.version} object {entry.key}"
     tensors, meta = _load(data, manifest, entry, "delta")

@@ -204,3 +204,51 @@ def test_a_rank_holding_none_of_a_tensors_changes_reads_nothing(store):
     assert torch.equal(replica[2].weight.view(torch.int16), held.view(torch.int16))  # not this rank's
     want = {n: t for n, t in state_bits(trainer).items() if n != "2.weight"}
     assert _same_bits({n: t for n, t in state_bits(replica).items() if n != "2.weight"}, want)
+
+
+class _OneThreadTarget(ModuleTarget):
+    """A target that does not declare ``concurrent_reads`` (as a third-party target written before
+    it existed): records whether each read came from the main thread."""
+
+    concurrent_reads = False
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.reads_on_main: list[bool] = []
+
+    def read(self, name, positions, dtype):
+        self.reads_on_main.append(threading.current_thread() is threading.main_thread())
+        return super().read(name, positions, dtype)
+
+
+def test_a_target_without_concurrent_reads_is_read_on_the_calling_thread_only(store, monkeypatch):
+    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)
+    trainer, _, sender, _, opt, gen = _setup(store, steps=1)
+    for _ in range(2):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    replica = make_mlp(1, torch.bfloat16)
+    target = _OneThreadTarget(replica)
+    receiver = DeltaReceiver(target, store, threads=2)
+    receiver.update(0)
+    for version in (1, 3):  # one version (base reused), a chain of two (verification reads too)
+        target.reads_on_main.clear()
+        assert receiver.update(version) == version and receiver.last_stats.path == "delta"
+        assert target.reads_on_main and all(target.reads_on_main)
+    assert first_difference(trainer, replica) is None
+
+
+def test_a_tensor_replaced_before_threaded_staging_is_checked_and_written(store, monkeypatch):
+    """A parameter replaced by a new one (``module.weight = nn.Parameter(...)``) between updates:
+    the first lookup that sees it checks the whole target again (under the target's lock, while
+    other tensors are read on another thread), and the update lands in the new parameter."""
+    _record_staging(monkeypatch, 2)
+    trainer, replica, sender, _, opt, gen = _setup(store, steps=1)
+    receiver = DeltaReceiver(replica, store, threads=2)
+    receiver.update(1)
+    train_step(trainer, opt, gen)
+    sender.publish()
+    old = replica[0].weight
+    replica[0].weight = torch.nn.Parameter(old.detach().clone())
+    assert receiver.update(2) == 2 and not receiver.last_stats.recovered
+    assert replica[0].weight is not old and first_difference(trainer, replica) is None

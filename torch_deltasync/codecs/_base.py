@@ -214,8 +214,8 @@ class Codec(Protocol):
 
         Args:
             items: ``(positions, values, old_values, numel)`` per tensor, as :meth:`encode` takes them.
-            threads: worker threads; ``None``: one per CPU core, at most 8. 1 encodes in order on
-                the calling thread.
+            threads: worker threads; ``None``: one per CPU core the process may use, at most 8.
+                1 encodes in order on the calling thread.
 
         Returns:
             The parts of each item, in the order of ``items`` (the same as :meth:`encode` gives).

@@ -37,9 +37,10 @@ class ReceiverConfig:
     threads: int | None = None
     """Tensors decoded, staged (old values read, steps resolved) and verified at once, on the
     library's helper threads and the calling one: an int ``>= 1``, or ``None`` for one per CPU
-    core, at most 8. ``1`` keeps it all on the calling thread, in order: use it for a custom
-    :class:`~torch_deltasync.targets.Target` whose :meth:`~torch_deltasync.targets.Target.read`
-    must not run for two tensors at once. The writes of a commit always run on the calling thread."""
+    core available to the process, at most 8. ``1`` keeps it all on the calling thread, in order.
+    Old values are read on these threads only from targets that declare ``concurrent_reads``
+    (:class:`~torch_deltasync.targets.Target`; the library's do); the writes of a commit always run
+    on the calling thread."""
 
     metrics_path: str | os.PathLike | None = None
     """File to append one JSON line of :class:`~torch_deltasync.receiver.UpdateStats` to per

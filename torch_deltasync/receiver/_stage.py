@@ -4,7 +4,7 @@ the result against the published checksums. Reads the target (old values), never
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -160,7 +160,15 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
     tensors are shared out over ``threads`` threads largest first
     (:func:`~torch_deltasync._pool.map_largest_first`): the compiled kernels, zstd and the torch
     ops behind the reads release the GIL, and a tensor's decoded changes are still in cache when
-    its old values are read and resolved. So :meth:`Target.read` runs for different tensors at once.
+    its old values are read and resolved. That calls :meth:`Target.read` and ``owned`` for
+    different tensors at once, so it is done for targets that declare ``concurrent_reads = True``
+    (the library's do); for others the tensors are decoded on the threads and staged on the
+    calling thread, in order.
+
+    Every object of the chain is read and checked (:func:`read_version`) before any tensor is
+    staged; of the tensors whose staging fails, the error of the first in the order the manifests
+    list them is raised, whatever its kind (a target's error on one tensor comes before a corrupt
+    blob of a later one).
 
     Args:
         threads: tensors staged at once; ``None``: one per CPU core, at most 8; 1: all on the
@@ -177,10 +185,6 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
             object and tensor), or a position the target refuses.
         ChecksumMismatchError: the target's old values are not the chain's base (a relative delta's
             ``base_checksum``), naming the version and tensor.
-        Every object of the chain is read and checked (:func:`read_version`) before any tensor is
-        staged; of the tensors whose staging fails, the error of the first in the order the
-        manifests list them is raised (whatever its kind: a target's own error on one tensor is
-        raised before a corrupt blob of a later one).
     """
     chains: dict[str, list[tuple[int, list[EncodedDelta]]]] = {}
     for m in manifests:
@@ -188,20 +192,29 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
             chains.setdefault(name, []).append((m.version, parts))
     names = list(chains)
     sizes = [sum(p.count for _, parts in chains[n] for p in parts) for n in names]
-    # chains.pop: each tensor's encoded parts are let go once it is staged
-    results = map_largest_first(lambda n: _stage_tensor(target, n, chains.pop(n), dtype), names, sizes, threads)
+    if getattr(target, "concurrent_reads", False):
+        # chains.pop: each tensor's encoded parts are let go once it is staged
+        results = map_largest_first(lambda n: _stage_tensor(target, n, _decoded(n, chains.pop(n)), dtype),
+                                    names, sizes, threads)
+    else:
+        decoded = map_largest_first(lambda n: list(_decoded(n, chains.pop(n))), names, sizes, threads)
+        results = [_stage_tensor(target, n, d, dtype) for n, d in zip(names, decoded)]
     staged = dict(zip(names, (s for s, _ in results)))
     base = {n: b for n, (_, b) in zip(names, results) if b is not None}
     return staged, base
 
 
-def _stage_tensor(target: Target, name: str, chain: list[tuple[int, list[EncodedDelta]]], dtype: torch.dtype):
+def _decoded(name: str, chain: list[tuple[int, list[EncodedDelta]]]) -> Iterator[tuple[int, TensorDelta]]:
+    """``(version, delta)`` of one tensor's chain, each version decoded when it is asked for."""
+    return ((version, _decode(version, name, parts)) for version, parts in chain)
+
+
+def _stage_tensor(target: Target, name: str, chain: Iterable[tuple[int, TensorDelta]], dtype: torch.dtype):
     """One tensor's part of :func:`stage_deltas`: ``((positions, final values), base or None)``
-    from its ``(version, encoded parts)`` chain."""
+    from its ``(version, delta)`` chain."""
     staged: tuple[torch.Tensor, torch.Tensor] | None = None
     base = None
-    for version, parts in chain:
-        d = _decode(version, name, parts)
+    for version, d in chain:
         if not target.holds_all:
             d = d.select(target.owned(name, d.positions))
         if d.needs_base and d.numel:  # (a rank that holds none of the changes has nothing to read)
@@ -275,7 +288,10 @@ def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tu
 
         def apply(name: str, version: int = m.version) -> None:
             # decode, then one compiled pass: checksum of the old values, steps, write
-            _decode(version, name, changed[name]).apply_to(dense[name].view(-1))
+            try:
+                _decode(version, name, changed[name]).apply_to(dense[name].view(-1))
+            except ChecksumMismatchError as e:
+                raise ChecksumMismatchError(f"version {version} tensor {name!r}: {e}") from None
 
         map_largest_first(apply, list(changed), [sum(p.count for p in parts) for parts in changed.values()], threads)
     return dense
@@ -284,7 +300,7 @@ def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: 
                      base: dict[str, torch.Tensor] | None = None, threads: int | None = None) -> dict[str, int]:
     """Checksums of the staged state, from the held state's ``checksums`` and the changes;
     raise if they differ from ``final``'s manifest. Tensors are checked on ``threads`` threads
-    (as :func:`stage_deltas`)."""
+    (one when the check may read a target without ``concurrent_reads``, as :func:`stage_deltas`)."""
     if not target.holds_all:
         return {}  # partial holders cannot see whole tensors; sha256 protected the bytes
     base = base or {}
@@ -305,6 +321,8 @@ def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: 
 
     names = [entry.name for entry in final.tensors]
     sizes = [dense[n].numel() if dense is not None else staged[n][0].numel() if n in staged else 0 for n in names]
+    if dense is None and not getattr(target, "concurrent_reads", False):
+        threads = 1  # one() may read the target (tensors changed by several versions)
     new = dict(zip(names, map_largest_first(one, names, sizes, threads)))
     bad = [entry.name for entry in final.tensors if new[entry.name] != entry.checksum]
     if bad:

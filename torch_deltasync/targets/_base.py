@@ -29,10 +29,13 @@ class Target(Protocol):
     Receivers call :meth:`check` once per manifest, then, only after everything was downloaded,
     decoded and verified, :meth:`write` (deltas) or :meth:`assign` (anchors), then :meth:`finish`. Implementations must
     write in place into the existing storage (CUDA graphs and engines keep pointers to it) and must
-    not change anything in :meth:`check`, :meth:`read` or :meth:`checksum`. While staging, a
-    receiver calls :meth:`owned` and :meth:`read` for different tensors on several threads at once
-    (``ReceiverConfig.threads``; ``threads=1`` keeps every call on the calling thread); writes
-    always come from one thread.
+    not change anything in :meth:`check`, :meth:`read` or :meth:`checksum`.
+
+    Threads: a target that sets the class attribute ``concurrent_reads = True`` (optional, not
+    part of the ``isinstance`` check; the library's targets set it) lets a receiver call
+    :meth:`owned` and :meth:`read` for different tensors on several threads at once while it
+    stages an update (``ReceiverConfig.threads``); other targets get every call on the receiver's
+    calling thread. Writes always come from one thread.
     """
 
     #: True when the target holds every element of every tensor (so the receiver can verify the
@@ -52,7 +55,8 @@ class Target(Protocol):
     def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Current values at ``positions`` (int64 ``(k,)`` global flat), ``(k,)`` in ``dtype``.
 
-        Only positions this target owns may be passed (see :meth:`owned`).
+        Only positions this target owns may be passed (see :meth:`owned`). With
+        ``concurrent_reads``, called for different names from several threads at once.
         """
 
     def owned(self, name: str, positions: torch.Tensor) -> torch.Tensor:

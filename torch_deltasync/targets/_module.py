@@ -84,6 +84,8 @@ class ModuleTarget(Target):
         IncompatibleTargetError: (``strict``) the model holds a non-floating tensor.
     """
 
+    concurrent_reads = True  # see Target: reads only look up and gather (the lookup takes a lock)
+
     def __init__(self, model: nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         if not isinstance(model, (nn.Module, Mapping)):
             missing = [m for m in TARGET_MEMBERS if not hasattr(model, m)]

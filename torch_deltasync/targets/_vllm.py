@@ -121,6 +121,7 @@ class VLLMTarget(_VLLMLayout, Target):
     """
 
     holds_all = False
+    concurrent_reads = True  # see Target: read and owned use the maps built by check(), read-only
 
     def __init__(self, model: nn.Module, *, strict: bool = True,
                  moe_backends: tuple[str, ...] | list[str] = DEFAULT_MOE_BACKENDS,

@@ -70,6 +70,7 @@ class VLLMEngineTarget(Target):
     """
 
     holds_all = True
+    concurrent_reads = True  # see Target: reads gather from the host copy
 
     def __init__(self, model: nn.Module, model_config: Any, *, in_place: InPlace = "auto",
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:

@@ -233,7 +233,8 @@ def attach_llm(llm: Any, store: str | os.PathLike, prefix: str = "", *, assume_v
         status_dir: the workers' readiness directory; ``None``: a new temporary directory (removed
             with the engine object); ``False``: none (updates then do not wait for staging).
         init_info: further backend fields (``in_place``, ``stage_ahead``, ``poll_s``,
-            ``max_workers``, ``metrics_path``; :class:`~torch_deltasync.integrations.vllm.DeltaSyncInitInfo`).
+            ``max_workers``, ``threads``, ``metrics_path``;
+            :class:`~torch_deltasync.integrations.vllm.DeltaSyncInitInfo`).
 
     Returns:
         The ``init_info`` sent.
