@@ -10,7 +10,7 @@ import torch
 from helpers import make_mlp, train_step
 
 from torch_deltasync import DeltaReceiver, DeltaSender, _pool
-from torch_deltasync.errors import CorruptObjectError, StaleUpdateError
+from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, StaleUpdateError
 from torch_deltasync.targets import ModuleTarget
 from torch_deltasync.testing import first_difference, state_bits
 
@@ -252,3 +252,40 @@ def test_a_tensor_replaced_before_threaded_staging_is_checked_and_written(store,
     replica[0].weight = torch.nn.Parameter(old.detach().clone())
     assert receiver.update(2) == 2 and not receiver.last_stats.recovered
     assert replica[0].weight is not old and first_difference(trainer, replica) is None
+
+
+def test_a_target_whose_read_returns_the_wrong_shape_is_named(store):
+    class ShortRead(ModuleTarget):
+        def read(self, name, positions, dtype):
+            return super().read(name, positions, dtype)[:-1]
+
+    trainer, _, sender, _, opt, gen = _setup(store, steps=1)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(ShortRead(replica), store)
+    receiver.update(0)
+    before = state_bits(replica)
+    with pytest.raises(IncompatibleTargetError, match=r"ShortRead.read\('.*', \.\.\.\) returned torch.bfloat16 \(\d+,\) "
+                                                      r"for \d+ positions; a Target's read must return .* torch.bfloat16 \(\d+,\)"):
+        receiver.update(1)
+    assert _same_bits(state_bits(replica), before)
+
+
+def test_drift_found_after_earlier_versions_of_a_chain_says_what_the_base_is(store, caplog):
+    """A held element that version 1 leaves alone and version 2 changes has drifted: the mismatch
+    shows at version 2, whose base is the held weights plus version 1; the message says so."""
+    trainer, replica, sender, receiver, opt, gen = _setup(store, steps=0)
+    v0 = state_bits(trainer)["0.weight"].view(-1).clone()
+    train_step(trainer, opt, gen)
+    sender.publish()
+    v1 = state_bits(trainer)["0.weight"].view(-1).clone()
+    train_step(trainer, opt, gen)
+    sender.publish()
+    v2 = state_bits(trainer)["0.weight"].view(-1)
+    i = int(((v1 == v0) & (v2 != v1)).nonzero()[0])
+    with torch.no_grad():
+        replica[0].weight.view(-1).view(torch.int16)[i] += 1
+    with caplog.at_level("WARNING", logger="torch_deltasync.receiver"):
+        assert receiver.update(2) == 2
+    assert "version 2 tensor '0.weight': " in caplog.text
+    assert "the base is the held version with the chain's earlier versions of this tensor applied" in caplog.text
+    assert receiver.last_stats.recovered and first_difference(trainer, replica) is None

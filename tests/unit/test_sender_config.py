@@ -124,7 +124,7 @@ INVALID_RECEIVER = [
     (dict(max_workers=0), ValueError, r"ReceiverConfig.max_workers must be an int >= 1, got 0", "no downloads"),
     (dict(max_workers=2.0), TypeError, r"ReceiverConfig.max_workers must be an int >= 1, got 2.0", "not an int"),
     (dict(max_workers=True), TypeError, r"ReceiverConfig.max_workers", "a bool is not a count"),
-    (dict(threads=0), ValueError, r"ReceiverConfig.threads must be an int >= 1 or None \(one per CPU core\), got 0",
+    (dict(threads=0), ValueError, r"ReceiverConfig.threads must be an int >= 1 or None \(one per CPU core, at most 8\), got 0",
      "no thread"),
     (dict(threads=2.0), TypeError, r"ReceiverConfig.threads must be an int >= 1 or None", "threads not an int"),
     (dict(metrics_path=1), TypeError, r"ReceiverConfig.metrics_path must be a path", "not a path"),

@@ -53,7 +53,8 @@ class ReceiverConfig:
             raise ValueError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers}")
         if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
             kind = TypeError if type(self.threads) is not int else ValueError
-            raise kind(f"ReceiverConfig.threads must be an int >= 1 or None (one per CPU core), got {self.threads!r}")
+            raise kind(f"ReceiverConfig.threads must be an int >= 1 or None (one per CPU core, at most 8), "
+                       f"got {self.threads!r}")
         if self.metrics_path is not None and not isinstance(self.metrics_path, (str, os.PathLike)):
             raise TypeError(f"ReceiverConfig.metrics_path must be a path (str or os.PathLike) or None, "
                             f"got {self.metrics_path!r}")

@@ -11,7 +11,7 @@ import torch
 from .._pool import map_largest_first
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import TensorDelta
-from ..errors import ChecksumMismatchError, CorruptObjectError
+from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError
 from ..format import EncodedDelta, decode_anchor, read_delta
 from ..manifest import Manifest
 from ..targets import Target
@@ -219,10 +219,19 @@ def _stage_tensor(target: Target, name: str, chain: Iterable[tuple[int, TensorDe
             d = d.select(target.owned(name, d.positions))
         if d.needs_base and d.numel:  # (a rank that holds none of the changes has nothing to read)
             d_old = _lookup(target, name, staged, d.positions, dtype)
+            if not isinstance(d_old, torch.Tensor) or d_old.shape != d.positions.shape or d_old.dtype != dtype:
+                got = f"{d_old.dtype} {tuple(d_old.shape)}" if isinstance(d_old, torch.Tensor) else type(d_old).__name__
+                raise IncompatibleTargetError(
+                    f"{type(target).__name__}.read({name!r}, ...) returned {got} for {d.numel} positions; "
+                    f"a Target's read must return the values at the positions, {dtype} ({d.numel},)")
             try:
                 new = d.resolve(d_old)
             except ChecksumMismatchError as e:
-                raise ChecksumMismatchError(f"version {version} tensor {name!r}: {e}") from None
+                # after earlier versions of the chain, the base is the held weights plus those
+                where = "" if staged is None else (
+                    " (the base is the held version with the chain's earlier versions of this tensor "
+                    "applied: the held weights or one of those versions is wrong)")
+                raise ChecksumMismatchError(f"version {version} tensor {name!r}: {e}{where}") from None
             if staged is None:
                 base = d_old
         else:
