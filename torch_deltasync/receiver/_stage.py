@@ -171,8 +171,8 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
     blob of a later one).
 
     Args:
-        threads: tensors staged at once; ``None``: one per CPU core, at most 8; 1: all on the
-            calling thread, in order.
+        threads: tensors staged at once; ``None``: one per CPU core the process may use, at most
+            8; 1: all on the calling thread, in order.
 
     Returns:
         ``(staged, base)``: ``staged`` maps each changed tensor to ``(positions, final values)``
@@ -185,6 +185,7 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
             object and tensor), or a position the target refuses.
         ChecksumMismatchError: the target's old values are not the chain's base (a relative delta's
             ``base_checksum``), naming the version and tensor.
+        IncompatibleTargetError: the target's ``read`` returned values of another shape or dtype.
     """
     chains: dict[str, list[tuple[int, list[EncodedDelta]]]] = {}
     for m in manifests:
