@@ -32,7 +32,7 @@ from safetensors.torch import save as _st_save
 
 from ._dtypes import dtype_name
 from ._pool import map_largest_first
-from .codecs import TensorDelta, get_codec
+from .codecs import Codec, TensorDelta, get_codec
 from .errors import CorruptObjectError
 from .layout import TensorSlice
 from .manifest import FORMAT, FORMAT_VERSION, Manifest, ObjectEntry
@@ -274,7 +274,7 @@ class EncodedDelta:
         parts: the codec's ``{part: tensor}`` as parsed from the object (CPU, owning their bytes).
         numel: elements of the full tensor (from the manifest).
         count: changed elements the object declares for this tensor, in ``[0, numel]``.
-        codec: the codec's name (the manifest's).
+        codec: the manifest's codec (:func:`~torch_deltasync.codecs.get_codec`).
         dtype: the inference dtype.
         where: the object, for error messages (``"version V object KEY"``).
     """
@@ -283,7 +283,7 @@ class EncodedDelta:
     parts: Mapping[str, torch.Tensor]
     numel: int
     count: int
-    codec: str
+    codec: Codec
     dtype: torch.dtype
     where: str
 
@@ -301,7 +301,7 @@ class EncodedDelta:
                 (whatever the codec checks itself), naming the object and the tensor.
         """
         try:
-            d = get_codec(self.codec).decode(self.parts, numel=self.numel, count=self.count, dtype=self.dtype)
+            d = self.codec.decode(self.parts, numel=self.numel, count=self.count, dtype=self.dtype)
         except CorruptObjectError as e:
             raise CorruptObjectError(f"{self.where}: tensor {self.name!r}: {e}") from None
         if d.numel != self.count:
@@ -335,13 +335,13 @@ def read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str,
         grouped.setdefault(name, {})[part] = t
     if set(counts) != set(grouped):
         raise CorruptObjectError(f"{where}: counts metadata and tensors name different tensors")
-    get_codec(manifest.codec)  # an unknown codec fails here, for the whole object
+    codec = get_codec(manifest.codec)  # an unknown codec fails here, for the whole object
     out = {}
     for name, ps in grouped.items():
         count = counts[name]
         if type(count) is not int or not 0 <= count <= specs[name].numel:
             raise CorruptObjectError(f"{where}: bad count {count!r} for {name!r}")
-        out[name] = EncodedDelta(name, ps, specs[name].numel, count, manifest.codec, manifest.inference_dtype, where)
+        out[name] = EncodedDelta(name, ps, specs[name].numel, count, codec, manifest.inference_dtype, where)
     return out
 
 

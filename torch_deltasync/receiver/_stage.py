@@ -3,6 +3,7 @@ the result against the published checksums. Reads the target (old values), never
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Iterator
 
@@ -193,7 +194,7 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
             chains.setdefault(name, []).append((m.version, parts))
     names = list(chains)
     sizes = [sum(p.count for _, parts in chains[n] for p in parts) for n in names]
-    if getattr(target, "concurrent_reads", False):
+    if _concurrent_reads(target):
         # chains.pop: each tensor's encoded parts are let go once it is staged
         results = map_largest_first(lambda n: _stage_tensor(target, n, _decoded(n, chains.pop(n)), dtype),
                                     names, sizes, threads)
@@ -220,19 +221,11 @@ def _stage_tensor(target: Target, name: str, chain: Iterable[tuple[int, TensorDe
             d = d.select(target.owned(name, d.positions))
         if d.needs_base and d.numel:  # (a rank that holds none of the changes has nothing to read)
             d_old = _lookup(target, name, staged, d.positions, dtype)
-            if not isinstance(d_old, torch.Tensor) or d_old.shape != d.positions.shape or d_old.dtype != dtype:
-                got = f"{d_old.dtype} {tuple(d_old.shape)}" if isinstance(d_old, torch.Tensor) else type(d_old).__name__
-                raise IncompatibleTargetError(
-                    f"{type(target).__name__}.read({name!r}, ...) returned {got} for {d.numel} positions; "
-                    f"a Target's read must return the values at the positions, {dtype} ({d.numel},)")
-            try:
-                new = d.resolve(d_old)
-            except ChecksumMismatchError as e:
-                # after earlier versions of the chain, the base is the held weights plus those
-                where = "" if staged is None else (
+            # after earlier versions of the chain, the base is the held weights plus those
+            with _named_mismatch(version, name, "" if staged is None else (
                     " (the base is the held version with the chain's earlier versions of this tensor "
-                    "applied: the held weights or one of those versions is wrong)")
-                raise ChecksumMismatchError(f"version {version} tensor {name!r}: {e}{where}") from None
+                    "applied: the held weights or one of those versions is wrong)")):
+                new = d.resolve(d_old)
             if staged is None:
                 base = d_old
         else:
@@ -250,7 +243,7 @@ def _lookup(target: Target, name: str, staged: tuple[torch.Tensor, torch.Tensor]
             dtype: torch.dtype) -> torch.Tensor:
     """Values at ``pos`` as of the staged state: staged values where present, else the target's."""
     if staged is None:
-        return target.read(name, pos, dtype)
+        return _read(target, name, pos, dtype)
     spos, sval = staged
     out = torch.empty(pos.shape, dtype=dtype)
     if spos.numel():
@@ -262,8 +255,37 @@ def _lookup(target: Target, name: str, staged: tuple[torch.Tensor, torch.Tensor]
     out[hit] = sval[i[hit]]
     miss = ~hit
     if bool(miss.any()):
-        out[miss] = target.read(name, pos[miss], dtype)
+        out[miss] = _read(target, name, pos[miss], dtype)
     return out
+
+
+def _read(target: Target, name: str, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``target.read``, its result checked: ``(k,)`` in ``dtype``.
+
+    Raises:
+        IncompatibleTargetError: the target returned something else (named, with what it must be).
+    """
+    out = target.read(name, pos, dtype)
+    if not isinstance(out, torch.Tensor) or out.shape != pos.shape or out.dtype != dtype:
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise IncompatibleTargetError(
+            f"{type(target).__name__}.read({name!r}, ...) returned {got} for {pos.numel()} positions; "
+            f"a Target's read must return the values at the positions, {dtype} ({pos.numel()},)")
+    return out
+
+
+def _concurrent_reads(target: Target) -> bool:
+    """Whether ``target`` lets :meth:`Target.read` / ``owned`` run for several tensors at once."""
+    return bool(getattr(target, "concurrent_reads", False))
+
+
+@contextmanager
+def _named_mismatch(version: int, name: str, note: str = "") -> Iterator[None]:
+    """Re-raise a :class:`ChecksumMismatchError` naming ``version`` and tensor ``name`` (+ ``note``)."""
+    try:
+        yield
+    except ChecksumMismatchError as e:
+        raise ChecksumMismatchError(f"version {version} tensor {name!r}: {e}{note}") from None
 
 def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tuple[int, ...]],
                  threads: int | None = None):
@@ -298,10 +320,8 @@ def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tu
 
         def apply(name: str, version: int = m.version) -> None:
             # decode, then one compiled pass: checksum of the old values, steps, write
-            try:
+            with _named_mismatch(version, name):
                 _decode(version, name, changed[name]).apply_to(dense[name].view(-1))
-            except ChecksumMismatchError as e:
-                raise ChecksumMismatchError(f"version {version} tensor {name!r}: {e}") from None
 
         map_largest_first(apply, list(changed), [sum(p.count for p in parts) for parts in changed.values()], threads)
     return dense
@@ -325,13 +345,13 @@ def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: 
             pos, val = staged[name]
             old = base.get(name)
             if old is None:  # not read while staging
-                old = target.read(name, pos, final.inference_dtype)
+                old = _read(target, name, pos, final.inference_dtype)
             c = combine(c, checksum_change(pos, old, val))
         return c
 
     names = [entry.name for entry in final.tensors]
     sizes = [dense[n].numel() if dense is not None else staged[n][0].numel() if n in staged else 0 for n in names]
-    if dense is None and not getattr(target, "concurrent_reads", False):
+    if dense is None and not _concurrent_reads(target):
         threads = 1  # one() may read the target (tensors changed by several versions)
     new = dict(zip(names, map_largest_first(one, names, sizes, threads)))
     bad = [entry.name for entry in final.tensors if new[entry.name] != entry.checksum]
