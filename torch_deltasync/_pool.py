@@ -13,10 +13,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
-__all__ = ["PARALLEL_MIN_CHANGES", "map_largest_first"]
+__all__ = ["MAX_THREADS", "PARALLEL_MIN_CHANGES", "check_threads", "map_largest_first"]
 
 #: Items with fewer changes than this run on the calling thread (see :func:`map_largest_first`).
 PARALLEL_MIN_CHANGES = 1 << 14
+
+#: The most threads a ``threads`` option takes (the pool keeps them all alive once asked for).
+MAX_THREADS = 256
 
 _POOL: tuple[ThreadPoolExecutor, int] | None = None  # (pool, workers)
 _POOL_LOCK = threading.Lock()
@@ -57,11 +60,32 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None) -> list:
+def check_threads(value: object, field: str) -> None:
+    """Refuse a ``threads`` option that is not ``None`` or an int in ``[1, MAX_THREADS]``.
+
+    Args:
+        value: the option's value.
+        field: its qualified name for the message (``"SenderConfig.threads"``).
+
+    Raises:
+        TypeError: not an int (``bool`` included) and not ``None``.
+        ValueError: an int outside ``[1, MAX_THREADS]``.
+    """
+    if value is None:
+        return
+    if type(value) is not int or not 1 <= value <= MAX_THREADS:
+        kind = TypeError if type(value) is not int else ValueError
+        raise kind(f"{field} must be an int in [1, {MAX_THREADS}] or None (one per CPU core, at most 8), "
+                   f"got {value!r}")
+
+
+def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threads: int | None, *,
+                      min_size: int | None = None) -> list:
     """``[fn(x) for x in items]`` on up to ``threads`` threads, the calling thread included: the
-    items of at least :data:`PARALLEL_MIN_CHANGES` changes are shared out largest first (so the
-    last ones to finish are small), the smaller ones run on the calling thread, which then helps
-    with the large ones. The first ``Exception`` in ``items`` order is raised.
+    items of size at least ``min_size`` (``None``: :data:`PARALLEL_MIN_CHANGES` changes) are shared
+    out largest first (so the last ones to finish are small), the smaller ones run on the calling
+    thread, which then helps with the large ones. The first ``Exception`` in ``items`` order is
+    raised.
 
     The split follows from where the time goes: a tensor costs ~30-60 us of Python (which holds the
     GIL) plus ~4-5 ns per change in the compiled kernels and zstd (which release it). Below ~16K
@@ -70,9 +94,10 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
     beside the Python of another."""
     n = len(items)
     threads = min(8, available_cpus()) if threads is None else threads
+    min_size = PARALLEL_MIN_CHANGES if min_size is None else min_size
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
-    big = sorted((i for i in range(n) if sizes[i] >= PARALLEL_MIN_CHANGES), key=lambda i: -sizes[i])
+    big = sorted((i for i in range(n) if sizes[i] >= min_size), key=lambda i: -sizes[i])
     if threads == 1 or not big or n < 2:
         return [fn(x) for x in items]
     results: dict[int, object] = {}
@@ -96,7 +121,7 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
 
     helpers = _submit(drain, min(threads - 1, len(big)), threads - 1)
     for i in range(n):
-        if sizes[i] < PARALLEL_MIN_CHANGES:
+        if sizes[i] < min_size:
             run(i)
     drain()
     for h in helpers:  # a helper still queued (behind another caller's work) has nothing left to do

@@ -17,6 +17,7 @@ of the whole tensor; reusing 4M-element buffers halves its time on CPU (docs/res
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,8 +103,10 @@ class ChangeDetector:
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
         self.chunk_numel = chunk_numel
         self._snap: dict[str, torch.Tensor] = {}  # name -> flat integer bit view
-        self._buf: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._scratch: tuple[np.ndarray, np.ndarray] | None = None  # the compiled path's per-block scratch
+        # Temporaries, one set per thread (several threads may detect different tensors at once):
+        # ``buf``: {device: (cast, mask)} chunk buffers of torch's path; ``scratch``: the compiled
+        # path's per-block scratch.
+        self._local = threading.local()
         self._last_count: dict[str, int] = {}  # changes found last time, to size the next result
         self._gpu_failed = False  # the Triton kernels failed once: torch's path from then on
 
@@ -147,7 +150,7 @@ class ChangeDetector:
         """Forget the snapshot of ``name`` (or all of them)."""
         if name is None:
             self._snap.clear()
-            self._buf.clear()
+            self._local = threading.local()
             self._last_count.clear()
         else:
             self._snap.pop(name, None)
@@ -156,14 +159,22 @@ class ChangeDetector:
     # --- detection -------------------------------------------------------------------------------
 
     def _buffers(self, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = self._buf.get(device)
+        """This thread's cast and mask chunk buffers on ``device``, at least ``n`` elements."""
+        bufs = getattr(self._local, "buf", None)
+        if bufs is None:
+            bufs = self._local.buf = {}
+        buf = bufs.get(device)
         if buf is None or buf[0].numel() < n:
             buf = (torch.empty(n, dtype=self.dtype, device=device), torch.empty(n, dtype=torch.bool, device=device))
-            self._buf[device] = buf
+            bufs[device] = buf
         return buf
 
     def detect(self, name: str, tensor: torch.Tensor) -> Changes:
         """Compare ``tensor`` (any floating dtype, any layout) with the snapshot of ``name``.
+
+        Several threads may detect *different* tensors at once (each thread has its own
+        temporaries; the compiled kernels release the GIL); ``reset``, ``drop`` and ``commit``
+        must not run at the same time as a ``detect``.
 
         Args:
             name: the snapshot to compare against (must have been :meth:`reset`).
@@ -246,9 +257,10 @@ class ChangeDetector:
         w = self.dtype.itemsize
         src = flat.view(torch.int32 if cast else self.int_dtype).numpy().view(f"u{flat.element_size()}")
         ref = snap.numpy().view(f"u{w}")
-        if self._scratch is None:
-            self._scratch = (np.empty(_native.BLOCK, np.uint16), np.empty(_native.BLOCK // 64, np.uint64))
-        cast_tmp, bits_tmp = self._scratch
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:  # this thread's
+            scratch = self._local.scratch = (np.empty(_native.BLOCK, np.uint16), np.empty(_native.BLOCK // 64, np.uint64))
+        cast_tmp, bits_tmp = scratch
         last = self._last_count.get(name)
         cap = (n // 16 if last is None else last + last // 8) + _native.BLOCK
         pos, new, old = np.empty(cap, np.int64), np.empty(cap, f"u{w}"), np.empty(cap, f"u{w}")

@@ -26,7 +26,7 @@ def test_sender_config_from_options_and_a_config():
 
 def test_unknown_names_are_listed():
     with pytest.raises(TypeError, match=r"X got unexpected keyword argument\(s\) \['codek', 'group'\]; besides its own "
-                                        r"options it takes DeltaSender's: \['anchor_every', .*'takeover'\]"):
+                                        r"options it takes DeltaSender's: \['anchor_every', .*'takeover', 'threads'\]"):
         sender_config({"codek": "raw", "group": None}, "X")
     with pytest.raises(TypeError, match=r"X got unexpected keyword argument\(s\) \['anchor_policy'\]; .*DeltaSender's: "
                                         r"\['anchor_every', 'background'"):  # set by the integration itself

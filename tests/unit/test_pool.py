@@ -11,11 +11,10 @@ import pytest
 from torch_deltasync import _pool
 
 
-def test_many_runs_small_items_inline_and_shares_out_the_large_ones(monkeypatch):
-    """Items below PARALLEL_MIN_CHANGES run on the calling thread, large ones on up to ``threads``
+def test_many_runs_small_items_inline_and_shares_out_the_large_ones():
+    """Items below ``min_size`` run on the calling thread, large ones on up to ``threads``
     threads (the caller included); results keep the items' order, the first error in that order is
     raised, and no more than ``threads`` items run at once."""
-    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 100)
     sizes = [5, 300, 99, 100, 7, 1000, 400, 150]
     main = threading.main_thread()
     where, running, peak = {}, [0], [0]
@@ -36,17 +35,30 @@ def test_many_runs_small_items_inline_and_shares_out_the_large_ones(monkeypatch)
     for threads in (2, 3):
         peak[0] = 0
         with pytest.raises(ValueError, match="item 4"):  # item 5 (large) fails too; item 4 comes first
-            _pool.map_largest_first(fn, list(range(8)), sizes, threads)
+            _pool.map_largest_first(fn, list(range(8)), sizes, threads, min_size=100)
         assert all(where[i] for i in (0, 2, 4)), where  # the small ones, on the calling thread
         assert 1 < peak[0] <= threads
     ok = [0, 1, 2, 3, 6, 7]
-    assert _pool.map_largest_first(fn, ok, [sizes[i] for i in ok], 2) == [i * 10 for i in ok]
+    assert _pool.map_largest_first(fn, ok, [sizes[i] for i in ok], 2, min_size=100) == [i * 10 for i in ok]
     # Nothing large, or one thread: everything on the calling thread, in order.
-    assert _pool.map_largest_first(lambda i: (i, threading.current_thread() is main), [0, 2, 4], [5, 99, 7], 4) \
-        == [(0, True), (2, True), (4, True)]
-    assert _pool.map_largest_first(lambda i: threading.current_thread() is main, [1, 5], [300, 1000], 1) == [True, True]
+    on_main = lambda i: (i, threading.current_thread() is main)  # noqa: E731
+    assert _pool.map_largest_first(on_main, [0, 2, 4], [5, 99, 7], 4, min_size=100) == [(0, True), (2, True), (4, True)]
+    assert _pool.map_largest_first(on_main, [1, 5], [300, 1000], 1, min_size=100) == [(1, True), (5, True)]
+    # The default threshold is PARALLEL_MIN_CHANGES: just below it stays on the calling thread.
+    below = _pool.PARALLEL_MIN_CHANGES - 1
+    assert _pool.map_largest_first(on_main, [0, 1, 2], [below] * 3, 4) == [(0, True), (1, True), (2, True)]
     with pytest.raises(ValueError, match="threads must be at least 1"):
         _pool.map_largest_first(fn, [0], sizes, 0)
+
+
+@pytest.mark.parametrize("value,error", [(0, ValueError), (257, ValueError), (-1, ValueError), (2.0, TypeError),
+                                         (True, TypeError), ("4", TypeError)])
+def test_check_threads_names_the_field(value, error):
+    _pool.check_threads(None, "X.threads")
+    _pool.check_threads(_pool.MAX_THREADS, "X.threads")
+    with pytest.raises(error, match=rf"X.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8\), "
+                                    rf"got {value!r}"):
+        _pool.check_threads(value, "X.threads")
 
 
 def test_helper_threads_are_kept_between_calls_and_nested_or_forked_calls_run(monkeypatch):

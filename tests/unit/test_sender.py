@@ -120,3 +120,44 @@ def test_failure_while_reading_weights(tmp_path, background):
     receiver = DeltaReceiver(_state(seed=1), store)
     assert receiver.update() == 2
     assert first_difference(receiver.target.state_dict(), state) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_changes_are_read_on_threads_bit_exactly(tmp_path, monkeypatch, threads):
+    """``threads=2``: the tensors of a publish are read for changes (detected, positions mapped,
+    checksum updated) on a helper thread as well as the calling one; ``threads=1`` reads them all on
+    the calling thread. The versions are the same bits either way (the receiver's checksums agree)."""
+    from torch_deltasync.sender import _sender
+
+    monkeypatch.setattr(_sender, "DETECT_MIN_NUMEL", 1)  # the small model's tensors count as large
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32))
+    replica = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)).to(torch.bfloat16)
+    sender = DeltaSender(model, LocalStore(tmp_path), threads=threads, anchor_every=100)
+    seen: list[tuple[str, bool]] = []
+    barrier = threading.Barrier(2, timeout=10)
+    detect = sender.detector.detect
+
+    def recording(name, tensor):  # the first two tensors wait for each other: a helper surely takes part
+        seen.append((name, threading.current_thread() is threading.main_thread()))
+        if threads > 1 and len(seen) <= 2:
+            barrier.wait()
+        return detect(name, tensor)
+
+    monkeypatch.setattr(sender.detector, "detect", recording)
+    receiver = DeltaReceiver(replica, LocalStore(tmp_path))
+    sender.publish()
+    receiver.update()
+    for _ in range(3):
+        seen.clear()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+        v = sender.publish()
+        assert sender.last_stats.kind == "delta" and sender.last_stats.changed > 0
+        assert sorted(n for n, _ in seen) == sorted(n for n, _ in model.named_parameters())
+        assert any(not main for _, main in seen) == (threads > 1), seen
+        assert receiver.update() == v and receiver.last_stats.path == "delta"
+        assert first_difference(model, replica) is None
+    receiver.verify()
+    sender.close()

@@ -19,9 +19,10 @@ from torch_deltasync.sender import AnchorPolicy, SenderConfig
 
 # The keyword defaults DeltaSender / DeltaReceiver had before the configs existed.
 OLD_SENDER_DEFAULTS = dict(anchor_every=10, anchor_policy=None, inference_dtype=torch.bfloat16, snapshot_device=None,
-                           codec="packed", link_gbps=None, background=False, run_id=None, metrics_path=None,
-                           retention=None, takeover=False, lease_s=60.0)
-OLD_RECEIVER_DEFAULTS = dict(max_workers=8, threads=None, metrics_path=None)  # threads: new, None as before
+                           codec="packed", link_gbps=None, threads=None, background=False, run_id=None,
+                           metrics_path=None, retention=None, takeover=False, lease_s=60.0)
+# threads (both): new; None stages, reads and encodes on one thread per core, as decoding and encoding did before
+OLD_RECEIVER_DEFAULTS = dict(max_workers=8, threads=None, metrics_path=None)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -118,15 +119,21 @@ INVALID_SENDER = [
     (dict(lease_s=float("nan")), ValueError, r"SenderConfig.lease_s must be a positive number", "nan"),
     (dict(lease_s="60"), ValueError, r"SenderConfig.lease_s must be a positive number of seconds", "a string"),
     (dict(lease_s=True), ValueError, r"SenderConfig.lease_s", "a bool is not a duration"),
+    (dict(threads=0), ValueError, r"SenderConfig.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8\), "
+     r"got 0", "no thread"),
+    (dict(threads=1000), ValueError, r"SenderConfig.threads must be an int in \[1, 256\] or None .*got 1000", "more threads than the cap"),
+    (dict(threads="2"), TypeError, r"SenderConfig.threads must be an int in \[1, 256\] or None", "threads not an int"),
 ]
 
 INVALID_RECEIVER = [
     (dict(max_workers=0), ValueError, r"ReceiverConfig.max_workers must be an int >= 1, got 0", "no downloads"),
     (dict(max_workers=2.0), TypeError, r"ReceiverConfig.max_workers must be an int >= 1, got 2.0", "not an int"),
     (dict(max_workers=True), TypeError, r"ReceiverConfig.max_workers", "a bool is not a count"),
-    (dict(threads=0), ValueError, r"ReceiverConfig.threads must be an int >= 1 or None \(one per CPU core, at most 8\), got 0",
-     "no thread"),
-    (dict(threads=2.0), TypeError, r"ReceiverConfig.threads must be an int >= 1 or None", "threads not an int"),
+    (dict(threads=0), ValueError, r"ReceiverConfig.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8\), "
+     r"got 0", "no thread"),
+    (dict(threads=257), ValueError, r"ReceiverConfig.threads must be an int in \[1, 256\]", "more threads than the cap"),
+    (dict(threads=2.0), TypeError, r"ReceiverConfig.threads must be an int in \[1, 256\] or None", "threads not an int"),
+    (dict(threads=True), TypeError, r"ReceiverConfig.threads", "a bool is not a count"),
     (dict(metrics_path=1), TypeError, r"ReceiverConfig.metrics_path must be a path", "not a path"),
 ]
 
@@ -179,7 +186,7 @@ def test_keyword_options_alone_still_work(tmp_path):
     (dict(anchor_evry=3), TypeError,
      r"DeltaSender got unexpected keyword argument\(s\) \['anchor_evry'\]; its options are SenderConfig's fields: "
      r"\['anchor_every', 'anchor_policy', 'background', 'codec', 'inference_dtype', 'lease_s', 'link_gbps', "
-     r"'metrics_path', 'retention', 'run_id', 'snapshot_device', 'takeover'\]"),
+     r"'metrics_path', 'retention', 'run_id', 'snapshot_device', 'takeover', 'threads'\]"),
     (dict(max_workers=2, codec="raw"), TypeError, r"\['max_workers'\]"),  # a receiver option
     (dict(codec="zstd"), ValueError, r"SenderConfig.codec: unknown codec 'zstd'"),
     (dict(lease_s=-1), ValueError, r"SenderConfig.lease_s"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .._pool import check_threads
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReceiverConfig:
@@ -22,7 +24,7 @@ class ReceiverConfig:
 
     Raises:
         TypeError: a field of the wrong type (the message names the field and what it takes).
-        ValueError: ``max_workers`` or ``threads`` below 1.
+        ValueError: ``max_workers`` below 1, ``threads`` outside ``[1, 256]``.
 
     Example:
         >>> receiver = DeltaReceiver(model, "runs/x/bucket", config=ReceiverConfig(max_workers=16))
@@ -36,7 +38,7 @@ class ReceiverConfig:
 
     threads: int | None = None
     """Tensors decoded, staged (old values read, steps resolved) and verified at once, on the
-    library's helper threads and the calling one: an int ``>= 1``, or ``None`` for one per CPU
+    library's helper threads and the calling one: an int in ``[1, 256]``, or ``None`` for one per CPU
     core available to the process, at most 8. ``1`` keeps it all on the calling thread, in order.
     Old values are read on these threads only from targets that declare ``concurrent_reads``
     (:class:`~torch_deltasync.targets.Target`; the library's do); the writes of a commit always run
@@ -51,10 +53,7 @@ class ReceiverConfig:
             raise TypeError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers!r}")
         if self.max_workers < 1:
             raise ValueError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers}")
-        if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
-            kind = TypeError if type(self.threads) is not int else ValueError
-            raise kind(f"ReceiverConfig.threads must be an int >= 1 or None (one per CPU core, at most 8), "
-                       f"got {self.threads!r}")
+        check_threads(self.threads, "ReceiverConfig.threads")
         if self.metrics_path is not None and not isinstance(self.metrics_path, (str, os.PathLike)):
             raise TypeError(f"ReceiverConfig.metrics_path must be a path (str or os.PathLike) or None, "
                             f"got {self.metrics_path!r}")

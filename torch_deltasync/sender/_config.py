@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .._dtypes import as_dtype
+from .._pool import check_threads
 from ..codecs import get_codec, sender_codec
 from .._units import is_real_number
 from ..lease import DEFAULT_LEASE_S, MAX_RUN_ID_CHARS, MIN_LEASE_S
@@ -33,8 +34,9 @@ class SenderConfig:
 
     Raises:
         TypeError: a field of the wrong type (the message names the field and what it takes).
-        ValueError: a value out of range, an unsupported ``inference_dtype``, an unknown ``codec``,
-            ``codec="auto"`` without a valid ``link_gbps``, or ``link_gbps`` with another codec.
+        ValueError: a value out of range (e.g. ``threads`` outside ``[1, 256]``), an unsupported
+            ``inference_dtype``, an unknown ``codec``, ``codec="auto"`` without a valid
+            ``link_gbps``, or ``link_gbps`` with another codec.
 
     Example:
         >>> config = SenderConfig(anchor_every=50, codec="raw")
@@ -69,6 +71,12 @@ class SenderConfig:
     link_gbps: float | None = None
     """For ``codec="auto"`` only (and required there): the bandwidth each receiver gets from the
     store, in Gbit/s, a positive finite number. ``None`` with any other codec."""
+
+    threads: int | None = None
+    """Tensors read for changes (cast, compared, positions extracted, checksum updated) and encoded
+    at once, on the library's helper threads and the calling one: an int in ``[1, 256]``, or
+    ``None`` for one per CPU core available to the process, at most 8. ``1`` keeps it all on the
+    calling thread, in order. Tensors on an accelerator are always read on the calling thread."""
 
     background: bool = False
     """Default for ``publish(background=...)``: return once the changes are detected, and encode and
@@ -129,6 +137,7 @@ class SenderConfig:
             get_codec(name)
         except ValueError as e:
             raise ValueError(f"SenderConfig.codec: {e}") from None
+        check_threads(self.threads, "SenderConfig.threads")
         for name in ("background", "takeover"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SenderConfig.{name} must be True or False, got {getattr(self, name)!r}")

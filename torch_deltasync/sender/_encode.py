@@ -12,26 +12,27 @@ from ..format import encode_anchor, encode_delta
 from ._job import Job
 
 
-def delta_parts(job: Job, codec: Codec) -> dict[str, dict[str, torch.Tensor]]:
+def delta_parts(job: Job, codec: Codec, threads: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's changed tensors of ``job``, encoded by ``codec``: ``{name: {part: tensor}}``.
 
-    Encoded once per job (``job.delta_parts``), on a thread pool largest tensor first: the
-    compiled kernels and zstd release the GIL.
+    Encoded once per job (``job.delta_parts``), on up to ``threads`` threads (``None``: one per
+    CPU core, at most 8), largest tensor first: the compiled kernels and zstd release the GIL.
     """
     if job.delta_parts is None:
         changed = [s for s in job.sources if s.upload and job.counts.get(s.name)]
         encoded = codec.encode_many([(job.global_positions[s.name], job.changes[s.name].values,
                                       job.changes[s.name].old_values, s.slice.global_numel)
-                                     for s in changed])
+                                     for s in changed], threads=threads)
         job.delta_parts = {s.name: parts for s, parts in zip(changed, encoded)}
     return job.delta_parts
 
 
-def encode_objects(job: Job, codec: Codec, dtype: torch.dtype,
-                   slot: Callable[[int], tuple[int, int]]) -> list[tuple[str, int, int, bytes]]:
+def encode_objects(job: Job, codec: Codec, dtype: torch.dtype, slot: Callable[[int], tuple[int, int]],
+                   threads: int | None = None) -> list[tuple[str, int, int, bytes]]:
     """This rank's objects for ``job`` as ``[(kind, rank, world, bytes)]`` (empty when it uploads
     nothing). ``slot(part)`` names object ``part`` of this rank as ``(rank, world)``
-    (``dtensor.UploadPlan.slots``): a rank may upload several anchor objects."""
+    (``dtensor.UploadPlan.slots``): a rank may upload several anchor objects. ``threads`` as in
+    :func:`delta_parts`."""
     from ..dtensor import anchor_parts
 
     if not any(s.upload for s in job.sources):
@@ -44,7 +45,7 @@ def encode_objects(job: Job, codec: Codec, dtype: torch.dtype,
             out.append(("anchor", rank, world,
                         encode_anchor(boxes, version=job.version, dtype=dtype, rank=rank, world=world)))
     if job.base_version is not None:
-        parts = delta_parts(job, codec)
+        parts = delta_parts(job, codec, threads)
         counts = {name: job.changes[name].numel for name in parts}
         rank, world = slot(0)
         out.append(("delta", rank, world,
