@@ -6,18 +6,21 @@ Each setting of ``--threads`` is measured ``--rounds`` times, alternating the se
 round (the order flips each round), so the VM's drift between minutes falls on all alike:
 
 * **sender** (``--side sender``): one :class:`~torch_deltasync.DeltaSender` per setting
-  (``SenderConfig.threads``), each on its own store, all on the same model. The model alternates
-  between its weights before and after the steps, and every sender publishes each state, so every
-  publish is a delta of the same density. Reported: ``PublishStats.detect_ms`` (reading the
-  weights: cast, compare, positions, checksum update), ``encode_ms`` and ``publish_ms``.
+  (``SenderConfig.threads``), each on its own store (``LocalStore(fsync=False)``), all on the
+  same model. The model alternates between its weights before and after all the steps, and every
+  sender publishes each state, so every publish is a delta of the same change set (all steps'
+  changes). Reported: ``PublishStats.detect_ms`` (reading the weights: cast, compare, positions,
+  checksum update), ``encode_ms``, ``upload_ms`` and ``publish_ms``.
 * **receiver** (``--side receiver``): one bf16 replica's receiver holds version 1 and stages the
-  last version with ``ReceiverConfig.threads`` set to each setting. ``prepare`` writes nothing, so
-  every round stages the same update. Reported: staging (decode, old-value reads, resolve, merge:
+  last version with ``ReceiverConfig.threads`` set to each setting (the changes of the steps after
+  the first). ``prepare`` writes nothing, so every round stages the same update. Reported: staging (decode, old-value reads, resolve, merge:
   ``UpdateStats.decode_ms``) + verification (``verify_ms``), without the download.
 
 Per setting: medians in ms and ns per change (per element read, for detection), the process's CPU
-seconds per wall second, and the speedup over the first setting (``threads=1`` by default). Both
-sides end by checking a replica bit-exact against the model. ``docs/benchmarks.md`` (issue 14,
+seconds per wall second, and the speedup over the first setting (``threads=1`` by default), and
+how many tensors are large enough to be shared out at all (below the thresholds they run on the
+calling thread whatever the setting: the ``tiny`` model has none). Both sides end by checking a
+replica bit-exact against the model, and say so. ``docs/benchmarks.md`` (issue 14,
 tenth and eleventh parts) quotes it.
 
 Run (about 2 minutes per side on 2 CPU cores for ``100m``)::
@@ -41,8 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_deltasync import DeltaReceiver, DeltaSender  # noqa: E402
-from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3  # noqa: E402
+from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore  # noqa: E402
+from torch_deltasync._pool import PARALLEL_MIN_CHANGES  # noqa: E402
+from torch_deltasync.sender._sender import DETECT_MIN_NUMEL  # noqa: E402
+from torch_deltasync.testing import QWEN3_SIZES, adam_step, first_difference, tiny_qwen3  # noqa: E402
 
 
 def _trained(args) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
@@ -98,7 +103,8 @@ def sender_side(args) -> dict:
     numel = sum(v.numel() for v in before.values())
     with tempfile.TemporaryDirectory() as root:
         model.load_state_dict(before)
-        senders = {t: DeltaSender(model, f"{root}/t{t}", threads=t, anchor_every=0) for t in args.threads}
+        senders = {t: DeltaSender(model, LocalStore(f"{root}/t{t}", fsync=False), threads=t, anchor_every=0)
+                   for t in args.threads}
         for s in senders.values():
             s.publish()  # the anchor
         flip = [after, before]
@@ -110,7 +116,8 @@ def sender_side(args) -> dict:
             st = senders[t].last_stats
             assert st.kind == "delta", st
             changed = st.changed
-            return {"detect_ms": st.detect_ms, "encode_ms": st.encode_ms, "publish_ms": st.publish_ms}
+            return {"detect_ms": st.detect_ms, "encode_ms": st.encode_ms, "upload_ms": st.upload_ms,
+                    "publish_ms": st.publish_ms}
 
         # each round: the model flips state, every sender publishes the same change
         runs = _alternate(args.threads, args.rounds, publish, start=lambda r: model.load_state_dict(flip[r % 2]))
@@ -119,9 +126,12 @@ def sender_side(args) -> dict:
             DeltaReceiver(replica, f"{root}/t{t}").update()
             assert first_difference(model, replica) is None, f"threads={t}: the replica differs"
             s.close()
-    table = _table(f"detection of a version ({changed:,} changes of {numel:,} elements), medians of {args.rounds}",
-                   runs, "detect_ms", numel, "element", extra=("encode_ms", "publish_ms"))
-    return {"side": "sender", "changed": changed, "numel": numel, "settings": table}
+    shared = sum(v.numel() >= DETECT_MIN_NUMEL for v in before.values())
+    table = _table(f"reading a version for changes ({changed:,} changes of {numel:,} elements; {shared} of "
+                   f"{len(before)} tensors large enough to share out), medians of {args.rounds}",
+                   runs, "detect_ms", numel, "element", extra=("encode_ms", "upload_ms", "publish_ms"))
+    print(f"every setting's store updated a bf16 replica bit-exactly ({len(senders)} checked)")
+    return {"side": "sender", "changed": changed, "numel": numel, "shared_tensors": shared, "settings": table}
 
 
 def receiver_side(args) -> dict:
@@ -139,11 +149,14 @@ def receiver_side(args) -> dict:
         config = receiver.receiver_config
         changed = 0
 
+        shared = 0
+
         def stage(t: int) -> dict:
-            nonlocal changed
+            nonlocal changed, shared
             receiver.receiver_config = dataclasses.replace(config, threads=t)
             staged = receiver.prepare(last)
-            changed = sum(p.numel() for p, _ in staged._sparse.values())
+            counts = [p.numel() for p, _ in staged._sparse.values()]
+            changed, shared = sum(counts), sum(c >= PARALLEL_MIN_CHANGES for c in counts)
             return {"stage_ms": staged.stats.decode_ms + staged.stats.verify_ms}
 
         runs = _alternate(args.threads, args.rounds, stage)
@@ -151,21 +164,26 @@ def receiver_side(args) -> dict:
         receiver.update(last)
         assert first_difference(trainer, receiver.target.tensors) is None  # the staged bits were right
         sender.close()
-    table = _table(f"staging + verification of v1 -> v{last} ({changed:,} changes), medians of {args.rounds}",
-                   runs, "stage_ms", changed, "change")
-    return {"side": "receiver", "changed": changed, "settings": table}
+    table = _table(f"staging + verification of v1 -> v{last} ({changed:,} changes; {shared} tensors large enough "
+                   f"to share out), medians of {args.rounds}", runs, "stage_ms", changed, "change")
+    print("the staged version updated the replica bit-exactly")
+    return {"side": "receiver", "changed": changed, "shared_tensors": shared, "settings": table}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--side", choices=("sender", "receiver", "both"), default="both")
-    ap.add_argument("--size", default="100m", help="a key of torch_deltasync.testing.QWEN3_SIZES")
+    ap.add_argument("--size", default="100m", help="a key of torch_deltasync.testing.QWEN3_SIZES (tiny, small, 100m, ...)")
     ap.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate (sets the density)")
     ap.add_argument("--steps", type=int, default=2, help="Adam steps (the receiver stages v1 -> v<steps>)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="settings compared (first: baseline)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--jsonl", default=None, help="append one JSON line per side with the results")
     args = ap.parse_args()
+    if args.size not in QWEN3_SIZES:
+        ap.error(f"--size must be one of {sorted(QWEN3_SIZES)}, got {args.size!r}")
+    if min(args.threads) < 1 or args.rounds < 1 or args.steps < 2:
+        ap.error("--threads must be >= 1, --rounds >= 1 and --steps >= 2 (the receiver stages v1 -> v<steps>)")
     torch.set_num_threads(1)  # torch's own intra-op threads stay out of the comparison
     sides = ("sender", "receiver") if args.side == "both" else (args.side,)
     for side in sides:

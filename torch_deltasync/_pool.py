@@ -3,7 +3,8 @@
 The compiled kernels (:mod:`._native`), zstd and torch's CPU ops release the GIL, so tensors of one
 version can be coded, read and resolved on several threads while the Python around each holds it
 only briefly. Used by :meth:`Codec.encode_many <torch_deltasync.codecs.Codec.encode_many>` /
-``decode_many`` and by the receiver's staging (:mod:`torch_deltasync.receiver`).
+``decode_many``, by the sender's change detection (:mod:`torch_deltasync.sender`) and by the
+receiver's staging (:mod:`torch_deltasync.receiver`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
     errors: dict[int, Exception] = {}
     queue = iter(big)
     lock = threading.Lock()
+    stopped = [False]  # the caller was interrupted: helpers take nothing more
 
     def run(i: int) -> None:
         try:
@@ -114,19 +116,23 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
     def drain() -> None:  # take the next large item until none is left
         while True:
             with lock:
-                i = next(queue, None)
+                i = None if stopped[0] else next(queue, None)
             if i is None:
                 return
             run(i)
 
     helpers = _submit(drain, min(threads - 1, len(big)), threads - 1)
-    for i in range(n):
-        if sizes[i] < min_size:
-            run(i)
-    drain()
-    for h in helpers:  # a helper still queued (behind another caller's work) has nothing left to do
-        if not h.cancel():
-            h.result()
+    try:
+        for i in range(n):
+            if sizes[i] < min_size:
+                run(i)
+        drain()
+    finally:  # also on KeyboardInterrupt: no helper may still work on the items once this returns
+        with lock:
+            stopped[0] = True
+        for h in helpers:  # a helper still queued (behind another caller's work) has nothing left to do
+            if not h.cancel():
+                h.result()
     if errors:
         raise errors[min(errors)]
     return [results[i] for i in range(n)]

@@ -79,7 +79,7 @@ class ChangeDetector:
             costs ``element_size`` bytes per element there). ``"cpu"``: host memory, pinned when
             CUDA is available so chunks stream to the device asynchronously.
         chunk_numel: elements compared per step (bounds temporary memory to ~3 bytes x chunk for
-            bf16). ``None``: 4M on CPU, 64M on accelerators.
+            bf16, per thread that calls :meth:`detect`). ``None``: 4M on CPU, 64M on accelerators.
 
     Example:
         >>> det = ChangeDetector()
@@ -248,8 +248,9 @@ class ChangeDetector:
 
         The result arrays start at 1.125x the changes this tensor had last time (1/16 of its
         elements the first time) and grow by doubling when the kernel stops before a block that
-        might not fit; their sizes barely change between versions, so the allocator reuses the
-        memory of the last ones."""
+        might not fit; their sizes barely change between versions, so the allocator can reuse the
+        memory of the last ones (glibc keeps it per thread arena: with several reading threads a
+        tensor read by another thread than last time may take fresh memory)."""
         cast = flat.dtype == torch.float32 and self.dtype == torch.bfloat16
         if not cast and flat.dtype != self.dtype:
             return None

@@ -94,6 +94,8 @@ def test_different_tensors_detected_on_several_threads_at_once_are_exact(native,
     find exactly what one thread finds, bit for bit (shared scratch would mix their blocks)."""
     from torch_deltasync import _native
 
+    if native and not _native.enabled():
+        pytest.skip("the compiled kernels are switched off (TORCH_DELTASYNC_NATIVE=0 or no numba)")
     if not native:
         monkeypatch.setattr(_native, "enabled", lambda: False)
     gen = torch.Generator().manual_seed(0)
@@ -107,21 +109,26 @@ def test_different_tensors_detected_on_several_threads_at_once_are_exact(native,
         w.add_(torch.randn(k, generator=gen) * 1e-4)  # ~5-30% of the bf16 elements change
     expected = {name: serial.detect(name, w) for name, w in live.items()}
     barrier = threading.Barrier(n, timeout=10)
-    found: dict[str, object] = {}
+    found: dict[str, list] = {name: [] for name in live}
+    errors: list[BaseException] = []
 
     def run(name):
-        barrier.wait()
-        for _ in range(3):  # several passes, so the threads' kernels surely overlap
-            found[name] = threaded.detect(name, live[name])
+        try:
+            barrier.wait()
+            for _ in range(3):  # several passes, so the threads' kernels surely overlap
+                found[name].append(threaded.detect(name, live[name]))
+        except BaseException as e:  # noqa: BLE001 - a thread's error only warns; fail the test on it
+            errors.append(e)
 
     workers = [threading.Thread(target=run, args=(name,)) for name in live]
     for t in workers:
         t.start()
     for t in workers:
         t.join()
+    assert not errors, errors
     for name, want in expected.items():
-        got = found[name]
-        assert want.numel > 1000
-        assert torch.equal(got.positions, want.positions), name
-        assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16)), name
-        assert torch.equal(got.old_values.view(torch.int16), want.old_values.view(torch.int16)), name
+        assert want.numel > 1000 and len(found[name]) == 3
+        for got in found[name]:
+            assert torch.equal(got.positions, want.positions), name
+            assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16)), name
+            assert torch.equal(got.old_values.view(torch.int16), want.old_values.view(torch.int16)), name

@@ -96,3 +96,16 @@ def test_vllm_sender_keeps_a_valid_rpc_timeout(tmp_path):
     assert DeltaVLLMWeightSender(str(tmp_path)).rpc_timeout_s is None
     assert DeltaVLLMWeightSender(str(tmp_path), rpc_timeout_s=30).rpc_timeout_s == 30
     assert DeltaVLLMWeightSender(Path(tmp_path), rpc_timeout_s=0.5).rpc_timeout_s == 0.5
+
+
+def test_scheme_threads_option_sets_both_sides(tmp_path):
+    """``threads`` is a field of both configs: the scheme's keyword sets the trainer's reading and
+    encoding threads and the workers' staging threads; a bad value is refused when it is built."""
+    s = DeltaWeightSyncScheme(str(tmp_path), threads=2)
+    assert (s.sender_config.threads, s.receiver_config.threads) == (2, 2)
+    copy = pickle.loads(pickle.dumps(s))
+    assert (copy.sender_config.threads, copy.receiver_config.threads) == (2, 2)
+    d = DeltaWeightSyncScheme(str(tmp_path))
+    assert (d.sender_config.threads, d.receiver_config.threads) == (None, None)
+    with pytest.raises(ValueError, match=r"threads must be an int in \[1, 256\] or None"):
+        DeltaWeightSyncScheme(str(tmp_path), threads=0)

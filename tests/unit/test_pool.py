@@ -44,9 +44,17 @@ def test_many_runs_small_items_inline_and_shares_out_the_large_ones():
     on_main = lambda i: (i, threading.current_thread() is main)  # noqa: E731
     assert _pool.map_largest_first(on_main, [0, 2, 4], [5, 99, 7], 4, min_size=100) == [(0, True), (2, True), (4, True)]
     assert _pool.map_largest_first(on_main, [1, 5], [300, 1000], 1, min_size=100) == [(1, True), (5, True)]
-    # The default threshold is PARALLEL_MIN_CHANGES: just below it stays on the calling thread.
+    # The default threshold is PARALLEL_MIN_CHANGES: just below it stays on the calling thread,
+    # at it a helper takes part (the two items wait for each other).
     below = _pool.PARALLEL_MIN_CHANGES - 1
     assert _pool.map_largest_first(on_main, [0, 1, 2], [below] * 3, 4) == [(0, True), (1, True), (2, True)]
+    barrier = threading.Barrier(2, timeout=10)
+
+    def meet(i):
+        barrier.wait()
+        return threading.current_thread() is main
+
+    assert sorted(_pool.map_largest_first(meet, [0, 1], [_pool.PARALLEL_MIN_CHANGES] * 2, 2)) == [False, True]
     with pytest.raises(ValueError, match="threads must be at least 1"):
         _pool.map_largest_first(fn, [0], sizes, 0)
 
@@ -59,6 +67,30 @@ def test_check_threads_names_the_field(value, error):
     with pytest.raises(error, match=rf"X.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8\), "
                                     rf"got {value!r}"):
         _pool.check_threads(value, "X.threads")
+
+
+def test_an_interrupted_caller_leaves_no_helper_working():
+    """A ``KeyboardInterrupt`` on the calling thread: the helpers take no further item, and the
+    call returns (raising it) only once the one they hold is done."""
+    started, done = [], []
+    lock = threading.Lock()
+
+    def fn(i):
+        with lock:
+            started.append(i)
+        if threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        time.sleep(0.05)
+        with lock:
+            done.append(i)
+        return i
+
+    with pytest.raises(KeyboardInterrupt):
+        _pool.map_largest_first(fn, list(range(20)), [1 << 20] * 20, 2)
+    snapshot = (list(started), list(done))
+    time.sleep(0.2)  # nothing runs on after the call returned
+    assert (started, done) == snapshot and len(started) < 20
+    assert len(done) == len(started) - 1  # every helper item finished; the caller's was interrupted
 
 
 def test_helper_threads_are_kept_between_calls_and_nested_or_forked_calls_run(monkeypatch):

@@ -123,6 +123,7 @@ INVALID_SENDER = [
      r"got 0", "no thread"),
     (dict(threads=1000), ValueError, r"SenderConfig.threads must be an int in \[1, 256\] or None .*got 1000", "more threads than the cap"),
     (dict(threads="2"), TypeError, r"SenderConfig.threads must be an int in \[1, 256\] or None", "threads not an int"),
+    (dict(threads=True), TypeError, r"SenderConfig.threads", "a bool is not a count"),
 ]
 
 INVALID_RECEIVER = [

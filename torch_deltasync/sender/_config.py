@@ -76,7 +76,9 @@ class SenderConfig:
     """Tensors read for changes (cast, compared, positions extracted, checksum updated) and encoded
     at once, on the library's helper threads and the calling one: an int in ``[1, 256]``, or
     ``None`` for one per CPU core available to the process, at most 8. ``1`` keeps it all on the
-    calling thread, in order. Tensors on an accelerator are always read on the calling thread."""
+    calling thread, in order. Only large tensors are shared out (read: 64K elements or more, in
+    host memory; encoded: 16K changes or more); the others run on the calling thread. Each reading
+    thread keeps its own detection temporaries (``ChangeDetector.chunk_numel``)."""
 
     background: bool = False
     """Default for ``publish(background=...)``: return once the changes are detected, and encode and

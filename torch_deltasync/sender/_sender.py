@@ -60,9 +60,10 @@ from ._stats import PublishStats
 
 log = logging.getLogger(__name__)
 
-#: Tensors of fewer elements are read for changes on the calling thread: detection costs ~0.4-0.7
-#: ns per element here, so below ~64K elements the ~20-30 us of Python around each call (which
-#: holds the GIL) would dominate and two threads would only take turns.
+#: Tensors of fewer elements are read for changes on the calling thread: detection costs ~0.5-0.9
+#: ns per element here (one thread), so at 64K elements the kernel (~30-60 us) is no longer
+#: outweighed by the ~20-30 us of Python around each call (which holds the GIL); below it two
+#: threads would mostly take turns.
 DETECT_MIN_NUMEL = 1 << 16
 
 
@@ -83,7 +84,8 @@ class DeltaSender:
             ``torch.distributed`` group when the model holds DTensors.
         config: the publish options (:class:`~torch_deltasync.sender.SenderConfig`, which documents
             each field with its unit and default): anchors, inference dtype, snapshot device,
-            codec, background upload, run id, metrics, retention and the prefix lease. ``None``:
+            codec, threads for reading and encoding, background upload, run id, metrics, retention
+            and the prefix lease. ``None``:
             ``SenderConfig()``.
         options: ``SenderConfig`` fields given as keywords (``anchor_every=10``, ``codec="raw"``,
             ...); they override ``config``'s (``dataclasses.replace``). The result is
@@ -361,7 +363,8 @@ class DeltaSender:
         return self.policy.wants_anchor(version, self._last_anchor, self._chain_nbytes, self._anchor_nbytes)
 
     def _prepare(self, version: int) -> Job:
-        """Read the live weights: detect changes (and cast anchors). Runs on the caller's thread."""
+        """Read the live weights: detect changes (and cast anchors). Called on the caller's thread;
+        the tensors are read on the helper threads too (:meth:`_detect`)."""
         sources, aliases = collect_sources(self.model)
         for src in sources:
             if src.problem:
@@ -407,11 +410,21 @@ class DeltaSender:
         return job
 
     def _detect(self, sources: list[Source]) -> list[tuple[Changes, torch.Tensor | None, int]]:
-        """``(changes, global positions, checksum difference)`` of each of ``sources`` (all with a
-        snapshot); the positions and the difference only for blocks this rank uploads (else
-        ``None``, 0). Tensors in host memory are read on the helper threads, largest first
-        (``SenderConfig.threads``; detection reads ~6 bytes per element in a kernel that releases
-        the GIL), the others on the calling thread."""
+        """The changes of each of ``sources`` (all with a snapshot), in order, as ``(changes,
+        global positions, checksum difference)``: the positions int64 ``(k,)`` global flat
+        indices, the difference an int in ``[0, 2**64)`` (:func:`~torch_deltasync.checksum.
+        checksum_change`); both only for blocks this rank uploads (else ``None``, 0).
+
+        Tensors in host memory of at least :data:`DETECT_MIN_NUMEL` elements are read on the
+        helper threads, largest first (``SenderConfig.threads``; detection reads ~6 bytes per
+        element in a kernel that releases the GIL); the others, and every tensor on an
+        accelerator (its kernels are queued on the device's stream by one thread), on the calling
+        thread.
+
+        Raises:
+            The first error of ``detect`` / ``to_global`` / ``checksum_change`` in ``sources``
+            order (the other tensors are still read).
+        """
         det = self.detector
 
         def one(src: Source) -> tuple[Changes, torch.Tensor | None, int]:
@@ -421,7 +434,7 @@ class DeltaSender:
             gpos = src.slice.to_global(ch.positions)
             return ch, gpos, checksum_change(gpos, ch.old_values, ch.values)
 
-        sizes = [s.local.numel() if s.local.device.type == "cpu" else 0 for s in sources]
+        sizes = [s.local.numel() if s.local.device.type == "cpu" else -1 for s in sources]  # -1: here
         return map_largest_first(one, sources, sizes, self.config.threads, min_size=DETECT_MIN_NUMEL)
 
     def _cast_anchors(self, job: Job, *, whole: bool = False) -> int:
@@ -450,7 +463,8 @@ class DeltaSender:
         full = sum(s.slice.numel * self.dtype.itemsize for s in job.sources if s.upload)
         if not full:
             return False
-        delta = sum(t.numel() * t.element_size() for parts in delta_parts(job, self.codec, self.config.threads).values() for t in parts.values())
+        parts = delta_parts(job, self.codec, self.config.threads)
+        delta = sum(t.numel() * t.element_size() for tensors in parts.values() for t in tensors.values())
         return delta >= self.policy.max_delta_ratio * full
 
     def _convert_to_anchor(self, job: Job) -> None:

@@ -67,7 +67,7 @@ class InitInfo:
         if type(self.max_workers) is not int or not 1 <= self.max_workers <= 256:
             raise ValueError(f"init_info 'max_workers' must be an int in [1, 256], got {self.max_workers!r}")
         if self.threads is not None and (type(self.threads) is not int or not 1 <= self.threads <= MAX_THREADS):
-            raise ValueError(f"init_info 'threads' must be an int in [1, {MAX_THREADS}] or null (one per CPU core), "
+            raise ValueError(f"init_info 'threads' must be an int in [1, {MAX_THREADS}] or null (one per CPU core, at most 8), "
                              f"got {self.threads!r}")
         if self.status_dir is not None and (not isinstance(self.status_dir, str) or not self.status_dir):
             raise ValueError(f"init_info 'status_dir' must be a non-empty path or null, got {self.status_dir!r}")
