@@ -135,14 +135,13 @@ def sender_side(args) -> dict:
 
 
 def receiver_side(args) -> dict:
+    trainer, states = _trained(args)
     with tempfile.TemporaryDirectory() as store:
-        trainer = tiny_qwen3(args.size)  # the steps of _trained, each published
-        opt = torch.optim.Adam(trainer.parameters(), lr=args.lr)
         sender = DeltaSender(trainer, store)
-        sender.publish()
-        for i in range(args.steps):
-            adam_step(trainer, opt, generator=torch.Generator().manual_seed(i))
+        for state in states:  # each state published in turn: v0 (before the steps) .. v<steps>
+            trainer.load_state_dict(state)
             sender.publish()
+        del states
         last = sender.version
         receiver = DeltaReceiver(tiny_qwen3(args.size, seed=1, dtype=torch.bfloat16), store)
         receiver.update(1)

@@ -19,6 +19,9 @@ __all__ = ["MAX_THREADS", "PARALLEL_MIN_CHANGES", "check_threads", "map_largest_
 #: Items with fewer changes than this run on the calling thread (see :func:`map_largest_first`).
 PARALLEL_MIN_CHANGES = 1 << 14
 
+#: Threads when a ``threads`` option is ``None``: one per CPU core the process may use, at most this.
+DEFAULT_MAX_THREADS = 8
+
 #: The most threads a ``threads`` option takes (the pool keeps them all alive once asked for).
 MAX_THREADS = 256
 
@@ -76,7 +79,7 @@ def check_threads(value: object, field: str) -> None:
         return
     if type(value) is not int or not 1 <= value <= MAX_THREADS:
         kind = TypeError if type(value) is not int else ValueError
-        raise kind(f"{field} must be an int in [1, {MAX_THREADS}] or None (one per CPU core, at most 8), "
+        raise kind(f"{field} must be an int in [1, {MAX_THREADS}] or None (one per CPU core, at most {DEFAULT_MAX_THREADS}), "
                    f"got {value!r}")
 
 
@@ -94,7 +97,7 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
     0.8x of one thread for 200 tensors of 2,000 changes); above it the kernels of one tensor run
     beside the Python of another."""
     n = len(items)
-    threads = min(8, available_cpus()) if threads is None else threads
+    threads = min(DEFAULT_MAX_THREADS, available_cpus()) if threads is None else threads
     min_size = PARALLEL_MIN_CHANGES if min_size is None else min_size
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
