@@ -53,10 +53,18 @@ def test_short_configuration_reports_reward_bytes_and_lag(tmp_path):
     got = load_file(str(tmp_path / "final_adapter" / "adapter_model.safetensors"))
     assert want and got.keys() == want.keys()
     assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n].view(torch.int16), want[n]) for n in want)
-    for i in range(2):  # each worker followed the adapter versions and posted
+    # Each worker that posted followed the adapter versions from the anchor on. On 2 busy cores a
+    # worker can start after the trainer's last step (its first post then meets a closed service and it
+    # exits 0 without a line), so only one of the two must have posted.
+    posted = 0
+    for i in range(2):
         lines = [json.loads(x) for x in (tmp_path / f"worker-{i}.jsonl").read_text().splitlines()]
-        assert lines and lines[0]["update"]["path"] == "anchor"
-        assert [x["version"] for x in lines] == sorted(x["version"] for x in lines)
+        if lines:
+            posted += 1
+            assert lines[0]["update"]["path"] == "anchor"
+            assert [x["version"] for x in lines] == sorted(x["version"] for x in lines)
+        assert "stopped by the trainer" in (tmp_path / f"worker-{i}.log").read_text()
+    assert posted >= 1
     assert (tmp_path / "metrics.png").stat().st_size > 0
     assert len((tmp_path / "publish.jsonl").read_text().splitlines()) == steps + 1
 
