@@ -90,11 +90,11 @@ def test_vllm_engine_keep_syncs_in_flight_bit_exact_and_leaves_no_server(tmp_pat
     inflight = [u for u in ups if u.get("in_batch") and u.get("inflight")]
     assert s["inflight_syncs"] == len(inflight) > 0
     assert all(u["partial_rollouts"] > 0 for u in inflight)
-    # Staged ahead, as a rule: a commit finds its version staged unless the stager replaced it by a
-    # newer one between the driver's read of the readiness files and the commit RPC (the stager holds
-    # one staged update); then the RPC prepares the version itself, still exactly (checked above).
-    # Seen once in 6 in-flight commits on CI, after the trainer's publish got faster.
-    assert sum(u["staged"] is True for u in inflight) > len(inflight) // 2, inflight
+    # Staged ahead: a stager that stages a newer version keeps the one it replaces (``kept``) for a
+    # commit on its way. Only when a second newer version starts staging between the driver's read
+    # of the readiness files and the commit RPC is the version gone (the RPC then prepares it itself,
+    # still exactly): allowed once. Before ``kept``, 1 in 6 in-flight commits on CI was not staged.
+    assert sum(u["staged"] is not True for u in inflight) <= 1, inflight
     by_lag = {int(k): v for k, v in s["tokens_by_lag"].items()}
     assert len([k for k, v in by_lag.items() if v > 0]) > 1
     assert max(by_lag) <= 2 and min(by_lag) >= 0

@@ -34,6 +34,8 @@ from torch_deltasync.integrations.vllm import (
     update_server,
     wait_staged,
 )
+from torch_deltasync.integrations.vllm._readiness import Attachment
+from torch_deltasync.keys import manifest_key
 from torch_deltasync.testing import adam_step
 from torch_deltasync.testing_vllm import (TINY_VLLM_CONFIGS, build_vllm_model, hf_model, load_hf_weights, vllm_config,
                                           vllm_state_bits)
@@ -262,6 +264,18 @@ def test_wait_staged_reads_every_worker(tmp_path):
     _write(newer, 0, held=164, staged=164, newest=200)  # still staging the newest: keep waiting
     with pytest.raises(SyncTimeoutError, match=r"did not stage version 165 within 0 s \(rank-0: staged 164"):
         wait_staged(newer, 165, timeout_s=0, workers=1)
+    # a worker that staged a newer version after this one kept this one: staged, the commit takes it
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    _write(kept, 0, held=164, staged=166, kept=165, newest=166)
+    _write(kept, 1, held=164, staged=165, newest=166)
+    assert wait_staged(kept, 165, timeout_s=0, workers=2)["rank-0"]["kept"] == 165
+    # the driver's EngineUpdate.staged: True when every worker staged or kept it
+    LocalStore(tmp_path / "store").sub("run").put(manifest_key(165), b"{}")  # published
+    assert Attachment(str(tmp_path / "store"), "run", str(kept), 2).wait(165, 0) is True
+    assert Attachment(str(tmp_path / "store"), "run", str(newer), 1).wait(165, 0) is False  # staged 164: timeout
+    _write(newer, 0, held=164, staged=200, newest=200)
+    assert Attachment(str(tmp_path / "store"), "run", str(newer), 1).wait(165, 0) is False  # ready, not staged
     (tmp_path / "rank-9.json").write_text("[1, 2")
     with pytest.raises(DeltaSyncError, match="rank-9.json: unreadable readiness file"):
         wait_staged(tmp_path, 4, timeout_s=0)

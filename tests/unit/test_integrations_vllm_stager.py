@@ -68,8 +68,8 @@ def test_stages_only_the_newest_version_newer_than_held_and_staged(start):
     reads = r.reads
     _until(lambda: r.reads > reads + 3)  # polls go on; the staged version is not staged again
     assert r.prepared == [3] and s.status.state["newest"] == 3
+    r.version = 3  # the commit lands (a held version is not staged again)
     assert s.take(3).version == 3 and s.take(3) is None  # handed over once
-    r.version = 3  # committed
     r.newest = 2  # older than the held version (e.g. a stale LATEST): never staged
     reads = r.reads
     _until(lambda: r.reads > reads + 3)
@@ -146,3 +146,45 @@ def test_take_waits_while_that_version_is_being_staged(start):
     release.set()
     taker.join(5)
     assert got[0].version == 1
+
+
+def test_the_replaced_staged_version_is_kept_for_a_commit_on_its_way(start):
+    """A driver reads ``staged == 5`` and commits 5; meanwhile the stager staged 6. The commit still
+    finds 5 staged (``kept``), until the next version starts staging: at most two staged updates.
+    One poll per ``wake`` (``poll_s`` of an hour), so every round is the test's."""
+    release = threading.Event()
+    r = FakeReceiver(newest=5, version=4)
+    inner = r.prepare
+
+    def prepare(version):
+        if version == 7:
+            release.wait(5)
+        return inner(version)
+
+    r.prepare = prepare
+    s = start(r, poll_s=3600)
+    _until(lambda: s.status.state["staged"] == 5)
+    r.newest = 6
+    s.wake()
+    _until(lambda: s.status.state["staged"] == 6)
+    assert s.status.state["kept"] == 5 and r.prepared == [5, 6]
+    five = s.take(5)
+    assert five is not None and five.version == 5
+    assert s.take(6) is None  # the commit of 5 makes 6 (staged on 4) stale: both were dropped
+    assert s.status.state["staged"] is None and s.status.state["kept"] is None
+    r.version = 5  # committed: 6 is staged again, on 5
+    s.wake()
+    _until(lambda: s.status.state["staged"] == 6)
+    assert r.prepared == [5, 6, 6] and s.status.state["kept"] is None
+    r.newest = 7
+    s.wake()
+    _until(lambda: s._busy == 7)
+    assert s.status.state["kept"] is None and s._kept is None and s._staged.version == 6  # 7 being built
+    release.set()
+    _until(lambda: s.status.state["staged"] == 7)
+    assert s.status.state["kept"] == 6
+    r.newest = 8
+    s.wake()
+    _until(lambda: s.status.state["staged"] == 8)
+    assert s.status.state["kept"] == 7 and r.prepared == [5, 6, 6, 7, 8]
+    assert s.take(6) is None  # 6 was dropped when 8 started staging

@@ -32,8 +32,9 @@ A failure anywhere (bad object, unknown version, bad config) raises with the rea
 keeps serving the version it had, and vLLM resets its weight-update session.
 
 Readiness: with ``status_dir`` set, every worker keeps ``<status_dir>/rank-<r>.json`` =
-``{"held": int|null, "staged": int|null, "newest": int|null, "error": str|null}`` current
-(written atomically), so a driver on the same host can pause only once every worker has staged the
+``{"held": int|null, "staged": int|null, "kept": int|null, "newest": int|null, "error": str|null}``
+current (written atomically; ``kept``: the staged version that ``staged`` replaced, still committable
+without staging), so a driver on the same host can pause only once every worker has staged the
 version (:func:`torch_deltasync.integrations.vllm.wait_staged`).
 
 This module holds the worker engine and its init/update info; the background stager and the

@@ -1,9 +1,11 @@
 """Readiness files of the ``deltasync`` backend's workers, and what a driver remembers about an
 engine it attached (the run, the readiness directory, how many workers write there).
 
-Every worker keeps ``<status_dir>/rank-<r>.json`` = ``{"held", "staged", "newest", "error", "time"}``
-current (written atomically by the backend), so a driver on the same host can pause an engine only
-once every worker has staged the version it is about to commit: the pause then covers the commit alone.
+Every worker keeps ``<status_dir>/rank-<r>.json`` = ``{"held", "staged", "kept", "newest", "error",
+"time"}`` current (written atomically by the backend), so a driver on the same host can pause an
+engine only once every worker has staged the version it is about to commit: the pause then covers
+the commit alone. ``staged`` is the newest staged version, ``kept`` the one it replaced (still
+committable without staging, until the next version starts staging).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ DEFAULT_STAGE_TIMEOUT_S = 60.0
 
 
 def read_readiness(status_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """Every worker's readiness file in ``status_dir``: ``{"rank-<r>": {"held", "staged", "newest",
-    "error", "time"}}`` (format: the ``deltasync`` backend's module docstring; workers replace
+    """Every worker's readiness file in ``status_dir``: ``{"rank-<r>": {"held", "staged", "kept",
+    "newest", "error", "time"}}`` (format: the ``deltasync`` backend's module docstring; workers replace
     their file atomically, so a read never sees half of one).
 
     Raises:
@@ -50,13 +52,18 @@ def read_readiness(status_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _staged(state: dict[str, Any], version: int) -> bool:
+    """Whether a worker's readiness says ``version`` is staged there (the newest staged or the kept one)."""
+    return version in (state.get("staged"), state.get("kept"))
+
+
 def _ready(state: dict[str, Any], version: int) -> bool:
-    """A worker is ready for ``version`` when it staged or holds it; when it staged a newer one (its
+    """A worker is ready for ``version`` when it staged (or kept) or holds it; when it staged a newer one (its
     stager stages only the newest version, so waiting would not make it stage this one: the commit
     prepares it inside the pause); or when it has seen the version and reports a staging error
     (then the commit prepares it again and raises the reason)."""
     held, staged, newest = state.get("held"), state.get("staged"), state.get("newest")
-    if staged == version or (isinstance(held, int) and held >= version):
+    if _staged(state, version) or (isinstance(held, int) and held >= version):
         return True
     if isinstance(staged, int) and staged > version:
         return True
@@ -168,7 +175,7 @@ class Attachment:
         except SyncTimeoutError as e:
             log.warning("%s; committing anyway (the workers prepare it inside the pause)", e)
             return False
-        return all(s.get("staged") == version or s.get("held") == version for s in states.values())
+        return all(_staged(s, version) or s.get("held") == version for s in states.values())
 
     def check_held(self, version: int) -> None:
         """After a commit: every worker's readiness file says it holds ``version``."""

@@ -20,8 +20,13 @@ log = logging.getLogger("torch_deltasync.integrations.vllm._backend")
 class Stager(threading.Thread):
     """Stages the newest visible version of a run while the engine generates (daemon thread).
 
-    Holds at most one :class:`~torch_deltasync.receiver.StagedUpdate`; :meth:`take` hands it to the
-    committing RPC (waiting if that very version is being staged right now). The loop is the core's
+    Holds the newest staged :class:`~torch_deltasync.receiver.StagedUpdate` and, once a newer one
+    replaced it, the previous one as ``kept``: a driver that read the readiness file just before
+    may already be committing that version, and it finds it staged. ``kept`` is dropped when the
+    next version starts staging, so at most two staged updates are in memory (one of them while
+    being built), as with one staged update and the next being built. :meth:`take` hands the
+    matching one to the committing RPC (waiting if that very version is being staged right now) and
+    drops both (a commit makes them stale). The loop is the core's
     :func:`~torch_deltasync.follow.follow_newer`: one poll every ``poll_s`` seconds, a pause doubling
     up to 5 s after errors (reported in :class:`Status`); only a version newer than the held and the
     staged one is staged, and a version whose staging failed is not tried again by the stager (the
@@ -33,6 +38,7 @@ class Stager(threading.Thread):
         self.receiver, self.poll_s, self.status = receiver, poll_s, status
         self._cond = threading.Condition()
         self._staged: Any = None
+        self._kept: Any = None  # the staged update that ``_staged`` replaced, for a commit on its way
         self._busy: int | None = None
         self._failed: int | None = None  # a version whose staging failed: not retried by itself
         self._halt = threading.Event()
@@ -57,7 +63,10 @@ class Stager(threading.Thread):
             if newest in (have, self._failed) or (held is not None and newest < held):
                 return True
             self._busy = newest
-            return False
+            kept, self._kept = self._kept, None  # at most two staged updates: this one and _staged
+        if kept is not None:
+            self.status.update(kept=None)
+        return False
 
     def _stage(self, newest: int) -> None:
         try:
@@ -73,23 +82,26 @@ class Stager(threading.Thread):
                 self._cond.notify_all()
         if staged is not None:
             with self._cond:
-                self._staged = staged
+                self._kept, self._staged = self._staged, staged
+                kept = self._kept.version if self._kept is not None else None
                 self._cond.notify_all()
-            self.status.update(staged=staged.version, error=None)
+            self.status.update(staged=staged.version, kept=kept, error=None)
 
     def _report(self, e: Exception) -> None:
         log.warning("deltasync stager: %s", e)
         self.status.update(error=f"{type(e).__name__}: {e}")
 
     def take(self, version: int) -> Any:
-        """The staged update of ``version`` (waiting while it is being staged), or ``None``."""
+        """The staged (or kept) update of ``version`` (waiting while it is being staged), or ``None``.
+        Drops both staged updates: the commit that follows makes them stale."""
         with self._cond:
             while self._busy == version:
                 self._cond.wait()
-            staged, self._staged = self._staged, None
-        if staged is not None and staged.version == version:
-            return staged
-        return None
+            held = [u for u in (self._staged, self._kept) if u is not None]
+            self._staged = self._kept = None
+        if held:
+            self.status.update(staged=None, kept=None)
+        return next((u for u in held if u.version == version), None)
 
     def wake(self) -> None:
         """Poll the store now instead of at the end of the current pause (a commit just ended)."""
@@ -106,7 +118,7 @@ class Status:
 
     def __init__(self, directory: str | None, rank: int) -> None:
         self.path = Path(directory) / f"rank-{rank}.json" if directory else None
-        self.state: dict[str, Any] = {"held": None, "staged": None, "newest": None, "error": None}
+        self.state: dict[str, Any] = {"held": None, "staged": None, "kept": None, "newest": None, "error": None}
         self._lock = threading.Lock()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
