@@ -244,41 +244,45 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         t0 = time.perf_counter()
         v = update_info.version
         staged = self._stager.take(v) if self._stager is not None else None
-        staged_ahead = staged is not None
+        try:
+            staged_ahead = staged is not None
 
-        def stage():
-            if staged is not None and receiver.is_current(staged):
-                return staged
-            return receiver.prepare(v)
+            def stage():
+                if staged is not None and receiver.is_current(staged):
+                    return staged
+                return receiver.prepare(v)
 
-        # Every worker stages first; only if all succeeded does any of them write (all or nothing
-        # across the engine's workers).
-        ready = _on_every_worker(stage, f"update_weights (version {v})")
-        if ready is None:
-            self._end_session()
-            return
-        staged_ahead = staged_ahead and ready is staged
+            # Every worker stages first; only if all succeeded does any of them write (all or nothing
+            # across the engine's workers).
+            ready = _on_every_worker(stage, f"update_weights (version {v})")
+            if ready is None:
+                self._end_session()
+                return
+            staged_ahead = staged_ahead and ready is staged
 
-        def commit():
-            receiver.commit(ready)
-            if receiver.version != v:
-                raise DeltaSyncError(f"asked for version {v}, the receiver holds {receiver.version}")
+            def commit():
+                receiver.commit(ready)
+                if receiver.version != v:
+                    raise DeltaSyncError(f"asked for version {v}, the receiver holds {receiver.version}")
 
-        if _on_every_worker(commit, f"update_weights (version {v}, commit)", result=True) is None:
-            self._end_session()
-            return
-        stats = receiver.last_stats.to_dict() if receiver.last_stats is not None else {}
-        stats.update(staged_ahead=staged_ahead, rpc_ms=(time.perf_counter() - t0) * 1e3,
-                     reload=dict(receiver.target.last_reload))
-        self.last_commit = stats
-        if self._status is not None:
-            self._status.update(held=v)
-        if self._metrics is not None:
-            try:
-                with open(self._metrics, "a") as f:
-                    f.write(json.dumps({"event": "commit", **stats}) + "\n")
-            except OSError as e:  # the commit landed on every worker: a lost stats line is no failure
-                log.warning("deltasync: cannot append to %s: %s", self._metrics, e)
+            if _on_every_worker(commit, f"update_weights (version {v}, commit)", result=True) is None:
+                self._end_session()
+                return
+            stats = receiver.last_stats.to_dict() if receiver.last_stats is not None else {}
+            stats.update(staged_ahead=staged_ahead, rpc_ms=(time.perf_counter() - t0) * 1e3,
+                         reload=dict(receiver.target.last_reload))
+            self.last_commit = stats
+            if self._status is not None:
+                self._status.update(held=v)
+            if self._metrics is not None:
+                try:
+                    with open(self._metrics, "a") as f:
+                        f.write(json.dumps({"event": "commit", **stats}) + "\n")
+                except OSError as e:  # the commit landed on every worker: a lost stats line is no failure
+                    log.warning("deltasync: cannot append to %s: %s", self._metrics, e)
+        finally:
+            if self._stager is not None:
+                self._stager.release()  # staging goes on (the commit landed or failed)
 
     def finish_weight_update(self) -> None:
         """Wake the stager: the next version may already be visible (nothing to do before init)."""

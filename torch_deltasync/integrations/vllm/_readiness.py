@@ -72,8 +72,8 @@ def _ready(state: dict[str, Any], version: int) -> bool:
 
 def wait_staged(status_dir: str | os.PathLike, version: int, timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, *,
                 workers: int | None = None, poll_s: float = 0.005) -> dict[str, dict[str, Any]]:
-    """Block until every worker's readiness file reports ``version`` staged (or held), so that a
-    pause that follows covers only the commit.
+    """Block until every worker's readiness file reports ``version`` staged (or kept, or held), so
+    that a pause that follows covers only the commit.
 
     Drivers on the same host as the engine's workers read the files the ``deltasync`` backend keeps
     in ``init_info["status_dir"]`` (one per worker, ``rank-<r>.json``). A worker that has seen
@@ -112,7 +112,9 @@ def wait_staged(status_dir: str | os.PathLike, version: int, timeout_s: float = 
         if time.monotonic() >= deadline:
             missing = "" if workers is None or len(states) >= workers else \
                 f"; {len(states)} of {workers} readiness files present"
-            detail = ", ".join(f"{w}: staged {s.get('staged')}, held {s.get('held')}, newest {s.get('newest')}"
+            detail = ", ".join(f"{w}: staged {s.get('staged')}"
+                               + (f", kept {s['kept']}" if s.get("kept") is not None else "")
+                               + f", held {s.get('held')}, newest {s.get('newest')}"
                                + (f", error {s['error']}" if s.get("error") else "") for w, s in pending.items())
             raise SyncTimeoutError(f"{status_dir}: workers did not stage version {version} within {timeout_s} s"
                                    f"{missing}" + (f" ({detail})" if detail else ""))

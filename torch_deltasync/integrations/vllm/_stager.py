@@ -29,8 +29,10 @@ class Stager(threading.Thread):
     drops both (a commit makes them stale). The loop is the core's
     :func:`~torch_deltasync.follow.follow_newer`: one poll every ``poll_s`` seconds, a pause doubling
     up to 5 s after errors (reported in :class:`Status`); only a version newer than the held and the
-    staged one is staged, and a version whose staging failed is not tried again by the stager (the
-    commit RPC prepares it itself and raises the reason).
+    staged one is staged, never while a commit runs (:meth:`take` to :meth:`release`), and a
+    version whose staging failed is not tried again by the stager (the commit RPC prepares it
+    itself and raises the reason). The readiness file is written under the same lock as the staged
+    updates change, so it never advertises one that :meth:`take` has handed out or dropped.
     """
 
     def __init__(self, receiver: Any, poll_s: float, status: Status) -> None:
@@ -40,6 +42,9 @@ class Stager(threading.Thread):
         self._staged: Any = None
         self._kept: Any = None  # the staged update that ``_staged`` replaced, for a commit on its way
         self._busy: int | None = None
+        self._busy_epoch = 0  # ``_epoch`` when the staging in progress began
+        self._epoch = 0  # commits taken so far: a staging that began before the last one is stale
+        self._holding = False  # a commit is running (from take() to release()): nothing is staged
         self._failed: int | None = None  # a version whose staging failed: not retried by itself
         self._halt = threading.Event()
         self._wake = threading.Event()
@@ -54,18 +59,19 @@ class Stager(threading.Thread):
         return newest
 
     def _skip(self, newest: int) -> bool:
-        """Whether ``newest`` (not the held version) is not to be staged: already staged, failed,
-        or older than the held version. A version that is to be staged is marked busy in the same
-        step (``follow_newer`` hands it to :meth:`_stage` next), so that :meth:`take` waits for it."""
+        """Whether ``newest`` (not the held version) is not to be staged: a commit is running, or it
+        is not newer than the staged version, failed, or older than the held version. A version
+        that is to be staged is marked busy in the same step (``follow_newer`` hands it to
+        :meth:`_stage` next), so that :meth:`take` waits for it."""
         held = self.receiver.version
         with self._cond:
-            have = self._staged.version if self._staged is not None else None
-            if newest in (have, self._failed) or (held is not None and newest < held):
+            have = self._staged.version if self._staged is not None else -1
+            if self._holding or newest == self._failed or newest <= have or (held is not None and newest < held):
                 return True
-            self._busy = newest
-            kept, self._kept = self._kept, None  # at most two staged updates: this one and _staged
-        if kept is not None:
-            self.status.update(kept=None)
+            self._busy, self._busy_epoch = newest, self._epoch
+            if self._kept is not None:  # at most two staged updates: the one being built and _staged
+                self._kept = None
+                self.status.update(kept=None)
         return False
 
     def _stage(self, newest: int) -> None:
@@ -74,34 +80,47 @@ class Stager(threading.Thread):
         except StaleUpdateError:
             staged = None  # a commit came in between: look again
         except Exception:
-            self._failed = newest  # the commit RPC tries again and reports the reason
+            with self._cond:
+                if self._busy_epoch != self._epoch:
+                    return  # read while a commit wrote: not the version's fault, staged again after it
+                self._failed = newest  # the commit RPC tries again and reports the reason
             raise
         finally:
             with self._cond:
                 self._busy = None
                 self._cond.notify_all()
-        if staged is not None:
-            with self._cond:
-                self._kept, self._staged = self._staged, staged
-                kept = self._kept.version if self._kept is not None else None
-                self._cond.notify_all()
+        with self._cond:
+            if staged is None or self._busy_epoch != self._epoch:
+                return  # staged on the state before a commit: stale, staged again after it
+            self._kept, self._staged = self._staged, staged
+            kept = self._kept.version if self._kept is not None else None
             self.status.update(staged=staged.version, kept=kept, error=None)
+            self._cond.notify_all()
 
     def _report(self, e: Exception) -> None:
         log.warning("deltasync stager: %s", e)
         self.status.update(error=f"{type(e).__name__}: {e}")
 
     def take(self, version: int) -> Any:
-        """The staged (or kept) update of ``version`` (waiting while it is being staged), or ``None``.
-        Drops both staged updates: the commit that follows makes them stale."""
+        """The staged (or kept) update of ``version`` (waiting while it is being staged), or ``None``,
+        for a commit that starts now. Drops both staged updates (the commit makes them stale) and
+        stages nothing until :meth:`release`: staging would read the weights being written and
+        take CPU from the paused engine's commit."""
         with self._cond:
             while self._busy == version:
                 self._cond.wait()
             held = [u for u in (self._staged, self._kept) if u is not None]
             self._staged = self._kept = None
-        if held:
+            self._epoch += 1
+            self._holding = True
             self.status.update(staged=None, kept=None)
         return next((u for u in held if u.version == version), None)
+
+    def release(self) -> None:
+        """The commit :meth:`take` began has ended (landed or failed): stage again, polling now."""
+        with self._cond:
+            self._holding = False
+        self._wake.set()
 
     def wake(self) -> None:
         """Poll the store now instead of at the end of the current pause (a commit just ended)."""
