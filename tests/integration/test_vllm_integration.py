@@ -105,6 +105,12 @@ def test_offline_llm_commits_the_staged_version(run):
     assert {s["held"] for s in read_readiness(info["status_dir"]).values()} == {v2}
     run.assert_serves(_bf16(run.hf))
     json.dumps(out.to_dict())
+    # after a commit the stager stages the next version again
+    v3 = run.step()
+    assert update_llm(llm).staged is True
+    assert [w.engine.last_commit["staged_ahead"] for w in run.workers] == [True, True]
+    assert llm.get_weight_version() == str(v3)
+    run.assert_serves(_bf16(run.hf))
 
 
 def test_failed_update_changes_nothing_and_names_the_version(run):
@@ -118,9 +124,12 @@ def test_failed_update_changes_nothing_and_names_the_version(run):
     assert llm.calls == [("start_weight_update",), ("update_weights", {"version": 999})]
     assert llm.get_weight_version() == str(v1)
     run.assert_serves(_bf16(run.hf))
-    # the session was closed by the error: the next update goes through
+    # the session was closed by the error: the next update goes through, staged ahead (the stager,
+    # which stages nothing while a commit runs, went on after the failed one)
     v2 = run.step()
-    assert update_llm(llm, v2).version == v2
+    out = update_llm(llm, v2)
+    assert out.version == v2 and out.staged is True
+    assert [w.engine.last_commit["staged_ahead"] for w in run.workers] == [True, True]
     run.assert_serves(_bf16(run.hf))
 
 

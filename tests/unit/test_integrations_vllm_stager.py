@@ -5,6 +5,8 @@ wakes at once. No vLLM needed."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -255,3 +257,40 @@ def test_a_staging_that_began_before_a_commit_is_not_kept(start):
     s.release()  # and staged again on 5
     _until(lambda: s.status.state["staged"] == 6)
     assert r.prepared == [5, 6, 6]
+
+
+def test_a_version_not_newer_than_the_staged_one_is_not_staged(start):
+    r = FakeReceiver(newest=6, version=4)
+    s = start(r)
+    _until(lambda: s.status.state["staged"] == 6)
+    r.newest = 5  # a listing that went back (e.g. a stale LATEST): 6 stays staged, 5 is not staged
+    reads = r.reads
+    _until(lambda: r.reads > reads + 5)
+    assert r.prepared == [6] and s._staged.version == 6 and s.status.state["staged"] == 6
+
+
+def test_a_readiness_file_that_cannot_be_written_does_not_stop_staging(start, tmp_path, monkeypatch, caplog):
+    """A full or removed ``status_dir`` is logged; the stager and the commit go on (before, an
+    ``OSError`` inside ``take`` could leave the stager holding for good)."""
+    r = FakeReceiver(newest=5, version=4)
+    s = Stager(r, 0.01, Status(str(tmp_path), 0))
+    s.start()
+    try:
+        _until(lambda: s.status.state["staged"] == 5)
+        def full(src, dst):  # the temporary file was written; putting it in place fails
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "replace", full)
+        assert s.take(5).version == 5  # no error: the file is only advice
+        r.version = 5
+        s.release()
+        r.newest = 6
+        _until(lambda: s.status.state["staged"] == 6)  # staging goes on
+        assert "cannot write the readiness file" in caplog.text and "No space left" in caplog.text
+        assert not list(tmp_path.glob(".rank-*"))  # no temporary file left behind
+        monkeypatch.undo()
+        r.newest = 7
+        _until(lambda: json.loads((tmp_path / "rank-0.json").read_text())["staged"] == 7)
+    finally:
+        s.stop()
+        s.join(5)

@@ -243,8 +243,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         receiver = self._require()
         t0 = time.perf_counter()
         v = update_info.version
-        staged = self._stager.take(v) if self._stager is not None else None
+        staged = None
         try:
+            staged = self._stager.take(v) if self._stager is not None else None
             staged_ahead = staged is not None
 
             def stage():

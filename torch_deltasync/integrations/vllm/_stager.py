@@ -29,7 +29,8 @@ class Stager(threading.Thread):
     drops both (a commit makes them stale). The loop is the core's
     :func:`~torch_deltasync.follow.follow_newer`: one poll every ``poll_s`` seconds, a pause doubling
     up to 5 s after errors (reported in :class:`Status`); only a version newer than the held and the
-    staged one is staged, never while a commit runs (:meth:`take` to :meth:`release`), and a
+    staged one is staged, none starts while a commit runs (:meth:`take` to :meth:`release`; one
+    under way goes on and is dropped after it, as stale), and a
     version whose staging failed is not tried again by the stager (the commit RPC prepares it
     itself and raises the reason). The readiness file is written under the same lock as the staged
     updates change, so it never advertises one that :meth:`take` has handed out or dropped.
@@ -144,15 +145,25 @@ class Status:
             self._write()
 
     def update(self, **kw: Any) -> None:
+        """Set fields and rewrite the file. A failed write (a full or removed ``status_dir``) is
+        logged, not raised: the file only advises drivers (a stale one makes a commit prepare its
+        version inside the pause), and the stager calls this while it changes what it holds."""
         with self._lock:
             if all(self.state.get(k) == v for k, v in kw.items()):
                 return
             self.state.update(kw)
             if self.path is not None:
-                self._write()
+                try:
+                    self._write()
+                except OSError as e:
+                    log.warning("deltasync: cannot write the readiness file %s: %s", self.path, e)
 
     def _write(self) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".rank-")
-        with os.fdopen(fd, "w") as f:
-            json.dump({**self.state, "time": time.time()}, f)
-        os.replace(tmp, self.path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({**self.state, "time": time.time()}, f)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
