@@ -14,12 +14,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
-__all__ = ["MAX_THREADS", "PARALLEL_MIN_CHANGES", "check_threads", "map_largest_first"]
+__all__ = ["MAX_THREADS", "PARALLEL_MIN_CHANGES", "check_threads", "default_threads", "map_largest_first"]
 
 #: Items with fewer changes than this run on the calling thread (see :func:`map_largest_first`).
 PARALLEL_MIN_CHANGES = 1 << 14
 
-#: Threads when a ``threads`` option is ``None``: one per CPU core the process may use, at most this.
+#: Threads when a ``threads`` option is ``None``: one per CPU core the process may use (shared out
+#: among torchrun's local ranks, :func:`default_threads`), at most this.
 DEFAULT_MAX_THREADS = 8
 
 #: The most threads a ``threads`` option takes (the pool keeps them all alive once asked for).
@@ -64,6 +65,24 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def default_threads() -> int:
+    """Threads a ``threads`` option of ``None`` means: one per CPU core this process may use, at
+    most :data:`DEFAULT_MAX_THREADS`. Under ``torchrun`` with several ranks on the host
+    (``LOCAL_WORLD_SIZE`` > 1) whose affinity masks were not narrowed (each sees every core of
+    the host), the cores are shared out: ``cpu_count // LOCAL_WORLD_SIZE`` per rank, at least one,
+    so that ranks reading and coding their shards at once do not oversubscribe the host. A
+    launcher that pins each rank to its own cores narrows the mask instead, which is then used
+    as it is."""
+    cpus = available_cpus()
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    if local > 1 and cpus >= (os.cpu_count() or cpus):
+        cpus = max(1, cpus // local)
+    return min(DEFAULT_MAX_THREADS, cpus)
+
+
 def check_threads(value: object, field: str) -> None:
     """Refuse a ``threads`` option that is not ``None`` or an int in ``[1, MAX_THREADS]``.
 
@@ -97,7 +116,7 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
     0.8x of one thread for 200 tensors of 2,000 changes); above it the kernels of one tensor run
     beside the Python of another."""
     n = len(items)
-    threads = min(DEFAULT_MAX_THREADS, available_cpus()) if threads is None else threads
+    threads = default_threads() if threads is None else threads
     min_size = PARALLEL_MIN_CHANGES if min_size is None else min_size
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")

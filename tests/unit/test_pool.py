@@ -158,3 +158,30 @@ def test_a_child_forked_while_the_pool_lock_is_held_still_codes():
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("local, mask, cpus, want", [
+    (None, 16, 16, 8),  # no torchrun: one per core, at most 8
+    ("1", 2, 2, 2),
+    ("4", 16, 16, 4),  # 4 ranks share 16 cores
+    ("8", 16, 16, 2),
+    ("32", 16, 16, 1),  # more ranks than cores: one each
+    ("4", 3, 16, 3),  # each rank pinned to its own 3 cores: the mask is its share already
+    ("x", 16, 16, 8),  # not a count: ignored
+])
+def test_default_threads_share_the_host_among_torchrun_ranks(monkeypatch, local, mask, cpus, want):
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    monkeypatch.setattr(_pool.os, "sched_getaffinity", lambda pid: set(range(mask)))
+    monkeypatch.setattr(_pool.os, "cpu_count", lambda: cpus)
+    assert _pool.default_threads() == want
+
+
+def test_threads_none_uses_the_default(monkeypatch):
+    monkeypatch.setattr(_pool, "default_threads", lambda: 1)
+    seen = set()
+    items = list(range(6))
+    _pool.map_largest_first(lambda i: seen.add(threading.get_ident()), items, [1 << 20] * 6, None)
+    assert seen == {threading.get_ident()}  # one thread: the caller's
