@@ -46,7 +46,7 @@ import torch
 from torch_deltasync._ranks import run_ranks
 
 
-def _rank(rank: int, world: int, size: str, steps: int, lr: float, bucket: str) -> list[dict]:
+def _rank(rank: int, world: int, size: str, steps: int, lr: float, bucket: str, threads: int | None = None) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, size: str, steps: int, lr: float, bucket: str) 
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     store = LocalStore(bucket, fsync=False)  # measure our work, not the disk's fsync latency
-    sender = DeltaSender(model, store, anchor_every=1000)
+    sender = DeltaSender(model, store, anchor_every=1000, threads=threads)
     gen = torch.Generator().manual_seed(rank)
     # the same global batch at every world size: 4 sequences split over the ranks (at least one each)
     batch = max(1, 4 // world)
@@ -77,7 +77,7 @@ def _rank(rank: int, world: int, size: str, steps: int, lr: float, bucket: str) 
         st = sender.last_stats
         m = load_manifest(sender.store, version)
         mine = [o.nbytes for o in m.objects if o.rank == rank]
-        records.append({"world": world, "rank": rank, "version": version, "kind": st.kind,
+        records.append({"world": world, "rank": rank, "threads": threads, "version": version, "kind": st.kind,
                         "detect_ms": st.detect_ms, "encode_ms": st.encode_ms, "upload_ms": st.upload_ms,
                         "publish_ms": st.publish_ms, "cpu_ms": cpu_ms,
                         "object_nbytes": mine[0] if mine else 0, "version_nbytes": st.nbytes,
@@ -213,6 +213,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="Adam steps (delta versions) per world size")
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--worlds", default="1,2,3,4")
+    p.add_argument("--threads", type=int, default=None,
+                   help="sender threads per rank (default: threads=None, the host's cores shared out among the ranks)")
     p.add_argument("--metrics", default="runs/bench_fsdp2.jsonl")
     p.add_argument("--layouts", default=None,
                    help="compare layouts instead of world sizes: a comma list of fsdp, fsdp_tp, hsdp")
@@ -247,7 +249,7 @@ def main() -> None:
     for w in worlds:
         t = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="bench-fsdp2-") as bucket:
-            per_rank = run_ranks(_rank, w, args.size, args.steps, args.lr, bucket, timeout_s=1800)
+            per_rank = run_ranks(_rank, w, args.size, args.steps, args.lr, bucket, args.threads, timeout_s=1800)
         recs = [r for rank in per_rank for r in rank]
         records += recs
         with open(metrics, "a") as f:

@@ -16,6 +16,7 @@ with a deadline, and get every rank's result or traceback back instead of a hang
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 import traceback
@@ -30,6 +31,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tup
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # the ranks share the CPU cores
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun sets it: every rank runs on this host
     out = Path(folder) / f"rank{rank}.json"
     try:
         dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
