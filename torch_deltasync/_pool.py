@@ -67,20 +67,31 @@ def available_cpus() -> int:
 
 def default_threads() -> int:
     """Threads a ``threads`` option of ``None`` means: one per CPU core this process may use, at
-    most :data:`DEFAULT_MAX_THREADS`. Under ``torchrun`` with several ranks on the host
-    (``LOCAL_WORLD_SIZE`` > 1) whose affinity masks were not narrowed (each sees every core of
-    the host), the cores are shared out: ``cpu_count // LOCAL_WORLD_SIZE`` per rank, at least one,
-    so that ranks reading and coding their shards at once do not oversubscribe the host. A
-    launcher that pins each rank to its own cores narrows the mask instead, which is then used
-    as it is."""
+    most :data:`DEFAULT_MAX_THREADS`.
+
+    Ranks that a launcher started on one host (``LOCAL_WORLD_SIZE`` > 1: torchrun, and vLLM's CPU
+    workers) share those cores: when this process may use as many cores as its parent (the
+    launcher; a container's or a job's cpuset narrows both alike), each rank takes
+    ``cores // LOCAL_WORLD_SIZE`` (at least one), so that ranks reading and coding their shards at
+    once do not oversubscribe the host (measured 1.4-1.6x slower with two FSDP2 ranks on 2 cores,
+    ``docs/benchmarks.md``). A rank the launcher pinned to its own cores has a narrower mask than
+    its parent, which is its share already. CPU quotas (cgroup ``cpu.max``) are not looked at."""
     cpus = available_cpus()
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:
         local = 1
-    if local > 1 and cpus >= (os.cpu_count() or cpus):
+    if local > 1 and cpus >= _parent_cpus():
         cpus = max(1, cpus // local)
     return min(DEFAULT_MAX_THREADS, cpus)
+
+
+def _parent_cpus() -> int:
+    """CPUs the parent process may run on (``os.cpu_count()`` where that cannot be read)."""
+    try:
+        return max(1, len(os.sched_getaffinity(os.getppid())))
+    except (AttributeError, OSError):  # not on Linux, or the parent is gone
+        return os.cpu_count() or 1
 
 
 def check_threads(value: object, field: str) -> None:
@@ -98,7 +109,7 @@ def check_threads(value: object, field: str) -> None:
         return
     if type(value) is not int or not 1 <= value <= MAX_THREADS:
         kind = TypeError if type(value) is not int else ValueError
-        raise kind(f"{field} must be an int in [1, {MAX_THREADS}] or None (one per CPU core, at most {DEFAULT_MAX_THREADS}), "
+        raise kind(f"{field} must be an int in [1, {MAX_THREADS}] or None (one per CPU core, at most {DEFAULT_MAX_THREADS}, shared among local ranks), "
                    f"got {value!r}")
 
 

@@ -349,7 +349,7 @@ def decode_delta(data: bytes, manifest: Manifest, entry: ObjectEntry, *,
                  threads: int | None = None) -> dict[str, TensorDelta]:
     """Read and validate one verified delta object of ``manifest``: :func:`read_delta`, then
     :meth:`EncodedDelta.decode` of its tensors on ``threads`` threads (the compiled kernels and
-    zstd release the GIL; ``None``: one per CPU core, at most 8).
+    zstd release the GIL; ``None``: :func:`~torch_deltasync._pool.default_threads`).
 
     Returns:
         ``{name: TensorDelta}`` for the tensors this object changes (global flat positions).

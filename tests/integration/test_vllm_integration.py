@@ -142,7 +142,7 @@ def test_bad_init_info_installs_nothing(run):
         attach_llm(llm, run.bucket, poll_secs=1)
     with pytest.raises(ValueError, match=r"init_info 'max_workers' must be an int in \[1, 256\], got 0"):
         attach_llm(llm, run.bucket, max_workers=0)
-    with pytest.raises(ValueError, match=r"init_info 'threads' must be an int in \[1, 256\] or null \(one per CPU core, at most 8\), got 0"):
+    with pytest.raises(ValueError, match=r"init_info 'threads' must be an int in \[1, 256\] or null \(one per CPU core, at most 8, shared among local ranks\), got 0"):
         attach_llm(llm, run.bucket, threads=0)
     with pytest.raises(TypeError, match="status_dir must be a path, None .* or False .*, got 0"):
         attach_llm(llm, run.bucket, status_dir=0)  # 0 == False, but it is not False

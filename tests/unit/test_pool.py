@@ -64,7 +64,7 @@ def test_many_runs_small_items_inline_and_shares_out_the_large_ones():
 def test_check_threads_names_the_field(value, error):
     _pool.check_threads(None, "X.threads")
     _pool.check_threads(_pool.MAX_THREADS, "X.threads")
-    with pytest.raises(error, match=rf"X.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8\), "
+    with pytest.raises(error, match=rf"X.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8, shared among local ranks\), "
                                     rf"got {value!r}"):
         _pool.check_threads(value, "X.threads")
 
@@ -160,23 +160,47 @@ def test_a_child_forked_while_the_pool_lock_is_held_still_codes():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-@pytest.mark.parametrize("local, mask, cpus, want", [
-    (None, 16, 16, 8),  # no torchrun: one per core, at most 8
+@pytest.mark.parametrize("local, mask, parent, want", [
+    (None, 16, 16, 8),  # no launcher: one per core, at most 8
     ("1", 2, 2, 2),
-    ("4", 16, 16, 4),  # 4 ranks share 16 cores
+    ("4", 16, 16, 4),  # 4 ranks share the 16 cores of their cpuset (on a host of 128: os.cpu_count)
     ("8", 16, 16, 2),
     ("32", 16, 16, 1),  # more ranks than cores: one each
     ("4", 3, 16, 3),  # each rank pinned to its own 3 cores: the mask is its share already
     ("x", 16, 16, 8),  # not a count: ignored
 ])
-def test_default_threads_share_the_host_among_torchrun_ranks(monkeypatch, local, mask, cpus, want):
+def test_default_threads_share_the_host_among_local_ranks(monkeypatch, local, mask, parent, want):
     if local is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    monkeypatch.setattr(_pool.os, "sched_getaffinity", lambda pid: set(range(mask)))
-    monkeypatch.setattr(_pool.os, "cpu_count", lambda: cpus)
+    ppid = os.getppid()
+    monkeypatch.setattr(_pool.os, "sched_getaffinity", lambda pid: set(range(parent if pid == ppid else mask)))
+    monkeypatch.setattr(_pool.os, "cpu_count", lambda: 128)  # the host: not what is shared
     assert _pool.default_threads() == want
+
+
+def test_default_threads_without_a_readable_parent(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    def affinity(pid):
+        if pid:
+            raise ProcessLookupError(3, "No such process")
+        return set(range(4))
+
+    monkeypatch.setattr(_pool.os, "sched_getaffinity", affinity)
+    monkeypatch.setattr(_pool.os, "cpu_count", lambda: 4)
+    assert _pool.default_threads() == 2  # compared with the host's cores instead
+
+
+def test_run_ranks_tells_each_rank_how_many_share_the_host():
+    from torch_deltasync._ranks import run_ranks
+
+    assert run_ranks(_local_world_size, 2) == ["2", "2"]
+
+
+def _local_world_size(rank, world):
+    return os.environ.get("LOCAL_WORLD_SIZE")
 
 
 def test_threads_none_uses_the_default(monkeypatch):

@@ -119,7 +119,7 @@ INVALID_SENDER = [
     (dict(lease_s=float("nan")), ValueError, r"SenderConfig.lease_s must be a positive number", "nan"),
     (dict(lease_s="60"), ValueError, r"SenderConfig.lease_s must be a positive number of seconds", "a string"),
     (dict(lease_s=True), ValueError, r"SenderConfig.lease_s", "a bool is not a duration"),
-    (dict(threads=0), ValueError, r"SenderConfig.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8\), "
+    (dict(threads=0), ValueError, r"SenderConfig.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8, shared among local ranks\), "
      r"got 0", "no thread"),
     (dict(threads=1000), ValueError, r"SenderConfig.threads must be an int in \[1, 256\] or None .*got 1000", "more threads than the cap"),
     (dict(threads="2"), TypeError, r"SenderConfig.threads must be an int in \[1, 256\] or None", "threads not an int"),
@@ -130,7 +130,7 @@ INVALID_RECEIVER = [
     (dict(max_workers=0), ValueError, r"ReceiverConfig.max_workers must be an int >= 1, got 0", "no downloads"),
     (dict(max_workers=2.0), TypeError, r"ReceiverConfig.max_workers must be an int >= 1, got 2.0", "not an int"),
     (dict(max_workers=True), TypeError, r"ReceiverConfig.max_workers", "a bool is not a count"),
-    (dict(threads=0), ValueError, r"ReceiverConfig.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8\), "
+    (dict(threads=0), ValueError, r"ReceiverConfig.threads must be an int in \[1, 256\] or None \(one per CPU core, at most 8, shared among local ranks\), "
      r"got 0", "no thread"),
     (dict(threads=257), ValueError, r"ReceiverConfig.threads must be an int in \[1, 256\]", "more threads than the cap"),
     (dict(threads=2.0), TypeError, r"ReceiverConfig.threads must be an int in \[1, 256\] or None", "threads not an int"),

@@ -77,7 +77,7 @@ class DeltaReceiver:
         prefix: the run's sub-path in the store (as given to the sender).
         config: the receiver's options (:class:`~torch_deltasync.receiver.ReceiverConfig`, which
             documents each field): ``max_workers`` (parallel downloads, 8), ``threads`` (tensors
-            decoded and staged at once, one per core, at most 8), ``metrics_path``.
+            decoded and staged at once, one per core shared among local ranks, at most 8), ``metrics_path``.
             ``None``: ``ReceiverConfig()``.
         options: ``ReceiverConfig`` fields given as keywords (``max_workers=4``); they override
             ``config``'s (``dataclasses.replace``).

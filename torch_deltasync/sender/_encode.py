@@ -15,8 +15,8 @@ from ._job import Job
 def delta_parts(job: Job, codec: Codec, threads: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's changed tensors of ``job``, encoded by ``codec``: ``{name: {part: tensor}}``.
 
-    Encoded once per job (``job.delta_parts``), on up to ``threads`` threads (``None``: one per
-    CPU core, at most 8), largest tensor first: the compiled kernels and zstd release the GIL.
+    Encoded once per job (``job.delta_parts``), on up to ``threads`` threads (``None``:
+    :func:`~torch_deltasync._pool.default_threads`), largest tensor first: the compiled kernels and zstd release the GIL.
     """
     if job.delta_parts is None:
         changed = [s for s in job.sources if s.upload and job.counts.get(s.name)]

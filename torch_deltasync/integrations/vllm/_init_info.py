@@ -30,8 +30,9 @@ class InitInfo:
         poll_s: seconds between looks at the store for a newer version (background stager).
         max_workers: parallel downloads per worker.
         threads: tensors staged at once per worker (``ReceiverConfig.threads``); ``None``: one per
-            CPU core, at most 8. With several workers on one host (TP), ``cores / workers`` keeps
-            them from competing for the same cores.
+            CPU core the worker may use, at most 8; workers vLLM did not pin to their own cores
+            share the host's (``cores // TP``: vLLM's CPU workers set ``LOCAL_WORLD_SIZE``,
+            :func:`torch_deltasync._pool.default_threads`).
         status_dir: directory for per-worker readiness files (``._readiness``); ``None``: none.
         metrics_path: append one JSON line per commit (``{rank}`` is replaced by the worker rank);
             ``None`` or ``""``: none.
@@ -67,7 +68,7 @@ class InitInfo:
         if type(self.max_workers) is not int or not 1 <= self.max_workers <= 256:
             raise ValueError(f"init_info 'max_workers' must be an int in [1, 256], got {self.max_workers!r}")
         if self.threads is not None and (type(self.threads) is not int or not 1 <= self.threads <= MAX_THREADS):
-            raise ValueError(f"init_info 'threads' must be an int in [1, {MAX_THREADS}] or null (one per CPU core, at most 8), "
+            raise ValueError(f"init_info 'threads' must be an int in [1, {MAX_THREADS}] or null (one per CPU core, at most 8, shared among local ranks), "
                              f"got {self.threads!r}")
         if self.status_dir is not None and (not isinstance(self.status_dir, str) or not self.status_dir):
             raise ValueError(f"init_info 'status_dir' must be a non-empty path or null, got {self.status_dir!r}")
