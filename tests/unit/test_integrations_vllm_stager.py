@@ -25,6 +25,8 @@ class FakeReceiver:
         self.reads = 0
         self.prepared: list[int] = []
         self.fail: dict[int, Exception] = {}  # version -> error its prepare raises
+        self.hold: dict[int, threading.Event] = {}  # version -> gate its next prepare waits for
+        self.entered = threading.Event()  # a prepare is waiting at its gate
         self.read_error: Exception | None = None
 
     def newest_version(self):
@@ -34,6 +36,10 @@ class FakeReceiver:
         return self.newest
 
     def prepare(self, version):
+        gate = self.hold.pop(version, None)
+        if gate is not None:
+            self.entered.set()
+            gate.wait(5)
         self.prepared.append(version)
         if version in self.fail:
             raise self.fail[version]
@@ -133,15 +139,8 @@ def test_stop_and_wake_act_at_once(start):
 
 
 def test_take_waits_while_that_version_is_being_staged(start):
-    release = threading.Event()
     r = FakeReceiver(newest=1)
-    inner = r.prepare
-
-    def slow_prepare(version):
-        release.wait(5)
-        return inner(version)
-
-    r.prepare = slow_prepare
+    release = r.hold[1] = threading.Event()
     s = start(r)
     _until(lambda: s._busy == 1)
     got = []
@@ -158,16 +157,8 @@ def test_the_replaced_staged_version_is_kept_for_a_commit_on_its_way(start):
     """A driver reads ``staged == 5`` and commits 5; meanwhile the stager staged 6. The commit still
     finds 5 staged (``kept``), until the next version starts staging: at most two staged updates.
     One poll per ``wake`` (``poll_s`` of an hour), so every round is the test's."""
-    release = threading.Event()
     r = FakeReceiver(newest=5, version=4)
-    inner = r.prepare
-
-    def prepare(version):
-        if version == 7:
-            release.wait(5)
-        return inner(version)
-
-    r.prepare = prepare
+    release = r.hold[7] = threading.Event()
     s = start(r, poll_s=3600)
     _until(lambda: s.status.state["staged"] == 5)
     r.newest = 6
@@ -203,23 +194,13 @@ def test_nothing_is_staged_while_a_commit_runs_and_what_was_staged_before_it_is_
     weights being written and compete with the paused engine's commit for the CPU. A staging that
     began before the commit and ends during it was read from the old state: dropped, staged again
     after ``release``; an error it raised is not the version's fault (not marked failed)."""
-    gate, entered = threading.Event(), threading.Event()
     r = FakeReceiver(newest=5, version=4)
-    inner = r.prepare
-
-    def prepare(version):
-        if version == 6 and len([v for v in r.prepared if v == 6]) == 0:
-            entered.set()
-            gate.wait(5)
-            r.prepared.append(version)
-            raise CorruptObjectError("read while the commit wrote")  # e.g. a torn old value
-        return inner(version)
-
-    r.prepare = prepare
+    gate = r.hold[6] = threading.Event()
+    r.fail[6] = CorruptObjectError("read while the commit wrote")  # e.g. a torn old value
     s = start(r, poll_s=0.01)
     _until(lambda: s.status.state["staged"] == 5)
     r.newest = 6
-    entered.wait(5)  # 6 is being staged, on 4
+    assert r.entered.wait(5)  # 6 is being staged, on 4
     assert s.take(5).version == 5  # the commit of 5 begins while 6 is being staged
     r.version = 5
     gate.set()  # 6's staging ends (badly) during the commit
@@ -227,28 +208,20 @@ def test_nothing_is_staged_while_a_commit_runs_and_what_was_staged_before_it_is_
     _until(lambda: r.reads > reads + 5)  # polls go on during the commit ...
     assert r.prepared == [5, 6] and s._staged is None and s._failed is None  # ... but nothing is staged
     assert s.status.state["staged"] is None and s.status.state["error"] is None  # not reported either
+    del r.fail[6]  # read from a consistent state now
     s.release()
     _until(lambda: s.status.state["staged"] == 6)  # staged again, on 5
     assert r.prepared == [5, 6, 6] and s.status.state["kept"] is None
 
 
 def test_a_staging_that_began_before_a_commit_is_not_kept(start):
-    gate, entered = threading.Event(), threading.Event()
     r = FakeReceiver(newest=5, version=4)
-    inner = r.prepare
-
-    def prepare(version):
-        if version == 6 and 6 not in r.prepared:
-            entered.set()
-            gate.wait(5)
-        return inner(version)
-
-    r.prepare = prepare
+    gate = r.hold[6] = threading.Event()
     s = start(r, poll_s=3600)
     _until(lambda: s.status.state["staged"] == 5)
     r.newest = 6
     s.wake()
-    entered.wait(5)
+    assert r.entered.wait(5)
     assert s.take(5).version == 5
     r.version = 5
     gate.set()  # 6, read from version 4's weights, is done during the commit
