@@ -58,8 +58,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     seconds of imports per rank on a loaded machine; nothing has run there, so no threads exist).
 
     Args:
-        fn: a module-level function (spawned processes import it by name); its return value must be
-            JSON-serialisable.
+        fn: a module-level function (spawned processes import it by name, so a script that calls
+            ``run_ranks`` needs the ``if __name__ == "__main__":`` guard of multiprocessing); its
+            return value must be JSON-serialisable.
         world: number of processes (ranks ``0 .. world-1``).
         args: extra arguments, picklable.
         timeout_s: deadline for the whole run (seconds); then every process still alive is killed.

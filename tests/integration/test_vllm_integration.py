@@ -290,3 +290,31 @@ def test_wait_staged_reads_every_worker(tmp_path):
         wait_staged(tmp_path, 4, timeout_s=0)
     with pytest.raises(ValueError, match="version must be a published version"):
         wait_staged(tmp_path, -1)
+    # bad arguments and a wrong directory fail at once, saying what is wrong
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds >= 0, got nan"):
+        wait_staged(kept, 165, float("nan"))
+    with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
+        wait_staged(kept, 165, None)
+    with pytest.raises(TypeError, match="workers must be an int >= 1"):
+        wait_staged(kept, 165, 0, workers="2")
+    with pytest.raises(ValueError, match="poll_s must be a finite number of seconds > 0"):
+        wait_staged(kept, 165, 0, poll_s=-1)
+    for wrong in (tmp_path / "missing", tmp_path / "rank-0.json"):
+        with pytest.raises(DeltaSyncError, match=r"no such directory of readiness files; pass the status_dir"):
+            wait_staged(wrong, 165, 30)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SyncTimeoutError, match=r"no readiness files there \(each worker writes rank-<r>.json"):
+        wait_staged(empty, 165, 0)
+    assert Attachment(str(tmp_path / "store"), "run", str(tmp_path / "missing"), 1).wait(165, 30) is False  # no wait
+    # version fields are ints: a float, a string or true is not a version
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for version, state in ((165, dict(held=164, staged="165")), (165, dict(held=164, kept=165.0)),
+                           (165, dict(held=165.0)), (1, dict(held=0, staged=True))):
+        _write(odd, 0, newest=166, **state)
+        with pytest.raises(SyncTimeoutError, match=f"did not stage version {version}"):
+            wait_staged(odd, version, 0)
+    _write(odd, 0, held=164, staged="165", newest=166)
+    with pytest.raises(SyncTimeoutError, match=r"rank-0: staged '165', held 164"):
+        wait_staged(odd, 165, 0)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._units import check_seconds
 from ...errors import DeltaSyncError, SyncTimeoutError, VersionNotFoundError
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,16 @@ def read_readiness(status_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _version_field(state: dict[str, Any], key: str) -> int | None:
+    """A version field of a readiness file: an int, else ``None`` (a float, a string or ``true`` is
+    not a version the backend writes)."""
+    v = state.get(key)
+    return v if type(v) is int else None
+
+
 def _staged(state: dict[str, Any], version: int) -> bool:
     """Whether a worker's readiness says ``version`` is staged there (the newest staged or the kept one)."""
-    return version in (state.get("staged"), state.get("kept"))
+    return version in (_version_field(state, "staged"), _version_field(state, "kept"))
 
 
 def _ready(state: dict[str, Any], version: int) -> bool:
@@ -62,12 +70,12 @@ def _ready(state: dict[str, Any], version: int) -> bool:
     stager stages only the newest version, so waiting would not make it stage this one: the commit
     prepares it inside the pause); or when it has seen the version and reports a staging error
     (then the commit prepares it again and raises the reason)."""
-    held, staged, newest = state.get("held"), state.get("staged"), state.get("newest")
-    if _staged(state, version) or (isinstance(held, int) and held >= version):
+    held, staged, newest = (_version_field(state, k) for k in ("held", "staged", "newest"))
+    if _staged(state, version) or (held is not None and held >= version):
         return True
-    if isinstance(staged, int) and staged > version:
+    if staged is not None and staged > version:
         return True
-    return bool(state.get("error")) and isinstance(newest, int) and newest >= version
+    return bool(state.get("error")) and newest is not None and newest >= version
 
 
 def wait_staged(status_dir: str | os.PathLike, version: int, timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, *,
@@ -95,14 +103,22 @@ def wait_staged(status_dir: str | os.PathLike, version: int, timeout_s: float = 
     Raises:
         SyncTimeoutError: not every worker was ready within ``timeout_s``; the message names the
             workers that were not and what they reported.
-        ValueError: a negative version or timeout, or fewer than one expected worker.
+        ValueError: a negative version, a negative, NaN or infinite timeout, a poll interval not
+            ``> 0``, or fewer than one expected worker.
+        TypeError: a timeout, poll interval or worker count that is not a number.
+        DeltaSyncError: ``status_dir`` is not a directory, or holds a readiness file that is not
+            a JSON object.
     """
     if type(version) is not int or version < 0:
         raise ValueError(f"version must be a published version (int >= 0), got {version!r}")
-    if timeout_s < 0:
-        raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers must be >= 1 (or None), got {workers}")
+    check_seconds(timeout_s, "timeout_s", "wait_staged", positive=False)
+    check_seconds(poll_s, "poll_s", "wait_staged", positive=True)
+    if workers is not None and (type(workers) is not int or workers < 1):
+        raise (TypeError if type(workers) is not int else ValueError)(
+            f"wait_staged: workers must be an int >= 1 (or None), got {workers!r}")
+    if not Path(status_dir).is_dir():
+        raise DeltaSyncError(f"{status_dir}: no such directory of readiness files; pass the status_dir that "
+                             "attach_* returned (init_info['status_dir'])")
     deadline = time.monotonic() + timeout_s
     while True:
         states = read_readiness(status_dir)
@@ -112,9 +128,12 @@ def wait_staged(status_dir: str | os.PathLike, version: int, timeout_s: float = 
         if time.monotonic() >= deadline:
             missing = "" if workers is None or len(states) >= workers else \
                 f"; {len(states)} of {workers} readiness files present"
-            detail = ", ".join(f"{w}: staged {s.get('staged')}"
-                               + (f", kept {s['kept']}" if s.get("kept") is not None else "")
-                               + f", held {s.get('held')}, newest {s.get('newest')}"
+            if not states:
+                missing += ("; no readiness files there (each worker writes rank-<r>.json once the deltasync "
+                            "backend is initialised: was the engine attached with this status_dir?)")
+            detail = ", ".join(f"{w}: staged {s.get('staged')!r}"
+                               + (f", kept {s['kept']!r}" if s.get("kept") is not None else "")
+                               + f", held {s.get('held')!r}, newest {s.get('newest')!r}"
                                + (f", error {s['error']}" if s.get("error") else "") for w, s in pending.items())
             raise SyncTimeoutError(f"{status_dir}: workers did not stage version {version} within {timeout_s} s"
                                    f"{missing}" + (f" ({detail})" if detail else ""))
@@ -171,13 +190,17 @@ class Attachment:
             return None
         if not self._published(version):
             return False
+        if not Path(self.status_dir).is_dir():  # removed under us: the files only advise
+            log.warning("%s: the readiness directory is gone; committing version %d without waiting (the workers "
+                        "prepare it inside the pause if it is not staged)", self.status_dir, version)
+            return False
         try:
             states = wait_staged(self.status_dir, version, DEFAULT_STAGE_TIMEOUT_S if timeout_s is None else timeout_s,
                                  workers=self.workers)
         except SyncTimeoutError as e:
             log.warning("%s; committing anyway (the workers prepare it inside the pause)", e)
             return False
-        return all(_staged(s, version) or s.get("held") == version for s in states.values())
+        return all(_staged(s, version) or _version_field(s, "held") == version for s in states.values())
 
     def check_held(self, version: int) -> None:
         """After a commit: every worker's readiness file says it holds ``version``."""
