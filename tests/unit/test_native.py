@@ -102,9 +102,10 @@ def test_encode_decode_match_the_specification(seed, dtype, numel, density, mix)
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()))
 @pytest.mark.parametrize("b", [0, 2, 4, 8, 16])
-@pytest.mark.parametrize("r", [0, 3, 8, 9, 21])
+@pytest.mark.parametrize("r", [0, 1, 2, 3, 4, 8, 9, 21])
 def test_every_code_width_and_gap_shift(monkeypatch, dtype, b, r):
-    # r = 8 and 9 straddle the kernels' whole-byte path for low bits; forcing r outside the
+    # r = 1, 2, 4 and 8 take the encoder kernel's byte-gathering path for low bits, 3 and 9 its
+    # general one (8 and 9 straddle the decoder's whole-byte path); forcing r outside the
     # estimator's window exercises the kernels' worst-case escape buffers.
     monkeypatch.setattr(PackedCodec, "_force_code_bits", b)
     monkeypatch.setattr(PackedCodec, "_force_gap_shift", r)
@@ -347,6 +348,50 @@ def test_handwritten_corruptions_same_outcome(case, fallbacks):
     # which runs before any kernel, refused it), and a valid one never fell back
     kernel_refused = any(native for _, _, native in fallbacks)
     assert kernel_refused == isinstance(ref, tuple) or "stream" in str(ref)
+
+
+@pytest.mark.parametrize("r", [0, 1, 7, 8, 9, 40])
+@pytest.mark.parametrize("numel", [2**63 - 1, 2**62 + 3, 5_000])
+def test_gap_sums_near_and_past_the_end_same_outcome(r, numel):
+    # Gap streams built directly (the encoder never writes these): a block's gaps adding up to
+    # exactly the last index, one past it, past 2**64 (wrapping back into range), and one gap
+    # above numel - 1, in the first and in a later block, against the specification's decoder.
+    from torch_deltasync.codecs._packed import _gap_positions, _gap_positions_native, _gap_streams
+
+    rng = np.random.default_rng(r + numel % 97)
+    k = 2 * _native.BLOCK + 5
+    cases = []
+    for at in (0, _native.BLOCK + 3):  # which gap carries the excess
+        g = rng.integers(0, 3, k).astype(np.uint64)
+        rest = np.uint64(numel - 1) - np.uint64(int(g.sum()) - int(g[at]) + k - 1)  # last position = numel - 1
+        for extra in (0, 1, 2**63 + 7 if numel > 2**62 else numel):
+            x = g.copy()
+            x[at] = rest + np.uint64(extra)  # extra > 0: past the end or above numel - 1 (uint64 wraps)
+            cases.append(x)
+        cases.append(np.full(k, np.uint64(numel - 1)))  # every gap the largest: the sum wraps 2**64 often
+        wrap = np.zeros(k, np.uint64)  # two of the largest gaps and a third adding up to 2**64 exactly
+        wrap[at : at + 2] = numel - 1
+        wrap[at + 2] = (2**64 - 2 * (numel - 1)) % 2**64
+        cases.append(wrap)
+    for gaps in cases:
+        streams = [np.ascontiguousarray(x) for x in _gap_streams(gaps, r)]
+
+        def stream(i, lo, hi, streams=streams):  # as the decoder's: declared lengths checked first
+            if not lo <= streams[i].size <= hi:
+                raise CorruptObjectError(f"stream {i}")
+            return streams[i]
+
+        outcomes = []
+        for decode in (_gap_positions_native, _gap_positions):
+            try:
+                outcomes.append(decode(stream, r, numel, k, "t"))
+            except CorruptObjectError:
+                outcomes.append(None)
+        fast, ref = outcomes
+        if ref is None:
+            assert fast is None
+        else:
+            assert fast is not None and np.array_equal(fast, ref) and int(ref[-1]) <= numel - 1
 
 
 def test_resolve_matches_and_refuses_a_drifted_base():

@@ -57,30 +57,58 @@ def decode_gaps(high, ext, low, r, numel, max_ext, ext_limit, pos_out):
     """Positions of gap mode into ``pos_out`` (int64 ``(k,)``), validating what the reference
     decoder validates: exactly one varint (at most ``ext_limit`` bytes, not overlong, at most
     ``max_ext``) per 255 byte filling ``ext``, zero padding bits in ``low``, every gap at most
-    ``numel - 1`` and every position below ``numel``. Returns ``OK`` or ``BAD``."""
+    ``numel - 1`` and every position below ``numel``. Returns ``OK`` or ``BAD``.
+
+    Per block of ``BLOCK`` gaps: the high parts' largest value and escapes (one vectorised pass),
+    the low bits joined in (whole groups of 8 fields fill ``r`` bytes), the escapes added in order,
+    then one check of the whole block before its running sum: its gaps add up, exactly (two
+    32-bit halves, which cannot wrap in ``BLOCK`` terms), to less than what is left below
+    ``numel``. That bounds every gap and the block's last (largest) position at once, so the
+    running sum itself carries no compare (one per position made this kernel 1.2-2.7x slower on
+    the change sets of ``tools/bench_codec.py``)."""
     k = high.size
     rr = _u64(r)
     lmask = (_U1 << rr) - _U1
-    max_gap = _u64(max(numel - 1, 0))
-    max_high = max_gap >> rr
+    max_high = _u64(max(numel - 1, 0)) >> rr
     unumel = _u64(numel)
     g = np.empty(_BLOCK, np.uint64)
     acc = _U0  # bit reader of the low parts (fields past whole groups of 8, and r > 8)
     nbits = 0
     li = 0
     e = 0
-    p = _U0 - _U1  # the position before the first: p + g + 1 wraps to g
+    start = _U0  # the position a gap of 0 leads to: the last position + 1
     for a in range(0, k, _BLOCK):
         hb = high[a : a + _BLOCK]
         m = hb.size
         n_esc = 0
         top = np.uint8(0)
         for j in range(m):  # vectorises
-            g[j] = _u64(hb[j])
             n_esc += hb[j] == 255
             top = max(top, hb[j])
         if _u64(top) > max_high:  # every high part <= max_high (escapes: below), so no shift overflows
             return BAD
+        j0 = 0
+        if r == 0:
+            j0 = m
+            for j in range(m):  # vectorises
+                g[j] = _u64(hb[j])
+        elif r <= 8 and nbits == 0:  # whole groups of 8 fields fill r bytes
+            j0 = m // 8 * 8
+            for o in range(j0 // 8):
+                w = _U0
+                for q in range(r):
+                    w |= _u64(low[li + q]) << _u64(8 * q)
+                li += r
+                for q in range(8):
+                    g[8 * o + q] = (_u64(hb[8 * o + q]) << rr) | ((w >> _u64(q * r)) & lmask)
+        for j in range(j0, m):
+            while nbits < r:
+                acc |= _u64(low[li]) << _u64(nbits)
+                li += 1
+                nbits += 8
+            g[j] = (_u64(hb[j]) << rr) | (acc & lmask)
+            acc >>= rr
+            nbits -= r
         for g0 in range(0, m if n_esc else 0, 64):  # the escapes, in order, by walking set bits
             w = equal_bits(hb, g0, m, 255)
             while w:
@@ -89,37 +117,25 @@ def decode_gaps(high, ext, low, r, numel, max_ext, ext_limit, pos_out):
                 x, e = _get_varint(ext, e, ext_limit)
                 if e < 0 or x > _u64(max_ext) or x + _u64(255) > max_high:
                     return BAD
-                g[j] += x
-        j0 = 0
-        if 0 < r <= 8 and nbits == 0:  # whole groups of 8 fields fill r bytes
-            j0 = m // 8 * 8
-            for o in range(j0 // 8):
-                w = _U0
-                for q in range(r):
-                    w |= _u64(low[li + q]) << _u64(8 * q)
-                li += r
-                for q in range(8):
-                    g[8 * o + q] = (g[8 * o + q] << rr) | ((w >> _u64(q * r)) & lmask)
-        for j in range(j0, m):
-            lo = _U0
-            if r:
-                while nbits < r:
-                    acc |= _u64(low[li]) << _u64(nbits)
-                    li += 1
-                    nbits += 8
-                lo = acc & lmask
-                acc >>= rr
-                nbits -= r
-            g[j] = (g[j] << rr) | lo
-        out = pos_out[a : a + _BLOCK]
-        bad = False
-        for j in range(m):
-            bad |= g[j] > max_gap
-            p = p + g[j] + _U1  # cannot wrap: p < numel <= 2**63 and g <= numel - 1 (checked below)
-            bad |= p >= unumel
-            out[j] = np.int64(p)
-        if bad:
+                g[j] += x << rr  # (255 + x) << r <= max_high << r: no overflow
+        s_lo = _U0
+        s_hi = _U0
+        for j in range(m):  # vectorises
+            s_lo += g[j] & _u64(0xFFFFFFFF)
+            s_hi += g[j] >> _u64(32)
+        if s_hi >= _u64(1 << 31):  # the sum is at least 2**63 > numel
             return BAD
+        # The last position, start + sum + m - 1, must be below numel (start <= numel: checked
+        # for the block before); the sum < 2**63 + 2**44 here, so none of this wraps.
+        total = (s_hi << _u64(32)) + s_lo
+        if total >= unumel or total + _u64(m) > unumel - start:
+            return BAD
+        out = pos_out[a : a + _BLOCK]
+        p = start - _U1  # wraps for the first block; p + g + 1 wraps back
+        for j in range(m):
+            p += g[j] + _U1
+            out[j] = np.int64(p)
+        start = p + _U1
     if e != ext.size or li != low.size or acc != _U0:
         return BAD
     return OK
