@@ -14,13 +14,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
-__all__ = ["MAX_THREADS", "PARALLEL_MIN_CHANGES", "check_threads", "default_threads", "map_largest_first"]
+__all__ = ["MAX_THREADS", "PARALLEL_MIN_CHANGES", "check_threads", "cpu_quota", "default_threads", "map_largest_first"]
 
 #: Items with fewer changes than this run on the calling thread (see :func:`map_largest_first`).
 PARALLEL_MIN_CHANGES = 1 << 14
 
-#: Threads when a ``threads`` option is ``None``: one per CPU core the process may use (shared out
-#: among torchrun's local ranks, :func:`default_threads`), at most this.
+#: Threads when a ``threads`` option is ``None``: one per CPU core the process may use (within its
+#: CPU quota, shared out among torchrun's local ranks, :func:`default_threads`), at most this.
 DEFAULT_MAX_THREADS = 8
 
 #: The most threads a ``threads`` option takes (the pool keeps them all alive once asked for).
@@ -69,13 +69,17 @@ def default_threads() -> int:
     """Threads a ``threads`` option of ``None`` means: one per CPU core this process may use, at
     most :data:`DEFAULT_MAX_THREADS`.
 
-    Ranks that a launcher started on one host (``LOCAL_WORLD_SIZE`` > 1: torchrun, and vLLM's CPU
-    workers) share those cores: when this process may use as many cores as its parent (the
-    launcher; a container's or a job's cpuset narrows both alike), each rank takes
+    The cores it may use are its affinity mask, capped by its cgroup's CPU quota
+    (:func:`cpu_quota`: Kubernetes CPU limits, ``docker run --cpus``), rounded down: a process
+    with 64 cores in its mask and a limit of 2 CPUs takes 2 threads, not 8 that the kernel would
+    throttle. Ranks that a launcher started on one host (``LOCAL_WORLD_SIZE`` > 1: torchrun, and
+    vLLM's CPU workers) share those cores: when this process may use as many cores as its parent
+    (the launcher; a container's or a job's cpuset narrows both alike), each rank takes
     ``cores // LOCAL_WORLD_SIZE`` (at least one), so that ranks reading and coding their shards at
     once do not oversubscribe the host (measured 1.4-1.6x slower with two FSDP2 ranks on 2 cores,
     ``docs/benchmarks.md``). A rank the launcher pinned to its own cores has a narrower mask than
-    its parent, which is its share already. CPU quotas (cgroup ``cpu.max``) are not looked at."""
+    its parent, which is its share already. A quota is shared the same way, unless the rank's
+    cgroup differs from its parent's or the parent's cannot be read (then the quota is its own)."""
     cpus = available_cpus()
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -83,6 +87,11 @@ def default_threads() -> int:
         local = 1
     if local > 1 and cpus >= _parent_cpus():
         cpus = max(1, cpus // local)
+    quota = cpu_quota()
+    if quota is not None:
+        if local > 1 and _cgroup_text("self") == _cgroup_text(os.getppid()):
+            quota /= local
+        cpus = min(cpus, max(1, int(quota)))
     return min(DEFAULT_MAX_THREADS, cpus)
 
 
@@ -92,6 +101,79 @@ def _parent_cpus() -> int:
         return max(1, len(os.sched_getaffinity(os.getppid())))
     except (AttributeError, OSError):  # not on Linux, or the parent is gone
         return os.cpu_count() or 1
+
+
+#: Where :func:`cpu_quota` reads cgroups: the cgroup file system and each process's membership
+#: (``{pid}``: ``self`` or a process id). Tests point these at a directory of their own.
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/{pid}/cgroup"
+
+
+def _cgroup_text(pid: int | str) -> str | None:
+    """``/proc/<pid>/cgroup`` (``None`` where it cannot be read: not Linux, or the process is gone)."""
+    try:
+        with open(PROC_CGROUP.format(pid=pid)) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _read_quota(directory: str, v2: bool) -> float | None:
+    """The CPU quota of one cgroup directory in CPUs; ``None`` without one or an unreadable file."""
+    try:
+        if v2:
+            with open(os.path.join(directory, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota < 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def cpu_quota(pid: int | str = "self") -> float | None:
+    """CPUs the CPU quota of a process's cgroup allows (quota / period, the least along the cgroup
+    and its ancestors), or ``None`` without a quota or where none can be read (not Linux).
+
+    cgroup v2: ``cpu.max`` (``"<quota> <period>"``, or ``"max <period>"``: none) of the cgroup
+    ``0::<path>`` of ``/proc/<pid>/cgroup`` names; cgroup v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
+    (a quota of -1: none) of its ``cpu`` controller's cgroup (kernel documentation,
+    ``Documentation/admin-guide/cgroup-v2.rst`` "cpu.max" and ``scheduler/sched-bwc.rst``). The
+    walk up to the mount's root also finds a container's own cgroup, which its namespace shows at
+    the root while ``/proc`` still names the path on the host.
+
+    Args:
+        pid: ``"self"`` or a process id.
+
+    Returns:
+        The quota in CPUs (``1.5``: one and a half CPUs' time per period), or ``None``.
+    """
+    text = _cgroup_text(pid)
+    if text is None:
+        return None
+    found = []
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            bases, v2 = [CGROUP_ROOT], True
+        elif "cpu" in controllers.split(","):
+            bases, v2 = [os.path.join(CGROUP_ROOT, controllers), os.path.join(CGROUP_ROOT, "cpu")], False
+        else:
+            continue
+        for base in dict.fromkeys(bases):
+            rel = path.strip("/")
+            while True:
+                q = _read_quota(os.path.join(base, rel) if rel else base, v2)
+                if q is not None:
+                    found.append(q)
+                if not rel:
+                    break
+                rel = os.path.dirname(rel)
+    return min(found) if found else None
 
 
 def check_threads(value: object, field: str) -> None:

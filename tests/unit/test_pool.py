@@ -160,6 +160,71 @@ def test_a_child_forked_while_the_pool_lock_is_held_still_codes():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.fixture(autouse=True)
+def _no_cgroups(tmp_path, monkeypatch):
+    """No CPU quota unless a test writes one: the machine running the tests may have its own."""
+    monkeypatch.setattr(_pool, "CGROUP_ROOT", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(_pool, "PROC_CGROUP", str(tmp_path / "proc-{pid}-cgroup"))
+
+
+def _cgroups(tmp_path, membership: dict, files: dict) -> None:
+    """Write ``/proc/<pid>/cgroup`` texts (``membership``: pid -> text) and cgroup files
+    (``files``: path under the cgroup root -> content) where :func:`_pool.cpu_quota` reads them."""
+    for pid, text in membership.items():
+        (tmp_path / f"proc-{pid}-cgroup").write_text(text)
+    for rel, content in files.items():
+        f = tmp_path / "cgroup" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(content)
+
+
+@pytest.mark.parametrize("membership, files, want", [
+    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),  # v2, a container's own cgroup at the root
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # v2, no limit
+    # v2 nested: the least along the cgroup and its ancestors (a pod's limit above a container's)
+    ("0::/kubepods/pod1/c1\n", {"kubepods/cpu.max": "max 100000", "kubepods/pod1/cpu.max": "150000 100000",
+                                 "kubepods/pod1/c1/cpu.max": "400000 100000"}, 1.5),
+    # v1 (hybrid hierarchy, as on this project's machines): /proc names the host's path, the
+    # container's namespace shows its own cgroup at the controller's root
+    ("12:cpu,cpuacct:/docker/abc\n0::/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n",
+                                               "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("3:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no limit
+    ("3:cpu:/a\n", {"cpu/a/cpu.cfs_quota_us": "50000", "cpu/a/cpu.cfs_period_us": "100000"}, 0.5),
+    ("0::/\n", {"cpu.max": "lots 100000"}, None),  # unreadable files: no quota, no error
+    ("0::/\n", {"cpu.max": "100000 0"}, None),
+    ("0::/\n", {"cpu.max": ""}, None),
+    ("garbage\n\n::\n", {}, None),
+])
+def test_cpu_quota_reads_cgroup_v1_and_v2(tmp_path, membership, files, want):
+    _cgroups(tmp_path, {"self": membership}, files)
+    assert _pool.cpu_quota() == want
+
+
+def test_cpu_quota_without_a_cgroup_file():
+    assert _pool.cpu_quota() is None  # (the fixture's paths do not exist: not Linux, or the process is gone)
+
+
+@pytest.mark.parametrize("local, quota, parent_same, want", [
+    (None, "200000 100000", True, 2),  # a limit of 2 CPUs among the 16 cores of the mask
+    (None, "250000 100000", True, 2),  # rounded down: a third thread would be throttled
+    (None, "50000 100000", True, 1),  # below one CPU: one thread
+    (None, "3200000 100000", True, 8),  # above the mask's 16 is impossible; above 8: the cap
+    ("2", "400000 100000", True, 2),  # two torchrun ranks in the launcher's cgroup share its limit
+    ("2", "400000 100000", False, 4),  # a rank in a cgroup of its own has the limit to itself
+    ("4", "max 100000", True, 4),  # no limit: the mask's 16 shared among 4
+])
+def test_default_threads_stay_within_the_cpu_quota(tmp_path, monkeypatch, local, quota, parent_same, want):
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    monkeypatch.setattr(_pool.os, "sched_getaffinity", lambda pid: set(range(16)))
+    ppid = os.getppid()
+    _cgroups(tmp_path, {"self": "0::/job\n", ppid: "0::/job\n" if parent_same else "0::/\n"},
+             {"job/cpu.max": quota})
+    assert _pool.default_threads() == want
+
+
 @pytest.mark.parametrize("local, mask, parent, want", [
     (None, 16, 16, 8),  # no launcher: one per core, at most 8
     ("1", 2, 2, 2),

@@ -214,7 +214,7 @@ class Codec(Protocol):
 
         Args:
             items: ``(positions, values, old_values, numel)`` per tensor, as :meth:`encode` takes them.
-            threads: worker threads; ``None``: one per CPU core the process may use, at most 8
+            threads: worker threads; ``None``: one per CPU core the process may use (within its CPU quota), at most 8
                 (shared among a launcher's local ranks: :func:`~torch_deltasync._pool.default_threads`).
                 1 encodes in order on the calling thread.
 

@@ -39,7 +39,8 @@ class ReceiverConfig:
     threads: int | None = None
     """Tensors decoded, staged (old values read, steps resolved) and verified at once, on the
     library's helper threads and the calling one: an int in ``[1, 256]``, or ``None`` for one per CPU
-    core available to the process, at most 8, shared out among a launcher's ranks on the host
+    core available to the process (within its cgroup CPU quota), at most 8, shared out among a
+    launcher's ranks on the host
     (:func:`torch_deltasync._pool.default_threads`). ``1`` keeps it all on the calling thread, in order.
     Old values are read on these threads only from targets that declare ``concurrent_reads``
     (:class:`~torch_deltasync.targets.Target`; the library's do); the writes of a commit always run

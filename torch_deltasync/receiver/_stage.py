@@ -173,7 +173,8 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
 
     Args:
         threads: tensors staged at once; ``None``: :func:`~torch_deltasync._pool.default_threads`
-            (one per CPU core the process may use, at most 8); 1: all on the calling thread, in order.
+            (one per CPU core the process may use within its CPU quota, at most 8); 1: all on the calling
+            thread, in order.
 
     Returns:
         ``(staged, base)``: ``staged`` maps each changed tensor to ``(positions, final values)``

@@ -75,7 +75,7 @@ class SenderConfig:
     threads: int | None = None
     """Tensors read for changes (cast, compared, positions extracted, checksum updated) and encoded
     at once, on the library's helper threads and the calling one: an int in ``[1, 256]``, or
-    ``None`` for one per CPU core available to the process, at most 8 (under ``torchrun`` the
+    ``None`` for one per CPU core available to the process (within its cgroup CPU quota), at most 8 (under ``torchrun`` the
     cores shared out among its ``LOCAL_WORLD_SIZE`` ranks on the host unless each is pinned to its
     own: :func:`torch_deltasync._pool.default_threads`). ``1`` keeps it all on the
     calling thread, in order. Only large tensors are shared out (read: 64K elements or more, in
