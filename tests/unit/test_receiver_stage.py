@@ -177,6 +177,57 @@ def test_a_drifted_tensor_staged_on_threads_is_named_and_recovered_from_the_anch
     assert first_difference(trainer, replica) is None
 
 
+class _RecordingTarget(ModuleTarget):
+    """Records which thread writes each tensor: ``[(name, on the main thread)]``; with more than
+    one thread the first two writes wait for each other (a barrier), so a commit that wrote on one
+    thread only fails instead of passing by chance."""
+
+    def __init__(self, model, threads):
+        super().__init__(model)
+        self.seen: list[tuple[str, bool]] = []
+        self.barrier = threading.Barrier(2, timeout=10) if threads > 1 else None
+
+    def write(self, name, positions, values):
+        self.seen.append((name, threading.current_thread() is threading.main_thread()))
+        if self.barrier is not None and len(self.seen) <= 2:
+            self.barrier.wait()
+        super().write(name, positions, values)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_commit_writes_tensors_on_threads_bit_exactly(store, monkeypatch, threads):
+    """``ModuleTarget`` declares ``concurrent_writes`` for a model in host memory: with
+    ``threads=2`` a commit writes tensors on a helper thread as well as the calling one, with
+    ``threads=1`` all on the calling thread; the same bits either way, for one version and a chain."""
+    trainer, _, sender, _, opt, gen = _setup(store, steps=1)
+    for _ in range(2):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    replica = make_mlp(1, torch.bfloat16)
+    target = _RecordingTarget(replica, threads)
+    receiver = DeltaReceiver(target, store, threads=threads)
+    receiver.update(0)  # the anchor: whole tensors on the calling thread
+    assert target.concurrent_writes
+    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)  # the small model's tensors count as large
+    for version in (1, 3):
+        target.seen.clear()
+        if target.barrier is not None:
+            target.barrier.reset()
+        assert receiver.update(version) == version and receiver.last_stats.path == "delta"
+        assert sorted(n for n, _ in target.seen) == sorted(n for n, _ in trainer.named_parameters())
+        assert any(not main for _, main in target.seen) == (threads > 1), target.seen
+        receiver.verify()  # every tensor's checksum against the version's manifest
+    assert first_difference(trainer, replica) is None
+
+
+def test_a_model_off_the_host_is_written_from_the_calling_thread():
+    target = ModuleTarget(make_mlp(1, torch.bfloat16).to("meta"))
+    assert not target.concurrent_writes  # (before check, and for tensors that are not on the CPU)
+    cpu = ModuleTarget(make_mlp(1, torch.bfloat16))
+    cpu.check({n: tuple(t.shape) for n, t in cpu.tensors.items()}, {}, torch.bfloat16)
+    assert cpu.concurrent_writes
+
+
 class _PartialTarget(ModuleTarget):
     """A target that holds none of ``2.weight`` (as a TP or EP rank may hold none of a tensor's
     changes): reading it is an error, as on ``VLLMTarget``."""

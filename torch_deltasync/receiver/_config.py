@@ -37,14 +37,15 @@ class ReceiverConfig:
     many at a time."""
 
     threads: int | None = None
-    """Tensors decoded, staged (old values read, steps resolved) and verified at once, on the
+    """Tensors decoded, staged (old values read, steps resolved), verified and written at once, on the
     library's helper threads and the calling one: an int in ``[1, 256]``, or ``None`` for one per CPU
     core available to the process (within its cgroup CPU quota), at most 8, shared out among a
     launcher's ranks on the host
     (:func:`torch_deltasync._pool.default_threads`). ``1`` keeps it all on the calling thread, in order.
     Old values are read on these threads only from targets that declare ``concurrent_reads``
-    (:class:`~torch_deltasync.targets.Target`; the library's do); the writes of a commit always run
-    on the calling thread."""
+    (:class:`~torch_deltasync.targets.Target`; the library's do), and a commit writes tensors on
+    them only into targets that declare ``concurrent_writes`` (``ModuleTarget`` in host memory);
+    other writes run on the calling thread."""
 
     metrics_path: str | os.PathLike | None = None
     """File to append one JSON line of :class:`~torch_deltasync.receiver.UpdateStats` to per

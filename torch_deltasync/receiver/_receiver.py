@@ -50,7 +50,9 @@ from ..format import verify_bytes
 from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manifest_key
 from ..manifest import Manifest, load_manifest
 from ..store import Store, open_store
+from .._pool import map_largest_first
 from ..targets import ModuleTarget, Target
+from ..targets._base import allows_concurrent
 from ._config import ReceiverConfig
 from ._plan import PlanStep, UpdatePlan, walk_chain
 from ._stage import StagedUpdate, UpdateStats, stage_anchor, stage_deltas, verify_checksums
@@ -342,8 +344,10 @@ class DeltaReceiver:
 
     def commit(self, staged: StagedUpdate) -> int:
         """Write a :meth:`prepare`'d version into the target: ``index_copy_`` of the staged
-        positions (delta path) or ``copy_`` of whole tensors (anchor path), then the target's
-        :meth:`~torch_deltasync.targets.Target.finish` (e.g. re-packing changed vLLM modules).
+        positions (delta path; different tensors on ``ReceiverConfig.threads`` threads where the
+        target declares ``concurrent_writes``) or ``copy_`` of whole tensors (anchor path), then
+        the target's :meth:`~torch_deltasync.targets.Target.finish` (e.g. re-packing changed vLLM
+        modules).
 
         Returns:
             The version now held.
@@ -353,7 +357,8 @@ class DeltaReceiver:
             StaleUpdateError: the target no longer holds ``staged.base_version`` (another update,
                 :meth:`assume` or a failure came in between), or another receiver prepared
                 ``staged``; nothing is written. Prepare again.
-            Exception: whatever a write raises (e.g. out of memory); the held state is then
+            Exception: whatever a write raises (e.g. out of memory; the first in the order of the
+                staged tensors when writes on several threads fail); the held state is then
                 unknown (``version`` is ``None``) and the next update takes the anchor path.
         """
         with self._lock:
@@ -373,10 +378,13 @@ class DeltaReceiver:
                     self.target.assign(name, full)
                     changed += full.numel()
             else:
-                for name, (pos, val) in staged._sparse.items():  # type: ignore[union-attr]
-                    if pos.numel():
-                        self.target.write(name, pos, val)
-                        changed += pos.numel()
+                writes = [(name, pos, val) for name, (pos, val) in staged._sparse.items()  # type: ignore[union-attr]
+                          if pos.numel()]
+                # different tensors at once where the target allows it (largest first; the small
+                # ones on this thread): a write costs a cache line per change at RL densities
+                threads = self.receiver_config.threads if allows_concurrent(self.target, "writes") else 1
+                map_largest_first(lambda w: self.target.write(*w), writes, [w[1].numel() for w in writes], threads)
+                changed = sum(w[1].numel() for w in writes)
             self.target.finish(staged.written)
             self._checksums = staged._checksums or {}
             self.version = staged.version

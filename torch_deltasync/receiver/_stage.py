@@ -16,6 +16,7 @@ from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTarg
 from ..format import EncodedDelta, decode_anchor, read_delta
 from ..manifest import Manifest
 from ..targets import Target
+from ..targets._base import allows_concurrent
 from ._plan import UpdatePlan
 
 
@@ -195,7 +196,7 @@ def stage_deltas(target: Target, manifests: tuple[Manifest, ...], blobs: dict[st
             chains.setdefault(name, []).append((m.version, parts))
     names = list(chains)
     sizes = [sum(p.count for _, parts in chains[n] for p in parts) for n in names]
-    if _concurrent_reads(target):
+    if allows_concurrent(target, "reads"):
         # chains.pop: each tensor's encoded parts are let go once it is staged
         results = map_largest_first(lambda n: _stage_tensor(target, n, _decoded(n, chains.pop(n)), dtype),
                                     names, sizes, threads)
@@ -275,11 +276,6 @@ def _read(target: Target, name: str, pos: torch.Tensor, dtype: torch.dtype) -> t
     return out
 
 
-def _concurrent_reads(target: Target) -> bool:
-    """Whether ``target`` lets :meth:`Target.read` / ``owned`` run for several tensors at once."""
-    return bool(getattr(target, "concurrent_reads", False))
-
-
 @contextmanager
 def _named_mismatch(version: int, name: str, note: str = "") -> Iterator[None]:
     """Re-raise a :class:`ChecksumMismatchError` naming ``version`` and tensor ``name`` (+ ``note``)."""
@@ -352,7 +348,7 @@ def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: 
 
     names = [entry.name for entry in final.tensors]
     sizes = [dense[n].numel() if dense is not None else staged[n][0].numel() if n in staged else 0 for n in names]
-    if dense is None and not _concurrent_reads(target):
+    if dense is None and not allows_concurrent(target, "reads"):
         threads = 1  # one() may read the target (tensors changed by several versions)
     new = dict(zip(names, map_largest_first(one, names, sizes, threads)))
     bad = [entry.name for entry in final.tensors if new[entry.name] != entry.checksum]

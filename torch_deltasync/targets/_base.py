@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Target", "TARGET_MEMBERS"]
+__all__ = ["Target", "TARGET_MEMBERS", "allows_concurrent"]
 
 #: The members a :class:`Target` has (what ``isinstance(obj, Target)`` checks).
 TARGET_MEMBERS = ("holds_all", "check", "read", "owned", "write", "assign", "finish", "checksum")
@@ -35,7 +35,10 @@ class Target(Protocol):
     part of the ``isinstance`` check; the library's targets set it) lets a receiver call
     :meth:`owned` and :meth:`read` for different tensors on several threads at once while it
     stages an update (``ReceiverConfig.threads``); other targets get every call on the receiver's
-    calling thread. Writes always come from one thread.
+    calling thread. Likewise ``concurrent_writes = True`` (:class:`ModuleTarget` sets it) lets a
+    commit call :meth:`write` for different tensors on several threads at once (never the same
+    name twice, and no other method meanwhile); :meth:`assign` and :meth:`finish` always come
+    from the calling thread.
     """
 
     #: True when the target holds every element of every tensor (so the receiver can verify the
@@ -81,3 +84,10 @@ class Target(Protocol):
     def checksum(self, name: str, dtype: torch.dtype) -> int:
         """Partial checksum (:mod:`torch_deltasync.checksum`) of the elements this target holds,
         each counted once, in ``dtype``."""
+
+
+def allows_concurrent(target: object, calls: str) -> bool:
+    """Whether ``target`` declares ``concurrent_<calls>`` (``"reads"``: :meth:`Target.read` and
+    ``owned``; ``"writes"``: :meth:`Target.write`) true, so a receiver may make those calls for
+    several tensors at once (see :class:`Target`, "Threads")."""
+    return bool(getattr(target, f"concurrent_{calls}", False))

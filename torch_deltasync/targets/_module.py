@@ -99,6 +99,7 @@ class ModuleTarget(Target):
         # A receiver reads tensors on several threads: a lookup that finds a replaced tensor (and
         # checks the whole target again, or finds every tensor again) must not be seen half done.
         self._lookup_lock = threading.RLock()
+        self._write_lock = threading.Lock()  # a commit writes tensors on several threads
         self._bind()
         self._mirrors: dict[str, list[str]] = {}  # canonical -> untied aliases to write as well
         self._codecs: dict[str, _Codec] = {}
@@ -106,6 +107,15 @@ class ModuleTarget(Target):
         self._keys: dict[str, tuple] = {}  # name -> identity of the tensor that check validated
         self._writing = False  # the last call wrote (an update's apply is under way)
         self._written: set[str] = set()  # names written since the last scan
+        self._on_cpu = False  # every tensor check() validated is in host memory
+
+    @property
+    def concurrent_writes(self) -> bool:
+        """See :class:`Target`: a commit may write different tensors on several threads at once
+        when every tensor is in host memory (they scatter into different storage: :meth:`check`
+        refuses tensors the receiver ties that the sender publishes apart). Accelerator tensors
+        are written from the calling thread, on its stream."""
+        return self._on_cpu
 
     # --- live lookup -------------------------------------------------------------------------------
 
@@ -184,12 +194,14 @@ class ModuleTarget(Target):
     def _start_write(self, name: str) -> None:
         """Before a write or assign: the first one of an update (after a read or check, or a name
         written again: a new update) looks every tensor up, so that a replacement that no longer
-        fits is refused before any weight changes, not halfway through."""
-        if not self._writing or name in self._written:
-            self._scan()
-            self._written = set()
-        self._writing = True
-        self._written.add(name)
+        fits is refused before any weight changes, not halfway through. Writes of one commit may
+        come from several threads: the first to arrive scans while the others wait."""
+        with self._write_lock:
+            if not self._writing or name in self._written:
+                self._scan()
+                self._written = set()
+            self._writing = True
+            self._written.add(name)
 
     def _recheck(self) -> None:
         if self._checked is None:
@@ -269,6 +281,7 @@ class ModuleTarget(Target):
                 )
             codecs[n] = _Codec(storage, dtype)
         self._mirrors, self._codecs = mirrors, codecs
+        self._on_cpu = all(tensors[n].device.type == "cpu" for n in codecs)
         self._keys = {n: _identity(tensors[n]) for n in codecs}
         self._checked = (dict(shapes), dict(aliases), dtype)
 
