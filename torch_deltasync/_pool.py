@@ -10,7 +10,9 @@ receiver's staging (:mod:`torch_deltasync.receiver`).
 from __future__ import annotations
 
 import os
+import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -32,9 +34,10 @@ _POOL_LOCK = threading.Lock()
 
 def _forget_pool() -> None:
     """In a forked child: the parent's pool has no threads there, and its lock may have been held
-    by a thread that does not exist either."""
+    by a thread that does not exist either; the quotas read were another process's."""
     global _POOL, _POOL_LOCK
     _POOL, _POOL_LOCK = None, threading.Lock()
+    _QUOTAS.clear()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
@@ -78,8 +81,9 @@ def default_threads() -> int:
     ``cores // LOCAL_WORLD_SIZE`` (at least one), so that ranks reading and coding their shards at
     once do not oversubscribe the host (measured 1.4-1.6x slower with two FSDP2 ranks on 2 cores,
     ``docs/benchmarks.md``). A rank the launcher pinned to its own cores has a narrower mask than
-    its parent, which is its share already. A quota is shared the same way, unless the rank's
-    cgroup differs from its parent's or the parent's cannot be read (then the quota is its own)."""
+    its parent, which is its share already. The quota is shared the same way when the parent is
+    under the same quota (the same CPUs per period: one cgroup, or one ancestor's limit over
+    both); a rank in a cgroup whose limit its parent does not share has the limit to itself."""
     cpus = available_cpus()
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -89,7 +93,7 @@ def default_threads() -> int:
         cpus = max(1, cpus // local)
     quota = cpu_quota()
     if quota is not None:
-        if local > 1 and _cgroup_text("self") == _cgroup_text(os.getppid()):
+        if local > 1 and cpu_quota(os.getppid()) == quota:
             quota /= local
         cpus = min(cpus, max(1, int(quota)))
     return min(DEFAULT_MAX_THREADS, cpus)
@@ -103,47 +107,83 @@ def _parent_cpus() -> int:
         return os.cpu_count() or 1
 
 
-#: Where :func:`cpu_quota` reads cgroups: the cgroup file system and each process's membership
-#: (``{pid}``: ``self`` or a process id). Tests point these at a directory of their own.
-CGROUP_ROOT = "/sys/fs/cgroup"
+#: Where :func:`cpu_quota` learns a process's cgroups (``{pid}``: ``self`` or a process id) and
+#: where this mount namespace mounts the cgroup file systems. Tests point these at files of their own.
 PROC_CGROUP = "/proc/{pid}/cgroup"
+PROC_MOUNTINFO = "/proc/self/mountinfo"
+
+#: How long a :func:`cpu_quota` result is reused, in seconds: ``default_threads`` runs a few times
+#: per version, and reading the cgroup files costs ~0.1 ms; a changed limit is seen within this.
+QUOTA_TTL_S = 10.0
+_QUOTAS: dict[tuple, tuple[float, float | None]] = {}  # (pid, files) -> (when read, quota)
 
 
-def _cgroup_text(pid: int | str) -> str | None:
-    """``/proc/<pid>/cgroup`` (``None`` where it cannot be read: not Linux, or the process is gone)."""
+def _read_text(path: str) -> str | None:
+    """A regular file's text (``None`` for anything else or an unreadable one: never a FIFO's
+    wait). Bytes that are not UTF-8 (cgroup names may hold any) survive as surrogates."""
     try:
-        with open(PROC_CGROUP.format(pid=pid)) as f:
+        if not os.path.isfile(path):
+            return None
+        with open(path, errors="surrogateescape") as f:
             return f.read()
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
+def _unescape(field: str) -> str:
+    """A path of ``/proc/<pid>/mountinfo``, whose spaces, tabs, newlines and backslashes are octal
+    escapes (``\\040``)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _cgroup_mounts() -> list[tuple[bool, str, str, frozenset[str]]]:
+    """``(v2, root, mount point, controllers)`` of every ``cgroup`` and ``cgroup2`` mount in
+    ``mountinfo`` (``proc(5)``: fields 4 and 5 are the mount's root within its file system and
+    its mount point; after ``-``, the file system type, source and super options, which name a v1
+    hierarchy's controllers)."""
+    mounts = []
+    for line in (_read_text(PROC_MOUNTINFO) or "").splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+            continue
+        v2 = tail[0] == "cgroup2"
+        controllers = frozenset() if v2 else frozenset(tail[2].split(","))
+        mounts.append((v2, _unescape(fields[3]), _unescape(fields[4]), controllers))
+    return mounts
+
+
 def _read_quota(directory: str, v2: bool) -> float | None:
-    """The CPU quota of one cgroup directory in CPUs; ``None`` without one or an unreadable file."""
+    """The CPU quota of one cgroup directory in CPUs; ``None`` without one, or for a file that
+    does not parse (a negative, zero or absurd value included)."""
     try:
         if v2:
-            with open(os.path.join(directory, "cpu.max")) as f:
-                quota, period = f.read().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
-        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
-            quota = int(f.read())
-        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
-            period = int(f.read())
-        return None if quota < 0 else quota / period
-    except (OSError, ValueError, ZeroDivisionError):
+            quota, period = (_read_text(os.path.join(directory, "cpu.max")) or "").split()[:2]
+            if quota == "max":
+                return None
+        else:
+            quota = _read_text(os.path.join(directory, "cpu.cfs_quota_us")) or ""
+            period = _read_text(os.path.join(directory, "cpu.cfs_period_us")) or ""
+        q, p = int(quota), int(period)
+        return q / p if q > 0 and p > 0 else None
+    except (ValueError, ArithmeticError):
         return None
 
 
 def cpu_quota(pid: int | str = "self") -> float | None:
     """CPUs the CPU quota of a process's cgroup allows (quota / period, the least along the cgroup
-    and its ancestors), or ``None`` without a quota or where none can be read (not Linux).
+    and its ancestors that this mount namespace shows), or ``None`` without a quota or where none
+    can be read (not Linux, the process gone). Results are reused for :data:`QUOTA_TTL_S`.
 
-    cgroup v2: ``cpu.max`` (``"<quota> <period>"``, or ``"max <period>"``: none) of the cgroup
-    ``0::<path>`` of ``/proc/<pid>/cgroup`` names; cgroup v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
-    (a quota of -1: none) of its ``cpu`` controller's cgroup (kernel documentation,
-    ``Documentation/admin-guide/cgroup-v2.rst`` "cpu.max" and ``scheduler/sched-bwc.rst``). The
-    walk up to the mount's root also finds a container's own cgroup, which its namespace shows at
-    the root while ``/proc`` still names the path on the host.
+    Each line of ``/proc/<pid>/cgroup`` names a cgroup path (``0::<path>``: cgroup v2;
+    ``<n>:cpu,cpuacct:<path>``: the v1 hierarchy of the ``cpu`` controller); ``mountinfo`` says
+    where that hierarchy is mounted and which of its cgroups is the mount's root (a container
+    sees its own cgroup there). The quota files are then read in the process's cgroup directory
+    and each parent up to the mount point: v2 ``cpu.max`` (``"<quota> <period>"``, or ``"max
+    <period>"``: none), v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none); kernel
+    documentation, ``admin-guide/cgroup-v2.rst`` ("cpu.max") and ``scheduler/sched-bwc.rst``. This
+    is where Kubernetes CPU limits and ``docker run --cpus`` land; the affinity mask does not show
+    them.
 
     Args:
         pid: ``"self"`` or a process id.
@@ -151,23 +191,35 @@ def cpu_quota(pid: int | str = "self") -> float | None:
     Returns:
         The quota in CPUs (``1.5``: one and a half CPUs' time per period), or ``None``.
     """
-    text = _cgroup_text(pid)
+    key = (str(pid), PROC_CGROUP, PROC_MOUNTINFO)
+    hit = _QUOTAS.get(key)
+    now = time.monotonic()
+    if hit is not None and now - hit[0] < QUOTA_TTL_S:
+        return hit[1]
+    quota = _cpu_quota(pid)
+    _QUOTAS[key] = (now, quota)
+    return quota
+
+
+def _cpu_quota(pid: int | str) -> float | None:
+    text = _read_text(PROC_CGROUP.format(pid=pid))
     if text is None:
         return None
+    mounts = _cgroup_mounts()
     found = []
     for line in text.splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":
-            bases, v2 = [CGROUP_ROOT], True
-        elif "cpu" in controllers.split(","):
-            bases, v2 = [os.path.join(CGROUP_ROOT, controllers), os.path.join(CGROUP_ROOT, "cpu")], False
-        else:
+        v2 = hierarchy == "0" and controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
             continue
-        for base in dict.fromkeys(bases):
-            rel = path.strip("/")
+        for mount_v2, root, point, mount_controllers in mounts:
+            if mount_v2 != v2 or (not v2 and "cpu" not in mount_controllers):
+                continue
+            rel = os.path.relpath(path, root) if path == root or path.startswith(root.rstrip("/") + "/") else "."
+            rel = "" if rel == "." else rel  # a cgroup outside the mount's root: only the root is seen
             while True:
-                q = _read_quota(os.path.join(base, rel) if rel else base, v2)
+                q = _read_quota(os.path.join(point, rel) if rel else point, v2)
                 if q is not None:
                     found.append(q)
                 if not rel:
@@ -245,9 +297,16 @@ def map_largest_first(fn: Callable, items: Sequence, sizes: Sequence[int], threa
     finally:  # also on KeyboardInterrupt: no helper may still work on the items once this returns
         with lock:
             stopped[0] = True
+        interrupt = None
         for h in helpers:  # a helper still queued (behind another caller's work) has nothing left to do
-            if not h.cancel():
-                h.result()
+            while not h.cancel():
+                try:  # a second Ctrl-C must not end the wait: a helper may be writing live weights
+                    h.result()
+                    break
+                except KeyboardInterrupt as e:
+                    interrupt = e
+        if interrupt is not None:
+            raise interrupt
     if errors:
         raise errors[min(errors)]
     return [results[i] for i in range(n)]

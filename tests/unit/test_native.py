@@ -363,7 +363,8 @@ def test_gap_sums_near_and_past_the_end_same_outcome(r, numel):
     cases = []
     for at in (0, _native.BLOCK + 3):  # which gap carries the excess
         g = rng.integers(0, 3, k).astype(np.uint64)
-        rest = np.uint64(numel - 1) - np.uint64(int(g.sum()) - int(g[at]) + k - 1)  # last position = numel - 1
+        # the gap that puts the last position at numel - 1 (wrapped to 2**64 where k > numel: refused then)
+        rest = np.uint64((numel - 1 - (int(g.sum()) - int(g[at]) + k - 1)) % 2**64)
         for extra in (0, 1, 2**63 + 7 if numel > 2**62 else numel):
             x = g.copy()
             x[at] = rest + np.uint64(extra)  # extra > 0: past the end or above numel - 1 (uint64 wraps)

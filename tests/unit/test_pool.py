@@ -148,6 +148,26 @@ def test_a_pool_replaced_by_a_larger_one_never_refuses_a_callers_work(monkeypatc
     assert not errors, errors[:3]
 
 
+def test_an_interrupted_call_returns_only_after_its_helpers():
+    """Ctrl-C on the calling thread, and again while it waits for a helper: the call still returns
+    only once the helper finished its item (a commit's helper may be writing live weights)."""
+    main = threading.main_thread()
+    started, done = threading.Event(), []
+
+    def fn(i):
+        if threading.current_thread() is main:
+            assert started.wait(10)  # a helper has an item
+            threading.Timer(0.1, lambda: signal.pthread_kill(main.ident, signal.SIGINT)).start()
+            raise KeyboardInterrupt  # the first Ctrl-C; the timer's is the second, during the wait
+        started.set()
+        time.sleep(0.5)
+        done.append(i)
+
+    with pytest.raises(KeyboardInterrupt):
+        _pool.map_largest_first(fn, [0, 1], [1 << 20] * 2, 2)
+    assert len(done) == 1  # the helper's item had finished
+
+
 def test_a_child_forked_while_the_pool_lock_is_held_still_codes():
     """Another thread held the pool's lock at the fork: the child has its own lock and pool."""
     with _pool._POOL_LOCK:  # as if another thread were inside _submit at the fork
@@ -163,65 +183,102 @@ def test_a_child_forked_while_the_pool_lock_is_held_still_codes():
 @pytest.fixture(autouse=True)
 def _no_cgroups(tmp_path, monkeypatch):
     """No CPU quota unless a test writes one: the machine running the tests may have its own."""
-    monkeypatch.setattr(_pool, "CGROUP_ROOT", str(tmp_path / "cgroup"))
     monkeypatch.setattr(_pool, "PROC_CGROUP", str(tmp_path / "proc-{pid}-cgroup"))
+    monkeypatch.setattr(_pool, "PROC_MOUNTINFO", str(tmp_path / "mountinfo"))
+    monkeypatch.setattr(_pool, "_QUOTAS", {})
 
 
-def _cgroups(tmp_path, membership: dict, files: dict) -> None:
-    """Write ``/proc/<pid>/cgroup`` texts (``membership``: pid -> text) and cgroup files
-    (``files``: path under the cgroup root -> content) where :func:`_pool.cpu_quota` reads them."""
-    for pid, text in membership.items():
-        (tmp_path / f"proc-{pid}-cgroup").write_text(text)
+V2 = "30 25 0:26 {root} {point} rw,nosuid - cgroup2 cgroup2 rw\n"
+V1 = "31 25 0:27 {root} {point} rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
+V1_MEMORY = "32 25 0:28 / {point} rw,nosuid - cgroup cgroup rw,memory\n"
+
+
+def _cgroups(tmp_path, membership: dict, mounts: list[tuple[str, str, str]], files: dict) -> None:
+    """Write ``/proc/<pid>/cgroup`` texts (``membership``: pid -> text), a ``mountinfo`` of
+    ``mounts`` (line template, mount root, mount point under ``tmp_path / "fs"``) and cgroup files
+    (``files``: path under ``tmp_path / "fs"`` -> content), where :func:`_pool.cpu_quota` reads them."""
+    for pid, text in membership.items():  # (surrogates stand for bytes that are not UTF-8)
+        (tmp_path / f"proc-{pid}-cgroup").write_bytes(text.encode("utf-8", "surrogateescape"))
+    fs = tmp_path / "fs"
+    (tmp_path / "mountinfo").write_text("".join(
+        line.format(root=root, point=str(fs / point).replace(" ", "\\040")) for line, root, point in mounts))
     for rel, content in files.items():
-        f = tmp_path / "cgroup" / rel
+        f = fs / rel
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(content)
 
 
-@pytest.mark.parametrize("membership, files, want", [
-    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),  # v2, a container's own cgroup at the root
-    ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # v2, no limit
+@pytest.mark.parametrize("membership, mounts, files, want", [
+    # v2 with a cgroup namespace: the container's own cgroup is the mount's root
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max": "200000 100000\n"}, 2.0),
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max": "max 100000\n"}, None),  # no limit
     # v2 nested: the least along the cgroup and its ancestors (a pod's limit above a container's)
-    ("0::/kubepods/pod1/c1\n", {"kubepods/cpu.max": "max 100000", "kubepods/pod1/cpu.max": "150000 100000",
-                                 "kubepods/pod1/c1/cpu.max": "400000 100000"}, 1.5),
-    # v1 (hybrid hierarchy, as on this project's machines): /proc names the host's path, the
-    # container's namespace shows its own cgroup at the controller's root
-    ("12:cpu,cpuacct:/docker/abc\n0::/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n",
-                                               "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3.0),
-    ("3:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no limit
-    ("3:cpu:/a\n", {"cpu/a/cpu.cfs_quota_us": "50000", "cpu/a/cpu.cfs_period_us": "100000"}, 0.5),
-    ("0::/\n", {"cpu.max": "lots 100000"}, None),  # unreadable files: no quota, no error
-    ("0::/\n", {"cpu.max": "100000 0"}, None),
-    ("0::/\n", {"cpu.max": ""}, None),
-    ("garbage\n\n::\n", {}, None),
+    ("0::/kubepods/pod1/c1\n", [(V2, "/", "cg")], {"cg/kubepods/cpu.max": "max 100000", "cg/kubepods/pod1/cpu.max":
+                                                   "150000 100000", "cg/kubepods/pod1/c1/cpu.max": "400000 100000"}, 1.5),
+    # v1 (hybrid, as on this project's machines) bind-mounted without a namespace: /proc names the
+    # host's path, which is the mount's root; a sibling directory on the way is not an ancestor
+    ("12:cpu,cpuacct:/docker/abc\n0::/\n", [(V1, "/docker/abc", "cpu,cpuacct"), (V2, "/", "unified")],
+     {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("12:cpu,cpuacct:/docker/outer\n", [(V1, "/docker/outer", "cpu,cpuacct")],
+     {"cpu,cpuacct/docker/cpu.cfs_quota_us": "50000", "cpu,cpuacct/docker/cpu.cfs_period_us": "100000"}, None),
+    ("3:cpu:/\n", [(V1, "/", "cpu")], {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("3:cpu:/a\n", [(V1, "/", "cpu"), (V1_MEMORY, "/", "memory")],
+     {"cpu/a/cpu.cfs_quota_us": "50000", "cpu/a/cpu.cfs_period_us": "100000",
+      "memory/a/cpu.cfs_quota_us": "10000", "memory/a/cpu.cfs_period_us": "100000"}, 0.5),  # the cpu hierarchy only
+    ("0::/a b\n", [(V2, "/", "c g")], {"c g/a b/cpu.max": "100000 100000"}, 1.0),  # escaped spaces in mountinfo
+    ("0::/job\udcff\n", [(V2, "/", "cg")], {"cg/job\udcff/cpu.max": "300000 100000"}, 3.0),  # a name not in UTF-8
+    # files that do not parse: no quota, never an error
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max": "lots 100000"}, None),
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max": "100000 0"}, None),
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max": "-50000 100000"}, None),
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max": "9" * 400 + " 1"}, None),
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max": ""}, None),
+    ("0::/\n", [(V2, "/", "cg")], {"cg/cpu.max/x": "a directory where the file should be"}, None),
+    ("garbage\n\n::\n", [(V2, "/", "cg")], {}, None),
 ])
-def test_cpu_quota_reads_cgroup_v1_and_v2(tmp_path, membership, files, want):
-    _cgroups(tmp_path, {"self": membership}, files)
+def test_cpu_quota_reads_cgroup_v1_and_v2(tmp_path, membership, mounts, files, want):
+    _cgroups(tmp_path, {"self": membership}, mounts, files)
     assert _pool.cpu_quota() == want
 
 
-def test_cpu_quota_without_a_cgroup_file():
+def test_cpu_quota_without_cgroup_files():
     assert _pool.cpu_quota() is None  # (the fixture's paths do not exist: not Linux, or the process is gone)
 
 
-@pytest.mark.parametrize("local, quota, parent_same, want", [
-    (None, "200000 100000", True, 2),  # a limit of 2 CPUs among the 16 cores of the mask
-    (None, "250000 100000", True, 2),  # rounded down: a third thread would be throttled
-    (None, "50000 100000", True, 1),  # below one CPU: one thread
-    (None, "3200000 100000", True, 8),  # above the mask's 16 is impossible; above 8: the cap
-    ("2", "400000 100000", True, 2),  # two torchrun ranks in the launcher's cgroup share its limit
-    ("2", "400000 100000", False, 4),  # a rank in a cgroup of its own has the limit to itself
-    ("4", "max 100000", True, 4),  # no limit: the mask's 16 shared among 4
+def test_cpu_quota_reads_a_fifo_as_nothing(tmp_path):
+    _cgroups(tmp_path, {"self": "0::/\n"}, [(V2, "/", "cg")], {})
+    (tmp_path / "fs" / "cg").mkdir(parents=True)
+    os.mkfifo(tmp_path / "fs" / "cg" / "cpu.max")
+    assert _pool.cpu_quota() is None  # (opening a FIFO would wait for a writer)
+
+
+def test_cpu_quota_is_reused_for_a_while(tmp_path, monkeypatch):
+    _cgroups(tmp_path, {"self": "0::/\n"}, [(V2, "/", "cg")], {"cg/cpu.max": "200000 100000"})
+    assert _pool.cpu_quota() == 2.0
+    (tmp_path / "fs" / "cg" / "cpu.max").write_text("100000 100000")
+    assert _pool.cpu_quota() == 2.0  # within QUOTA_TTL_S
+    monkeypatch.setattr(_pool, "QUOTA_TTL_S", 0.0)
+    assert _pool.cpu_quota() == 1.0
+
+
+@pytest.mark.parametrize("local, quota, parent, want", [
+    (None, "200000 100000", "0::/job\n", 2),  # a limit of 2 CPUs among the 16 cores of the mask
+    (None, "250000 100000", "0::/job\n", 2),  # rounded down: a third thread would be throttled
+    (None, "50000 100000", "0::/job\n", 1),  # below one CPU: one thread
+    (None, "3200000 100000", "0::/job\n", 8),  # above 8: the cap
+    ("2", "400000 100000", "0::/job\n", 2),  # two torchrun ranks in the launcher's cgroup share its limit
+    ("2", "400000 100000", "0::/job/launcher\n", 2),  # the limit is the parent cgroup's, over both
+    ("2", "400000 100000", "0::/\n", 4),  # a rank in a cgroup of its own has the limit to itself
+    ("4", "max 100000", "0::/job\n", 4),  # no limit: the mask's 16 shared among 4
 ])
-def test_default_threads_stay_within_the_cpu_quota(tmp_path, monkeypatch, local, quota, parent_same, want):
+def test_default_threads_stay_within_the_cpu_quota(tmp_path, monkeypatch, local, quota, parent, want):
     if local is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     monkeypatch.setattr(_pool.os, "sched_getaffinity", lambda pid: set(range(16)))
-    ppid = os.getppid()
-    _cgroups(tmp_path, {"self": "0::/job\n", ppid: "0::/job\n" if parent_same else "0::/\n"},
-             {"job/cpu.max": quota})
+    _cgroups(tmp_path, {"self": "0::/job/rank0\n" if "launcher" in parent else "0::/job\n", os.getppid(): parent},
+             [(V2, "/", "cg")], {"cg/job/cpu.max": quota})
     assert _pool.default_threads() == want
 
 

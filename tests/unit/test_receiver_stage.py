@@ -177,55 +177,95 @@ def test_a_drifted_tensor_staged_on_threads_is_named_and_recovered_from_the_anch
     assert first_difference(trainer, replica) is None
 
 
-class _RecordingTarget(ModuleTarget):
-    """Records which thread writes each tensor: ``[(name, on the main thread)]``; with more than
+def _record_writes(monkeypatch, threads: int) -> list[tuple[str, bool]]:
+    """Record which thread writes each tensor: ``[(name, on the main thread)]``; with more than
     one thread the first two writes wait for each other (a barrier), so a commit that wrote on one
-    thread only fails instead of passing by chance."""
+    thread only fails instead of passing by chance. (``ModuleTarget.write`` itself is wrapped: a
+    subclass that overrides it is written from the calling thread.)"""
+    seen: list[tuple[str, bool]] = []
+    barrier = threading.Barrier(2, timeout=10)
+    write = ModuleTarget.write
 
-    def __init__(self, model, threads):
-        super().__init__(model)
-        self.seen: list[tuple[str, bool]] = []
-        self.barrier = threading.Barrier(2, timeout=10) if threads > 1 else None
+    def recording(self, name, positions, values):
+        seen.append((name, threading.current_thread() is threading.main_thread()))
+        if threads > 1 and len(seen) <= 2:
+            barrier.wait()
+        write(self, name, positions, values)
 
-    def write(self, name, positions, values):
-        self.seen.append((name, threading.current_thread() is threading.main_thread()))
-        if self.barrier is not None and len(self.seen) <= 2:
-            self.barrier.wait()
-        super().write(name, positions, values)
+    monkeypatch.setattr(ModuleTarget, "write", recording)
+    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)  # the small model's tensors count as large
+    return seen
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_commit_writes_tensors_on_threads_bit_exactly(store, monkeypatch, threads):
-    """``ModuleTarget`` declares ``concurrent_writes`` for a model in host memory: with
-    ``threads=2`` a commit writes tensors on a helper thread as well as the calling one, with
-    ``threads=1`` all on the calling thread; the same bits either way, for one version and a chain."""
+    """``ModuleTarget`` allows concurrent writes for a model in host memory: with ``threads=2`` a
+    commit writes tensors on a helper thread as well as the calling one, with ``threads=1`` all on
+    the calling thread; the same bits either way, for one version and a chain of two."""
     trainer, _, sender, _, opt, gen = _setup(store, steps=1)
     for _ in range(2):
         train_step(trainer, opt, gen)
         sender.publish()
     replica = make_mlp(1, torch.bfloat16)
-    target = _RecordingTarget(replica, threads)
-    receiver = DeltaReceiver(target, store, threads=threads)
+    receiver = DeltaReceiver(replica, store, threads=threads)
     receiver.update(0)  # the anchor: whole tensors on the calling thread
-    assert target.concurrent_writes
-    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)  # the small model's tensors count as large
+    assert receiver.target.concurrent_writes
+    seen = _record_writes(monkeypatch, threads)
     for version in (1, 3):
-        target.seen.clear()
-        if target.barrier is not None:
-            target.barrier.reset()
+        seen.clear()
         assert receiver.update(version) == version and receiver.last_stats.path == "delta"
-        assert sorted(n for n, _ in target.seen) == sorted(n for n, _ in trainer.named_parameters())
-        assert any(not main for _, main in target.seen) == (threads > 1), target.seen
+        assert sorted(n for n, _ in seen) == sorted(n for n, _ in trainer.named_parameters())
+        assert any(not main for _, main in seen) == (threads > 1), seen
         receiver.verify()  # every tensor's checksum against the version's manifest
     assert first_difference(trainer, replica) is None
 
 
-def test_a_model_off_the_host_is_written_from_the_calling_thread():
-    target = ModuleTarget(make_mlp(1, torch.bfloat16).to("meta"))
-    assert not target.concurrent_writes  # (before check, and for tensors that are not on the CPU)
-    cpu = ModuleTarget(make_mlp(1, torch.bfloat16))
-    cpu.check({n: tuple(t.shape) for n, t in cpu.tensors.items()}, {}, torch.bfloat16)
-    assert cpu.concurrent_writes
+class _ClampingTarget(ModuleTarget):
+    """Overrides ``write`` (with torch state of its own: an in-place op under the caller's grad mode)."""
+
+    def write(self, name, positions, values):
+        super().write(name, positions, values)
+        self._get(name).clamp_(-1, 1)
+
+
+def test_targets_that_cannot_take_writes_on_threads_get_them_on_the_calling_thread(store):
+    """Unchecked, moved off the host after its check, or a subclass that overrides ``write``
+    (torch's grad mode is per thread: its in-place op would fail on a helper thread)."""
+    trainer, _, sender, _, opt, gen = _setup(store, steps=1)
+    model = make_mlp(1, torch.bfloat16)
+    target = ModuleTarget(model)
+    assert not target.concurrent_writes  # not checked yet
+    target.check({n: tuple(t.shape) for n, t in target.tensors.items()}, {}, torch.bfloat16)
+    assert target.concurrent_writes
+    model.to("meta")  # (in place: the parameters stay, their data moves)
+    assert not target.concurrent_writes
+    clamping = _ClampingTarget(make_mlp(1, torch.bfloat16).requires_grad_(True))
+    receiver = DeltaReceiver(clamping, store, threads=2)
+    with torch.no_grad():
+        receiver.update(0)
+        assert not clamping.concurrent_writes
+        assert receiver.update(1) == 1
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self, tie: str | None):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+        self.proj = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+        self.head = getattr(self, tie) if tie else torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+
+
+def test_written_tensors_that_share_memory_are_refused(store):
+    """The sender ties ``head`` to ``emb`` (so ``head`` is an alias), the receiver ties it to
+    ``proj``: writing ``head`` as ``emb``'s mirror would overwrite ``proj``."""
+    sender = DeltaSender(_Tied("emb"), store)
+    sender.publish()
+    with pytest.raises(IncompatibleTargetError, match="'head' and 'proj' share memory|'proj' and 'head' share memory"):
+        DeltaReceiver(_Tied("proj").to(torch.bfloat16), store).update()
+    flat = torch.zeros(3 * 64 * 32, dtype=torch.bfloat16)  # one flat buffer cut into three tensors: fine
+    views = {n: flat[i * 2048:(i + 1) * 2048].view(64, 32) for i, n in enumerate(("emb", "proj", "head"))}
+    receiver = DeltaReceiver(views, store)
+    assert receiver.update() == 0
 
 
 class _PartialTarget(ModuleTarget):

@@ -35,10 +35,11 @@ class Target(Protocol):
     part of the ``isinstance`` check; the library's targets set it) lets a receiver call
     :meth:`owned` and :meth:`read` for different tensors on several threads at once while it
     stages an update (``ReceiverConfig.threads``); other targets get every call on the receiver's
-    calling thread. Likewise ``concurrent_writes = True`` (:class:`ModuleTarget` sets it) lets a
-    commit call :meth:`write` for different tensors on several threads at once (never the same
-    name twice, and no other method meanwhile); :meth:`assign` and :meth:`finish` always come
-    from the calling thread.
+    calling thread. Likewise a true ``concurrent_writes`` (:class:`ModuleTarget` has it for a
+    model in host memory) lets a commit call :meth:`write` for different tensors on several
+    threads at once (each name once per commit); :meth:`assign` and :meth:`finish` always come
+    from the calling thread, and so do the writes of other targets. (Reads of a ``prepare`` that
+    another thread runs may overlap a commit's writes, with or without these flags.)
     """
 
     #: True when the target holds every element of every tensor (so the receiver can verify the

@@ -23,6 +23,33 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
+def _refuse_shared_memory(tensors: Mapping[str, torch.Tensor], written: list[str]) -> None:
+    """Refuse two ``written`` tensors (published tensors and the aliases written beside them) whose
+    memory overlaps: each takes its own version's values, so whichever wrote last would win, and
+    a commit may write them at once (:attr:`ModuleTarget.concurrent_writes`). Views of one storage
+    that do not overlap (a flat parameter buffer cut into tensors) are fine.
+
+    Raises:
+        IncompatibleTargetError: naming both tensors.
+    """
+    spans = []
+    for n in written:
+        t = tensors[n]
+        if t.numel() == 0:
+            continue
+        start = t.storage_offset() * t.element_size()
+        end = start + (1 + sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride()))) * t.element_size()
+        spans.append((t.device, t.untyped_storage().data_ptr(), start, end, n))
+    spans.sort(key=lambda x: (str(x[0]), x[1], x[2]))
+    for (dev_a, ptr_a, _, end_a, a), (dev_b, ptr_b, start_b, _, b) in zip(spans, spans[1:]):
+        if (dev_a, ptr_a) == (dev_b, ptr_b) and start_b < end_a:
+            raise IncompatibleTargetError(
+                f"the receiver's tensors {a!r} and {b!r} share memory, but the sender publishes them as separate "
+                "tensors (or ties one of them to a third): untie them in the receiving model (give each its own "
+                "storage), or tie them in the trainer as well"
+            )
+
+
 class _Codec:
     """How values of the inference dtype live in a tensor's storage, bit for bit.
 
@@ -107,15 +134,19 @@ class ModuleTarget(Target):
         self._keys: dict[str, tuple] = {}  # name -> identity of the tensor that check validated
         self._writing = False  # the last call wrote (an update's apply is under way)
         self._written: set[str] = set()  # names written since the last scan
-        self._on_cpu = False  # every tensor check() validated is in host memory
 
     @property
     def concurrent_writes(self) -> bool:
         """See :class:`Target`: a commit may write different tensors on several threads at once
-        when every tensor is in host memory (they scatter into different storage: :meth:`check`
-        refuses tensors the receiver ties that the sender publishes apart). Accelerator tensors
-        are written from the calling thread, on its stream."""
-        return self._on_cpu
+        when every checked tensor is in host memory now (:meth:`check` refuses written tensors
+        that share memory, so they scatter into disjoint storage). Accelerator tensors are written
+        from the calling thread, on its stream. A subclass that overrides :meth:`write` gets its
+        writes on the calling thread (torch's grad mode and streams are per thread); it can
+        override this property to opt in."""
+        if self._checked is None or type(self).write is not ModuleTarget.write:
+            return False
+        with self._lookup_lock:
+            return all(self._get(n).device.type == "cpu" for n in list(self._keys))
 
     # --- live lookup -------------------------------------------------------------------------------
 
@@ -263,6 +294,8 @@ class ModuleTarget(Target):
                 if tuple(t.shape) != shapes[canon]:
                     raise IncompatibleTargetError(f"alias {alias!r} has shape {tuple(t.shape)}, expected {shapes[canon]}")
                 mirrors.setdefault(canon, []).append(alias)
+        _refuse_shared_memory(tensors, [n for n in shapes if tensors[n].numel()] +
+                              [a for m in mirrors.values() for a in m])
         if self.strict:
             covered = set(shapes) | set(aliases)
             extra = [n for n in tensors if n not in covered]
@@ -281,7 +314,6 @@ class ModuleTarget(Target):
                 )
             codecs[n] = _Codec(storage, dtype)
         self._mirrors, self._codecs = mirrors, codecs
-        self._on_cpu = all(tensors[n].device.type == "cpu" for n in codecs)
         self._keys = {n: _identity(tensors[n]) for n in codecs}
         self._checked = (dict(shapes), dict(aliases), dtype)
 
