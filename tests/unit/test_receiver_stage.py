@@ -111,48 +111,58 @@ def test_an_update_staged_by_another_receiver_is_refused(store, tmp_path):
     assert _same_bits(state_bits(replica), before) and receiver.version is None
 
 
-def _record_staging(monkeypatch, threads: int) -> list[tuple[str, bool]]:
-    """Record which thread stages each tensor: ``[(name, on the main thread)]``. With more than one
-    thread, the first two tensors wait for each other (a barrier), so a helper surely takes part
-    and a staging that ran on one thread only would fail instead of passing by chance."""
-    from torch_deltasync.receiver import _stage
-
-    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)  # the small model's tensors count as large
+def _record_threads(monkeypatch, owner, attr: str, threads: int) -> list[tuple[str, bool]]:
+    """Wrap ``owner.attr`` (called as ``f(x, name, ...)`` once per tensor) to record which thread
+    handles each tensor: ``[(name, on the main thread)]``. With more than one thread, the first two
+    tensors wait for each other (a barrier), so a helper surely takes part and work that ran on one
+    thread only fails instead of passing by chance. The small model's tensors count as large."""
+    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)
     seen: list[tuple[str, bool]] = []
     barrier = threading.Barrier(2, timeout=10)
-    stage_tensor = _stage._stage_tensor
+    fn = getattr(owner, attr)
 
-    def recording(target, name, chain, dtype):
+    def recording(first, name, *rest):
         seen.append((name, threading.current_thread() is threading.main_thread()))
         if threads > 1 and len(seen) <= 2:
             barrier.wait()
-        return stage_tensor(target, name, chain, dtype)
+        return fn(first, name, *rest)
 
-    monkeypatch.setattr(_stage, "_stage_tensor", recording)
+    monkeypatch.setattr(owner, attr, recording)
     return seen
 
 
+def _record_staging(monkeypatch, threads: int) -> list[tuple[str, bool]]:
+    """Which thread stages each tensor (:func:`_record_threads` of the receiver's staging)."""
+    from torch_deltasync.receiver import _stage
+
+    return _record_threads(monkeypatch, _stage, "_stage_tensor", threads)
+
+
+@pytest.mark.parametrize("work", ["staging", "writes"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_tensors_are_staged_on_threads_bit_exactly(store, monkeypatch, threads):
+def test_tensors_are_staged_and_written_on_threads_bit_exactly(store, monkeypatch, threads, work):
     """``threads=2``: the tensors of an update are staged (decoded, old values read, steps
-    resolved, versions merged) on a helper thread as well as the calling one; ``threads=1`` stages
-    them all on the calling thread. Same bits either way, for one version and for a chain of two."""
+    resolved, versions merged) and, as ``ModuleTarget`` allows concurrent writes for a model in
+    host memory, written by a commit on a helper thread as well as the calling one; ``threads=1``
+    does all on the calling thread. Same bits either way, for one version and for a chain of two."""
     trainer, _, sender, _, opt, gen = _setup(store, steps=1)
     for _ in range(2):
         train_step(trainer, opt, gen)
         sender.publish()
     replica = make_mlp(1, torch.bfloat16)
     receiver = DeltaReceiver(replica, store, threads=threads)
-    receiver.update(0)  # the anchor
-    seen = _record_staging(monkeypatch, threads)
+    receiver.update(0)  # the anchor (whole tensors, on the calling thread)
+    assert receiver.target.concurrent_writes
+    seen = (_record_staging(monkeypatch, threads) if work == "staging"
+            else _record_threads(monkeypatch, ModuleTarget, "write", threads))  # (its own write: on threads)
     for version, n_versions in ((1, 1), (3, 2)):
         seen.clear()
         assert receiver.update(version) == version
         assert receiver.last_stats.path == "delta" and receiver.last_stats.versions_applied == n_versions
         assert sorted(n for n, _ in seen) == sorted(n for n, _ in trainer.named_parameters())  # all changed
         assert any(not main for _, main in seen) == (threads > 1), seen
+        receiver.verify()  # every tensor's checksum against the version's manifest
     assert first_difference(trainer, replica) is None
-    receiver.verify()
 
 
 def test_a_drifted_tensor_staged_on_threads_is_named_and_recovered_from_the_anchor(store, monkeypatch, caplog):
@@ -174,49 +184,6 @@ def test_a_drifted_tensor_staged_on_threads_is_named_and_recovered_from_the_anch
     assert "version 2 tensor '2.weight': the old values at the" in caplog.text
     assert staged.plan.path == "anchor" and staged.stats.recovered
     assert receiver.commit(staged) == 2
-    assert first_difference(trainer, replica) is None
-
-
-def _record_writes(monkeypatch, threads: int) -> list[tuple[str, bool]]:
-    """Record which thread writes each tensor: ``[(name, on the main thread)]``; with more than
-    one thread the first two writes wait for each other (a barrier), so a commit that wrote on one
-    thread only fails instead of passing by chance. (``ModuleTarget.write`` itself is wrapped: a
-    subclass that overrides it is written from the calling thread.)"""
-    seen: list[tuple[str, bool]] = []
-    barrier = threading.Barrier(2, timeout=10)
-    write = ModuleTarget.write
-
-    def recording(self, name, positions, values):
-        seen.append((name, threading.current_thread() is threading.main_thread()))
-        if threads > 1 and len(seen) <= 2:
-            barrier.wait()
-        write(self, name, positions, values)
-
-    monkeypatch.setattr(ModuleTarget, "write", recording)
-    monkeypatch.setattr(_pool, "PARALLEL_MIN_CHANGES", 1)  # the small model's tensors count as large
-    return seen
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_commit_writes_tensors_on_threads_bit_exactly(store, monkeypatch, threads):
-    """``ModuleTarget`` allows concurrent writes for a model in host memory: with ``threads=2`` a
-    commit writes tensors on a helper thread as well as the calling one, with ``threads=1`` all on
-    the calling thread; the same bits either way, for one version and a chain of two."""
-    trainer, _, sender, _, opt, gen = _setup(store, steps=1)
-    for _ in range(2):
-        train_step(trainer, opt, gen)
-        sender.publish()
-    replica = make_mlp(1, torch.bfloat16)
-    receiver = DeltaReceiver(replica, store, threads=threads)
-    receiver.update(0)  # the anchor: whole tensors on the calling thread
-    assert receiver.target.concurrent_writes
-    seen = _record_writes(monkeypatch, threads)
-    for version in (1, 3):
-        seen.clear()
-        assert receiver.update(version) == version and receiver.last_stats.path == "delta"
-        assert sorted(n for n, _ in seen) == sorted(n for n, _ in trainer.named_parameters())
-        assert any(not main for _, main in seen) == (threads > 1), seen
-        receiver.verify()  # every tensor's checksum against the version's manifest
     assert first_difference(trainer, replica) is None
 
 
