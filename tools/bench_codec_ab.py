@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_codec import DramCopy, qwen3_sets, synthetic_sets  # noqa: E402
 
 import torch_deltasync  # noqa: E402
+from torch_deltasync._dtypes import bits  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,10 +61,6 @@ def load_base(rev: str, into: Path):
     return importlib.import_module("tds_base")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def compare(name: str, cs: dict, codecs: dict, rounds: int, copy: DramCopy) -> dict:
     """Both codecs on one change set: correctness, then ``rounds`` alternating timed rounds."""
     items = [(pos, new, old, numel) for pos, old, new, numel in cs.values() if pos.numel()]
@@ -74,7 +71,7 @@ def compare(name: str, cs: dict, codecs: dict, rounds: int, copy: DramCopy) -> d
             for parts, (pos, new, old, numel) in zip(src, items):
                 d = c.decode(parts, numel=numel, count=pos.numel(), dtype=new.dtype)
                 got = d.resolve(old) if d.needs_base else d.values
-                if not (torch.equal(d.positions, pos) and torch.equal(_bits(got), _bits(new))):
+                if not (torch.equal(d.positions, pos) and torch.equal(bits(got), bits(new))):
                     raise AssertionError(f"{name}: the {label} codec did not round-trip bit-exactly")
     same = all(torch.equal(a["packed"], b["packed"]) for a, b in zip(*blobs.values()))
 

@@ -216,8 +216,8 @@ def _cpu_quota(pid: int | str) -> float | None:
         for mount_v2, root, point, mount_controllers in mounts:
             if mount_v2 != v2 or (not v2 and "cpu" not in mount_controllers):
                 continue
-            rel = os.path.relpath(path, root) if path == root or path.startswith(root.rstrip("/") + "/") else "."
-            rel = "" if rel == "." else rel  # a cgroup outside the mount's root: only the root is seen
+            inside = path == root or path.startswith(root.rstrip("/") + "/")
+            rel = path[len(root):].strip("/") if inside else ""  # outside the mount's root: only the root is seen
             while True:
                 q = _read_quota(os.path.join(point, rel) if rel else point, v2)
                 if q is not None:

@@ -69,18 +69,21 @@ def _pack_low_bits(g, m, r, low, at, c8):
     byte offset. ``c8``: uint8 scratch of at least ``m`` bytes, 8-byte aligned (numpy's are).
 
     For ``r`` in 1, 2, 4 and 8 (the shifts of 0.5-10% density, where the mean gap is 10-200)
-    each output byte holds whole fields: the fields go to one byte each (``c8``, vectorised), and
-    each output byte gathers its ``8 // r`` bytes from one 64-, 32- or 16-bit word (for ``r = 1``
+    each output byte holds whole fields (``r = 8``: one, copied): the fields go to one byte each
+    (``c8``, vectorised), and each output byte gathers its ``8 // r`` bytes from one 64-, 32- or
+    16-bit word (for ``r = 1``
     by a multiply that moves bit 0 of each of 8 bytes to the top byte, and a shift). Other widths
     gather 8 fields into ``r`` bytes of a 64-bit word."""
     mask = (_U1 << _u64(r)) - _U1
-    if r == 1 or r == 2 or r == 4 or r == 8:
+    if r == 8:
+        for j in range(m):  # vectorises
+            low[at + j] = np.uint8(g[j] & mask)
+        return at + m
+    if r == 1 or r == 2 or r == 4:
         for j in range(m):  # vectorises
             c8[j] = np.uint8(g[j] & mask)
         n_out = m * r // 8
-        if r == 8:
-            low[at : at + n_out] = c8[:n_out]
-        elif r == 4:
+        if r == 4:
             c16 = c8.view(np.uint16)
             for o in range(n_out):
                 w = c16[o]
