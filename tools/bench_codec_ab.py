@@ -10,7 +10,9 @@ on the same change sets, alternating which goes first in every round:
 * decode+resolve: ``decode`` then ``resolve`` per tensor (what a receiver does), one thread;
 
 in CPU time (``time.process_time``) per changed element, with a DRAM copy of the seed-format bytes
-(6 per change) timed after every round as in ``bench_codec.py``. Before timing, both codecs'
+(6 per change) timed after every round as in ``bench_codec.py``. With ``--threads N`` (N > 1)
+both run on N threads (``encode_many``; decode+resolve through ``_pool.map_largest_first``, the
+helper ``decode_many`` uses) and are timed in wall time, the DRAM copy too. Before timing, both codecs'
 output is decoded by both and checked bit for bit against the change set, and the blobs are
 compared byte for byte (``same bytes``: a change meant to keep the format must keep it).
 
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_codec import DramCopy, qwen3_sets, synthetic_sets  # noqa: E402
 
 import torch_deltasync  # noqa: E402
+from torch_deltasync._pool import map_largest_first  # noqa: E402
 from torch_deltasync._dtypes import bits  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,8 +64,9 @@ def load_base(rev: str, into: Path):
     return importlib.import_module("tds_base")
 
 
-def compare(name: str, cs: dict, codecs: dict, rounds: int, copy: DramCopy) -> dict:
-    """Both codecs on one change set: correctness, then ``rounds`` alternating timed rounds."""
+def compare(name: str, cs: dict, codecs: dict, rounds: int, copy: DramCopy, threads: int = 1) -> dict:
+    """Both codecs on one change set: correctness, then ``rounds`` alternating timed rounds (CPU
+    time on one thread; wall time on ``threads`` > 1)."""
     items = [(pos, new, old, numel) for pos, old, new, numel in cs.values() if pos.numel()]
     k = sum(it[0].numel() for it in items)
     blobs = {label: c.encode_many(items, threads=1) for label, c in codecs.items()}
@@ -75,10 +79,16 @@ def compare(name: str, cs: dict, codecs: dict, rounds: int, copy: DramCopy) -> d
                     raise AssertionError(f"{name}: the {label} codec did not round-trip bit-exactly")
     same = all(torch.equal(a["packed"], b["packed"]) for a, b in zip(*blobs.values()))
 
+    def decode_one(c, parts, item):
+        pos, new, old, numel = item
+        d = c.decode(parts, numel=numel, count=pos.numel(), dtype=new.dtype)
+        return d.resolve(old) if d.needs_base else d.values
+
     def decode_all(c, parts_list):
-        for parts, (pos, new, old, numel) in zip(parts_list, items):
-            d = c.decode(parts, numel=numel, count=pos.numel(), dtype=new.dtype)
-            d.resolve(old) if d.needs_base else d.values
+        map_largest_first(lambda x: decode_one(c, *x), list(zip(parts_list, items)),
+                          [it[0].numel() for it in items], threads)
+
+    clock = time.process_time if threads == 1 else time.perf_counter
 
     times = {label: {"encode": [], "decode": []} for label in codecs}
     copies = []
@@ -86,13 +96,13 @@ def compare(name: str, cs: dict, codecs: dict, rounds: int, copy: DramCopy) -> d
     for r in range(rounds):
         for label in (labels if r % 2 == 0 else labels[::-1]):
             c = codecs[label]
-            t = time.process_time()
-            c.encode_many(items, threads=1)
-            times[label]["encode"].append((time.process_time() - t) * 1e9 / k)
-            t = time.process_time()
+            t = clock()
+            c.encode_many(items, threads=threads)
+            times[label]["encode"].append((clock() - t) * 1e9 / k)
+            t = clock()
             decode_all(c, blobs[label])
-            times[label]["decode"].append((time.process_time() - t) * 1e9 / k)
-        copies.append(copy.seconds(6 * k, time.process_time) * 1e9 / k)
+            times[label]["decode"].append((clock() - t) * 1e9 / k)
+        copies.append(copy.seconds(6 * k, clock) * 1e9 / k)
     cp = statistics.median(copies)
     row = {"set": name, "changes": k, "copy_ns": cp, "same_bytes": same}
     for label in labels:
@@ -110,6 +120,8 @@ def main() -> int:
     ap.add_argument("--synthetic", default="0.01,0.05", help="densities of Bernoulli sets ('' for none)")
     ap.add_argument("--synthetic-numel", type=int, default=40_000_000)
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads of encode_many and of decode+resolve (above 1: wall time, not CPU time)")
     ap.add_argument("--jsonl", default=None, help="append one JSON line per change set")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -123,13 +135,14 @@ def main() -> int:
         sets.update(synthetic_sets(densities, args.synthetic_numel))
         copy = DramCopy()
         rows = []
-        print(f"\n{args.base} ('base') against the working tree ('tree'), CPU ns per change (x the DRAM copy), "
-              f"medians of {args.rounds} alternating rounds, one thread")
+        clock = "CPU" if args.threads == 1 else "wall"
+        print(f"\n{args.base} ('base') against the working tree ('tree'), {clock} ns per change (x the DRAM copy), "
+              f"medians of {args.rounds} alternating rounds, {args.threads} thread(s)")
         print("| change set | changes | DRAM copy ns | encode base | tree | tree / base | decode+resolve base | tree "
               "| tree / base | same bytes |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for name, cs in sets.items():
-            r = compare(name, cs, codecs, args.rounds, copy)
+            r = compare(name, cs, codecs, args.rounds, copy, args.threads)
             rows.append(r)
             print(f"| {name} | {r['changes']:,} | {r['copy_ns']:.2f} | {r['base_encode_ns']:.2f} ({r['base_encode_x_copy']:.1f}x) "
                   f"| {r['tree_encode_ns']:.2f} ({r['tree_encode_x_copy']:.1f}x) | {r['tree_encode_ns'] / r['base_encode_ns']:.2f} "
@@ -140,7 +153,7 @@ def main() -> int:
         Path(args.jsonl).parent.mkdir(parents=True, exist_ok=True)
         with open(args.jsonl, "a") as f:
             for r in rows:
-                f.write(json.dumps({"base": args.base, **r}) + "\n")
+                f.write(json.dumps({"base": args.base, "threads": args.threads, **r}) + "\n")
     return 0
 
 

@@ -110,7 +110,10 @@ def _materialize() -> None:
         import numba as nb
         from numba.cpython.unsafe.numbers import trailing_zeros as cttz  # an LLVM intrinsic
 
+        from . import _native_zstd  # (its kernels are deferred too: defined before the loop below)
+
         compiled = {prefetch: _prefetch_intrinsic(), trailing_zeros: cttz}  # Python stand-ins -> intrinsics
+        compiled.update(_native_zstd.intrinsics())  # libzstd's functions (symbols registered with LLVM)
         for proxy in _DEFERRED:
             proxy.dispatcher = nb.njit(**proxy.options)(proxy.fn)
         # Every module that defines kernels, or imported one by name (``from .._native import

@@ -575,10 +575,15 @@ def test_everything_works_without_numba(tmp_path):
         "    raise AssertionError('set_enabled(True) without numba')\n"
         "print('ok without numba')\n"
     )
+    run_child(script, "ok without numba")
+
+
+def run_child(script: Path, expected: str) -> None:
+    """Run ``script`` in a child process with this checkout on its path; it must print ``expected``."""
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(root)})
-    assert r.returncode == 0 and "ok without numba" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and expected in r.stdout, r.stdout + r.stderr
 
 
 # --- applying in place -----------------------------------------------------------------------------

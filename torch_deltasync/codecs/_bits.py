@@ -215,6 +215,12 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
 
 # --- zstd streams -------------------------------------------------------------------------------
 
+#: The packed codec's level 1: zstd's fast strategy with a 1 KiB hash table and 7-byte matches
+#: (:class:`~torch_deltasync.codecs.PackedCodec`), as ``zstandard.ZstdCompressionParameters``
+#: keywords (the compiled kernels set the same, :mod:`torch_deltasync._native_zstd`).
+LEVEL1_PARAMS = dict(window_log=17, hash_log=10, chain_log=10, search_log=1, min_match=7, target_length=0,
+                     strategy=zstandard.STRATEGY_FAST)
+
 tls = threading.local()  # zstd contexts, one per thread (creating one costs ~8 us; not thread-safe)
 
 
@@ -222,11 +228,8 @@ def compressor(level: int) -> zstandard.ZstdCompressor:
     """This thread's zstd compressor at ``level``."""
     cctx = getattr(tls, "cctx", None)
     if cctx is None or tls.level != level:
-        if level == 1:  # level 1's fast strategy with a 1 KiB hash table and 7-byte matches
-            params = zstandard.ZstdCompressionParameters(
-                window_log=17, hash_log=10, chain_log=10, search_log=1, min_match=7, target_length=0,
-                strategy=zstandard.STRATEGY_FAST)
-            cctx = zstandard.ZstdCompressor(compression_params=params)
+        if level == 1:
+            cctx = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(**LEVEL1_PARAMS))
         else:
             cctx = zstandard.ZstdCompressor(level=level)
         tls.cctx, tls.level = cctx, level

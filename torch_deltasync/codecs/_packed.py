@@ -37,7 +37,9 @@ specification. When numba is available (:mod:`~torch_deltasync._native`), encodi
 run as a few compiled one-pass loops per tensor instead, which write and accept exactly the same
 bytes (``tests/unit/test_native.py``); a kernel that finds a blob invalid hands it back to the numpy
 decoder, which raises the specific error. The size estimates behind the encoder's choices are
-compiled (when numba is there) and shared by both paths. Kernels and zstd release the GIL, so
+compiled (when numba is there) and shared by both paths. The kernels call libzstd themselves
+(:mod:`~torch_deltasync._native_zstd`: the same frames as ``zstandard``), so a tensor is usually
+encoded in one kernel call and decoded in one, each one release of the GIL:
 :meth:`~torch_deltasync.codecs.Codec.encode_many` / ``decode_many`` run tensors on several threads.
 """
 
@@ -49,7 +51,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from .. import _native
+from .. import _native, _native_zstd
 from . import _packed_decode as _decode_kernels
 from . import _packed_kernels as _kernels
 from .._dtypes import int_view_dtype
@@ -100,6 +102,16 @@ def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     if t.dim() != 1:
         t = t.reshape(-1)
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _split_payload(payload: np.ndarray, entries: np.ndarray) -> list[tuple[int, np.ndarray, int]]:
+    """:func:`~._packed_kernels.encode_compressed`'s result as ``pack_stream``'s ``(method,
+    payload, raw_len)`` per stream."""
+    streams, at = [], 0
+    for method, raw_len, stored_len in entries.tolist():
+        streams.append((method, payload[at : at + stored_len], raw_len))
+        at += stored_len
+    return streams
 
 
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
@@ -182,26 +194,37 @@ class PackedCodec(Codec):
         if native:
             # One kernel call: the histograms, the gap shift and the best small code width, the
             # escape bounds and the base checksum (what the receiver's old values must add up
-            # to before it applies relative steps).
-            ok, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base = _kernels.encode_plan(
-                pos, new_u, old_u, width, numel, MAX_GAP_SHIFT,
-                -1 if force_r is None else force_r, -1 if force_b is None else force_b)
-            if not ok:
+            # to before it applies relative steps); and, where the kernels reach libzstd and the
+            # code width needs no second look, the streams and their zstd frames too.
+            ctx = _native_zstd.compression_context(self.level) if _native_zstd.AVAILABLE else 0
+            status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, payload, entries = _kernels.encode_tensor(
+                pos, new_u, old_u, width, numel, MAX_GAP_SHIFT, -1 if force_r is None else force_r,
+                -1 if force_b is None else force_b, _RAW_FLOOR_BITS, ctx)
+            if status == _kernels.INVALID:
                 raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
             base = int(base)
-            if width <= 4 and k and force_b is None and (try16 or best >= n_costed * width * _RAW_FLOOR_BITS):
+            if status == _kernels.REFINE:
                 refined = self._refine_code_bits(
                     int(n_costed), width, int(b), float(best), bool(try16),
                     lambda: _kernels.byte_histograms(new_u, width),
                     lambda: _code16_histograms_native(new_u, old_u, width), k)
                 if refined != b:
                     b, n_val_esc = refined, k  # no exact bound for 16-bit codes or raw values
-            raw_streams = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
-            if raw_streams is None:  # cannot happen: the bounds above are exact or upper bounds
+            if status == _kernels.ENCODED:
+                streams = _split_payload(payload, entries)
+            elif status == _kernels.OVERFLOW:
+                streams = None
+            elif ctx:  # planned and refined here: the streams and zstd in a second call
+                out = _kernels.encode_compressed(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc, ctx)
+                streams = None if out is None else _split_payload(*out)
+            else:  # zstd from Python
+                out = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
+                streams = None if out is None else [pack_stream(x, cctx) for x in out]
+            if streams is None:  # cannot happen: the bounds above are exact or upper bounds
                 raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
         else:
             r, b, base, raw_streams = self._encode_reference(pos, new_u, old_u, old, width, numel, force_r, force_b)
-        streams = [pack_stream(x, cctx) for x in raw_streams]
+            streams = [pack_stream(x, cctx) for x in raw_streams]
 
         # The dense fallback for positions: a bitmap, when the gaps are not clearly smaller.
         bitmap_nbytes = -(-numel // 8)
@@ -374,12 +397,12 @@ class PackedCodec(Codec):
             raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}] or tensor of {numel} >= 2**63 elements")
         width = dtype.itemsize
         blob = t.contiguous().numpy()
-        blob.flags.writeable = False  # (this view only) streams from zstd are read-only too: one kernel type
         native = _native.enabled()
         if native:
             d = _decode_kernels.decode_blob(blob, numel, count, width, dtype, what)
             if d is not None:
                 return d
+        blob.flags.writeable = False  # (this view only) streams from zstd are read-only too: one kernel type
         # The numpy reference: also what raises the specific error for a blob the kernels refuse.
         data = memoryview(blob)
         h = read_header(data, what)

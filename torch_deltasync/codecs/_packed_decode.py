@@ -1,15 +1,19 @@
-"""Compiled decoding of one ``packed`` blob in two kernel calls: the header, then the streams.
+"""Compiled decoding of one ``packed`` blob in one kernel call: the header, the zstd frames, the streams.
 
 :func:`decode_blob`, the fast path of :meth:`PackedCodec.decode
-<torch_deltasync.codecs.PackedCodec.decode>`, parses the header (:func:`parse_header`), decompresses the streams that are zstd frames (zstandard, in Python:
-each declared length is first bounded by the change count and the tensor size, so nothing
-expands past what the manifest allows) and decodes positions and values in one pass each
-(:func:`decode_streams`). Both kernels validate everything the numpy reference in
-:mod:`._packed` validates and return a status instead of raising; on any failure the caller
-decodes the blob again with the reference, which raises the specific
+<torch_deltasync.codecs.PackedCodec.decode>`, calls :func:`decode_compressed`, which parses the
+header (:func:`parse_header`), decompresses the streams that are zstd frames (libzstd called from
+the kernel, :mod:`torch_deltasync._native_zstd`; each declared length is first bounded by the
+change count and the tensor size, so nothing expands past what the manifest allows) and decodes
+positions and values in one pass each (:func:`decode_streams`). Where the kernels cannot reach
+libzstd, the frames are decompressed by ``zstandard`` in Python between :func:`parse_header` and
+:func:`decode_streams`. The kernels validate everything the numpy reference in :mod:`._packed`
+validates and return a status instead of raising; on any failure the caller decodes the blob
+again with the reference, which raises the specific
 :class:`~torch_deltasync.errors.CorruptObjectError` (``tests/unit/test_native.py`` checks that
-both accept exactly the same blobs). What this saves is the Python between the kernels: a
-decode of a small tensor went from about a dozen kernel and helper calls to two.
+both accept exactly the same blobs). What this saves is the Python between the kernels: a decode
+of a small tensor went from about a dozen kernel and helper calls to one, which is also one
+release of the GIL per tensor for the threads of ``decode_many``.
 
 The stream kernels (:func:`decode_gaps`, :func:`count_code`, :func:`scan_escapes`,
 :func:`decode_steps`, :func:`bitmap_positions`) are also what the numpy reference calls first when
@@ -23,7 +27,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import _native_zstd
 from .._native import _BLOCK, _U0, _U1, BAD, OK, _u64, jit, trailing_zeros
+from .._native_zstd import decompress
 from ..errors import CorruptObjectError
 from ._base import _UNSIGNED, TensorDelta
 from ._bits import MAX_VARINT_BYTES, METHOD_STORED, METHOD_ZSTD, unpack_stream
@@ -497,29 +503,38 @@ def zero(dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode_blob(blob: np.ndarray, numel: int, count: int, width: int, dtype: torch.dtype,
-                   what: str) -> TensorDelta | None:
-    """:meth:`PackedCodec.decode` of ``blob`` (uint8, read-only) in two kernel calls; ``None`` when
-    the kernels or zstd refuse it (the caller then decodes it with the reference to raise)."""
-    status, pos_mode, r, val_mode, b, base, entries = parse_header(blob, numel, count, width)
-    if status != OK:
-        return None
-    s = []
-    for method, raw_len, off, stored_len in entries.tolist():  # lengths bounded by parse_header
-        if method == METHOD_STORED:
-            s.append(blob[off : off + raw_len])
-            continue
-        try:
-            s.append(unpack_stream(method, memoryview(blob[off : off + stored_len]), raw_len, what))
-        except CorruptObjectError:
+                what: str) -> TensorDelta | None:
+    """:meth:`PackedCodec.decode` of ``blob`` (uint8, only read): in one kernel call
+    (:func:`decode_compressed`) where the kernels can call libzstd, else in two with zstd from
+    Python between them. ``None`` when the kernels or zstd refuse the blob (the caller then
+    decodes it with the reference to raise)."""
+    if _native_zstd.AVAILABLE:
+        status, val_mode, base, pos, steps, values, n_raw, relative = decode_compressed(
+            blob, numel, count, width, _native_zstd.decompression_context(), *_templates(width))
+        if status != OK:
             return None
-    u = _UNSIGNED[width]
-    pos = np.empty(count, np.int64)
-    steps = np.empty(count if val_mode == VAL_STEPS else 0, f"i{width}")
-    values = np.empty(count, u)
-    status, n_raw, relative = decode_streams(
-        pos_mode, r, val_mode, b, numel, count, width, *s, pos, steps, values)
-    if status != OK:
-        return None
+    else:
+        blob = blob.view()
+        blob.flags.writeable = False  # (this view) streams from zstandard are read-only: one kernel type
+        status, pos_mode, r, val_mode, b, base, entries = parse_header(blob, numel, count, width)
+        if status != OK:
+            return None
+        s = []
+        for method, raw_len, off, stored_len in entries.tolist():  # lengths bounded by parse_header
+            if method == METHOD_STORED:
+                s.append(blob[off : off + raw_len])
+                continue
+            try:
+                s.append(unpack_stream(method, memoryview(blob[off : off + stored_len]), raw_len, what))
+            except CorruptObjectError:
+                return None
+        pos = np.empty(count, np.int64)
+        steps = np.empty(count if val_mode == VAL_STEPS else 0, f"i{width}")
+        values = np.empty(count, _UNSIGNED[width])
+        status, n_raw, relative = decode_streams(
+            pos_mode, r, val_mode, b, numel, count, width, *s, pos, steps, values)
+        if status != OK:
+            return None
     positions = torch.from_numpy(pos)
     if val_mode == VAL_RAW:
         return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), base_checksum=int(base))
@@ -527,3 +542,62 @@ def decode_blob(blob: np.ndarray, numel: int, count: int, width: int, dtype: tor
         return TensorDelta(positions, zero(dtype).expand(count), torch.from_numpy(steps), None, int(base))
     return TensorDelta(positions, torch.from_numpy(values.view(f"i{width}")).view(dtype), torch.from_numpy(steps),
                        torch.from_numpy(relative), int(base))
+
+
+_TEMPLATES: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _templates(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Empty arrays of the steps' and values' dtypes for ``width`` (the kernel allocates like them)."""
+    t = _TEMPLATES.get(width)
+    if t is None:
+        t = _TEMPLATES[width] = (np.empty(0, f"i{width}"), np.empty(0, _UNSIGNED[width]))
+    return t
+
+
+@jit
+def _inflate(blob, entry, dctx):
+    """``(status, bytes)`` of one stream whose ``(method, raw_len, offset, stored_len)`` ``entry``
+    :func:`parse_header` has bounded: a view of ``blob`` when stored, else decompressed into a new
+    array of ``raw_len`` bytes (:func:`torch_deltasync._native_zstd.decompress`)."""
+    method, raw_len, off, stored_len = entry[0], entry[1], entry[2], entry[3]
+    if method == METHOD_STORED:
+        return OK, blob[off : off + raw_len]
+    out = np.empty(raw_len, np.uint8)
+    return decompress(dctx, blob[off : off + stored_len], out), out
+
+
+@jit
+def decode_compressed(blob, numel, count, width, dctx, step_type, value_type):
+    """A packed blob decoded in one call: :func:`parse_header`, the zstd frames (libzstd from the
+    kernel, each bounded by the header checks first), :func:`decode_streams`.
+
+    Args:
+        blob: uint8 ``(n,)``, only read. ``numel``, ``count``, ``width``: as :func:`parse_header`.
+        dctx: the address of this thread's decompression context
+            (:func:`torch_deltasync._native_zstd.decompression_context`).
+        step_type, value_type: empty arrays of the signed and unsigned dtypes of ``width`` bytes.
+
+    Returns:
+        ``(status, val_mode, base, pos, steps, values, n_raw, relative)``: ``OK`` or ``BAD``; the
+        values mode and base checksum; and what :func:`decode_streams` fills (``steps`` empty in
+        raw values mode) and returns.
+    """
+    no_mask = np.empty(0, np.bool_)
+    status, pos_mode, r, val_mode, b, base, entries = parse_header(blob, numel, count, width)
+    if status != OK:
+        return BAD, val_mode, base, np.empty(0, np.int64), step_type, value_type, 0, no_mask
+    st0, s0 = _inflate(blob, entries[0], dctx)
+    st1, s1 = _inflate(blob, entries[1], dctx)
+    st2, s2 = _inflate(blob, entries[2], dctx)
+    st3, s3 = _inflate(blob, entries[3], dctx)
+    st4, s4 = _inflate(blob, entries[4], dctx)
+    st5, s5 = _inflate(blob, entries[5], dctx)
+    if st0 != OK or st1 != OK or st2 != OK or st3 != OK or st4 != OK or st5 != OK:
+        return BAD, val_mode, base, np.empty(0, np.int64), step_type, value_type, 0, no_mask
+    pos = np.empty(count, np.int64)
+    steps = np.empty(count if val_mode == VAL_STEPS else 0, step_type.dtype)
+    values = np.empty(count, value_type.dtype)
+    status, n_raw, relative = decode_streams(pos_mode, r, val_mode, b, numel, count, width,
+                                             s0, s1, s2, s3, s4, s5, pos, steps, values)
+    return status, val_mode, base, pos, steps, values, n_raw, relative

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit, trailing_zeros
+from .._native_zstd import compress, compress_bound
+from ._bits import METHOD_STORED, METHOD_ZSTD, MIN_ZSTD_BYTES
 from ._packed_estimates import (
     STEP_CAP, SAMPLE_EVERY, SAMPLE_FROM, best_gap_shift, best_step_code, gap_shift_window, wide_steps,
 )
@@ -428,6 +430,89 @@ def encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc):
     planes = np.empty(n_raw * width, np.uint8)
     to_planes(raw[:n_raw], width, planes)
     return high, ext[:n_ext], low, codes, vext[:n_vext], planes
+
+
+#: What :func:`encode_tensor` did: encoded the tensor; refused its positions; planned it and left
+#: the code width to the caller (:meth:`PackedCodec._refine_code_bits`); planned it only (no
+#: compression context); or found an escape buffer too small (a bug).
+ENCODED, INVALID, REFINE, PLANNED, OVERFLOW = 0, 1, 2, 3, 4
+
+
+@jit
+def encode_tensor(pos, new, old, width, numel, max_shift, force_r, force_b, raw_floor_bits, cctx):
+    """One tensor's :func:`encode_plan` and, when the plan settles the code width and ``cctx`` is a
+    compression context, its :func:`encode_compressed` in the same call (one release of the GIL
+    per tensor).
+
+    The plan leaves the code width to the caller (``REFINE``) when 16-bit codes could beat it or
+    its estimate is not below raw values' floor, ``k * width * raw_floor_bits`` bits (the caller
+    then costs both from full histograms, :meth:`PackedCodec._refine_code_bits`), unless
+    ``force_b`` sets it.
+
+    Args:
+        pos, new, old, width, numel, max_shift, force_r, force_b: as :func:`encode_plan`.
+        raw_floor_bits: the least bits per byte an estimate of raw values can be.
+        cctx: the address of a compression context, or 0 to plan only.
+
+    Returns:
+        ``(status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, payload, entries)``:
+        ``ENCODED``, ``INVALID``, ``REFINE``, ``PLANNED`` or ``OVERFLOW``; the plan
+        (:func:`encode_plan`); and when ``ENCODED``, :func:`encode_compressed`'s result (else
+        empty).
+    """
+    ok, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base = encode_plan(
+        pos, new, old, width, numel, max_shift, force_r, force_b)
+    status = PLANNED
+    payload, entries = np.empty(0, np.uint8), np.zeros((6, 3), np.int64)
+    if not ok:
+        status = INVALID
+    elif width <= 4 and pos.size and force_b < 0 and (try16 or best >= n_costed * width * raw_floor_bits):
+        status = REFINE
+    elif cctx != 0:
+        out = encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, cctx)
+        if out is None:
+            status = OVERFLOW
+        else:
+            payload, entries = out
+            status = ENCODED
+    return status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, payload, entries
+
+
+@jit
+def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, cctx):
+    """:func:`encode_streams`, then each stream compressed with zstd when its frame is shorter
+    (what :func:`~._bits.pack_stream` does in Python; the same frames, :mod:`torch_deltasync._native_zstd`),
+    in the same call: one release of the GIL per tensor instead of one per stream.
+
+    Args:
+        cctx: the address of this thread's compression context
+            (:func:`torch_deltasync._native_zstd.compression_context`).
+
+    Returns:
+        ``(payload, entries)``: the six stored payloads back to back (uint8) and per stream
+        ``(method, raw_len, stored_len)`` (int64 ``(6, 3)``); ``None`` when an escape bound was too
+        small.
+    """
+    streams = encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc)
+    if streams is None:
+        return None
+    room = 0
+    for x in streams:
+        room += compress_bound(x.size)
+    payload = np.empty(room, np.uint8)
+    entries = np.empty((6, 3), np.int64)
+    at = 0
+    for i in range(6):
+        x = streams[i]
+        n = x.size
+        m = compress(cctx, x, payload[at : at + compress_bound(n)]) if n >= MIN_ZSTD_BYTES else -1
+        if m < 0 or m >= n:  # stored: no frame shorter than the stream
+            payload[at : at + n] = x
+            m = n
+        entries[i, 0] = METHOD_ZSTD if m < n else METHOD_STORED
+        entries[i, 1], entries[i, 2] = n, m
+        at += m
+    return payload[:at], entries
 
 
 @jit
