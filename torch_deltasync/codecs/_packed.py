@@ -104,14 +104,10 @@ def _flat_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _split_payload(payload: np.ndarray, entries: np.ndarray) -> list[tuple[int, np.ndarray, int]]:
-    """:func:`~._packed_kernels.encode_compressed`'s result as ``pack_stream``'s ``(method,
-    payload, raw_len)`` per stream."""
-    streams, at = [], 0
-    for method, raw_len, stored_len in entries.tolist():
-        streams.append((method, payload[at : at + stored_len], raw_len))
-        at += stored_len
-    return streams
+def _streams_of(blob: np.ndarray) -> list[tuple[int, np.ndarray, int]]:
+    """The streams of a blob the kernels wrote, as ``pack_stream``'s ``(method, payload, raw_len)``."""
+    h = read_header(memoryview(blob), "packed codec")
+    return [(method, blob[off : off + stored_len], raw_len) for method, raw_len, off, stored_len in h.streams]
 
 
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
@@ -190,47 +186,20 @@ class PackedCodec(Codec):
         width = new.element_size()
         cctx = compressor(self.level)
         new_u, old_u = _bit_pattern(new), _bit_pattern(old)
-        force_r, force_b = self._force_gap_shift, self._force_code_bits
         if native:
-            # One kernel call: the histograms, the gap shift and the best small code width, the
-            # escape bounds and the base checksum (what the receiver's old values must add up
-            # to before it applies relative steps); and, where the kernels reach libzstd and the
-            # code width needs no second look, the streams and their zstd frames too.
-            ctx = _native_zstd.compression_context(self.level) if _native_zstd.AVAILABLE else 0
-            status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, payload, entries = _kernels.encode_tensor(
-                pos, new_u, old_u, width, numel, MAX_GAP_SHIFT, -1 if force_r is None else force_r,
-                -1 if force_b is None else force_b, _RAW_FLOOR_BITS, ctx)
-            if status == _kernels.INVALID:
-                raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
-            base = int(base)
-            if status == _kernels.REFINE:
-                refined = self._refine_code_bits(
-                    int(n_costed), width, int(b), float(best), bool(try16),
-                    lambda: _kernels.byte_histograms(new_u, width),
-                    lambda: _code16_histograms_native(new_u, old_u, width), k)
-                if refined != b:
-                    b, n_val_esc = refined, k  # no exact bound for 16-bit codes or raw values
-            if status == _kernels.ENCODED:
-                streams = _split_payload(payload, entries)
-            elif status == _kernels.OVERFLOW:
-                streams = None
-            elif ctx:  # planned and refined here: the streams and zstd in a second call
-                out = _kernels.encode_compressed(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc, ctx)
-                streams = None if out is None else _split_payload(*out)
-            else:  # zstd from Python
-                out = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
-                streams = None if out is None else [pack_stream(x, cctx) for x in out]
-            if streams is None:  # cannot happen: the bounds above are exact or upper bounds
-                raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
+            blob, streams, r, b, base = self._encode_native(pos, new_u, old_u, width, numel, cctx)
+            if blob is not None:
+                return {"packed": torch.from_numpy(blob)}
         else:
-            r, b, base, raw_streams = self._encode_reference(pos, new_u, old_u, old, width, numel, force_r, force_b)
+            r, b, base, raw_streams = self._encode_reference(pos, new_u, old_u, old, width, numel,
+                                                             self._force_gap_shift, self._force_code_bits)
             streams = [pack_stream(x, cctx) for x in raw_streams]
 
         # The dense fallback for positions: a bitmap, when the gaps are not clearly smaller.
-        bitmap_nbytes = -(-numel // 8)
         gap_nbytes = sum(len(x[1]) for x in streams[:3])
         pos_mode = POS_GAPS
-        if k and gap_nbytes * 4 > bitmap_nbytes and gap_nbytes * 8 > 1.05 * numel * binary_entropy(k / numel):
+        if self._bitmap_may_pay(k, numel, gap_nbytes):
+            bitmap_nbytes = -(-numel // 8)
             if native:
                 bm = np.zeros(bitmap_nbytes, np.uint8)
                 _kernels.bitmap_from_positions(pos, bm)
@@ -243,6 +212,48 @@ class PackedCodec(Codec):
                 empty = (METHOD_STORED, b"", 0)
                 pos_mode, r, streams[:3] = POS_BITMAP, 0, [bm, empty, empty]
         return {"packed": self._blob(pos_mode, r, VAL_STEPS if b else VAL_RAW, b, base, streams)}
+
+    def _encode_native(self, pos: np.ndarray, new_u: np.ndarray, old_u: np.ndarray, width: int, numel: int, cctx):
+        """The compiled path of :meth:`encode`: ``(blob, None, r, b, base)`` when the kernels wrote
+        the final blob, else ``(None, streams, r, b, base)``, the streams as ``pack_stream``
+        gives them, when the bitmap of positions may be smaller or zstd runs in Python (where the
+        kernels cannot reach libzstd).
+
+        One kernel call (:func:`._packed_kernels.encode_tensor`) makes the histograms, the gap
+        shift and the best small code width, the escape bounds and the base checksum (what the
+        receiver's old values must add up to before it applies relative steps) and, where the
+        kernels reach libzstd and the code width needs no second look, the streams, their zstd
+        frames and the blob."""
+        k = pos.size
+        force_r, force_b = self._force_gap_shift, self._force_code_bits
+        ctx = _native_zstd.compression_context(self.level) if _native_zstd.AVAILABLE else 0
+        status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, blob, gap_nbytes = _kernels.encode_tensor(
+            pos, new_u, old_u, width, numel, MAX_GAP_SHIFT, -1 if force_r is None else force_r,
+            -1 if force_b is None else force_b, _RAW_FLOOR_BITS, ctx)
+        if status == _kernels.INVALID:
+            raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
+        if status == _kernels.REFINE:
+            refined = self._refine_code_bits(
+                int(n_costed), width, int(b), float(best), bool(try16),
+                lambda: _kernels.byte_histograms(new_u, width),
+                lambda: _code16_histograms_native(new_u, old_u, width), k)
+            if refined != b:
+                b, n_val_esc = refined, k  # no exact bound for 16-bit codes or raw values
+        out = (blob, gap_nbytes) if status == _kernels.ENCODED else None
+        if status not in (_kernels.ENCODED, _kernels.OVERFLOW):  # planned (and refined) here
+            if not ctx:  # zstd from Python
+                raw = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
+                if raw is not None:
+                    return None, [pack_stream(x, cctx) for x in raw], r, b, int(base)
+            else:
+                out = _kernels.encode_compressed(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc,
+                                                 np.uint64(base), ctx)  # (numba returns uint64 as int)
+        if out is None:  # cannot happen: the bounds above are exact or upper bounds
+            raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
+        blob, gap_nbytes = out
+        if self._bitmap_may_pay(k, numel, int(gap_nbytes)):
+            return None, _streams_of(blob), r, b, int(base)
+        return blob, None, r, b, int(base)
 
     def _encode_reference(self, pos: np.ndarray, new_u: np.ndarray, old_u: np.ndarray, old: torch.Tensor,
                           width: int, numel: int, force_r: int | None, force_b: int | None):
@@ -285,6 +296,13 @@ class PackedCodec(Codec):
         raw_streams = _gap_streams(gaps, r) + (_step_streams(new_u, width, b, z) if b else
                                                [np.empty(0, np.uint8)] * 2 + [to_planes(new_u)])
         return r, b, base, raw_streams
+
+    @staticmethod
+    def _bitmap_may_pay(k: int, numel: int, gap_nbytes: int) -> bool:
+        """Whether a bitmap of the positions is worth compressing to compare: the gap streams
+        (``gap_nbytes`` stored) are over a quarter of the raw bitmap and over 1.05x the entropy of
+        ``k`` Bernoulli positions among ``numel``."""
+        return bool(k) and gap_nbytes * 4 > -(-numel // 8) and gap_nbytes * 8 > 1.05 * numel * binary_entropy(k / numel)
 
     @staticmethod
     def _blob(pos_mode: int, r: int, val_mode: int, b: int, base: int,

@@ -13,6 +13,7 @@ import numpy as np
 from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit, trailing_zeros
 from .._native_zstd import compress, compress_bound
 from ._bits import METHOD_STORED, METHOD_ZSTD, MIN_ZSTD_BYTES
+from ._packed_header import HEADER_FIXED, LAYOUT_VERSION, POS_GAPS, VAL_RAW, VAL_STEPS
 from ._packed_estimates import (
     STEP_CAP, SAMPLE_EVERY, SAMPLE_FROM, best_gap_shift, best_step_code, gap_shift_window, wide_steps,
 )
@@ -455,43 +456,47 @@ def encode_tensor(pos, new, old, width, numel, max_shift, force_r, force_b, raw_
         cctx: the address of a compression context, or 0 to plan only.
 
     Returns:
-        ``(status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, payload, entries)``:
+        ``(status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, blob, gap_nbytes)``:
         ``ENCODED``, ``INVALID``, ``REFINE``, ``PLANNED`` or ``OVERFLOW``; the plan
         (:func:`encode_plan`); and when ``ENCODED``, :func:`encode_compressed`'s result (else
-        empty).
+        an empty blob and 0).
     """
     ok, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base = encode_plan(
         pos, new, old, width, numel, max_shift, force_r, force_b)
     status = PLANNED
-    payload, entries = np.empty(0, np.uint8), np.zeros((6, 3), np.int64)
+    blob, gap_nbytes = np.empty(0, np.uint8), 0
     if not ok:
         status = INVALID
     elif width <= 4 and pos.size and force_b < 0 and (try16 or best >= n_costed * width * raw_floor_bits):
         status = REFINE
     elif cctx != 0:
-        out = encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, cctx)
+        out = encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, base, cctx)
         if out is None:
             status = OVERFLOW
         else:
-            payload, entries = out
+            blob, gap_nbytes = out
             status = ENCODED
-    return status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, payload, entries
+    return status, r, b, best, try16, n_costed, n_gap_esc, n_val_esc, base, blob, gap_nbytes
 
 
 @jit
-def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, cctx):
-    """:func:`encode_streams`, then each stream compressed with zstd when its frame is shorter
-    (what :func:`~._bits.pack_stream` does in Python; the same frames, :mod:`torch_deltasync._native_zstd`),
-    in the same call: one release of the GIL per tensor instead of one per stream.
+def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, base, cctx):
+    """The blob of one tensor in gap mode: :func:`encode_streams`, each stream compressed with
+    zstd when its frame is shorter (what :func:`~._bits.pack_stream` does in Python; the same
+    frames, :mod:`torch_deltasync._native_zstd`), and the header (what
+    :func:`~._packed_header.write_header` writes), in one call: one release of the GIL per tensor
+    instead of one per stream.
 
     Args:
+        pos, new, old, width, r, n_gap_esc, b, n_val_esc: as :func:`encode_streams`.
+        base: the base checksum (uint64) the header carries.
         cctx: the address of this thread's compression context
             (:func:`torch_deltasync._native_zstd.compression_context`).
 
     Returns:
-        ``(payload, entries)``: the six stored payloads back to back (uint8) and per stream
-        ``(method, raw_len, stored_len)`` (int64 ``(6, 3)``); ``None`` when an escape bound was too
-        small.
+        ``(blob, gap_nbytes)``: the blob (uint8, ``docs/format.md`` "Codec packed") and the stored
+        bytes of its three position streams (the caller weighs the bitmap fallback with them);
+        ``None`` when an escape bound was too small.
     """
     streams = encode_streams(pos, new, old, width, r, n_gap_esc, b, n_val_esc)
     if streams is None:
@@ -500,8 +505,8 @@ def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, cctx):
     for x in streams:
         room += compress_bound(x.size)
     payload = np.empty(room, np.uint8)
-    entries = np.empty((6, 3), np.int64)
-    at = 0
+    methods, stored = np.empty(6, np.int64), np.empty(6, np.int64)
+    at, header_len = 0, HEADER_FIXED
     for i in range(6):
         x = streams[i]
         n = x.size
@@ -509,10 +514,23 @@ def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, cctx):
         if m < 0 or m >= n:  # stored: no frame shorter than the stream
             payload[at : at + n] = x
             m = n
-        entries[i, 0] = METHOD_ZSTD if m < n else METHOD_STORED
-        entries[i, 1], entries[i, 2] = n, m
+        methods[i], stored[i] = METHOD_ZSTD if m < n else METHOD_STORED, m
+        header_len += 1 + _varint_len(n) + (_varint_len(m) if m < n else 0)
         at += m
-    return payload[:at], entries
+    blob = np.empty(header_len + at, np.uint8)
+    fields = (LAYOUT_VERSION, POS_GAPS, r, VAL_STEPS if b else VAL_RAW, b)
+    for j in range(5):
+        blob[j] = fields[j]
+    for j in range(8):
+        blob[5 + j] = np.uint8((base >> _u64(8 * j)) & _u64(0xFF))
+    h = HEADER_FIXED
+    for i in range(6):
+        blob[h] = methods[i]
+        h = _put_varint(blob, h + 1, _u64(streams[i].size))
+        if methods[i] != METHOD_STORED:
+            h = _put_varint(blob, h, _u64(stored[i]))
+    blob[h:] = payload[:at]
+    return blob, stored[0] + stored[1] + stored[2]
 
 
 @jit
