@@ -87,6 +87,25 @@ def set_enabled(on: bool) -> bool:
     return prev
 
 
+# Functions returning ``{Python stand-in: numba intrinsic}`` for :func:`_materialize`, from modules
+# that give kernels more intrinsics (:func:`register_intrinsics`).
+_INTRINSICS: list = []
+
+
+def register_intrinsics(provider) -> None:
+    """Have :func:`provider` (``() -> {Python stand-in: numba intrinsic}``) called when numba is
+    imported; every stand-in in the package's modules is then replaced by its intrinsic, as
+    :func:`prefetch` is. Register at import, before any kernel runs (kernels are compiled, or
+    loaded from the disk cache, against what is registered then); when numba is already imported,
+    the stand-ins are replaced at once (kernels defined from then on compile against them).
+    """
+    with _MATERIALIZE:
+        if numba is None:
+            _INTRINSICS.append(provider)
+            return
+    _substitute(provider())
+
+
 class _Deferred:
     """A kernel whose numba dispatcher is made on the first call of any kernel (:func:`jit`)."""
 
@@ -110,25 +129,31 @@ def _materialize() -> None:
         import numba as nb
         from numba.cpython.unsafe.numbers import trailing_zeros as cttz  # an LLVM intrinsic
 
-        from . import _native_zstd  # (its kernels are deferred too: defined before the loop below)
-
         compiled = {prefetch: _prefetch_intrinsic(), trailing_zeros: cttz}  # Python stand-ins -> intrinsics
-        compiled.update(_native_zstd.intrinsics())  # libzstd's functions (symbols registered with LLVM)
+        for provider in _INTRINSICS:  # e.g. libzstd's functions (:mod:`._native_zstd`)
+            compiled.update(provider())
         for proxy in _DEFERRED:
             proxy.dispatcher = nb.njit(**proxy.options)(proxy.fn)
         # Every module that defines kernels, or imported one by name (``from .._native import
         # checksum_at``), now sees dispatchers, so kernels compile against each other's and
         # Python callers skip the proxy (modules imported later get the dispatchers directly).
         namespaces = {id(p.fn.__globals__): p.fn.__globals__ for p in _DEFERRED}
-        namespaces.update((id(vars(m)), vars(m)) for name, m in list(sys.modules.items())
-                          if m is not None and (name == __package__ or name.startswith(__package__ + ".")))
-        for namespace in namespaces.values():
-            for name, value in list(namespace.items()):
-                if isinstance(value, _Deferred):
-                    namespace[name] = value.dispatcher
-                elif isinstance(value, types.FunctionType) and value in compiled:
-                    namespace[name] = compiled[value]
+        _substitute(compiled, namespaces)
         numba = nb
+
+
+def _substitute(compiled: dict, namespaces: dict | None = None) -> None:
+    """In ``namespaces`` and every imported module of the package: deferred kernels by their
+    dispatchers, Python stand-ins by their intrinsics (``compiled``)."""
+    namespaces = dict(namespaces or {})
+    namespaces.update((id(vars(m)), vars(m)) for name, m in list(sys.modules.items())
+                      if m is not None and (name == __package__ or name.startswith(__package__ + ".")))
+    for namespace in namespaces.values():
+        for name, value in list(namespace.items()):
+            if isinstance(value, _Deferred):
+                namespace[name] = value.dispatcher
+            elif isinstance(value, types.FunctionType) and value in compiled:
+                namespace[name] = compiled[value]
 
 
 #: Changes ahead that the apply and read kernels (:mod:`._native_apply`) prefetch: reads at 0.2-1%

@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from ._native import AVAILABLE as _NUMBA, BAD, OK, jit
+from ._native import AVAILABLE as _NUMBA, BAD, OK, jit, register_intrinsics
 
 __all__ = ["AVAILABLE", "compression_context", "decompression_context", "compress", "compress_bound", "decompress"]
 
@@ -149,7 +149,7 @@ def _stand_in(name: str):
 
 
 # The kernels' names for libzstd's functions; replaced by intrinsics in every module of the package
-# when numba is imported (:func:`torch_deltasync._native._materialize`, :func:`intrinsics`).
+# when numba is imported (:func:`torch_deltasync._native.register_intrinsics`, :func:`intrinsics`).
 ZSTD_compress2 = _stand_in("ZSTD_compress2")
 ZSTD_isError = _stand_in("ZSTD_isError")
 ZSTD_getFrameContentSize = _stand_in("ZSTD_getFrameContentSize")
@@ -204,6 +204,10 @@ def intrinsics() -> dict:
 
     stand_ins = {name: globals()[name] for name in _KERNEL_CALLS}
     return {stand_ins[name]: extern(name, bits, n) for name, (bits, n) in _KERNEL_CALLS.items()}
+
+
+if _NUMBA:
+    register_intrinsics(intrinsics)
 
 
 # --- what the kernels call ----------------------------------------------------------------------

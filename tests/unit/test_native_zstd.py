@@ -8,6 +8,8 @@ libzstd.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -155,3 +157,24 @@ def test_without_zstandards_cffi_module(tmp_path):
         "print('ok without libzstd in the kernels', pos.numel())\n"
     )
     run_child(script, "ok without libzstd in the kernels")
+
+
+def test_intrinsics_registered_after_numba_is_imported_replace_their_stand_ins(monkeypatch):
+    """A module that registers intrinsics once the kernels are compiled (imported late) has its
+    stand-ins replaced at once, as :func:`_native._materialize` does for those registered before."""
+    import types
+
+    get_codec("packed").encode(torch.arange(3), torch.ones(3), torch.zeros(3), numel=3)  # numba imported
+    assert _native.numba is not None
+
+    def stand_in():
+        raise AssertionError("the stand-in was not replaced")
+
+    def intrinsic():
+        return "intrinsic"
+
+    late = types.ModuleType("torch_deltasync._late_test_module")
+    late.stand_in = stand_in
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    _native.register_intrinsics(lambda: {stand_in: intrinsic})
+    assert late.stand_in is intrinsic

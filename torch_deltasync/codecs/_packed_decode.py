@@ -1,19 +1,17 @@
 """Compiled decoding of one ``packed`` blob in one kernel call: the header, the zstd frames, the streams.
 
 :func:`decode_blob`, the fast path of :meth:`PackedCodec.decode
-<torch_deltasync.codecs.PackedCodec.decode>`, calls :func:`decode_compressed`, which parses the
-header (:func:`parse_header`), decompresses the streams that are zstd frames (libzstd called from
-the kernel, :mod:`torch_deltasync._native_zstd`; each declared length is first bounded by the
-change count and the tensor size, so nothing expands past what the manifest allows) and decodes
-positions and values in one pass each (:func:`decode_streams`). Where the kernels cannot reach
-libzstd, the frames are decompressed by ``zstandard`` in Python between :func:`parse_header` and
-:func:`decode_streams`. The kernels validate everything the numpy reference in :mod:`._packed`
-validates and return a status instead of raising; on any failure the caller decodes the blob
-again with the reference, which raises the specific
-:class:`~torch_deltasync.errors.CorruptObjectError` (``tests/unit/test_native.py`` checks that
-both accept exactly the same blobs). What this saves is the Python between the kernels: a decode
-of a small tensor went from about a dozen kernel and helper calls to one, which is also one
-release of the GIL per tensor for the threads of ``decode_many``.
+<torch_deltasync.codecs.PackedCodec.decode>`, calls :func:`decode_compressed`: it parses the header
+(:func:`parse_header`), decompresses the streams that are zstd frames (libzstd from the kernel,
+:mod:`torch_deltasync._native_zstd`, after each declared length is bounded by the change count and
+the tensor size, so nothing expands past what the manifest allows) and decodes positions and
+values in one pass each (:func:`decode_streams`). Where the kernels cannot reach libzstd,
+``zstandard`` decompresses the frames in Python between :func:`parse_header` and
+:func:`decode_streams`. The kernels validate everything the numpy reference validates and return
+a status instead of raising; on any failure the caller decodes the blob again with the reference,
+which raises the specific :class:`~torch_deltasync.errors.CorruptObjectError`
+(``tests/unit/test_native.py`` checks that both accept exactly the same blobs). One call per
+tensor is also one release of the GIL for the threads of ``decode_many``.
 
 The stream kernels (:func:`decode_gaps`, :func:`count_code`, :func:`scan_escapes`,
 :func:`decode_steps`, :func:`bitmap_positions`) are also what the numpy reference calls first when
@@ -23,6 +21,8 @@ random: the kernels mark them with one bit per entry, without a branch, and walk
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -436,7 +436,7 @@ def parse_header(data, numel, count, width):
 @jit
 def decode_streams(pos_mode, r, val_mode, b, numel, count, width, s0, s1, s2, s3, s4, s5, pos, steps, values):
     """Positions and values from the six (decompressed) streams, with every check of the reference
-    decoder (``_gap_positions``, ``_bitmap_positions``, ``_steps`` in :mod:`._packed`).
+    decoder (``_gap_positions``, ``_bitmap_positions``, ``_steps`` in :mod:`._packed_streams`).
 
     Args:
         pos_mode, r, val_mode, b: the header's fields (:func:`parse_header`).
@@ -544,15 +544,10 @@ def decode_blob(blob: np.ndarray, numel: int, count: int, width: int, dtype: tor
                        torch.from_numpy(relative), int(base))
 
 
-_TEMPLATES: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-
+@functools.cache
 def _templates(width: int) -> tuple[np.ndarray, np.ndarray]:
     """Empty arrays of the steps' and values' dtypes for ``width`` (the kernel allocates like them)."""
-    t = _TEMPLATES.get(width)
-    if t is None:
-        t = _TEMPLATES[width] = (np.empty(0, f"i{width}"), np.empty(0, _UNSIGNED[width]))
-    return t
+    return np.empty(0, f"i{width}"), np.empty(0, _UNSIGNED[width])
 
 
 @jit
