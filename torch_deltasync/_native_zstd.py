@@ -13,7 +13,7 @@ LLVM under the prefix ``torch_deltasync_`` when the kernels are compiled (:func:
 the kernels' on-disk cache holds names, not addresses. Same library, same parameters
 (:data:`~torch_deltasync.codecs._bits.LEVEL1_PARAMS`), same calls as ``zstandard``'s
 ``compress`` and ``decompress``: the frames are byte for byte those of the Python path and the
-same frames are refused (``tests/unit/test_native.py``). Where that module is missing or reports
+same frames are refused (``tests/unit/test_native_zstd.py``). Where that module is missing or reports
 another zstd version than ``zstandard``, :data:`AVAILABLE` is false and the codec calls zstd from
 Python, as before.
 """
