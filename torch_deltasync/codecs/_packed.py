@@ -224,15 +224,17 @@ class PackedCodec(Codec):
                 lambda: _code16_histograms_native(new_u, old_u, width), k)
             if refined != b:
                 b, n_val_esc = refined, k  # no exact bound for 16-bit codes or raw values
-        out = (blob, gap_nbytes) if status == _kernels.ENCODED else None
-        if status not in (_kernels.ENCODED, _kernels.OVERFLOW):  # planned (and refined) here
-            if not ctx:  # zstd from Python
-                raw = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
-                if raw is not None:
-                    return None, [pack_stream(x, cctx) for x in raw], r, b, int(base)
-            else:
-                out = _kernels.encode_compressed(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc,
-                                                 np.uint64(base), ctx)  # (numba returns uint64 as int)
+        planned = status in (_kernels.REFINE, _kernels.PLANNED)  # the streams are still to be made
+        if planned and not ctx:  # zstd from Python
+            raw = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
+            if raw is not None:
+                return None, [pack_stream(x, cctx) for x in raw], r, b, int(base)
+            out = None
+        elif planned:  # the blob in a second call
+            out = _kernels.encode_compressed(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc,
+                                             np.uint64(base), ctx)  # (numba returns uint64 as int)
+        else:
+            out = (blob, gap_nbytes) if status == _kernels.ENCODED else None
         if out is None:  # cannot happen: the bounds above are exact or upper bounds
             raise RuntimeError("packed codec: an escape buffer was too small (a bug in torch_deltasync)")
         blob, gap_nbytes = out
