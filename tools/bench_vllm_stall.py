@@ -12,7 +12,8 @@ For each density (changed fraction of every tensor, steps of 1-2 bf16 ULPs) and 
   validate, checksum check; the engine could keep generating meanwhile);
 * ``stall``: ``start_weight_update`` → ``update_weights`` → ``finish_weight_update`` (all the engine
   loop is blocked for), split by the worker into host-copy writes and the re-pack (layerwise reload
-  of the changed modules);
+  of the changed modules) or, with the modules re-packed ahead on copies while staging
+  (``reload_ahead``), the placing of those copies;
 * ``time_to_version``: publish start → the engine serves the version.
 
 Baselines in the same run, on the same engine: vLLM's ``reload_weights`` from a ``save_pretrained``
@@ -21,6 +22,10 @@ re-pack alone: the floor of any sync on this build, where every linear weight is
 vLLM's sparse apply ``load_checkpoint_weight_patches`` of the same change set (what its
 ``sparse_nccl`` engine runs; it needs the loader layout and fails on re-packed modules). Results:
 ``<out>/metrics.jsonl`` (one line per measurement) and ``<out>/summary.json``.
+
+Each density runs ``--reps`` syncs per ``--modes`` entry (the target's ``reload_ahead``: ``auto``
+re-packs the changed modules on copies while staging, ``never`` inside the pause), alternating
+modes, so the two are compared on the same engine and densities in one run.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ def _repack_all(worker) -> float:
     t = time.perf_counter()
     target.finish(frozenset())
     return (time.perf_counter() - t) * 1e3
+
+
+def _set_reload_ahead(worker, mode: str) -> None:
+    worker.weight_transfer_engine.receiver.target.reload_ahead = mode
 
 
 def _sparse_apply(worker, path: str, shapes: list) -> dict:
@@ -128,9 +137,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--modes", default="auto,never", help="reload_ahead modes to alternate")
     ap.add_argument("--only-hf", action="store_true", help="only the HF-module commit measurement")
     args = ap.parse_args()
     densities = [float(x) for x in args.densities.split(",")]
+    modes = args.modes.split(",")
     if args.only_hf:
         print(json.dumps(hf_module_commit(args, densities), indent=2))
         return
@@ -152,7 +163,8 @@ def main() -> None:
     rows = []
     seed = 10
     for density in densities:
-        for rep in range(args.reps):
+        for rep, mode in ((r, m) for r in range(args.reps) for m in modes):
+            llm.collective_rpc(_set_reload_ahead, args=(mode,))
             seed += 1
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             perturb(model, frac=density, seed=seed)
@@ -187,32 +199,41 @@ def main() -> None:
             sparse = llm.collective_rpc(_sparse_apply, args=(str(work / "patches.safetensors"),
                                                              [(n, list(s)) for n, s, _, _ in patches]))[0]
             row = {
-                "density": density, "rep": rep, "version": v, "changed": changed, "numel": nparams,
+                "density": density, "rep": rep, "reload_ahead": mode, "version": v, "changed": changed, "numel": nparams,
                 "publish_ms": (t1 - t0) * 1e3, "stage_wait_ms": (t2 - t1) * 1e3, "stall_ms": (t3 - t2) * 1e3,
                 "time_to_version_ms": (t3 - t0) * 1e3, "staged_ahead": commit["staged_ahead"],
                 "stage_download_ms": commit["download_ms"], "stage_decode_ms": commit["decode_ms"],
                 "stage_verify_ms": commit["verify_ms"], "commit_apply_ms": commit["apply_ms"],
                 "commit_repack_ms": commit["reload"]["ms"], "repacked_modules": commit["reload"]["modules"],
+                "repacked_ahead": commit["reload"]["ahead"], "repack_ahead_ms": commit["reload"].get("prepare_ms", 0.0),
+                "stage_total_ms": commit["total_ms"] - commit["apply_ms"],
                 "vllm_full_reload_ms": (t5 - t4) * 1e3, "repack_all_ms": repack_ms,
                 "vllm_sparse_apply_ms": sparse["ms"], "vllm_sparse_apply_error": sparse["error"],
             }
             rows.append(row)
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"density {density:.2%} rep {rep}: stall {row['stall_ms']:.1f} ms (re-pack {row['commit_repack_ms']:.1f}"
-                  f" ms) | vLLM full reload {row['vllm_full_reload_ms']:.1f} ms | re-pack all {repack_ms:.1f} ms | "
+            print(f"density {density:.2%} rep {rep} reload_ahead={mode}: stall {row['stall_ms']:.1f} ms (re-pack or "
+                  f"placing {row['commit_repack_ms']:.1f} ms; ahead {row['repack_ahead_ms']:.1f} ms) | vLLM full reload {row['vllm_full_reload_ms']:.1f} ms | re-pack all {repack_ms:.1f} ms | "
                   f"sparse apply {sparse['ms'] if sparse['ms'] is not None else sparse['error']}", flush=True)
     summary = {"params": nparams, "rows": len(rows)}
     for density in sorted({r["density"] for r in rows}):
-        rs = [r for r in rows if r["density"] == density]
-        med = {k: statistics.median(r[k] for r in rs) for k in
-               ("stall_ms", "commit_repack_ms", "commit_apply_ms", "vllm_full_reload_ms", "repack_all_ms",
-                "time_to_version_ms", "publish_ms", "stage_wait_ms")}
-        med["stall_over_full_reload"] = med["stall_ms"] / med["vllm_full_reload_ms"]
-        med["stall_over_repack_all"] = med["stall_ms"] / med["repack_all_ms"]
-        med["staged_ahead"] = all(r["staged_ahead"] for r in rs)
-        med["sparse_apply"] = rs[0]["vllm_sparse_apply_error"] or statistics.median(r["vllm_sparse_apply_ms"] for r in rs)
-        summary[f"{density:g}"] = med
+        for mode in modes:
+            rs = [r for r in rows if r["density"] == density and r["reload_ahead"] == mode]
+            med = {k: statistics.median(r[k] for r in rs) for k in
+                   ("stall_ms", "commit_repack_ms", "commit_apply_ms", "repack_ahead_ms", "stage_total_ms",
+                    "vllm_full_reload_ms", "repack_all_ms", "time_to_version_ms", "publish_ms", "stage_wait_ms")}
+            med["stall_over_full_reload"] = med["stall_ms"] / med["vllm_full_reload_ms"]
+            med["stall_over_repack_all"] = med["stall_ms"] / med["repack_all_ms"]
+            med["staged_ahead"] = all(r["staged_ahead"] for r in rs)
+            med["repacked_ahead"] = [r["repacked_ahead"] for r in rs]
+            med["sparse_apply"] = rs[0]["vllm_sparse_apply_error"] or statistics.median(r["vllm_sparse_apply_ms"] for r in rs)
+            summary[f"{density:g} reload_ahead={mode}"] = med
+        if len(modes) == 2:  # the two modes' stalls, median of the per-rep ratios (same density, same run)
+            pairs = [(a, b) for a in rows for b in rows if a["density"] == b["density"] == density
+                     and a["rep"] == b["rep"] and (a["reload_ahead"], b["reload_ahead"]) == tuple(modes)]
+            summary[f"{density:g} stall {modes[0]} / {modes[1]}"] = statistics.median(
+                a["stall_ms"] / b["stall_ms"] for a, b in pairs)
     summary["hf_module"] = hf_module_commit(args, densities)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

@@ -63,6 +63,14 @@ def test_offline_llm_follows_versions_bit_exact(tmp_path, tp):
     assert "update_info 'version' must be a published version (int >= 0), got '4'" in res["bad_update_info_error"]
     # an engine that joins late catches up through the anchor path
     assert res["late_equal"] and res["late_version"] == "5"
+    # A re-packed the changed modules on copies while staging (reload_ahead "auto"), C inside the
+    # commit ("never"): both bit-exact above, on every worker
+    assert len(res["a_reloads"]) == len(res["c_reloads"]) == tp
+    for worker in res["a_reloads"]:
+        assert [r["version"] for r in worker] == [2, 3, 5]
+        assert all(r["ahead"] and r["modules"] > 0 and r["prepare_ms"] > 0 for r in worker)
+    for worker in res["c_reloads"]:
+        assert [(r["version"], r["ahead"]) for r in worker] == [(5, False)] and worker[0]["modules"] > 0
 
 
 def test_async_llm_syncs_with_requests_in_flight(tmp_path):

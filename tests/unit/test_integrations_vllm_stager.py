@@ -24,6 +24,7 @@ class FakeReceiver:
         self.newest, self.version = newest, version
         self.reads = 0
         self.prepared: list[int] = []
+        self.released: list[int] = []  # versions whose prepared commit was released
         self.fail: dict[int, Exception] = {}  # version -> error its prepare raises
         self.hold: dict[int, threading.Event] = {}  # version -> gate its next prepare waits for
         self.entered = threading.Event()  # a prepare is waiting at its gate
@@ -43,7 +44,7 @@ class FakeReceiver:
         self.prepared.append(version)
         if version in self.fail:
             raise self.fail[version]
-        return SimpleNamespace(version=version)
+        return SimpleNamespace(version=version, release_prepared=lambda: self.released.append(version))
 
 
 def _until(pred, timeout_s=5.0):
@@ -165,6 +166,7 @@ def test_the_replaced_staged_version_is_kept_for_a_commit_on_its_way(start):
     s.wake()
     _until(lambda: s.status.state["staged"] == 6)
     assert s.status.state["kept"] == 5 and r.prepared == [5, 6]
+    assert r.released == [5]  # kept: its modules re-packed ahead are not held too
     five = s.take(5)
     assert five is not None and five.version == 5
     # the commit of 5 makes 6 (staged on 4) stale: both were dropped, and the file says so
@@ -185,6 +187,7 @@ def test_the_replaced_staged_version_is_kept_for_a_commit_on_its_way(start):
     s.wake()
     _until(lambda: s.status.state["staged"] == 8)
     assert s.status.state["kept"] == 7 and r.prepared == [5, 6, 6, 7, 8]
+    assert r.released == [5, 6, 7]
     assert s.take(6) is None  # 6 was dropped when 8 started staging
     s.release()
 

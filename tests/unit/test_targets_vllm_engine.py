@@ -80,7 +80,7 @@ def test_auto_writes_loader_layout_in_place_bit_exact_and_keeps_the_host_copy(ru
         assert _differ(vllm_state_bits(model), _reference_bits(vc, states[version])) == []
         assert _differ({n: t.view(torch.int16) for n, t in target.host.items()}, states[version]) == []
         # nothing on this (never post-processed) model is re-packed: every module is written in place
-        assert target.last_reload == {"modules": 0, "tensors": 0, "ms": 0.0}
+        assert target.last_reload == {"modules": 0, "tensors": 0, "ms": 0.0, "ahead": False}
     assert receiver.last_stats.path == "delta" and receiver.last_stats.changed > 0
     assert target.in_place_names == frozenset(shapes) and target.reloaded_modules == frozenset()
     name = "model.layers.1.mlp.down_proj.weight"
@@ -126,3 +126,123 @@ def test_the_host_copy_refuses_reads_before_a_version_and_bad_full_tensors(run):
     target.engine_writes = False
     target.assign(name, torch.arange(64, dtype=BF16))
     assert target.read(name, torch.tensor([5, 63]), BF16).tolist() == [5.0, 63.0]
+
+
+# --- reloading ahead, on shadows (targets/_vllm_ahead.py) ---------------------------------------
+# A model loaded and processed as vLLM's loader does it (record_metadata_for_reloading before the
+# load, process_weights_after_loading after), every module reloaded (in_place="never"). In .venv
+# vLLM has no compiled ops, so processing keeps the loader layout (torch's linear); the live
+# engine tests run the same path against the oneDNN re-pack (tests/integration/test_vllm_live.py).
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def ahead_run(request, tmp_path_factory):
+    """A run of the tiny config (qwen2: biases, untied; qwen3: tied embeddings): an anchor and two
+    real Adam steps."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.testing_vllm import TINY_VLLM_CONFIGS, hf_model, vllm_config
+
+    tmp = tmp_path_factory.mktemp(f"ahead-{request.param}")
+    spec = TINY_VLLM_CONFIGS[request.param]
+    hf = hf_model(spec, seed=7)
+    store = LocalStore(tmp / "bucket", fsync=False)
+    sender = DeltaSender(hf, store, anchor_every=1000)
+    states = {sender.publish(): state_bits(hf)}
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-3)
+    for step in range(2):
+        adam_step(hf, opt, batch=2, seq=16, generator=torch.Generator().manual_seed(step))
+        states[sender.publish()] = state_bits(hf)
+    sender.close()
+    return store, states, vllm_config(spec, tmp / "cfg")
+
+
+def _loaded_engine_model(vc, bits):
+    """A worker's model as vLLM's loader leaves it: layout recorded, HF weights loaded, processed."""
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from torch_deltasync.testing_vllm import load_hf_weights
+
+    model = _model(vc)
+    record_metadata_for_reloading(model)
+    load_hf_weights(model, {n: b.view(BF16) for n, b in bits.items()})
+    process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+    return model
+
+
+def _follower(store, vc, states, reload_ahead):
+    target = VLLMEngineTarget(_loaded_engine_model(vc, states[0]), vc.model_config, in_place="never",
+                              reload_ahead=reload_ahead)
+    receiver = DeltaReceiver(target, store)
+    target.engine_writes = False  # the engine serves version 0 already: build the host copy only
+    receiver.update(0)
+    target.engine_writes = True
+    return target, receiver
+
+
+def _live_state(model):
+    """Bit views of every parameter and the identity of every module's non-tensor attributes."""
+    from torch_deltasync.testing_vllm import vllm_state_bits
+
+    attrs = {(name, k): id(v) for name, m in model.named_modules() for k, v in vars(m).items()
+             if not k.startswith("_")}
+    return vllm_state_bits(model), attrs
+
+
+def test_reload_ahead_prepares_on_shadows_and_commits_bit_exact(ahead_run):
+    from torch_deltasync.testing_vllm import vllm_state_bits
+
+    store, states, vc = ahead_run
+    target, receiver = _follower(store, vc, states, "auto")
+    for version in (1, 2):
+        before = _live_state(target.model)
+        host_before = {n: t for n, t in target.host.items()}
+        staged = receiver.prepare(version)
+        assert staged.prepared is not None and staged.stats.ahead_ms > 0
+        # prepared: nothing live changed (parameters, attributes, the host copy's tensors)
+        after = _live_state(target.model)
+        assert _differ(after[0], before[0]) == [] and after[1] == before[1]
+        assert all(target.host[n] is t for n, t in host_before.items())
+        assert receiver.commit(staged) == version
+        assert target.last_reload["ahead"] is True
+        assert 0 < target.last_reload["modules"] <= len(target.reloaded_modules)
+        assert _differ(vllm_state_bits(target.model), _reference_bits(vc, states[version])) == []
+        # the host copy holds the published tensors (a tied lm_head is an alias, not a tensor)
+        assert _differ({n: t.view(torch.int16) for n, t in target.host.items()},
+                       {n: states[version][n] for n in target.host}) == []
+        assert len(target.host) >= len(states[version]) - 1
+    # the same versions reloaded inside the commit give the same bits
+    other, other_receiver = _follower(store, vc, states, "never")
+    assert other_receiver.update(2) == 2 and other.last_reload["ahead"] is False
+    assert _differ(vllm_state_bits(other.model), vllm_state_bits(target.model)) == []
+
+
+def test_a_prepared_commit_that_no_longer_applies_reloads_inside_the_commit(ahead_run):
+    from torch_deltasync.testing_vllm import vllm_state_bits
+
+    store, states, vc = ahead_run
+    target, receiver = _follower(store, vc, states, "auto")
+    staged = receiver.prepare(2)
+    assert staged.prepared is not None
+    target.finish(frozenset())  # e.g. a re-pack between prepare and commit: the shadows are stale
+    assert receiver.commit(staged) == 2
+    assert target.last_reload["ahead"] is False and target.last_reload["modules"] > 0
+    assert _differ(vllm_state_bits(target.model), _reference_bits(vc, states[2])) == []
+    # released: what was prepared is dropped, and the commit writes the usual way
+    staged = receiver.prepare(1)  # back to version 1 (an anchor path)
+    assert staged.prepared is not None
+    staged.release_prepared()
+    assert staged.prepared is None
+    assert receiver.commit(staged) == 1 and target.last_reload["ahead"] is False
+    assert _differ(vllm_state_bits(target.model), _reference_bits(vc, states[1])) == []
+
+
+def test_reload_ahead_is_refused_where_it_does_not_apply(ahead_run):
+    store, states, vc = ahead_run
+    with pytest.raises(ValueError, match="reload_ahead must be 'auto', 'always' or 'never', got 'yes'"):
+        VLLMEngineTarget(nn.Module(), None, reload_ahead="yes")
+    target, receiver = _follower(store, vc, states, "never")
+    assert receiver.prepare(1).prepared is None
+    target.reload_ahead = "auto"
+    target.engine_writes = False  # building the host copy only: nothing to reload
+    assert receiver.prepare(1).prepared is None

@@ -16,6 +16,7 @@ Usage: ``offline.py WORKDIR [TP]``.
 """
 
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -72,7 +73,8 @@ def main() -> None:
                                                 a.update_weights({"update_info": {"version": v0}})))
     res["bad_init_error"] = refused(lambda: a.init_weight_transfer_engine(
         {"init_info": {"store": bucket, "in_place": "sometimes"}}))
-    a.init_weight_transfer_engine({"init_info": {"store": bucket, "assume_version": v0}})
+    a.init_weight_transfer_engine({"init_info": {"store": bucket, "assume_version": v0,
+                                                 "metrics_path": str(work / "a-{rank}.jsonl")}})
 
     def commit(llm, v):
         t = time.perf_counter()
@@ -145,8 +147,11 @@ def main() -> None:
     compare("recovered", v5)
 
     # A late engine: starts from v0's checkpoint, no assume_version -> anchor path to the newest.
+    # It re-packs inside the commit (reload_ahead "never"), as vLLM's layerwise reload does; A re-packs
+    # on copies while staging (the default).
     c = engine(d0, tp=tp)
-    c.init_weight_transfer_engine({"init_info": {"store": bucket}})
+    c.init_weight_transfer_engine({"init_info": {"store": bucket, "reload_ahead": "never",
+                                                 "metrics_path": str(work / "c-{rank}.jsonl")}})
     commit(c, v5)
     res["late_equal"] = outputs(c) == oracle(v5)[0]
     res["late_version"] = c.get_weight_version()
@@ -178,6 +183,9 @@ def main() -> None:
     v6 = trainer.send_weights()
     compare("trainer_engine", v6)
     trainer.shutdown()
+    for name in ("a", "c"):  # how each commit reloaded the re-packed modules, per worker
+        res[f"{name}_reloads"] = [[{"version": e["version"], **e["reload"]} for e in map(json.loads, f.read_text().splitlines())
+                                   if e["event"] == "commit"] for f in sorted(work.glob(f"{name}-*.jsonl"))]
     report(res)
 
 

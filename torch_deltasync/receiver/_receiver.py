@@ -50,12 +50,11 @@ from ..format import verify_bytes
 from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manifest_key
 from ..manifest import Manifest, load_manifest
 from ..store import Store, open_store
-from .._pool import map_largest_first
 from ..targets import ModuleTarget, Target
-from ..targets._base import allows_concurrent
+from ..targets._base import prepare_commit
 from ._config import ReceiverConfig
 from ._plan import PlanStep, UpdatePlan, walk_chain
-from ._stage import StagedUpdate, UpdateStats, stage_anchor, stage_deltas, verify_checksums
+from ._stage import StagedUpdate, UpdateStats, stage_anchor, stage_deltas, verify_checksums, write_staged
 
 log = logging.getLogger("torch_deltasync.receiver")
 T = TypeVar("T")
@@ -315,7 +314,9 @@ class DeltaReceiver:
             A :class:`StagedUpdate` (``plan.path == "noop"`` when the target already holds
             ``version``). Staged positions and values stay in host memory until committed or
             dropped: about 10 bytes per changed element on a delta path, the whole model on an
-            anchor path.
+            anchor path; plus whatever the target prepared ahead of the commit
+            (``StagedUpdate.prepared``, e.g. :class:`~torch_deltasync.targets.VLLMEngineTarget`'s
+            re-packed modules; :meth:`StagedUpdate.release_prepared` frees it).
 
         Raises:
             The same errors as :meth:`update`; nothing is written in any case.
@@ -347,7 +348,8 @@ class DeltaReceiver:
         positions (delta path; different tensors on ``ReceiverConfig.threads`` threads where the
         target declares ``concurrent_writes``) or ``copy_`` of whole tensors (anchor path), then
         the target's :meth:`~torch_deltasync.targets.Target.finish` (e.g. re-packing changed vLLM
-        modules).
+        modules); or, where the target prepared the commit ahead (``StagedUpdate.prepared``),
+        what it prepared (e.g. swapping in vLLM modules re-packed during :meth:`prepare`).
 
         Returns:
             The version now held.
@@ -372,20 +374,7 @@ class DeltaReceiver:
                 return self.version  # type: ignore[return-value]
             t = time.perf_counter()
             self.version = None  # unknown until every write landed (and stages nothing else)
-            changed = 0
-            if staged._dense is not None:
-                for name, full in staged._dense.items():
-                    self.target.assign(name, full)
-                    changed += full.numel()
-            else:
-                writes = [(name, pos, val) for name, (pos, val) in staged._sparse.items()  # type: ignore[union-attr]
-                          if pos.numel()]
-                # different tensors at once where the target allows it (largest first; the small
-                # ones on this thread): a write costs a cache line per change at RL densities
-                threads = self.receiver_config.threads if allows_concurrent(self.target, "writes") else 1
-                map_largest_first(lambda w: self.target.write(*w), writes, [w[1].numel() for w in writes], threads)
-                changed = sum(w[1].numel() for w in writes)
-            self.target.finish(staged.written)
+            changed = write_staged(self.target, staged, self.receiver_config.threads)
             self._checksums = staged._checksums or {}
             self.version = staged.version
             stats = staged.stats
@@ -594,7 +583,10 @@ class DeltaReceiver:
         t = time.perf_counter()
         new_checksums = verify_checksums(self.target, final, dense, sparse, checksums, base, self.receiver_config.threads)
         verify_ms = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        prepared = prepare_commit(self.target, sparse, dense)
         stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
-                            download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms)
-        return StagedUpdate(plan, plan.from_version, stats, dense, sparse, new_checksums)
+                            download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms,
+                            ahead_ms=(time.perf_counter() - t) * 1e3)
+        return StagedUpdate(plan, plan.from_version, stats, dense, sparse, new_checksums, prepared=prepared)
 

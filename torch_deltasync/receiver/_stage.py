@@ -16,7 +16,7 @@ from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTarg
 from ..format import EncodedDelta, decode_anchor, read_delta
 from ..manifest import Manifest
 from ..targets import Target
-from ..targets._base import allows_concurrent
+from ..targets._base import PreparedCommit, allows_concurrent
 from ._plan import UpdatePlan
 
 
@@ -34,6 +34,7 @@ class UpdateStats:
     download_ms: float = 0.0
     decode_ms: float = 0.0
     verify_ms: float = 0.0
+    ahead_ms: float = 0.0  # prepare: the target's work ahead of the commit (e.g. re-packing vLLM modules)
     apply_ms: float = 0.0  # commit: every write, plus the target's finish (e.g. a vLLM re-pack)
     total_ms: float = 0.0
     recovered: bool = False  # a delta path failed verification and the anchor path was used
@@ -54,6 +55,8 @@ class StagedUpdate:
         stats: times so far (plan, download, decode, verify; ms); ``commit`` adds the apply time.
         written: HF names of the tensors a commit writes.
         nbytes_staged: bytes of staged positions and values held in memory (host).
+        prepared: what the target built ahead of the commit
+            (:class:`~torch_deltasync.targets._base.PreparedCommit`), or ``None``.
     """
 
     plan: UpdatePlan
@@ -63,6 +66,14 @@ class StagedUpdate:
     _sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     _checksums: dict[str, int] | None = None
     _generation: int = -1
+    prepared: PreparedCommit | None = None
+
+    def release_prepared(self) -> None:
+        """Free what the target built ahead of this update's commit (a commit of it then writes
+        the usual way, e.g. re-packing vLLM modules inside the pause)."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            prepared.release()
 
     @property
     def version(self) -> int:
@@ -80,6 +91,28 @@ class StagedUpdate:
             return sum(t.numel() * t.element_size() for t in self._dense.values())
         return sum(p.numel() * p.element_size() + v.numel() * v.element_size()
                    for p, v in (self._sparse or {}).values())
+
+
+def write_staged(target: Target, staged: StagedUpdate, threads: int) -> int:
+    """The writes of :meth:`DeltaReceiver.commit`: what the target prepared ahead if it still
+    applies, else ``assign`` of every full tensor (anchor path) or ``write`` of every changed one
+    (delta path; different tensors on ``threads`` threads where the target declares
+    ``concurrent_writes``, largest first), then ``finish``. Returns the elements written."""
+    prepared, staged.prepared = staged.prepared, None
+    if staged._dense is not None:
+        changed = sum(full.numel() for full in staged._dense.values())
+        if prepared is None or not prepared.commit():
+            for name, full in staged._dense.items():
+                target.assign(name, full)
+            target.finish(staged.written)
+        return changed
+    writes = [(name, pos, val) for name, (pos, val) in (staged._sparse or {}).items() if pos.numel()]
+    if prepared is None or not prepared.commit():
+        # a write costs a cache line per change at RL densities: tensors at once where allowed
+        threads = threads if allows_concurrent(target, "writes") else 1
+        map_largest_first(lambda w: target.write(*w), writes, [w[1].numel() for w in writes], threads)
+        target.finish(staged.written)
+    return sum(w[1].numel() for w in writes)
 
 
 def merge(pos_a: torch.Tensor, val_a: torch.Tensor, pos_b: torch.Tensor, val_b: torch.Tensor):

@@ -8,11 +8,11 @@ owns; a target that holds everything (:class:`~torch_deltasync.targets.ModuleTar
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Target", "TARGET_MEMBERS", "allows_concurrent"]
+__all__ = ["Target", "TARGET_MEMBERS", "PreparedCommit", "allows_concurrent", "prepare_commit"]
 
 #: The members a :class:`Target` has (what ``isinstance(obj, Target)`` checks).
 TARGET_MEMBERS = ("holds_all", "check", "read", "owned", "write", "assign", "finish", "checksum")
@@ -40,6 +40,12 @@ class Target(Protocol):
     threads at once (each name once per commit); :meth:`assign` and :meth:`finish` always come
     from the calling thread, and so do the writes of other targets. (Reads of a ``prepare`` that
     another thread runs may overlap a commit's writes, with or without these flags.)
+
+    Work ahead of a commit: a target may also define ``prepare_commit(sparse, dense)`` (optional,
+    not part of the ``isinstance`` check; see :func:`prepare_commit`), which a receiver calls at
+    the end of :meth:`~torch_deltasync.DeltaReceiver.prepare`, off the engine's pause, to build
+    what a commit would otherwise build inside it (e.g. :class:`VLLMEngineTarget` re-packs the
+    changed vLLM modules there). It returns a :class:`PreparedCommit` or ``None``.
     """
 
     #: True when the target holds every element of every tensor (so the receiver can verify the
@@ -85,6 +91,37 @@ class Target(Protocol):
     def checksum(self, name: str, dtype: torch.dtype) -> int:
         """Partial checksum (:mod:`torch_deltasync.checksum`) of the elements this target holds,
         each counted once, in ``dtype``."""
+
+
+@runtime_checkable
+class PreparedCommit(Protocol):
+    """What a target's ``prepare_commit`` built ahead of one commit (see :class:`Target`)."""
+
+    def commit(self) -> bool:
+        """Do what the commit's :meth:`Target.write` / :meth:`Target.assign` calls and
+        :meth:`Target.finish` would do, from what was built ahead. Returns ``False``, having
+        written nothing, when that no longer applies (the target changed since), so the receiver
+        writes the usual way. A raise leaves the state unknown, as a failed write does."""
+
+    def release(self) -> None:
+        """Free what was built (memory); :meth:`commit` then returns ``False``."""
+
+
+def prepare_commit(target: object, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
+                   dense: Mapping[str, torch.Tensor] | None) -> Any:
+    """``target.prepare_commit(sparse, dense)`` where the target defines it, else ``None``.
+
+    Args:
+        sparse: HF name -> (positions ``(k,)`` int64 global flat, values ``(k,)``) of a delta
+            path's staged writes (``None`` on an anchor path).
+        dense: HF name -> full tensor (HF shape, inference dtype) of an anchor path (``None`` on
+            a delta path).
+
+    Returns:
+        A :class:`PreparedCommit`, or ``None`` (nothing built: the commit writes the usual way).
+    """
+    fn = getattr(target, "prepare_commit", None)
+    return None if fn is None else fn(sparse, dense)
 
 
 def allows_concurrent(target: object, calls: str) -> bool:

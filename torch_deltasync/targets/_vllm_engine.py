@@ -25,6 +25,14 @@ The choice is made per module by :meth:`VLLMEngineTarget.check` (``in_place="aut
 map accepts is written in place, one it refuses as derived or packed
 (:class:`~torch_deltasync.errors.UnsupportedLayoutError`) is reloaded.
 
+**Reloading ahead** (``reload_ahead``): the reload need not wait for the pause. During
+:meth:`~torch_deltasync.DeltaReceiver.prepare` (the backend's background stager) the target builds
+the new host tensors and runs vLLM's reload of the changed modules on shadow copies of them
+(:mod:`torch_deltasync.targets._vllm_ahead`); the commit then swaps the host tensors and moves the
+processed shadows into the live modules: a copy of the tensors still in the loader's layout
+(embeddings) and an attribute each, instead of a re-pack of every changed module. Cost: memory for
+the new host tensors and the shadows (about the model's bytes twice) from prepare to commit.
+
 Because the host copy holds every element, the target is ``holds_all``: the receiver checks the
 full per-tensor checksums of every version in ``O(changed elements)`` (``C' = C - partial(old) +
 partial(new)``) and no checksum pass over the model is ever needed. Cost: one host copy of the
@@ -41,6 +49,7 @@ from torch import nn
 
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
+from . import _vllm_ahead as ahead
 from ._base import Target
 from ._vllm import VLLMTarget
 
@@ -49,6 +58,7 @@ __all__ = ["VLLMEngineTarget"]
 log = logging.getLogger(__name__)
 
 InPlace = Literal["auto", "never"]
+ReloadAhead = Literal["auto", "always", "never"]
 
 
 class VLLMEngineTarget(Target):
@@ -59,6 +69,12 @@ class VLLMEngineTarget(Target):
         model_config: the engine's ``ModelConfig`` (``finalize_layerwise_reload`` needs it).
         in_place: ``"auto"``: write in place every module whose live layout is the loader's,
             reload the others; ``"never"``: reload every changed module.
+        reload_ahead: reload the changed modules on shadows during ``prepare`` (module doc):
+            ``"auto"``: when every one of them qualifies (:func:`~._vllm_ahead.ahead_ok`: vLLM's
+            unquantized linear and embedding methods, no buffers), else all inside the commit;
+            ``"always"``: also modules with other ``quant_method``\ s (no buffers; their
+            processing must touch only the layer); ``"never"``: inside the commit, as vLLM's
+            layerwise reload does.
         tp_rank, tp_size: override the TP rank and size read from the model's layers.
 
     Attributes:
@@ -66,19 +82,29 @@ class VLLMEngineTarget(Target):
         engine_writes: when False, commits update only the host copy (used to build it for an
             engine that already serves that version, see ``assume_version`` in
             :mod:`torch_deltasync.integrations.vllm`).
-        last_reload: ``{"modules": int, "tensors": int, "ms": float}`` of the last :meth:`finish`.
+        last_reload: of the last commit: ``{"modules": int, "tensors": int, "ms": float,
+            "ahead": bool}`` (``ms``: the reload inside the commit, or with ``ahead`` the placing
+            of the shadows; then also ``"prepare_ms"``, the work done in ``prepare`` (of which
+            ``"prepare_host_ms"`` building the new host tensors), and
+            ``"copied_mb"``, kernel tensors copied inside the commit).
     """
 
     holds_all = True
     concurrent_reads = True  # see Target: reads gather from the host copy
 
     def __init__(self, model: nn.Module, model_config: Any, *, in_place: InPlace = "auto",
-                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+                 reload_ahead: ReloadAhead = "auto", tp_rank: int | None = None, tp_size: int | None = None) -> None:
         if in_place not in ("auto", "never"):
             raise ValueError(f"in_place must be 'auto' or 'never', got {in_place!r}")
+        if reload_ahead not in ("auto", "always", "never"):
+            raise ValueError(f"reload_ahead must be 'auto', 'always' or 'never', got {reload_ahead!r}")
         self.model = model
         self.model_config = model_config
         self.in_place = in_place
+        self.reload_ahead = reload_ahead
+        self._generation = 0  # bumped by every change of the host copy or the engine (prepared commits check it)
+        self._retired: list = []  # replaced by the last prepared commit, freed by the next prepare_commit
+        self._spare: dict[str, torch.Tensor] = {}  # host tensors it replaced: the next one's buffers
         self.host: dict[str, torch.Tensor] = {}
         self.engine_writes = True
         self.last_reload: dict[str, Any] = {"modules": 0, "tensors": 0, "ms": 0.0}
@@ -150,6 +176,7 @@ class VLLMEngineTarget(Target):
         self._inplace, self._module_of, self._loads = inplace, module_of, loads
         self._dirty = set()
         self._key = key
+        self._generation += 1
         log.info("vLLM engine target: %d tensors in place, %d modules reloaded", len(inplace), len(loads))
 
     def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,6 +184,7 @@ class VLLMEngineTarget(Target):
 
     @torch.no_grad()
     def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self._generation += 1
         host = self._host(name)
         host.view(-1).index_copy_(0, positions, values.to(host.dtype))
         if not self.engine_writes:
@@ -173,6 +201,7 @@ class VLLMEngineTarget(Target):
             raise IncompatibleTargetError(f"{name!r} is not a published tensor of this target")
         if tuple(full.shape) != shape:
             raise CorruptObjectError(f"{name!r}: full tensor of shape {tuple(full.shape)}, expected {shape}")
+        self._generation += 1
         host = self.host.get(name)
         if host is None or host.dtype != full.dtype:
             self.host[name] = full.detach().to("cpu").contiguous().clone()
@@ -187,8 +216,9 @@ class VLLMEngineTarget(Target):
     def finish(self, written: frozenset[str]) -> None:
         """Reload every module a write of this commit touched, from the host copy (module doc)."""
         dirty, self._dirty = self._dirty, set()
+        self._generation += 1
         if not dirty or not self.engine_writes:
-            self.last_reload = {"modules": 0, "tensors": 0, "ms": 0.0}
+            self.last_reload = {"modules": 0, "tensors": 0, "ms": 0.0, "ahead": False}
             return
         import time
 
@@ -205,7 +235,81 @@ class VLLMEngineTarget(Target):
             self.model.load_weights(iter(weights))
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
-        self.last_reload = {"modules": len(paths), "tensors": len(weights), "ms": (time.perf_counter() - t) * 1e3}
+        self.last_reload = {"modules": len(paths), "tensors": len(weights), "ms": (time.perf_counter() - t) * 1e3,
+                            "ahead": False}
+
+    def prepare_commit(self, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
+                       dense: dict[str, torch.Tensor] | None) -> _PreparedReload | None:
+        """Build a commit's new host tensors and reload its changed modules on shadows, writing
+        nothing live (module doc, "Reloading ahead"; the receiver calls this at the end of
+        ``prepare``, see :func:`~torch_deltasync.targets._base.prepare_commit`).
+
+        Args:
+            sparse: HF name -> (positions ``(k,)`` int64, values ``(k,)``) of a delta path.
+            dense: HF name -> full tensor (HF shape) of an anchor path.
+
+        Returns:
+            A prepared commit, or ``None`` (no module to reload, ``reload_ahead="never"``, a
+            module that does not qualify, the host-only mode, or vLLM's reload could not run on
+            shadows: logged); the commit then reloads inside the pause.
+        """
+        # What the last prepared commit replaced: attributes are freed here, outside the pause; the
+        # old host tensors become the buffers of the new ones (memory already mapped: writing
+        # fresh pages costs more than the copy).
+        spare, self._spare = self._spare, {}
+        self._retired = []
+        if not self.engine_writes or self.reload_ahead == "never":
+            return None
+        if dense is not None:
+            names = list(dense)
+        else:
+            names = [n for n, (pos, _) in (sparse or {}).items() if pos.numel()]
+        paths = sorted({p for n in names for p in self._paths_of.get(n, ())})
+        if not paths or not all(ahead.ahead_ok(self.model.get_submodule(p), any_method=self.reload_ahead == "always")
+                                for p in paths):
+            return None
+        import time
+
+        t = time.perf_counter()
+        generation = self._generation
+        new_host: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name in names:
+                if dense is not None:
+                    new_host[name] = dense[name].detach().to("cpu").contiguous().clone()
+                else:
+                    pos, val = sparse[name]  # type: ignore[index]
+                    old, new = self._host(name), spare.pop(name, None)
+                    if new is None or new.shape != old.shape or new.dtype != old.dtype:
+                        new = old.clone()
+                    else:
+                        new.copy_(old)
+                    new.view(-1).index_copy_(0, pos, val.to(new.dtype))
+                    new_host[name] = new
+        del spare
+        host_ms = (time.perf_counter() - t) * 1e3
+        weights = [(name, new_host.get(src, self.host.get(src))) for path in paths for name, src in self._loads[path]]
+        if any(w is None for _, w in weights):
+            return None  # a module also loads a tensor the host copy does not hold yet
+        try:
+            shadows = ahead.process_ahead(self.model, self.model_config, paths, weights)  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - vLLM internals differ: reload inside the pause instead
+            log.warning("vLLM engine target: reloading ahead failed (%s: %s); reloading inside the commit",
+                        type(e).__name__, e)
+            return None
+        if shadows is None:
+            log.warning("vLLM engine target: vLLM's reload cannot run on copies of %s; reloading inside the "
+                        "commit", paths)
+            return None
+        for path, shadow in shadows.items():
+            why = ahead.check_placeable(self.model.get_submodule(path), shadow)
+            if why is not None:
+                log.warning("vLLM engine target: %s cannot take its reloaded copy (%s); reloading inside the "
+                            "commit", path, why)
+                return None
+        sources = {path: tuple(sorted(src for _, src in self._loads[path])) for path in paths}
+        return _PreparedReload(self, generation, new_host, sparse, dense, shadows, sources, len(weights),
+                               {"prepare_ms": (time.perf_counter() - t) * 1e3, "prepare_host_ms": host_ms})
 
     def checksum(self, name: str, dtype: torch.dtype) -> int:
         """Full checksum of the host copy of ``name`` (every element: the target ``holds_all``)."""
@@ -244,6 +348,58 @@ class VLLMEngineTarget(Target):
             log.debug("%s: reloaded (%s)", name, err)
             return False
         return not e.ignored and bool(e.places)
+
+
+class _PreparedReload:
+    """A commit prepared by :meth:`VLLMEngineTarget.prepare_commit`: new host tensors and processed
+    shadows of the modules to reload (:class:`~torch_deltasync.targets._base.PreparedCommit`)."""
+
+    def __init__(self, target: VLLMEngineTarget, generation: int, new_host: dict[str, torch.Tensor],
+                 sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, dense: dict[str, torch.Tensor] | None,
+                 shadows: dict[str, nn.Module], sources: dict[str, tuple[str, ...]], tensors: int,
+                 times: dict[str, float]) -> None:
+        self.target, self.generation = target, generation
+        self.new_host, self.sparse, self.dense, self.shadows = new_host, sparse, dense, shadows
+        self.sources, self.tensors, self.times = sources, tensors, times
+
+    @torch.no_grad()
+    def commit(self) -> bool:
+        import time
+
+        target = self.target
+        if not self.shadows or target._generation != self.generation or not target.engine_writes:
+            return False  # released, or the target changed since: the receiver writes the usual way
+        live = {path: target.model.get_submodule(path) for path in self.shadows}
+        if any(ahead.check_placeable(live[p], s) is not None for p, s in self.shadows.items()):
+            return False
+        t = time.perf_counter()
+        target._generation += 1
+        for name in target._inplace & self.new_host.keys():  # modules written in place (norms)
+            if self.dense is not None:
+                target._tp.assign(name, self.dense[name])
+            else:
+                pos, val = self.sparse[name]  # type: ignore[index]
+                owned = target._tp.owned(name, pos)
+                target._tp.write(name, pos[owned], val[owned])
+        # What this replaces (old host tensors, old packed handles) is freed or reused by the next
+        # prepare_commit, off the pause: freeing a model's worth of memory takes milliseconds.
+        target._spare = {name: target.host[name] for name in self.new_host if name in target.host}
+        retired: list = []
+        target.host.update(self.new_host)
+        # A kernel tensor shared by modules that load the same HF tensors (a tied lm_head and the
+        # embedding) gets the same values from each: copied once.
+        done: dict[int, tuple[str, ...]] = {}
+        copied = sum(ahead.place(live[p], s, done, self.sources[p], retired) for p, s in self.shadows.items())
+        target._retired = retired
+        target._dirty = set()
+        target.last_reload = {"modules": len(self.shadows), "tensors": self.tensors,
+                              "ms": (time.perf_counter() - t) * 1e3, "ahead": True, **self.times,
+                              "copied_mb": copied / 2**20}
+        self.release()
+        return True
+
+    def release(self) -> None:
+        self.new_host, self.sparse, self.dense, self.shadows = {}, None, None, {}
 
 
 def _full_shape(module: nn.Module | None, mapped: tuple[str, int | None] | None) -> tuple[int, ...] | None:

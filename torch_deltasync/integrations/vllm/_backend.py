@@ -157,7 +157,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         rank = _worker_rank()
 
         def build():
-            target = VLLMEngineTarget(self.model, self.model_config, in_place=init_info.in_place)  # type: ignore[arg-type]
+            target = VLLMEngineTarget(self.model, self.model_config, in_place=init_info.in_place,  # type: ignore[arg-type]
+                                      reload_ahead=init_info.reload_ahead)  # type: ignore[arg-type]
             receiver = DeltaReceiver(target, init_info.store, prefix=init_info.prefix,
                                      max_workers=init_info.max_workers, threads=init_info.threads)
             try:

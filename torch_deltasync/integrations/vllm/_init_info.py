@@ -25,6 +25,10 @@ class InitInfo:
             check it with outputs (or ``/weight_checker`` where weights are not re-packed).
         in_place: ``"auto"`` (write in place where the live layout is the loader's, reload the
             rest) or ``"never"`` (reload every changed module).
+        reload_ahead: ``"auto"``, ``"always"`` or ``"never"``: re-pack the changed modules while
+            staging, on copies, so the commit only swaps them in
+            (:class:`~torch_deltasync.targets.VLLMEngineTarget`, "Reloading ahead"; costs about
+            the model's bytes twice from staging to commit).
         stage_ahead: stage the newest version in the background (``False``: prepare inside
             ``update_weights``).
         poll_s: seconds between looks at the store for a newer version (background stager).
@@ -45,6 +49,7 @@ class InitInfo:
     prefix: str = ""
     assume_version: int | None = None
     in_place: str = "auto"
+    reload_ahead: str = "auto"
     stage_ahead: bool = True
     poll_s: float = 0.05
     max_workers: int = 8
@@ -61,6 +66,8 @@ class InitInfo:
             raise ValueError(f"init_info 'assume_version' must be a version (int >= 0) or null, got {self.assume_version!r}")
         if self.in_place not in ("auto", "never"):
             raise ValueError(f"init_info 'in_place' must be 'auto' or 'never', got {self.in_place!r}")
+        if self.reload_ahead not in ("auto", "always", "never"):
+            raise ValueError(f"init_info 'reload_ahead' must be 'auto', 'always' or 'never', got {self.reload_ahead!r}")
         if not isinstance(self.stage_ahead, bool):
             raise ValueError(f"init_info 'stage_ahead' must be true or false, got {self.stage_ahead!r}")
         if not isinstance(self.poll_s, (int, float)) or isinstance(self.poll_s, bool) or not 0 < self.poll_s <= 60:

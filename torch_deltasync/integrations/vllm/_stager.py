@@ -24,7 +24,9 @@ class Stager(threading.Thread):
     replaced it, the previous one as ``kept``: a driver that read the readiness file just before
     may already be committing that version, and it finds it staged. ``kept`` is dropped when the
     next version starts staging, so at most two staged updates are in memory (one of them while
-    being built), as with one staged update and the next being built. :meth:`take` hands the
+    being built), as with one staged update and the next being built; what the target prepared
+    ahead for ``kept`` (re-packed modules) is released when it becomes ``kept``, so a commit of it
+    reloads inside the pause. :meth:`take` hands the
     matching one to the committing RPC (waiting if that very version is being staged right now) and
     drops both (a commit makes them stale). The loop is the core's
     :func:`~torch_deltasync.follow.follow_newer`: one poll every ``poll_s`` seconds, a pause doubling
@@ -94,6 +96,8 @@ class Stager(threading.Thread):
             if staged is None or self._busy_epoch != self._epoch:
                 return  # staged on the state before a commit: stale, staged again after it
             self._kept, self._staged = self._staged, staged
+            if self._kept is not None:  # rarely committed: its modules re-packed ahead are not kept
+                self._kept.release_prepared()
             kept = self._kept.version if self._kept is not None else None
             self.status.update(staged=staged.version, kept=kept, error=None)
             self._cond.notify_all()
