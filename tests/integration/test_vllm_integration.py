@@ -146,6 +146,8 @@ def test_bad_init_info_installs_nothing(run):
         attach_llm(llm, run.bucket, threads=0)
     with pytest.raises(TypeError, match="status_dir must be a path, None .* or False .*, got 0"):
         attach_llm(llm, run.bucket, status_dir=0)  # 0 == False, but it is not False
+    with pytest.raises(ValueError, match=r"init_info 'reload_ahead' must be 'auto', 'always' or 'never', got True"):
+        attach_llm(llm, run.bucket, reload_ahead=True)
     assert llm.calls == [] and set(Path(tempfile.gettempdir()).glob("deltasync-ready-*")) == tmp_before
     with pytest.raises(DeltaSyncError, match="not attached to a run: call attach_llm first"):
         update_llm(llm, 0)

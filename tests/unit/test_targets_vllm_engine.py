@@ -246,3 +246,23 @@ def test_reload_ahead_is_refused_where_it_does_not_apply(ahead_run):
     target.reload_ahead = "auto"
     target.engine_writes = False  # building the host copy only: nothing to reload
     assert receiver.prepare(1).prepared is None
+
+
+def test_shadows_are_freed_after_commit_or_release_and_update_does_not_prepare_ahead(ahead_run):
+    import gc
+    import weakref
+
+    store, states, vc = ahead_run
+    target, receiver = _follower(store, vc, states, "auto")
+    staged = receiver.prepare(1)
+    committed = [weakref.ref(s.module) for s in staged.prepared.shadows.values()]
+    receiver.commit(staged)
+    staged = receiver.prepare(2)
+    released = [weakref.ref(s.module) for s in staged.prepared.shadows.values()]
+    staged.release_prepared()
+    del staged
+    gc.collect()  # vLLM's reload state kept every shadow alive before (its entries refer back to them)
+    assert committed and released and all(r() is None for r in committed + released)
+    # update() commits at once: nothing is prepared ahead, the modules reload inside the commit
+    assert receiver.update(2) == 2 and target.last_reload["ahead"] is False and target.last_reload["modules"] > 0
+    assert _differ(_live_state(target.model)[0], _reference_bits(vc, states[2])) == []

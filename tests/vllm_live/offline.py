@@ -45,6 +45,7 @@ def main() -> None:
     work = Path(sys.argv[1])
     tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     from torch_deltasync import DeltaSender, LocalStore
+    from torch_deltasync.integrations.vllm import wait_staged
 
     model = tiny_qwen3()
     bucket = str(work / "bucket")
@@ -74,9 +75,12 @@ def main() -> None:
     res["bad_init_error"] = refused(lambda: a.init_weight_transfer_engine(
         {"init_info": {"store": bucket, "in_place": "sometimes"}}))
     a.init_weight_transfer_engine({"init_info": {"store": bucket, "assume_version": v0,
+                                                 "status_dir": str(work / "status-a"),
                                                  "metrics_path": str(work / "a-{rank}.jsonl")}})
 
     def commit(llm, v):
+        if llm is a:  # staged (and its modules re-packed) before the pause, as a driver would wait
+            wait_staged(work / "status-a", v, timeout_s=120)
         t = time.perf_counter()
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": v}})
@@ -184,8 +188,9 @@ def main() -> None:
     compare("trainer_engine", v6)
     trainer.shutdown()
     for name in ("a", "c"):  # how each commit reloaded the re-packed modules, per worker
-        res[f"{name}_reloads"] = [[{"version": e["version"], **e["reload"]} for e in map(json.loads, f.read_text().splitlines())
-                                   if e["event"] == "commit"] for f in sorted(work.glob(f"{name}-*.jsonl"))]
+        res[f"{name}_reloads"] = [[{"version": e["version"], "staged_ahead": e["staged_ahead"], **e["reload"]}
+                                   for e in map(json.loads, f.read_text().splitlines()) if e["event"] == "commit"]
+                                  for f in sorted(work.glob(f"{name}-*.jsonl"))]
     report(res)
 
 

@@ -299,11 +299,14 @@ class DeltaReceiver:
             StoreError: the store failed. Target unchanged.
         """
         with self._lock:  # nothing may commit between this prepare and its commit
-            return self.commit(self.prepare(version))
+            return self.commit(self.prepare(version, ahead=False))
 
-    def prepare(self, version: int | None = None) -> StagedUpdate:
+    def prepare(self, version: int | None = None, *, ahead: bool = True) -> StagedUpdate:
         """Download, decode, validate and verify ``version`` (the newest visible when ``None``)
-        against the state the target holds now, writing nothing.
+        against the state the target holds now, writing nothing. With ``ahead``, the target also
+        prepares its part of the commit where it can (``Target.prepare_commit``, e.g. re-packing
+        vLLM modules on copies); pass ``False`` when the commit follows at once (that work would
+        only move, and cost memory).
 
         Reads live weights (old values at changed positions, for relative steps and checksums), so
         it may run in a background thread while an engine generates; only :meth:`commit` writes.
@@ -328,7 +331,7 @@ class DeltaReceiver:
         attempts = 1 if version is not None else _REPLAN_ATTEMPTS
         for attempt in range(attempts):
             try:
-                return self._prepare(version)
+                return self._prepare(version, ahead)
             except (VersionNotFoundError, ObjectNotFoundError) as e:
                 if attempt + 1 == attempts or self.newest_version() is None:
                     raise
@@ -389,7 +392,7 @@ class DeltaReceiver:
                     f.write(json.dumps({"event": "update", **stats.to_dict()}) + "\n")
             return self.version
 
-    def _prepare(self, version: int | None) -> StagedUpdate:
+    def _prepare(self, version: int | None, ahead: bool) -> StagedUpdate:
         """One planning and staging pass of :meth:`prepare`."""
         t0 = time.perf_counter()
         with self._lock:  # a consistent base: what the target holds, its checksums, the plan from it
@@ -403,7 +406,7 @@ class DeltaReceiver:
         self._check_target(plan.manifests[-1])
         recovered = False
         try:
-            staged = self._stage(plan, checksums)
+            staged = self._stage(plan, checksums, ahead)
         except (CorruptObjectError, ObjectNotFoundError) as e:
             if generation != self._generation:
                 # A commit landed while this was staged (a background prepare racing an update):
@@ -417,7 +420,7 @@ class DeltaReceiver:
             self._manifests.clear()
             plan = self.plan(plan.to_version, force_anchor=True)
             self._check_target(plan.manifests[-1])
-            staged = self._stage(plan, checksums)
+            staged = self._stage(plan, checksums, ahead)
             recovered = True
         staged._generation = generation
         assert staged.stats is not None
@@ -554,7 +557,7 @@ class DeltaReceiver:
                 log.debug("%s: %s; reading it again", self.store.describe(), e)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _stage(self, plan: UpdatePlan, checksums: dict[str, int]) -> StagedUpdate:
+    def _stage(self, plan: UpdatePlan, checksums: dict[str, int], ahead: bool) -> StagedUpdate:
         """Download, decode and verify ``plan`` on top of the held state whose checksums are
         ``checksums``; the caller has checked the target. Writes nothing."""
         final = plan.manifests[-1]
@@ -584,7 +587,7 @@ class DeltaReceiver:
         new_checksums = verify_checksums(self.target, final, dense, sparse, checksums, base, self.receiver_config.threads)
         verify_ms = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
-        prepared = prepare_commit(self.target, sparse, dense)
+        prepared = prepare_commit(self.target, sparse, dense) if ahead else None
         stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
                             download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms,
                             ahead_ms=(time.perf_counter() - t) * 1e3)

@@ -22,16 +22,19 @@ Here the same steps run on a *shadow* of each changed module during
    vLLM's reload: copy the shadow's tensors into the live kernel tensors (same storage, so CUDA
    graphs and aliases such as a tied ``lm_head.weight`` see the new values), and take over the
    attributes processing set on the shadow (on the CPU build: ``cpu_linear``, the closure over the
-   new oneDNN handle). The pause then costs the copy of the tensors still in the loader's layout
-   (embeddings), not the re-pack.
+   new oneDNN handle; only attributes processing set or deleted on the shadow move). The pause
+   then costs the copy of the tensors still in the loader's layout (embeddings), not the re-pack.
 
 Which modules qualify: by default (:data:`AHEAD_METHODS`) those whose ``quant_method`` is vLLM's
 ``UnquantizedLinearMethod`` or ``UnquantizedEmbeddingMethod`` (or none): their processing
 (``dispatch_cpu_unquantized_gemm`` on CPU, nothing on GPU) writes only the layer it is given, so
 running it on a copy while the engine runs the original is safe. Other methods (FP8, Marlin, ...)
 may keep state on the shared ``quant_method`` or across layers; those modules reload inside the
-pause unless the target is told otherwise. Modules with buffers reload inside the pause too.
-Memory: the shadows hold a second processed copy of the changed modules until the commit.
+pause unless the target is told otherwise. Modules with buffers or children reload inside the pause
+too, and so does everything when the model's ``load_weights`` does more than call the loaders of
+the weights it is given (vLLM's classification adapters re-assign modules there: do not re-pack
+those ahead). Memory: the shadows hold a second processed copy of the changed modules until the
+commit.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-__all__ = ["AHEAD_METHODS", "ahead_ok", "shadow_tree", "process_ahead", "check_placeable", "place"]
+__all__ = ["AHEAD_METHODS", "Shadow", "ahead_ok", "shadow_tree", "process_ahead", "check_placeable", "place"]
 
 #: ``quant_method`` classes (by name, from vLLM's ``linear.py`` / ``vocab_parallel_embedding.py``)
 #: whose ``process_weights_after_loading`` writes only the layer passed to it.
@@ -55,9 +58,10 @@ _ABSENT = object()
 
 
 def ahead_ok(module: nn.Module, *, any_method: bool = False) -> bool:
-    """Whether ``module`` can be processed on a shadow while the engine runs it: no buffers, and a
-    ``quant_method`` in :data:`AHEAD_METHODS` (or none; any with ``any_method``)."""
-    if any(b is not None for b in module._buffers.values()):
+    """Whether ``module`` can be processed on a shadow while the engine runs it: a leaf (vLLM's
+    finalize walks a module's children, which a shadow shares with the live one), no buffers, and
+    a ``quant_method`` in :data:`AHEAD_METHODS` (or none; any with ``any_method``)."""
+    if module._modules or any(b is not None for b in module._buffers.values()):
         return False
     method = getattr(module, "quant_method", None)
     return any_method or method is None or type(method).__name__ in AHEAD_METHODS
@@ -119,8 +123,18 @@ def _owned_copy(t: torch.Tensor, live: nn.Module, shadow: nn.Module, *, data: bo
     return c
 
 
+class Shadow:
+    """A processed copy of one live module: ``module``, and ``initial``, its attributes as copied
+    (so :func:`place` moves only what processing set)."""
+
+    __slots__ = ("module", "initial")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module, self.initial = module, dict(module.__dict__)
+
+
 def process_ahead(model: nn.Module, model_config: Any, paths: list[str],
-                  weights: list[tuple[str, torch.Tensor]]) -> dict[str, nn.Module] | None:
+                  weights: list[tuple[str, torch.Tensor]]) -> dict[str, Shadow] | None:
     """Load and process the modules at ``paths`` on shadows (module doc, steps 1-2).
 
     Args:
@@ -133,15 +147,28 @@ def process_ahead(model: nn.Module, model_config: Any, paths: list[str],
     Returns:
         ``{path: processed shadow}``, or ``None`` when a module cannot be done this way (no
         recorded layout, or ``load_weights`` left a module without weights); the live model is
-        unchanged either way.
+        unchanged either way. vLLM's per-module reload state (``LAYERWISE_INFO``) of the shadows
+        is dropped before returning (it would keep them alive: its entries refer back to them).
     """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    root, shadows = shadow_tree(model, paths)
+    initial = {path: Shadow(shadow) for path, shadow in shadows.items()}
+    try:
+        return _process(model, model_config, root, shadows, weights, initial)
+    finally:
+        for shadow in shadows.values():
+            LAYERWISE_INFO.pop(shadow, None)
+
+
+def _process(model: nn.Module, model_config: Any, root: nn.Module, shadows: dict[str, nn.Module],
+             weights: list[tuple[str, torch.Tensor]], initial: dict[str, Shadow]) -> dict[str, Shadow] | None:
     from vllm.model_executor.model_loader.reload.layerwise import (
         LAYERWISE_INFO, finalize_layerwise_processing, get_layerwise_info, initialize_online_processing,
     )
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-    root, shadows = shadow_tree(model, paths)
     for path, shadow in shadows.items():
         live = model.get_submodule(path)
         recorded = LAYERWISE_INFO.get(live)
@@ -166,16 +193,16 @@ def process_ahead(model: nn.Module, model_config: Any, paths: list[str],
     finalize_layerwise_processing(nn.ModuleList(list({id(s): s for s in shadows.values()}.values())), model_config)
     if any(t.is_meta for s in shadows.values() for t in get_layer_tensors(s).values()):
         return None
-    return shadows
+    return initial
 
 
-def check_placeable(live: nn.Module, shadow: nn.Module) -> str | None:
+def check_placeable(live: nn.Module, shadow: Shadow) -> str | None:
     """Why ``shadow`` cannot be placed into ``live`` (a kernel tensor without a match of the same
     shape and dtype), or ``None``."""
     for name, kernel in live._parameters.items():
         if kernel is None:
             continue
-        new = shadow._parameters.get(name)
+        new = shadow.module._parameters.get(name)
         if new is None or new.shape != kernel.shape or new.dtype != kernel.dtype:
             got = None if new is None else (tuple(new.shape), new.dtype)
             return f"{name}: kernel tensor {tuple(kernel.shape)} {kernel.dtype}, processed {got}"
@@ -183,13 +210,13 @@ def check_placeable(live: nn.Module, shadow: nn.Module) -> str | None:
 
 
 @torch.no_grad()
-def place(live: nn.Module, shadow: nn.Module, done: dict[int, Any] | None = None, source: Any = None,
+def place(live: nn.Module, shadow: Shadow, done: dict[Any, Any] | None = None, source: Any = None,
           retired: list | None = None) -> int:
     """Move a processed shadow into the live module (module doc, step 3; the caller has run
     :func:`check_placeable`).
 
     Args:
-        done: storage address -> ``source`` of the kernel tensors copied so far in this commit; a
+        done: (address, bytes) -> ``source`` of the kernel tensors copied so far in this commit; a
             kernel tensor already copied from a module loaded from the same ``source`` (the HF
             tensors it loads: a tied ``lm_head`` and the embedding share one weight) is not copied
             again.
@@ -204,18 +231,19 @@ def place(live: nn.Module, shadow: nn.Module, done: dict[int, Any] | None = None
     for name, kernel in live._parameters.items():
         if kernel is None or not kernel.numel():
             continue
-        key = kernel.untyped_storage().data_ptr()
+        key = (kernel.data_ptr(), kernel.numel() * kernel.element_size())
         if source is not None and done.get(key) == source:
             continue
-        kernel.data.copy_(shadow._parameters[name])
+        kernel.data.copy_(shadow.module._parameters[name])
         done[key] = source
-        nbytes += kernel.numel() * kernel.element_size()
-    state, new = live.__dict__, shadow.__dict__
+        nbytes += key[1]
+    # the attributes processing set or deleted on the shadow (not those it left as copied)
+    state, new, initial = live.__dict__, shadow.module.__dict__, shadow.initial
     retired = [] if retired is None else retired
-    for key in [k for k in state if k not in new and k not in _OWN]:
-        retired.append(state.pop(key))
+    for key in [k for k in initial if k not in new and k not in _OWN]:
+        retired.append(state.pop(key, None))
     for key, value in new.items():
-        if key not in _OWN and state.get(key, _ABSENT) is not value:
+        if key not in _OWN and initial.get(key, _ABSENT) is not value:
             retired.append(state.get(key))
             state[key] = value
     return nbytes

@@ -31,7 +31,10 @@ the new host tensors and runs vLLM's reload of the changed modules on shadow cop
 (:mod:`torch_deltasync.targets._vllm_ahead`); the commit then swaps the host tensors and moves the
 processed shadows into the live modules: a copy of the tensors still in the loader's layout
 (embeddings) and an attribute each, instead of a re-pack of every changed module. Cost: memory for
-the new host tensors and the shadows (about the model's bytes twice) from prepare to commit.
+the new host tensors and the shadows (about the model's bytes twice) per prepared update, from
+prepare to commit; after a commit, the replaced host tensors (reused as the next update's buffers)
+and packed handles until the next ``prepare_commit``. ``DeltaReceiver.update`` (prepare and commit
+at once) does not prepare ahead.
 
 Because the host copy holds every element, the target is ``holds_all``: the receiver checks the
 full per-tensor checksums of every version in ``O(changed elements)`` (``C' = C - partial(old) +
@@ -193,6 +196,7 @@ class VLLMEngineTarget(Target):
             owned = self._tp.owned(name, positions)
             self._tp.write(name, positions[owned], values[owned])
         self._mark(name)
+        self._generation += 1
 
     @torch.no_grad()
     def assign(self, name: str, full: torch.Tensor) -> None:
@@ -212,6 +216,7 @@ class VLLMEngineTarget(Target):
         if name in self._inplace:
             self._tp.assign(name, full)
         self._mark(name)
+        self._generation += 1
 
     def finish(self, written: frozenset[str]) -> None:
         """Reload every module a write of this commit touched, from the host copy (module doc)."""
@@ -235,6 +240,7 @@ class VLLMEngineTarget(Target):
             self.model.load_weights(iter(weights))
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
+        self._generation += 1
         self.last_reload = {"modules": len(paths), "tensors": len(weights), "ms": (time.perf_counter() - t) * 1e3,
                             "ahead": False}
 
@@ -260,6 +266,17 @@ class VLLMEngineTarget(Target):
         self._retired = []
         if not self.engine_writes or self.reload_ahead == "never":
             return None
+        try:
+            return self._prepare_commit(sparse, dense, spare)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory, or vLLM internals that differ
+            log.warning("vLLM engine target: reloading ahead failed (%s: %s); reloading inside the commit",
+                        type(e).__name__, e)
+            return None
+
+    def _prepare_commit(self, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
+                        dense: dict[str, torch.Tensor] | None, spare: dict[str, torch.Tensor]) -> _PreparedReload | None:
+        import time
+
         if dense is not None:
             names = list(dense)
         else:
@@ -268,15 +285,16 @@ class VLLMEngineTarget(Target):
         if not paths or not all(ahead.ahead_ok(self.model.get_submodule(p), any_method=self.reload_ahead == "always")
                                 for p in paths):
             return None
-        import time
-
+        inplace_paths = {m[0].rpartition(".")[0] for n in self._inplace if (m := self._tp._map_name(n)) is not None}
+        if inplace_paths & set(paths):
+            return None  # placing the copy would undo the in-place writes of the same module
         t = time.perf_counter()
         generation = self._generation
         new_host: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name in names:
-                if dense is not None:
-                    new_host[name] = dense[name].detach().to("cpu").contiguous().clone()
+                if dense is not None:  # the staged full tensor becomes the host tensor (no copy)
+                    new_host[name] = dense[name].detach().to("cpu").contiguous()
                 else:
                     pos, val = sparse[name]  # type: ignore[index]
                     old, new = self._host(name), spare.pop(name, None)
@@ -286,17 +304,12 @@ class VLLMEngineTarget(Target):
                         new.copy_(old)
                     new.view(-1).index_copy_(0, pos, val.to(new.dtype))
                     new_host[name] = new
-        del spare
+        spare.clear()
         host_ms = (time.perf_counter() - t) * 1e3
         weights = [(name, new_host.get(src, self.host.get(src))) for path in paths for name, src in self._loads[path]]
         if any(w is None for _, w in weights):
             return None  # a module also loads a tensor the host copy does not hold yet
-        try:
-            shadows = ahead.process_ahead(self.model, self.model_config, paths, weights)  # type: ignore[arg-type]
-        except Exception as e:  # noqa: BLE001 - vLLM internals differ: reload inside the pause instead
-            log.warning("vLLM engine target: reloading ahead failed (%s: %s); reloading inside the commit",
-                        type(e).__name__, e)
-            return None
+        shadows = ahead.process_ahead(self.model, self.model_config, paths, weights)  # type: ignore[arg-type]
         if shadows is None:
             log.warning("vLLM engine target: vLLM's reload cannot run on copies of %s; reloading inside the "
                         "commit", paths)
@@ -356,7 +369,7 @@ class _PreparedReload:
 
     def __init__(self, target: VLLMEngineTarget, generation: int, new_host: dict[str, torch.Tensor],
                  sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, dense: dict[str, torch.Tensor] | None,
-                 shadows: dict[str, nn.Module], sources: dict[str, tuple[str, ...]], tensors: int,
+                 shadows: dict[str, ahead.Shadow], sources: dict[str, tuple[str, ...]], tensors: int,
                  times: dict[str, float]) -> None:
         self.target, self.generation = target, generation
         self.new_host, self.sparse, self.dense, self.shadows = new_host, sparse, dense, shadows
@@ -392,6 +405,7 @@ class _PreparedReload:
         copied = sum(ahead.place(live[p], s, done, self.sources[p], retired) for p, s in self.shadows.items())
         target._retired = retired
         target._dirty = set()
+        target._generation += 1  # again after the writes: a prepare that read them half done is stale
         target.last_reload = {"modules": len(self.shadows), "tensors": self.tensors,
                               "ms": (time.perf_counter() - t) * 1e3, "ahead": True, **self.times,
                               "copied_mb": copied / 2**20}
@@ -399,6 +413,8 @@ class _PreparedReload:
         return True
 
     def release(self) -> None:
+        for shadow in self.shadows.values():  # a processed parameter's loader refers to its shadow: a cycle
+            shadow.module.__dict__["_parameters"] = {}
         self.new_host, self.sparse, self.dense, self.shadows = {}, None, None, {}
 
 

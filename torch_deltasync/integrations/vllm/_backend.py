@@ -252,7 +252,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             def stage():
                 if staged is not None and receiver.is_current(staged):
                     return staged
-                return receiver.prepare(v)
+                return receiver.prepare(v, ahead=False)  # inside the pause: the commit follows at once
 
             # Every worker stages first; only if all succeeded does any of them write (all or nothing
             # across the engine's workers).
