@@ -153,16 +153,17 @@ def process_ahead(model: nn.Module, model_config: Any, paths: list[str],
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     root, shadows = shadow_tree(model, paths)
-    initial = {path: Shadow(shadow) for path, shadow in shadows.items()}
+    records = {path: Shadow(shadow) for path, shadow in shadows.items()}  # attributes before processing
     try:
-        return _process(model, model_config, root, shadows, weights, initial)
+        return _process(model, model_config, root, shadows, weights, records)
     finally:
         for shadow in shadows.values():
             LAYERWISE_INFO.pop(shadow, None)
 
 
 def _process(model: nn.Module, model_config: Any, root: nn.Module, shadows: dict[str, nn.Module],
-             weights: list[tuple[str, torch.Tensor]], initial: dict[str, Shadow]) -> dict[str, Shadow] | None:
+             weights: list[tuple[str, torch.Tensor]], records: dict[str, Shadow]) -> dict[str, Shadow] | None:
+    """:func:`process_ahead` on ``shadows`` (path -> shadow module) under ``root``; returns ``records``."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         LAYERWISE_INFO, finalize_layerwise_processing, get_layerwise_info, initialize_online_processing,
     )
@@ -193,7 +194,7 @@ def _process(model: nn.Module, model_config: Any, root: nn.Module, shadows: dict
     finalize_layerwise_processing(nn.ModuleList(list({id(s): s for s in shadows.values()}.values())), model_config)
     if any(t.is_meta for s in shadows.values() for t in get_layer_tensors(s).values()):
         return None
-    return initial
+    return records
 
 
 def check_placeable(live: nn.Module, shadow: Shadow) -> str | None:

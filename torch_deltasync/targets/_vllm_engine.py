@@ -298,7 +298,7 @@ class VLLMEngineTarget(Target):
                 else:
                     pos, val = sparse[name]  # type: ignore[index]
                     old, new = self._host(name), spare.pop(name, None)
-                    if new is None or new.shape != old.shape or new.dtype != old.dtype:
+                    if new is None or new is old or new.shape != old.shape or new.dtype != old.dtype:
                         new = old.clone()
                     else:
                         new.copy_(old)
