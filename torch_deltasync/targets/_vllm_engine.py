@@ -45,6 +45,7 @@ published weights per worker (the model's bytes in the inference dtype).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Literal
 
 import torch
@@ -114,6 +115,7 @@ class VLLMEngineTarget(Target):
         self._tp = VLLMTarget(model, strict=False, tp_rank=tp_rank, tp_size=tp_size)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._inplace: set[str] = set()  # HF names written in place
+        self._inplace_paths: set[str] = set()  # vLLM module paths of those
         self._module_of: dict[str, str] = {}  # HF name (or alias) -> vLLM module path it reloads into
         self._loads: dict[str, list[tuple[str, str]]] = {}  # module path -> [(name to load, host name)]
         self._paths_of: dict[str, set[str]] = {}  # host name -> module paths that load it
@@ -177,6 +179,8 @@ class VLLMEngineTarget(Target):
         self._paths_of = paths_of
         self._shapes = {n: tuple(s) for n, s in shapes.items()}
         self._inplace, self._module_of, self._loads = inplace, module_of, loads
+        # modules with a tensor written in place: never re-packed ahead (placing would undo the write)
+        self._inplace_paths = {m[0].rpartition(".")[0] for n in inplace if (m := self._tp._map_name(n)) is not None}
         self._dirty = set()
         self._key = key
         self._generation += 1
@@ -193,8 +197,7 @@ class VLLMEngineTarget(Target):
         if not self.engine_writes:
             return
         if name in self._inplace:
-            owned = self._tp.owned(name, positions)
-            self._tp.write(name, positions[owned], values[owned])
+            self._write_in_place(name, positions, values)
         self._mark(name)
         self._generation += 1
 
@@ -225,8 +228,6 @@ class VLLMEngineTarget(Target):
         if not dirty or not self.engine_writes:
             self.last_reload = {"modules": 0, "tensors": 0, "ms": 0.0, "ahead": False}
             return
-        import time
-
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload, initialize_layerwise_reload,
         )
@@ -275,8 +276,6 @@ class VLLMEngineTarget(Target):
 
     def _prepare_commit(self, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
                         dense: dict[str, torch.Tensor] | None, spare: dict[str, torch.Tensor]) -> _PreparedReload | None:
-        import time
-
         if dense is not None:
             names = list(dense)
         else:
@@ -285,8 +284,7 @@ class VLLMEngineTarget(Target):
         if not paths or not all(ahead.ahead_ok(self.model.get_submodule(p), any_method=self.reload_ahead == "always")
                                 for p in paths):
             return None
-        inplace_paths = {m[0].rpartition(".")[0] for n in self._inplace if (m := self._tp._map_name(n)) is not None}
-        if inplace_paths & set(paths):
+        if self._inplace_paths.intersection(paths):
             return None  # placing the copy would undo the in-place writes of the same module
         t = time.perf_counter()
         generation = self._generation
@@ -350,6 +348,11 @@ class VLLMEngineTarget(Target):
                 f"{name!r}: the host copy holds no version yet (the first update takes an anchor path)")
         return host
 
+    def _write_in_place(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the elements of ``name`` this TP rank owns into its loader-layout parameter."""
+        owned = self._tp.owned(name, positions)
+        self._tp.write(name, positions[owned], values[owned])
+
     def _mark(self, name: str) -> None:
         self._dirty |= self._paths_of.get(name, set())
 
@@ -377,8 +380,6 @@ class _PreparedReload:
 
     @torch.no_grad()
     def commit(self) -> bool:
-        import time
-
         target = self.target
         if not self.shadows or target._generation != self.generation or not target.engine_writes:
             return False  # released, or the target changed since: the receiver writes the usual way
@@ -391,9 +392,7 @@ class _PreparedReload:
             if self.dense is not None:
                 target._tp.assign(name, self.dense[name])
             else:
-                pos, val = self.sparse[name]  # type: ignore[index]
-                owned = target._tp.owned(name, pos)
-                target._tp.write(name, pos[owned], val[owned])
+                target._write_in_place(name, *self.sparse[name])  # type: ignore[index]
         # What this replaces (old host tensors, old packed handles) is freed or reused by the next
         # prepare_commit, off the pause: freeing a model's worth of memory takes milliseconds.
         target._spare = {name: target.host[name] for name in self.new_host if name in target.host}
