@@ -24,8 +24,10 @@ vLLM's sparse apply ``load_checkpoint_weight_patches`` of the same change set (w
 ``<out>/metrics.jsonl`` (one line per measurement) and ``<out>/summary.json``.
 
 Each density runs ``--reps`` syncs per ``--modes`` entry (the target's ``reload_ahead``: ``auto``
-re-packs the changed modules on copies while staging, ``never`` inside the pause), alternating
-modes, so the two are compared on the same engine and densities in one run.
+re-packs the changed modules on copies while staging and writes the changes of the kernel tensors
+processing leaves as loaded, the embedding, in place; ``copy`` is ``auto`` with those tensors
+copied whole from the copies; ``never`` re-packs inside the pause), alternating modes, so they are
+compared on the same engine and densities in one run.
 """
 
 from __future__ import annotations
@@ -57,7 +59,15 @@ def _repack_all(worker) -> float:
 
 
 def _set_reload_ahead(worker, mode: str) -> None:
-    worker.weight_transfer_engine.receiver.target.reload_ahead = mode
+    """``mode``: a ``reload_ahead`` value, or ``copy``: ``auto`` with every kernel tensor copied whole
+    from its shadow (no tensor patched in place: the commit before patching)."""
+    target = worker.weight_transfer_engine.receiver.target
+    target.reload_ahead = "auto" if mode == "copy" else mode
+    if mode == "copy":  # no parameter patched; the verdicts of the target's own check kept aside
+        target._bench_ok = target.__dict__.get("_bench_ok", target._patch_ok)
+        target._patch_ok = {v: False for v in target._patch_groups}
+    else:
+        target._patch_ok = target.__dict__.pop("_bench_ok", target._patch_ok)
 
 
 def _sparse_apply(worker, path: str, shapes: list) -> dict:
@@ -137,7 +147,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--modes", default="auto,never", help="reload_ahead modes to alternate")
+    ap.add_argument("--modes", default="auto,copy,never",
+                    help="reload_ahead modes to alternate (copy: auto, kernel tensors copied whole)")
     ap.add_argument("--only-hf", action="store_true", help="only the HF-module commit measurement")
     args = ap.parse_args()
     densities = [float(x) for x in args.densities.split(",")]
@@ -206,6 +217,7 @@ def main() -> None:
                 "stage_verify_ms": commit["verify_ms"], "commit_apply_ms": commit["apply_ms"],
                 "commit_repack_ms": commit["reload"]["ms"], "repacked_modules": commit["reload"]["modules"],
                 "repacked_ahead": commit["reload"]["ahead"], "repack_ahead_ms": commit["reload"].get("prepare_ms", 0.0),
+                "copied_mb": commit["reload"].get("copied_mb", 0.0), "patched": commit["reload"].get("patched", 0),
                 "stage_total_ms": commit["total_ms"] - commit["apply_ms"],
                 "vllm_full_reload_ms": (t5 - t4) * 1e3, "repack_all_ms": repack_ms,
                 "vllm_sparse_apply_ms": sparse["ms"], "vllm_sparse_apply_error": sparse["error"],

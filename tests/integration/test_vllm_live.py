@@ -69,6 +69,10 @@ def test_offline_llm_follows_versions_bit_exact(tmp_path, tp):
     for worker in res["a_reloads"]:
         assert [r["version"] for r in worker] == [2, 3, 5]
         assert all(r["staged_ahead"] and r["ahead"] and r["modules"] > 0 and r["prepare_ms"] > 0 for r in worker)
+        # deltas (2, 3): the embedding keeps the loader's layout beside its packed copy, so its changes
+        # are written in place and nothing is copied whole (the linears' weights are gone, only their
+        # handles move); the anchor (5) copies the embedding whole
+        assert [(r["patched"] > 0, r["copied_mb"] > 0) for r in worker] == [(True, False)] * 2 + [(False, True)]
     for worker in res["c_reloads"]:  # prepared inside the pause (not staged): reloaded there either way
         assert [(r["version"], r["ahead"]) for r in worker] == [(5, False)] and worker[0]["modules"] > 0
 

@@ -170,8 +170,8 @@ def _loaded_engine_model(vc, bits):
     return model
 
 
-def _follower(store, vc, states, reload_ahead):
-    target = VLLMEngineTarget(_loaded_engine_model(vc, states[0]), vc.model_config, in_place="never",
+def _follower(store, vc, states, reload_ahead, in_place="never"):
+    target = VLLMEngineTarget(_loaded_engine_model(vc, states[0]), vc.model_config, in_place=in_place,
                               reload_ahead=reload_ahead)
     receiver = DeltaReceiver(target, store)
     target.engine_writes = False  # the engine serves version 0 already: build the host copy only
@@ -189,11 +189,12 @@ def _live_state(model):
     return vllm_state_bits(model), attrs
 
 
-def test_reload_ahead_prepares_on_shadows_and_commits_bit_exact(ahead_run):
+@pytest.mark.parametrize("in_place", ["never", "auto"])
+def test_reload_ahead_prepares_on_shadows_and_commits_bit_exact(ahead_run, in_place):
     from torch_deltasync.testing_vllm import vllm_state_bits
 
     store, states, vc = ahead_run
-    target, receiver = _follower(store, vc, states, "auto")
+    target, receiver = _follower(store, vc, states, "auto", in_place)
     for version in (1, 2):
         before = _live_state(target.model)
         host_before = {n: t for n, t in target.host.items()}
@@ -206,6 +207,12 @@ def test_reload_ahead_prepares_on_shadows_and_commits_bit_exact(ahead_run):
         assert receiver.commit(staged) == version
         assert target.last_reload["ahead"] is True
         assert 0 < target.last_reload["modules"] <= len(target.reloaded_modules)
+        # "auto": kernel tensors processing leaves as loaded (here: all of them; the norms are
+        # written in place) get their changes, nothing is copied; "never": all copied from shadows
+        if in_place == "auto":
+            assert target.last_reload["patched"] > 0 and target.last_reload["copied_mb"] == 0
+        else:
+            assert target.last_reload["patched"] == 0 and target.last_reload["copied_mb"] > 0
         assert _differ(vllm_state_bits(target.model), _reference_bits(vc, states[version])) == []
         # the host copy holds the published tensors (a tied lm_head is an alias, not a tensor)
         assert _differ({n: t.view(torch.int16) for n, t in target.host.items()},
@@ -266,3 +273,46 @@ def test_shadows_are_freed_after_commit_or_release_and_update_does_not_prepare_a
     # update() commits at once: nothing is prepared ahead, the modules reload inside the commit
     assert receiver.update(2) == 2 and target.last_reload["ahead"] is False and target.last_reload["modules"] > 0
     assert _differ(_live_state(target.model)[0], _reference_bits(vc, states[2])) == []
+
+
+def test_a_parameter_processing_changes_is_copied_whole(ahead_run, monkeypatch):
+    """The one-time check that processing leaves a reloaded parameter as loaded: bit for bit,
+    outside the changed elements too; a parameter that fails it is copied from its shadow."""
+    from torch_deltasync.testing_vllm import vllm_state_bits
+
+    store, states, vc = ahead_run
+    target, receiver = _follower(store, vc, states, "auto", "auto")
+    staged = receiver.prepare(1)
+    prepared = staged.prepared
+    vname = "model.embed_tokens.weight"
+    assert target._patch_ok[vname] is True and vname in target._patch_groups
+    names = target._patch_groups[vname]
+    shadow = prepared.shadows["model.embed_tokens"]
+    changes = {n: (pos, val) for _, n, pos, val in prepared.writes if n in names}
+    assert changes.keys() == set(names)
+    assert target._as_loaded(vname, shadow, changes)
+    weight = shadow.module._parameters["weight"].detach().view(-1)
+    pos, _ = changes[names[0]]
+    for where in (int(pos[0]), int(torch.nonzero(~torch.isin(torch.arange(weight.numel()), pos))[0])):
+        weight.view(torch.int16)[where] ^= 1  # a changed element, then an unchanged one: one bit off
+        assert not target._as_loaded(vname, shadow, changes)
+        weight.view(torch.int16)[where] ^= 1
+    # no verdict without a changed element to check it on (a transform shows only there), nor
+    # from a check that ran beside a commit (the target's generation moved)
+    target._patch_ok = {}
+    assert target._patches(prepared.shadows, {}, target._generation) == ({}, frozenset())
+    sparse = {n: (p, v) for _, n, p, v in prepared.writes}
+    assert target._patches(prepared.shadows, sparse, target._generation - 1) == ({}, frozenset())
+    assert target._patch_ok == {}
+    patch, patched = target._patches(prepared.shadows, sparse, target._generation)
+    assert set(names) <= patch.keys() and patched and target._patch_ok[vname] is True
+    assert receiver.commit(staged) == 1
+    # a target whose processing fails the check copies every kernel tensor whole, bit-exact still
+    monkeypatch.setattr(VLLMEngineTarget, "_as_loaded", lambda *a: False)
+    other, other_receiver = _follower(store, vc, states, "auto", "auto")
+    for version in (1, 2):
+        assert other_receiver.commit(other_receiver.prepare(version)) == version
+        assert other.last_reload["ahead"] is True and other.last_reload["patched"] == 0
+        assert other.last_reload["copied_mb"] > 0
+        assert _differ(vllm_state_bits(other.model), _reference_bits(vc, states[version])) == []
+    assert other._patch_ok and not any(other._patch_ok.values())

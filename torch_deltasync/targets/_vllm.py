@@ -110,6 +110,10 @@ class VLLMTarget(_VLLMLayout, Target):
         tp_rank: this worker's rank in the engine's TP group, used only to count replicated
             elements once in checksums; ``None``: read from the model's TP-sharded layers (or 0).
         tp_size: the TP group's size; ``None``: read from the model like ``tp_rank``.
+        allow_derived: map parameters of layers that also hold a *derived* copy of them (vLLM's
+            CPU build gives an embedding a packed copy for the tied ``lm_head`` GEMM,
+            ``dispatch_cpu_unquantized_gemm``), which an in-place write leaves stale; only for a
+            caller that re-derives the copy itself (the engine target's prepared commits).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -125,13 +129,14 @@ class VLLMTarget(_VLLMLayout, Target):
 
     def __init__(self, model: nn.Module, *, strict: bool = True,
                  moe_backends: tuple[str, ...] | list[str] = DEFAULT_MOE_BACKENDS,
-                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None, allow_derived: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected the vLLM model (an nn.Module), got {type(model).__name__}")
         self.model = model
         self.strict = strict
         self.moe_backends = tuple(moe_backends)
         self._tp_override = (tp_rank, tp_size)
+        self.allow_derived = allow_derived
         self._entries: dict[str, _Entry] = {}
         self._key: tuple | None = None
         self._tables: dict[tuple, torch.Tensor] = {}

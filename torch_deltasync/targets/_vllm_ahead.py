@@ -23,7 +23,8 @@ Here the same steps run on a *shadow* of each changed module during
    graphs and aliases such as a tied ``lm_head.weight`` see the new values), and take over the
    attributes processing set on the shadow (on the CPU build: ``cpu_linear``, the closure over the
    new oneDNN handle; only attributes processing set or deleted on the shadow move). The pause
-   then costs the copy of the tensors still in the loader's layout (embeddings), not the re-pack.
+   then costs the copy of the tensors still in the loader's layout (embeddings; the caller may
+   write their changes in place instead and mark them :data:`WRITTEN`), not the re-pack.
 
 Which modules qualify: by default (:data:`AHEAD_METHODS`) those whose ``quant_method`` is vLLM's
 ``UnquantizedLinearMethod`` or ``UnquantizedEmbeddingMethod`` (or none): their processing
@@ -46,7 +47,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-__all__ = ["AHEAD_METHODS", "Shadow", "ahead_ok", "shadow_tree", "process_ahead", "check_placeable", "place"]
+__all__ = ["AHEAD_METHODS", "WRITTEN", "Shadow", "ahead_ok", "shadow_tree", "process_ahead", "check_placeable", "place"]
 
 #: ``quant_method`` classes (by name, from vLLM's ``linear.py`` / ``vocab_parallel_embedding.py``)
 #: whose ``process_weights_after_loading`` writes only the layer passed to it.
@@ -55,6 +56,8 @@ AHEAD_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMetho
 #: Module state that a shadow owns (copied in :func:`shadow_tree`) and :func:`place` never moves.
 _OWN = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _ABSENT = object()
+#: A ``done`` entry of :func:`place`: the caller wrote this kernel tensor itself (never copied).
+WRITTEN = object()
 
 
 def ahead_ok(module: nn.Module, *, any_method: bool = False) -> bool:
@@ -220,7 +223,7 @@ def place(live: nn.Module, shadow: Shadow, done: dict[Any, Any] | None = None, s
         done: (address, bytes) -> ``source`` of the kernel tensors copied so far in this commit; a
             kernel tensor already copied from a module loaded from the same ``source`` (the HF
             tensors it loads: a tied ``lm_head`` and the embedding share one weight) is not copied
-            again.
+            again, nor is one marked :data:`WRITTEN` (the caller wrote its changes in place).
         retired: receives the attribute values replaced (e.g. the old oneDNN handle's closure), so
             the caller decides when to free them (freeing packed weights takes time).
 
@@ -233,7 +236,7 @@ def place(live: nn.Module, shadow: Shadow, done: dict[Any, Any] | None = None, s
         if kernel is None or not kernel.numel():
             continue
         key = (kernel.data_ptr(), kernel.numel() * kernel.element_size())
-        if source is not None and done.get(key) == source:
+        if done.get(key) is WRITTEN or (source is not None and done.get(key) == source):
             continue
         kernel.data.copy_(shadow.module._parameters[name])
         done[key] = source

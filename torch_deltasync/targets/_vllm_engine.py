@@ -29,12 +29,18 @@ map accepts is written in place, one it refuses as derived or packed
 :meth:`~torch_deltasync.DeltaReceiver.prepare` (the backend's background stager) the target builds
 the new host tensors and runs vLLM's reload of the changed modules on shadow copies of them
 (:mod:`torch_deltasync.targets._vllm_ahead`); the commit then swaps the host tensors and moves the
-processed shadows into the live modules: a copy of the tensors still in the loader's layout
-(embeddings) and an attribute each, instead of a re-pack of every changed module. Cost: memory for
-the new host tensors and the shadows (about the model's bytes twice) per prepared update, from
-prepare to commit; after a commit, the replaced host tensors (reused as the next update's buffers)
-and packed handles until the next ``prepare_commit``. ``DeltaReceiver.update`` (prepare and commit
-at once) does not prepare ahead.
+processed shadows into the live modules: an attribute each (the new packed handle), instead of a
+re-pack of every changed module. A parameter that stays in the loader's layout next to its derived
+copy (the CPU build's embedding, whose packed copy serves the tied ``lm_head``) is *patched*: the
+commit writes its changed elements in place through the TP map, ``O(changed elements)``, rather
+than copying the shadow's whole tensor (``in_place="auto"`` only). That processing leaves such a
+parameter as loaded is checked once per published layout, on the first prepared commit that changes
+it on this rank, bit for bit against the shadow (else it is copied, logged). Cost: memory for the
+new host tensors and the shadows (about the model's bytes twice) per prepared update, from prepare
+to commit; after a commit, the replaced host tensors (reused as the next update's buffers), packed
+handles and the shadows' own tensors (the embedding's loader-layout copy) until the next
+``prepare_commit``, so that nothing is freed inside the pause. ``DeltaReceiver.update`` (prepare
+and commit at once) does not prepare ahead.
 
 Because the host copy holds every element, the target is ``holds_all``: the receiver checks the
 full per-tensor checksums of every version in ``O(changed elements)`` (``C' = C - partial(old) +
@@ -51,6 +57,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._dtypes import bits
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from . import _vllm_ahead as ahead
@@ -72,7 +79,9 @@ class VLLMEngineTarget(Target):
         model: the worker's model (``model_runner.get_model()``).
         model_config: the engine's ``ModelConfig`` (``finalize_layerwise_reload`` needs it).
         in_place: ``"auto"``: write in place every module whose live layout is the loader's,
-            reload the others; ``"never"``: reload every changed module.
+            reload the others (and patch, at prepared commits, the reloaded parameters that stay
+            as loaded: module doc); ``"never"``: reload every changed module, copying every kernel
+            tensor from its reloaded copy.
         reload_ahead: reload the changed modules on shadows during ``prepare`` (module doc):
             ``"auto"``: when every one of them qualifies (:func:`~._vllm_ahead.ahead_ok`: vLLM's
             unquantized linear and embedding methods, no buffers), else all inside the commit;
@@ -89,8 +98,9 @@ class VLLMEngineTarget(Target):
         last_reload: of the last commit: ``{"modules": int, "tensors": int, "ms": float,
             "ahead": bool}`` (``ms``: the reload inside the commit, or with ``ahead`` the placing
             of the shadows; then also ``"prepare_ms"``, the work done in ``prepare`` (of which
-            ``"prepare_host_ms"`` building the new host tensors), and
-            ``"copied_mb"``, kernel tensors copied inside the commit).
+            ``"prepare_host_ms"`` building the new host tensors),
+            ``"copied_mb"``, kernel tensors copied inside the commit, and ``"patched"``, changed
+            elements written in place into reloaded parameters instead).
     """
 
     holds_all = True
@@ -113,6 +123,10 @@ class VLLMEngineTarget(Target):
         self.engine_writes = True
         self.last_reload: dict[str, Any] = {"modules": 0, "tensors": 0, "ms": 0.0}
         self._tp = VLLMTarget(model, strict=False, tp_rank=tp_rank, tp_size=tp_size)
+        # the same map, also onto parameters with a derived copy: patched by prepared commits
+        self._patch = VLLMTarget(model, strict=False, tp_rank=tp_rank, tp_size=tp_size, allow_derived=True)
+        self._patch_groups: dict[str, tuple[str, ...]] = {}  # reloaded vLLM parameter -> HF names _patch maps into it
+        self._patch_ok: dict[str, bool] = {}  # vLLM parameter -> processing leaves it as loaded (checked once)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._inplace: set[str] = set()  # HF names written in place
         self._inplace_paths: set[str] = set()  # vLLM module paths of those
@@ -170,6 +184,12 @@ class VLLMEngineTarget(Target):
                 raise IncompatibleTargetError(
                     f"published tensor {name!r} has shape {got}, the vLLM layer {path!r} expects {expected}: "
                     "the run publishes another model than the engine serves (check the store and prefix)")
+        try:  # an optimisation of prepared commits: whatever fails here, they copy instead
+            patch_groups = self._find_patchable(module_of, shapes, aliases, dtype) if self.in_place == "auto" else {}
+        except Exception as err:  # noqa: BLE001
+            log.warning("vLLM engine target: reloaded tensors are copied whole at prepared commits (%s: %s)",
+                        type(err).__name__, err)
+            patch_groups = {}
         loads: dict[str, list[tuple[str, str]]] = {}
         paths_of: dict[str, set[str]] = {}
         for name, path in module_of.items():
@@ -181,6 +201,7 @@ class VLLMEngineTarget(Target):
         self._inplace, self._module_of, self._loads = inplace, module_of, loads
         # modules with a tensor written in place: never re-packed ahead (placing would undo the write)
         self._inplace_paths = {m[0].rpartition(".")[0] for n in inplace if (m := self._tp._map_name(n)) is not None}
+        self._patch_groups, self._patch_ok = patch_groups, {}
         self._dirty = set()
         self._key = key
         self._generation += 1
@@ -319,8 +340,109 @@ class VLLMEngineTarget(Target):
                             "commit", path, why)
                 return None
         sources = {path: tuple(sorted(src for _, src in self._loads[path])) for path in paths}
-        return _PreparedReload(self, generation, new_host, sparse, dense, shadows, sources, len(weights),
+        if dense is not None:
+            writes, patched = [], frozenset()
+        else:  # the owned changes, found now: the commit only writes them
+            writes = [(self._tp, name, *self._owned(self._tp, name, sparse)) for name in self._inplace & new_host.keys()]
+            patch, patched = self._patches(shadows, sparse, generation)  # type: ignore[arg-type]
+            writes += [(self._patch, name, pos, val) for name, (pos, val) in patch.items()]
+        return _PreparedReload(self, generation, new_host, dense, shadows, sources, len(weights), writes, patched,
                                {"prepare_ms": (time.perf_counter() - t) * 1e3, "prepare_host_ms": host_ms})
+
+    def _owned(self, tp: VLLMTarget, name: str, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The changes of ``name`` in ``sparse`` (none if absent) that this TP rank holds."""
+        pos, val = sparse.get(name) or (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=self._host(name).dtype))
+        owned = tp.owned(name, pos)
+        return pos[owned], val[owned]
+
+    def _find_patchable(self, module_of: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                        aliases: dict[str, str], dtype: torch.dtype) -> dict[str, tuple[str, ...]]:
+        """vLLM parameter name -> the HF names loaded into it, for the reloaded parameters the TP
+        map can write in place once derived copies are allowed (module doc: patched by prepared
+        commits). A parameter that some tensor the map refuses also loads into is left out."""
+        names = set()
+        for name in module_of:
+            if name not in shapes:
+                continue  # an alias follows its published tensor
+            try:
+                e = self._patch._resolve(name, tuple(int(s) for s in shapes[name]))
+            except (UnsupportedLayoutError, IncompatibleTargetError):
+                continue  # e.g. a CPU linear: its weight is gone, only the packed handle is left
+            if not e.ignored and e.places and all(p.param.numel() and p.param.is_contiguous() for p in e.places):
+                names.add(name)
+        if not names:
+            return {}
+        try:
+            self._patch.check({n: shapes[n] for n in names}, {a: c for a, c in aliases.items() if c in names}, dtype)
+        except (UnsupportedLayoutError, IncompatibleTargetError) as err:
+            log.debug("vLLM engine target: reloaded tensors copied whole at prepared commits (%s)", err)
+            return {}
+        loaded: dict[str, set[str]] = {}  # vLLM parameter -> every published tensor loaded into it
+        for name in module_of:
+            if (m := self._tp._map_name(name)) is not None:
+                loaded.setdefault(m[0], set()).add(aliases.get(name, name))
+        groups: dict[str, set[str]] = {}
+        for name in names:
+            for p in self._patch._entry(name).places:
+                groups.setdefault(p.vname, set()).add(name)
+        return {v: tuple(sorted(g)) for v, g in groups.items() if loaded.get(v, set()) <= g}
+
+    def _patches(self, shadows: dict[str, ahead.Shadow], sparse: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 generation: int) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], frozenset[tuple[int, int]]]:
+        """The changes a prepared commit writes in place instead of copying kernel tensors whole:
+        ``({HF name: (owned positions, values)}, {(address, bytes) of the kernel tensors patched})``.
+
+        Whether processing leaves a parameter as loaded is checked on its first prepared commit
+        that changes some of its elements on this rank (an element-wise transform shows only
+        there: the unchanged ones went through it on both sides); until then it is copied. A
+        verdict reached while the target changed (``generation``: a commit or ``check`` beside
+        this prepare) is not kept."""
+        changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        patch, keys = {}, set()
+        for vname, names in self._patch_groups.items():
+            path = vname.rpartition(".")[0]
+            if path not in shadows:
+                continue
+            for name in names:
+                if name not in changes:
+                    changes[name] = self._owned(self._patch, name, sparse)
+            group = {name: changes[name] for name in names}
+            ok = self._patch_ok.get(vname)
+            if ok is None:
+                if not any(pos.numel() for pos, _ in group.values()):
+                    continue  # nothing to check it on: copied this time
+                ok = self._as_loaded(vname, shadows[path], group)
+                if self._generation != generation:
+                    continue  # read beside a commit: no verdict (this prepared commit is stale anyway)
+                self._patch_ok[vname] = ok
+                if not ok:
+                    log.warning("vLLM engine target: processing changes %r after loading; it is copied whole at "
+                                "every commit", vname)
+            if ok:
+                patch.update(group)
+                param = self._place_of(names[0], vname).param
+                keys.add((param.data_ptr(), param.numel() * param.element_size()))
+        return patch, frozenset(keys)
+
+    def _place_of(self, name: str, vname: str):
+        return next(p for p in self._patch._entry(name).places if p.vname == vname)
+
+    def _as_loaded(self, vname: str, shadow: ahead.Shadow, changes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether the shadow's processed ``vname`` equals the live parameter with ``changes``
+        (HF name -> owned positions, values) written, bit for bit: processing left it as loaded."""
+        live = self._place_of(next(iter(changes)), vname).param
+        new = shadow.module._parameters.get(vname.rpartition(".")[2])
+        if new is None or new.shape != live.shape or new.dtype != live.dtype or not new.is_contiguous():
+            return False
+        a, b = bits(new.detach().reshape(-1)), bits(live.detach().reshape(-1))
+        differ = a != b
+        for name, (pos, val) in changes.items():
+            local = self._patch._owned_local(self._patch._entry(name), self._place_of(name, vname), pos)
+            differ[local] = False
+            if not torch.equal(a[local], bits(val.to(live.dtype))):
+                return False
+        return not bool(differ.any())
 
     def checksum(self, name: str, dtype: torch.dtype) -> int:
         """Full checksum of the host copy of ``name`` (every element: the target ``holds_all``)."""
@@ -371,12 +493,13 @@ class _PreparedReload:
     shadows of the modules to reload (:class:`~torch_deltasync.targets._base.PreparedCommit`)."""
 
     def __init__(self, target: VLLMEngineTarget, generation: int, new_host: dict[str, torch.Tensor],
-                 sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, dense: dict[str, torch.Tensor] | None,
-                 shadows: dict[str, ahead.Shadow], sources: dict[str, tuple[str, ...]], tensors: int,
+                 dense: dict[str, torch.Tensor] | None, shadows: dict[str, ahead.Shadow],
+                 sources: dict[str, tuple[str, ...]], tensors: int,
+                 writes: list[tuple[VLLMTarget, str, torch.Tensor, torch.Tensor]], patched: frozenset[tuple[int, int]],
                  times: dict[str, float]) -> None:
         self.target, self.generation = target, generation
-        self.new_host, self.sparse, self.dense, self.shadows = new_host, sparse, dense, shadows
-        self.sources, self.tensors, self.times = sources, tensors, times
+        self.new_host, self.dense, self.shadows = new_host, dense, shadows
+        self.sources, self.tensors, self.writes, self.patched, self.times = sources, tensors, writes, patched, times
 
     @torch.no_grad()
     def commit(self) -> bool:
@@ -388,33 +511,41 @@ class _PreparedReload:
             return False
         t = time.perf_counter()
         target._generation += 1
-        for name in target._inplace & self.new_host.keys():  # modules written in place (norms)
-            if self.dense is not None:
+        if self.dense is not None:  # modules written in place (norms)
+            for name in target._inplace & self.new_host.keys():
                 target._tp.assign(name, self.dense[name])
-            else:
-                target._write_in_place(name, *self.sparse[name])  # type: ignore[index]
         # What this replaces (old host tensors, old packed handles) is freed or reused by the next
         # prepare_commit, off the pause: freeing a model's worth of memory takes milliseconds.
         target._spare = {name: target.host[name] for name in self.new_host if name in target.host}
         retired: list = []
         target.host.update(self.new_host)
+        # The changes of modules written in place (norms) and of the kernel tensors still in the
+        # loader's layout (not copied whole; a place of them that is copied below gets the shadow's
+        # values over these).
+        for tp, name, pos, val in self.writes:
+            tp.write(name, pos, val)
         # A kernel tensor shared by modules that load the same HF tensors (a tied lm_head and the
         # embedding) gets the same values from each: copied once.
-        done: dict[int, tuple[str, ...]] = {}
+        done: dict[Any, Any] = {key: ahead.WRITTEN for key in self.patched}
         copied = sum(ahead.place(live[p], s, done, self.sources[p], retired) for p, s in self.shadows.items())
         target._retired = retired
         target._dirty = set()
         target._generation += 1  # again after the writes: a prepare that read them half done is stale
         target.last_reload = {"modules": len(self.shadows), "tensors": self.tensors,
                               "ms": (time.perf_counter() - t) * 1e3, "ahead": True, **self.times,
-                              "copied_mb": copied / 2**20}
-        self.release()
+                              "copied_mb": copied / 2**20,
+                              "patched": sum(int(w[2].numel()) for w in self.writes if w[0] is target._patch)}
+        self.release(retired)  # the shadows' tensors too are freed by the next prepare_commit
         return True
 
-    def release(self) -> None:
+    def release(self, retired: list | None = None) -> None:
+        """Drop what was prepared; the shadows' tensors go to ``retired`` if given (freed later by
+        whoever holds it), else are freed now."""
         for shadow in self.shadows.values():  # a processed parameter's loader refers to its shadow: a cycle
+            if retired is not None:
+                retired.append(shadow.module.__dict__["_parameters"])
             shadow.module.__dict__["_parameters"] = {}
-        self.new_host, self.sparse, self.dense, self.shadows = {}, None, None, {}
+        self.new_host, self.dense, self.shadows, self.writes = {}, None, {}, []
 
 
 def _full_shape(module: nn.Module | None, mapped: tuple[str, int | None] | None) -> tuple[int, ...] | None:

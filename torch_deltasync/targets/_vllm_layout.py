@@ -250,7 +250,7 @@ class _VLLMLayout:
         for attr in _PACKED_ATTRS:
             if getattr(param, attr, None) not in (None, False):
                 raise UnsupportedLayoutError(f"{hf_name!r}: vLLM parameter {vname!r} is packed or transposed ({attr})")
-        if hasattr(module, "cpu_linear") or getattr(module, "_bf16x3_weight", None) is not None:
+        if not self.allow_derived and (hasattr(module, "cpu_linear") or getattr(module, "_bf16x3_weight", None) is not None):
             raise UnsupportedLayoutError(f"{hf_name!r}: {vname!r} has a derived (repacked) copy an in-place write would miss")
         if not param.is_floating_point():
             raise UnsupportedLayoutError(f"{hf_name!r}: vLLM parameter {vname!r} is {param.dtype}, not floating point")
