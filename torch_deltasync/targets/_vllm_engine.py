@@ -426,6 +426,7 @@ class VLLMEngineTarget(Target):
         return patch, frozenset(keys)
 
     def _place_of(self, name: str, vname: str):
+        """The place of HF tensor ``name`` in the vLLM parameter ``vname`` (patch map)."""
         return next(p for p in self._patch._entry(name).places if p.vname == vname)
 
     def _as_loaded(self, vname: str, shadow: ahead.Shadow, changes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:

@@ -130,8 +130,8 @@ def _classes() -> _Classes:
 
 class _VLLMLayout:
     """The layout half of :class:`~torch_deltasync.targets.VLLMTarget`: resolving HF names to
-    vLLM parameters and places (uses the target's ``model``, ``strict``, ``moe_backends`` and
-    table cache)."""
+    vLLM parameters and places (uses the target's ``model``, ``strict``, ``moe_backends``,
+    ``allow_derived`` and table cache)."""
 
     # --- resolving one HF name -------------------------------------------------------------------
 
