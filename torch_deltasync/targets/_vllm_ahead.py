@@ -47,7 +47,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-__all__ = ["AHEAD_METHODS", "WRITTEN", "Shadow", "ahead_ok", "shadow_tree", "process_ahead", "check_placeable", "place"]
+__all__ = ["AHEAD_METHODS", "WRITTEN", "kernel_key", "Shadow", "ahead_ok", "shadow_tree", "process_ahead", "check_placeable", "place"]
 
 #: ``quant_method`` classes (by name, from vLLM's ``linear.py`` / ``vocab_parallel_embedding.py``)
 #: whose ``process_weights_after_loading`` writes only the layer passed to it.
@@ -213,6 +213,11 @@ def check_placeable(live: nn.Module, shadow: Shadow) -> str | None:
     return None
 
 
+def kernel_key(t: torch.Tensor) -> tuple[int, int]:
+    """``(address, bytes)`` of a kernel tensor: how :func:`place`'s ``done`` names it."""
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
 @torch.no_grad()
 def place(live: nn.Module, shadow: Shadow, done: dict[Any, Any] | None = None, source: Any = None,
           retired: list | None = None) -> int:
@@ -235,7 +240,7 @@ def place(live: nn.Module, shadow: Shadow, done: dict[Any, Any] | None = None, s
     for name, kernel in live._parameters.items():
         if kernel is None or not kernel.numel():
             continue
-        key = (kernel.data_ptr(), kernel.numel() * kernel.element_size())
+        key = kernel_key(kernel)
         if done.get(key) is WRITTEN or (source is not None and done.get(key) == source):
             continue
         kernel.data.copy_(shadow.module._parameters[name])

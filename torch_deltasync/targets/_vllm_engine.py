@@ -343,18 +343,18 @@ class VLLMEngineTarget(Target):
         if dense is not None:
             writes, patched = [], frozenset()
         else:  # the owned changes, found now: the commit only writes them
-            writes = [(self._tp, name, *self._owned(self._tp, name, sparse)) for name in self._inplace & new_host.keys()]
+            writes = [(self._tp, name, *self._owned(self._tp, name, *sparse[name])) for name in self._inplace & new_host.keys()]
             patch, patched = self._patches(shadows, sparse, generation)  # type: ignore[arg-type]
             writes += [(self._patch, name, pos, val) for name, (pos, val) in patch.items()]
         return _PreparedReload(self, generation, new_host, dense, shadows, sources, len(weights), writes, patched,
                                {"prepare_ms": (time.perf_counter() - t) * 1e3, "prepare_host_ms": host_ms})
 
-    def _owned(self, tp: VLLMTarget, name: str, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    @staticmethod
+    def _owned(tp: VLLMTarget, name: str, positions: torch.Tensor, values: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The changes of ``name`` in ``sparse`` (none if absent) that this TP rank holds."""
-        pos, val = sparse.get(name) or (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=self._host(name).dtype))
-        owned = tp.owned(name, pos)
-        return pos[owned], val[owned]
+        """The changes of ``name`` that this TP rank holds, as ``tp`` maps them."""
+        owned = tp.owned(name, positions)
+        return positions[owned], values[owned]
 
     def _find_patchable(self, module_of: dict[str, str], shapes: dict[str, tuple[int, ...]],
                         aliases: dict[str, str], dtype: torch.dtype) -> dict[str, tuple[str, ...]]:
@@ -406,7 +406,8 @@ class VLLMEngineTarget(Target):
                 continue
             for name in names:
                 if name not in changes:
-                    changes[name] = self._owned(self._patch, name, sparse)
+                    none = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=self._host(name).dtype))
+                    changes[name] = self._owned(self._patch, name, *(sparse.get(name) or none))
             group = {name: changes[name] for name in names}
             ok = self._patch_ok.get(vname)
             if ok is None:
@@ -422,7 +423,7 @@ class VLLMEngineTarget(Target):
             if ok:
                 patch.update(group)
                 param = self._place_of(names[0], vname).param
-                keys.add((param.data_ptr(), param.numel() * param.element_size()))
+                keys.add(ahead.kernel_key(param))
         return patch, frozenset(keys)
 
     def _place_of(self, name: str, vname: str):
@@ -473,8 +474,7 @@ class VLLMEngineTarget(Target):
 
     def _write_in_place(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Write the elements of ``name`` this TP rank owns into its loader-layout parameter."""
-        owned = self._tp.owned(name, positions)
-        self._tp.write(name, positions[owned], values[owned])
+        self._tp.write(name, *self._owned(self._tp, name, positions, values))
 
     def _mark(self, name: str) -> None:
         self._dirty |= self._paths_of.get(name, set())
