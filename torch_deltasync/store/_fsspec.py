@@ -1,8 +1,9 @@
 """``FsspecStore``: any fsspec file system (``s3://``, ``gs://``, ``memory://`` ...).
 
 fsspec (and the protocol driver, e.g. ``s3fs``) is imported only when such a store is opened, so
-installs that only use local folders never need it; a missing driver raises fsspec's own
-``ImportError`` naming the package to install (``pip install 'torch-deltasync[remote]'``).
+installs that only use local folders never need it; a missing driver raises an ``ImportError``
+naming the store, the interpreter and what to install (``pip install 'torch-deltasync[remote]'``
+for S3).
 
 Configuration, for S3 (``s3://`` / ``s3a://``), in order of precedence:
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -41,6 +43,17 @@ __all__ = ["FsspecStore", "s3_storage_options"]
 T = TypeVar("T")
 
 _S3 = ("s3", "s3a")
+
+
+def _missing_driver(url: str, what: str, error: ImportError) -> ImportError:
+    """The ``ImportError`` for a store whose package is not installed in this interpreter: names the
+    store, the package, the interpreter and what to install (``what``: ``"fsspec"`` or a protocol)."""
+    where = f"this environment ({sys.executable})"
+    if what == "fsspec" or what in _S3:
+        package = "fsspec" if what == "fsspec" else "s3fs"
+        return ImportError(f"store {url!r} needs {package}, which is not installed in {where}: "
+                           "pip install 'torch-deltasync[remote]' there")
+    return ImportError(f"store {url!r}: fsspec cannot load its {what}:// driver in {where}: {error}")
 
 
 def s3_storage_options(options: dict[str, Any], environ: "os._Environ[str] | dict[str, str]" = os.environ) -> dict[str, Any]:
@@ -118,7 +131,10 @@ class FsspecStore(Store):
 
     def __init__(self, url: str, *, retry: RetryPolicy | None = None, part_nbytes: int = 32 << 20,
                  max_parallel_parts: int = 8, **storage_options: Any) -> None:
-        import fsspec
+        try:
+            import fsspec
+        except ImportError as e:
+            raise _missing_driver(url, "fsspec", e) from e
 
         if part_nbytes < 1 or max_parallel_parts < 1:
             raise ValueError("part_nbytes and max_parallel_parts must be >= 1")
@@ -149,6 +165,8 @@ class FsspecStore(Store):
                 f"{url!r}: unknown store scheme {protocol + '://'!r}; a store is a folder path, file://, s3://, "
                 "gs://, memory://, hf://buckets/... or another fsspec protocol"
             ) from None
+        except ImportError as e:  # fsspec: "Install s3fs to access S3", without the URI
+            raise _missing_driver(url, protocol, e) from e
         self.fs = fsspec.filesystem(protocol, **storage_options)
         if protocol in _S3:
             self.fs.retries = 1  # s3fs's own retry loop off: RetryPolicy decides (see module docstring)
