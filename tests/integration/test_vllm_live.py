@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from torch_deltasync import open_store
+
 ROOT = Path(__file__).resolve().parents[2]
 # The live engine's interpreter: .venv-vllm of this checkout (tools/setup.sh), or DELTASYNC_VLLM_PYTHON.
 VPY = Path(os.environ.get("DELTASYNC_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -108,10 +110,12 @@ def test_server_through_rl_routes(tmp_path, store, request):
 
         endpoint = request.getfixturevalue("s3")
         url = f"s3://{make_bucket(endpoint)}/runs/grpo-7"
-        with s3_env({"AWS_ENDPOINT_URL": endpoint}):
+        with s3_env({"AWS_ENDPOINT_URL": endpoint, "AWS_ENDPOINT_URL_S3": endpoint}):
             res = run_live("server.py", str(tmp_path), url)
+            published = set(open_store(url).list(""))  # what the bucket holds, seen from here
         assert not (tmp_path / "bucket").exists()
-        assert {"versions/000000000002.json", "objects/000000000002/delta-r00000-of00001.safetensors"} <= set(res["published"])
+        assert {"versions/000000000002.json", "objects/000000000002/delta-r00000-of00001.safetensors"} <= published
+        assert set(res["published"]) == published
     else:
         res = run_live("server.py", str(tmp_path))
     assert res["server_stopped"]

@@ -285,12 +285,19 @@ def test_open_store_deadlines(tmp_path):
     ("s3://bucket/run", "s3fs", r"store 's3://bucket/run' needs s3fs, which is not installed in this environment "
                                 r"\(.*python.*\): pip install 'torch-deltasync\[remote\]' there"),
     ("s3://bucket/run", "fsspec", r"store 's3://bucket/run' needs fsspec, .*pip install 'torch-deltasync\[remote\]'"),
-    ("gs://bucket/run", "gcsfs", r"store 'gs://bucket/run': fsspec cannot load its gs:// driver in this environment "
-                                 r"\(.*\): .*gcsfs"),
+    ("gs://bucket/run", "gcsfs", r"store 'gs://bucket/run' needs gcsfs, which is not installed in this environment "
+                                 r"\(.*\): pip install gcsfs there"),
+    ("hf://buckets/org/b/run", "huggingface_hub", r"store 'hf://buckets/org/b/run' needs huggingface_hub, which is not "
+                                                  r"installed .*pip install 'torch-deltasync\[remote\]' there"),
+    # s3fs is there but one of its own imports fails (fsspec says only "Install s3fs to access S3")
+    ("s3://bucket/run", "aiobotocore", r"store 's3://bucket/run' needs s3fs, which is installed in this environment "
+                                       r"\(.*\) but fails to import: ModuleNotFoundError: .*aiobotocore.*; repair that "
+                                       r"environment"),
 ])
 def test_a_missing_store_driver_names_the_store_and_the_install(uri, missing, match):
-    """An engine's environment without the ``remote`` extra (a real import failure in a fresh
-    interpreter: the module is blocked, fsspec's lazy driver import fails as it would)."""
+    """An engine's environment without the ``remote`` extra, or with a broken one (a real import
+    failure in a fresh interpreter: the module is blocked, fsspec's lazy driver import fails as it
+    would)."""
     import subprocess
     import sys
 

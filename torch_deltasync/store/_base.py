@@ -8,15 +8,45 @@ no ``..``, no empty segments, no backslashes or control characters. Nothing outs
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from abc import abstractmethod
 from typing import Protocol, runtime_checkable
 
 from ..errors import CorruptObjectError
 
-__all__ = ["Store", "PrefixStore", "check_key", "join_key"]
+__all__ = ["Store", "PrefixStore", "check_key", "join_key", "driver_import_error"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+@,-]+")
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost exception ``error`` was raised from (its ``__cause__`` / ``__context__`` chain)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return error
+
+
+def driver_import_error(uri: str, package: str, error: ImportError, fix: str = "pip install 'torch-deltasync[remote]'") -> ImportError:
+    """The ``ImportError`` to raise when the package a store needs (``package``: ``s3fs``,
+    ``fsspec``, ``huggingface_hub``, ...) failed to import while opening ``uri``.
+
+    It names the store, the package, this interpreter (``sys.executable``: a vLLM engine's workers
+    may run another environment than the trainer) and what to do: install it (``fix``), or, when the
+    package is installed but one of its own imports fails (a broken install, which fsspec reports as
+    "Install s3fs to access S3"), the module that failed.
+    """
+    cause = root_cause(error)
+    try:
+        installed = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module blocked in sys.modules
+        installed = False
+    where = f"this environment ({sys.executable})"
+    if installed:
+        return ImportError(f"store {uri!r} needs {package}, which is installed in {where} but fails to import: "
+                           f"{type(cause).__name__}: {cause}; repair that environment ({fix} there)")
+    return ImportError(f"store {uri!r} needs {package}, which is not installed in {where}: {fix} there")
 
 
 def check_key(key: object, *, allow_empty: bool = False) -> str:

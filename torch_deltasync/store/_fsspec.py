@@ -1,8 +1,9 @@
 """``FsspecStore``: any fsspec file system (``s3://``, ``gs://``, ``memory://`` ...).
 
 fsspec (and the protocol driver, e.g. ``s3fs``) is imported only when such a store is opened, so
-installs that only use local folders never need it; a missing driver raises an ``ImportError``
-naming the store, the interpreter and what to install (``pip install 'torch-deltasync[remote]'``
+installs that only use local folders never need it; a missing or broken driver raises an
+``ImportError`` naming the store, the package, the interpreter and what to do
+(:func:`~torch_deltasync.store._base.driver_import_error`; ``pip install 'torch-deltasync[remote]'``
 for S3).
 
 Configuration, for S3 (``s3://`` / ``s3a://``), in order of precedence:
@@ -29,13 +30,12 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ..errors import TransientStoreError
-from ._base import Store, check_key
+from ._base import Store, check_key, driver_import_error, root_cause
 from ._retry import RetryPolicy, call_with_retry, classify_error
 
 __all__ = ["FsspecStore", "s3_storage_options"]
@@ -43,17 +43,6 @@ __all__ = ["FsspecStore", "s3_storage_options"]
 T = TypeVar("T")
 
 _S3 = ("s3", "s3a")
-
-
-def _missing_driver(url: str, what: str, error: ImportError) -> ImportError:
-    """The ``ImportError`` for a store whose package is not installed in this interpreter: names the
-    store, the package, the interpreter and what to install (``what``: ``"fsspec"`` or a protocol)."""
-    where = f"this environment ({sys.executable})"
-    if what == "fsspec" or what in _S3:
-        package = "fsspec" if what == "fsspec" else "s3fs"
-        return ImportError(f"store {url!r} needs {package}, which is not installed in {where}: "
-                           "pip install 'torch-deltasync[remote]' there")
-    return ImportError(f"store {url!r}: fsspec cannot load its {what}:// driver in {where}: {error}")
 
 
 def s3_storage_options(options: dict[str, Any], environ: "os._Environ[str] | dict[str, str]" = os.environ) -> dict[str, Any]:
@@ -131,11 +120,6 @@ class FsspecStore(Store):
 
     def __init__(self, url: str, *, retry: RetryPolicy | None = None, part_nbytes: int = 32 << 20,
                  max_parallel_parts: int = 8, **storage_options: Any) -> None:
-        try:
-            import fsspec
-        except ImportError as e:
-            raise _missing_driver(url, "fsspec", e) from e
-
         if part_nbytes < 1 or max_parallel_parts < 1:
             raise ValueError("part_nbytes and max_parallel_parts must be >= 1")
         self.part_nbytes = int(part_nbytes)
@@ -159,15 +143,26 @@ class FsspecStore(Store):
             storage_options.setdefault("use_listings_cache", False)
         self.storage_options = storage_options
         try:
+            import fsspec
+            from fsspec.registry import known_implementations
+        except ImportError as e:
+            raise driver_import_error(url, "fsspec", e) from e
+        package = known_implementations.get(protocol, {}).get("class", "").partition(".")[0] or protocol
+        fix = "pip install 'torch-deltasync[remote]'" if protocol in _S3 else f"pip install {package}"
+        try:
             fsspec.get_filesystem_class(protocol)
         except ValueError:  # fsspec: "Protocol not known: foo", without the URI
             raise ValueError(
                 f"{url!r}: unknown store scheme {protocol + '://'!r}; a store is a folder path, file://, s3://, "
                 "gs://, memory://, hf://buckets/... or another fsspec protocol"
             ) from None
-        except ImportError as e:  # fsspec: "Install s3fs to access S3", without the URI
-            raise _missing_driver(url, protocol, e) from e
-        self.fs = fsspec.filesystem(protocol, **storage_options)
+        except ImportError as e:  # fsspec: "Install s3fs to access S3", without the URI or the cause
+            raise driver_import_error(url, package, e, fix) from e
+        try:
+            self.fs = fsspec.filesystem(protocol, **storage_options)
+        except ImportError as e:  # a driver that imports its own dependencies late (hdfs: pyarrow)
+            missing = getattr(root_cause(e), "name", None) or package
+            raise driver_import_error(url, missing, e, f"pip install {missing}") from e
         if protocol in _S3:
             self.fs.retries = 1  # s3fs's own retry loop off: RetryPolicy decides (see module docstring)
         self.root = self.fs._strip_protocol(self.url).rstrip("/")

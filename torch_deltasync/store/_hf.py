@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
 from ._http import http_status
-from ._base import Store, check_key
+from ._base import Store, check_key, driver_import_error
 from ._retry import RetryPolicy, Verdict, call_with_retry, classify_error
 
 __all__ = ["HFBucketStore", "parse_bucket_uri"]
@@ -101,7 +101,8 @@ class HFBucketStore(Store):
 
     Raises:
         ValueError: a malformed ``uri``.
-        ImportError: ``huggingface_hub`` is not installed (``pip install 'torch-deltasync[remote]'``).
+        ImportError: ``huggingface_hub`` is not installed or fails to import (the message names the store
+            and the interpreter; ``pip install 'torch-deltasync[remote]'``).
 
     Example:
         >>> store = HFBucketStore("hf://buckets/my-org/rl-weights/run-7")
@@ -115,7 +116,10 @@ class HFBucketStore(Store):
         self.token = token
         self.tmp_dir = tmp_dir
         if api is None:
-            from huggingface_hub import HfApi
+            try:
+                from huggingface_hub import HfApi
+            except ImportError as e:
+                raise driver_import_error(uri, "huggingface_hub", e) from e
 
             api = HfApi(endpoint=endpoint, token=token, library_name="torch_deltasync")
         self.api = api
