@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from ..errors import CorruptObjectError
 
-__all__ = ["Store", "PrefixStore", "check_key", "join_key", "driver_import_error"]
+__all__ = ["Store", "PrefixStore", "check_key", "join_key", "driver_import_error", "root_cause"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+@,-]+")
 
