@@ -12,20 +12,29 @@ import importlib.util
 import re
 import sys
 from abc import abstractmethod
-from typing import Protocol, runtime_checkable
+from typing import Iterator, Protocol, runtime_checkable
 
 from ..errors import CorruptObjectError
 
-__all__ = ["Store", "PrefixStore", "check_key", "join_key", "driver_import_error", "root_cause"]
+__all__ = ["Store", "PrefixStore", "check_key", "join_key", "driver_import_error", "exception_chain", "root_cause"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+@,-]+")
 
 
+def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and the exceptions it was raised from (``__cause__``, else ``__context__``),
+    outermost first; each once, so a chain that loops back ends."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def root_cause(error: BaseException) -> BaseException:
-    """The innermost exception ``error`` was raised from (its ``__cause__`` / ``__context__`` chain)."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
-    return error
+    """The innermost exception of :func:`exception_chain`."""
+    *_, last = exception_chain(error)
+    return last
 
 
 def driver_import_error(uri: str, package: str, error: ImportError, fix: str = "pip install 'torch-deltasync[remote]'") -> ImportError:

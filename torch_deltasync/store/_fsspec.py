@@ -45,6 +45,19 @@ T = TypeVar("T")
 _S3 = ("s3", "s3a")
 
 
+def _driver_error(url: str, protocol: str, error: ImportError) -> ImportError:
+    """:func:`~._base.driver_import_error` for fsspec's driver of ``protocol``: the package fsspec
+    names for it (``s3fs``, ``gcsfs``), or, for a file system built into fsspec (hdfs), the module
+    that failed to import (``pyarrow``)."""
+    from fsspec.registry import known_implementations
+
+    package = known_implementations.get(protocol, {}).get("class", "").partition(".")[0]
+    if package in ("", "fsspec"):
+        package = (getattr(root_cause(error), "name", None) or protocol).partition(".")[0]
+    fix = "pip install 'torch-deltasync[remote]'" if protocol in _S3 else f"pip install {package}"
+    return driver_import_error(url, package, error, fix)
+
+
 def s3_storage_options(options: dict[str, Any], environ: "os._Environ[str] | dict[str, str]" = os.environ) -> dict[str, Any]:
     """Storage options for ``s3fs.S3FileSystem``: ``options`` completed from the environment.
 
@@ -144,11 +157,8 @@ class FsspecStore(Store):
         self.storage_options = storage_options
         try:
             import fsspec
-            from fsspec.registry import known_implementations
         except ImportError as e:
             raise driver_import_error(url, "fsspec", e) from e
-        package = known_implementations.get(protocol, {}).get("class", "").partition(".")[0] or protocol
-        fix = "pip install 'torch-deltasync[remote]'" if protocol in _S3 else f"pip install {package}"
         try:
             fsspec.get_filesystem_class(protocol)
         except ValueError:  # fsspec: "Protocol not known: foo", without the URI
@@ -157,12 +167,11 @@ class FsspecStore(Store):
                 "gs://, memory://, hf://buckets/... or another fsspec protocol"
             ) from None
         except ImportError as e:  # fsspec: "Install s3fs to access S3", without the URI or the cause
-            raise driver_import_error(url, package, e, fix) from e
+            raise _driver_error(url, protocol, e) from e
         try:
             self.fs = fsspec.filesystem(protocol, **storage_options)
         except ImportError as e:  # a driver that imports its own dependencies late (hdfs: pyarrow)
-            missing = getattr(root_cause(e), "name", None) or package
-            raise driver_import_error(url, missing, e, f"pip install {missing}") from e
+            raise _driver_error(url, protocol, e) from e
         if protocol in _S3:
             self.fs.retries = 1  # s3fs's own retry loop off: RetryPolicy decides (see module docstring)
         self.root = self.fs._strip_protocol(self.url).rstrip("/")

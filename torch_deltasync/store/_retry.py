@@ -33,7 +33,7 @@ from typing import Callable, Literal, TypeVar
 
 from ..errors import ObjectNotFoundError, StoreError, StoreNotFoundError, TransientStoreError
 from ._http import http_status
-from ._base import Store
+from ._base import Store, exception_chain
 
 __all__ = ["RetryPolicy", "RetryingStore", "DeadlineStore", "DEFAULT_TIMEOUT_S", "call_with_retry",
            "classify_error", "Classifier"]
@@ -165,14 +165,6 @@ _TRANSIENT_CODES = {
 }
 
 
-def _chain(e: BaseException):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
 def _driver_transient_types() -> tuple[type, ...]:
     """Retryable exception types of drivers that are already imported (never imports them)."""
     types: list[type] = []
@@ -216,14 +208,14 @@ def classify_error(e: BaseException) -> Verdict:
         return "reraise"
     if isinstance(e, PermissionError):
         return "fatal"
-    for x in _chain(e):
+    for x in exception_chain(e):
         resp = getattr(x, "response", None)
         if isinstance(resp, dict) and resp.get("Error", {}).get("Code") in _NO_STORE_CODES:
             return "no_store"
     if isinstance(e, FileNotFoundError):
         return "missing"
     transient_types = _driver_transient_types()
-    for x in _chain(e):
+    for x in exception_chain(e):
         if isinstance(x, (TimeoutError, ConnectionError)) or (transient_types and isinstance(x, transient_types)):
             return "transient"
         if isinstance(x, OSError) and x.errno in _TRANSIENT_ERRNOS:
