@@ -299,8 +299,8 @@ def _verify(args: argparse.Namespace) -> int:
                 raise unreadable[v]  # no manifest of this store parses
             receiver.update(v)
             st = receiver.last_stats
-            note = " (the delta path failed; recovered from the anchor)" if st.recovered else ""
-            receiver, checked = _check_rest(receiver, target, store, receiver.manifest(v), st.path)
+            note = " (its first path failed; recovered from an anchor, see the log)" if st.recovered else ""
+            receiver, checked = _check_rest(receiver, target, store, receiver.manifest(v), st.path, st.recovered)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked}){note}")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             failures += 1
@@ -311,8 +311,9 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _check_rest(receiver, target, store, m, path: str):
-    """Check the objects of version ``m`` that an update along ``path`` did not read.
+def _check_rest(receiver, target, store, m, path: str, recovered: bool = False):
+    """Check the objects of version ``m`` that an update along ``path`` did not read (an update
+    that ``recovered`` may have crossed ``m``'s anchor from an older one).
 
     Returns:
         ``(receiver, note)``: the receiver to go on with (a new one after rebuilding an anchor from
@@ -324,8 +325,9 @@ def _check_rest(receiver, target, store, m, path: str):
     from .format import decode_delta, verify_bytes
     from .receiver import DeltaReceiver
 
-    if m.kind == "anchor" and path == "delta":
-        fresh = DeltaReceiver(target, store)  # holds nothing: the anchor path, from the anchor objects
+    if m.kind == "anchor" and (path == "delta" or recovered):
+        # holds nothing: the anchor path, from the anchor objects, whose failure is reported
+        fresh = DeltaReceiver(target, store, recover=False)
         try:
             fresh.update(m.version)
         except Exception:

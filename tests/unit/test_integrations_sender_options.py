@@ -32,7 +32,7 @@ def test_unknown_names_are_listed():
                                         r"\['anchor_every', 'background'"):  # set by the integration itself
         sender_config({"anchor_policy": None}, "X", exclude=("anchor_policy",))
     with pytest.raises(TypeError, match=r"Y got unexpected keyword argument\(s\) \['prefix'\]; besides its own options "
-                                        r"it takes DeltaReceiver's: \['max_workers', 'metrics_path', 'threads'\]"):
+                                        r"it takes DeltaReceiver's: \['max_workers', 'metrics_path', 'recover', 'threads'\]"):
         receiver_config({"prefix": "p"}, "Y")
 
 
@@ -58,7 +58,7 @@ def test_split_options():
     assert split_options({"metrics_path": "m"}, "Z") == ({"metrics_path": "m"}, {"metrics_path": "m"})  # both sides
     with pytest.raises(TypeError, match=r"Z got unexpected keyword argument\(s\) \['metrics_path', 'nope'\]; besides "
                                         r"its own options it takes DeltaSender's: \[.*\] and DeltaReceiver's: "
-                                        r"\['max_workers', 'threads'\]"):
+                                        r"\['max_workers', 'recover', 'threads'\]"):
         split_options({"nope": 1, "metrics_path": "m"}, "Z", exclude=("metrics_path",))
 
 
@@ -109,7 +109,7 @@ def test_scheme_refuses_bad_options_when_built(tmp_path):
     with pytest.raises(ValueError, match=r"ReceiverConfig.max_workers must be an int >= 1, got 0"):
         DeltaWeightSyncScheme(str(tmp_path), max_workers=0)
     with pytest.raises(TypeError, match=r"DeltaWeightSyncScheme got unexpected keyword argument\(s\) \['max_worker'\]; "
-                                        r".*DeltaSender's: \[.*\] and DeltaReceiver's: \['max_workers', 'threads'\]"):
+                                        r".*DeltaSender's: \[.*\] and DeltaReceiver's: \['max_workers', 'recover', 'threads'\]"):
         DeltaWeightSyncScheme(str(tmp_path), max_worker=2)
 
 

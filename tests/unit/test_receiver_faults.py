@@ -169,6 +169,70 @@ def test_receiver_drift_is_repaired_from_the_anchor(store, codec):
         receiver.verify()
 
 
+def _truncate_anchor(store, version):
+    key = next(o["key"] for o in json.loads(store.get(manifest_key(version)))["objects"] if "/anchor-" in o["key"])
+    store.put(key, store.get(key)[:10])
+    return key
+
+
+@pytest.mark.parametrize("held", [None, 1], ids=["fresh receiver", "receiver far behind"])
+def test_a_damaged_newest_anchor_is_crossed_from_an_older_one(store, held):
+    """Anchors at 0, 3 and 6; anchor 6's object is truncated. Anchor 3, then the delta parts of 4-8
+    (6's included), rebuild version 8: the recovery must not retry anchor 6."""
+    trainer, *_ = publish_steps(store, 9, anchor_every=3)
+    assert [json.loads(store.get(manifest_key(v)))["kind"] for v in (0, 3, 6)] == ["anchor"] * 3
+    _truncate_anchor(store, 6)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    if held is not None:
+        receiver.update(held)
+    plan = receiver.plan()
+    assert (plan.path, plan.steps[0].version) == ("anchor", 6)  # 1 -> 8: anchor 6 downloads less
+    assert receiver.update() == 8
+    st = receiver.last_stats
+    assert st.recovered and st.path == "anchor" and st.versions_applied == 6  # anchor 3, deltas 4-8
+    assert first_difference(trainer, replica) is None
+
+
+def test_without_recovery_the_first_failure_is_raised(store):
+    publish_steps(store, 9, anchor_every=3)
+    key = _truncate_anchor(store, 6)
+    replica = make_mlp(1, torch.bfloat16)
+    before = state_bits(replica)
+    with pytest.raises(CorruptObjectError, match=f"version 6: {key} is 10 bytes"):
+        DeltaReceiver(replica, store, recover=False).update()
+    assert same(before, state_bits(replica))
+
+
+def test_damaged_anchor_values_are_blamed_on_the_anchor_path_not_the_held_weights(store):
+    """Every value of one tensor in anchor 0 off by one ULP, the object and manifest resealed: the
+    first delta's base checksum fails on the anchor path, and the error says the base came from
+    the anchor (no weights were held)."""
+    trainer, *_ = publish_steps(store, 3, codec="packed")
+
+    def off_by_one(ts):
+        name = next(k for k in ts if k.endswith("weight"))
+        ts[name] = (ts[name].view(torch.int16) ^ 1).view(ts[name].dtype)
+
+    rewrite(store, 0, tensors=off_by_one)
+    replica = make_mlp(1, torch.bfloat16)
+    before = state_bits(replica)
+    with pytest.raises(ChecksumMismatchError, match=r"version 1 tensor .*on this anchor path the base is anchor "
+                                                    r"version 0 .*not weights held here"):
+        DeltaReceiver(replica, store).update()
+    assert same(before, state_bits(replica))
+
+
+def test_a_damaged_only_anchor_raises_its_own_error(store):
+    publish_steps(store, 3)
+    key = _truncate_anchor(store, 0)
+    replica = make_mlp(1, torch.bfloat16)
+    before = state_bits(replica)
+    with pytest.raises(CorruptObjectError, match=f"version 0: {key} is 10 bytes"):
+        DeltaReceiver(replica, store).update()
+    assert same(before, state_bits(replica))
+
+
 class FailingStore(PassThroughStore):
     """Wraps a store; raises on puts whose key matches ``fail_on`` while ``armed``."""
 
@@ -250,7 +314,7 @@ def test_garbage_latest_is_ignored(store):
 def test_missing_chain_link_is_a_clear_error(store):
     publish_steps(store, 4)
     store.delete(manifest_key(0))  # the anchor is gone
-    with pytest.raises(VersionNotFoundError, match="not retained"):
+    with pytest.raises(VersionNotFoundError, match="needs version 0, which is not in the store"):
         DeltaReceiver(make_mlp(1, torch.bfloat16), store).update()
 
 

@@ -22,7 +22,7 @@ OLD_SENDER_DEFAULTS = dict(anchor_every=10, anchor_policy=None, inference_dtype=
                            codec="packed", link_gbps=None, threads=None, background=False, run_id=None,
                            metrics_path=None, retention=None, takeover=False, lease_s=60.0)
 # threads (both): new; None stages, reads and encodes on one thread per core, as decoding and encoding did before
-OLD_RECEIVER_DEFAULTS = dict(max_workers=8, threads=None, metrics_path=None)
+OLD_RECEIVER_DEFAULTS = dict(max_workers=8, threads=None, recover=True, metrics_path=None)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -211,8 +211,10 @@ def test_receiver_options_override_the_config(tmp_path):
 
 def test_bad_receiver_options(tmp_path):
     with pytest.raises(TypeError, match=r"DeltaReceiver got unexpected keyword argument\(s\) \['max_worker'\]; its "
-                                        r"options are ReceiverConfig's fields: \['max_workers', 'metrics_path', 'threads'\]"):
+                                        r"options are ReceiverConfig's fields: \['max_workers', 'metrics_path', 'recover', 'threads'\]"):
         DeltaReceiver(_state(), LocalStore(tmp_path), max_worker=2)
+    with pytest.raises(TypeError, match=r"ReceiverConfig.recover must be a bool, got 'no'"):
+        DeltaReceiver(_state(), LocalStore(tmp_path), recover="no")
     with pytest.raises(ValueError, match=r"ReceiverConfig.max_workers must be an int >= 1, got 0"):
         DeltaReceiver(_state(), LocalStore(tmp_path), max_workers=0)
 

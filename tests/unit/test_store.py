@@ -62,8 +62,10 @@ def test_prefix_views_are_isolated(any_store):
     b.put("LATEST", b"2")
     assert a.get("LATEST") == b"1" and b.get("LATEST") == b"2"
     assert a.list() == ["LATEST"]
-    with pytest.raises(CorruptObjectError, match=r"segment '\.\.' is not allowed"):
+    with pytest.raises(ValueError, match=r"prefix of .*: '\.\./escape' is not a valid path inside a store: "
+                                         r"segment '\.\.' is not allowed") as e:
         any_store.sub("../escape")
+    assert not isinstance(e.value, CorruptObjectError)  # a bad argument, not a corrupt store
 
 
 def test_local_put_is_atomic_and_leaves_no_temp_files(tmp_path):
@@ -121,8 +123,50 @@ def test_sweep_removes_only_old_temporaries(tmp_path):
     ("foo://bucket/run", r"'foo://bucket/run': unknown store scheme 'foo://'"),  # fsspec: "Protocol not known: foo"
 ])
 def test_malformed_uris_are_refused(uri, match):
-    with pytest.raises((ValueError, CorruptObjectError), match=match):
+    with pytest.raises(ValueError, match=match) as e:
         open_store(uri)
+    assert not isinstance(e.value, CorruptObjectError)  # a bad argument, not a corrupt store
+
+
+@pytest.mark.parametrize("uri,error,match", [
+    ("", ValueError, "store '' is empty"),
+    ("   ", ValueError, "store '   ' is empty"),
+    ("s3://Bad_Bucket!/x", ValueError, r"store 's3://Bad_Bucket!/x': 'Bad_Bucket!/x' is not a valid path inside a "
+                                       r"store: segment 'Bad_Bucket!' is not allowed"),
+    ("/data/run\x00x", ValueError, "contains a NUL character"),
+    (5, TypeError, "a store is a folder path, a URI .* got int 5"),
+])
+def test_store_arguments_are_named_when_wrong(uri, error, match, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error, match=match) as e:
+        open_store(uri)
+    assert not isinstance(e.value, CorruptObjectError)
+    with pytest.raises(ValueError, match="LocalStore needs a folder path, got ''"):
+        LocalStore("")
+    assert list(tmp_path.iterdir()) == []  # nothing was written into the current folder
+
+
+@pytest.mark.timeout(60)  # a FIFO opened the plain way would block here forever
+def test_local_reads_refuse_special_files_and_skip_broken_links(tmp_path):
+    """A FIFO is refused without blocking (opening one waits for a writer); links that dangle or
+    loop are left out of listings; a byte range is clipped to the file (the end may come from an
+    untrusted manifest: no allocation of its size)."""
+    import os
+
+    from torch_deltasync.errors import StoreError
+
+    s = LocalStore(tmp_path / "s")
+    s.put("versions/000000000001.json", b"{}")
+    os.mkfifo(tmp_path / "s" / "versions" / "000000000002.json")
+    os.symlink("gone.json", tmp_path / "s" / "versions" / "000000000009.json")  # dangling
+    os.symlink("loop.json", tmp_path / "s" / "versions" / "loop.json")  # a loop
+    with pytest.raises(StoreError, match=r"'versions/000000000002.json' is not a regular file \(a FIFO\)"):
+        s.get("versions/000000000002.json")
+    assert s.list("versions") == ["versions/000000000001.json", "versions/000000000002.json"]
+    with pytest.raises(StoreError, match="loop.json"):
+        s.get("versions/loop.json")
+    assert s.get("versions/000000000001.json", start=0, end=2**50) == b"{}"
+    assert s.get("versions/000000000001.json", start=1, end=2**62) == b"}"
 
 
 # --- a store that is not there, a file in the way, links leading outside ----------------------------

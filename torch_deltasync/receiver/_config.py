@@ -47,6 +47,13 @@ class ReceiverConfig:
     them only into targets that declare ``concurrent_writes`` (``ModuleTarget`` in host memory);
     other writes run on the calling thread."""
 
+    recover: bool = True
+    """Whether an update whose path fails (a corrupt or missing object, a checksum mismatch) is
+    staged again from an anchor: a failed delta path from the anchor on the chain, a failed anchor
+    path from an older anchor (crossing the failed one by its delta part); at most twice, then the
+    error is raised. ``False``: the first failure is raised (checking tools, which must report every
+    object they were asked to read, set it)."""
+
     metrics_path: str | os.PathLike | None = None
     """File to append one JSON line of :class:`~torch_deltasync.receiver.UpdateStats` to per
     update. ``None`` (or ``""``): none."""
@@ -57,6 +64,8 @@ class ReceiverConfig:
         if self.max_workers < 1:
             raise ValueError(f"ReceiverConfig.max_workers must be an int >= 1, got {self.max_workers}")
         check_threads(self.threads, "ReceiverConfig.threads")
+        if type(self.recover) is not bool:
+            raise TypeError(f"ReceiverConfig.recover must be a bool, got {self.recover!r}")
         if self.metrics_path is not None and not isinstance(self.metrics_path, (str, os.PathLike)):
             raise TypeError(f"ReceiverConfig.metrics_path must be a path (str or os.PathLike) or None, "
                             f"got {self.metrics_path!r}")

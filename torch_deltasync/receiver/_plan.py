@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 from ..errors import CorruptObjectError, VersionNotFoundError
 from ..manifest import Manifest
@@ -58,7 +58,7 @@ class UpdatePlan:
 
 
 def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manifest: Callable[..., Manifest],
-               where: str) -> tuple[list[Manifest], int, str, str]:
+               where: str, exclude_anchors: Collection[int] = ()) -> tuple[list[Manifest], int, str, str]:
     """The chain walk of :meth:`plan`, from ``head`` back along ``base_version`` links.
 
     Args:
@@ -67,12 +67,19 @@ def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manife
         held_run: the run id of the held version's manifest, if known.
         manifest: ``manifest(version, fresh=False)``, the receiver's cached manifest reader.
         where: the store, for messages.
+        exclude_anchors: versions whose anchor part is not a candidate (it failed to load); the
+            walk goes on past them to older anchors, crossing them by their delta parts.
 
     Returns:
         ``(chain, start, path, why)``: the manifests walked, newest first; the index in it of the
         cheapest start (the anchor whose anchor part is used, or the first version after
         ``held``); ``"delta"`` or ``"anchor"``; and, for an anchor path from a held version,
         why no delta path was taken.
+
+    Raises:
+        VersionNotFoundError: the chain needs a version that is not retained.
+        CorruptObjectError: the chain crosses into another run before an anchor, or every anchor
+            on it is in ``exclude_anchors``.
     """
     chain: list[Manifest] = []
     best: tuple[int, int, str] | None = None  # (bytes, index in chain, path)
@@ -82,9 +89,13 @@ def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manife
     while True:
         chain.append(m)
         i = len(chain) - 1
-        if m.kind == "anchor" and (best is None or deltas + m.anchor_nbytes < best[0]):
+        if m.kind == "anchor" and m.version not in exclude_anchors and (best is None or deltas + m.anchor_nbytes < best[0]):
             best = (deltas + m.anchor_nbytes, i, "anchor")
         if not m.has_delta:
+            if best is None:  # every anchor on the way here failed to load
+                raise CorruptObjectError(
+                    f"{where}: no other anchor leads to version {head.version}: the chain's anchors "
+                    f"{sorted(exclude_anchors)} failed to load and version {m.version} is the first of its chain")
             break  # a run's first anchor (or one after a reshape): nothing older leads here
         deltas += m.delta_nbytes
         base = m.base_version
@@ -118,9 +129,15 @@ def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manife
         except VersionNotFoundError:
             if best is not None:
                 break  # retention removed the older chain; the candidates found suffice
+            if exclude_anchors:
+                raise CorruptObjectError(
+                    f"{where}: no other anchor leads to version {head.version}: the chain's anchors "
+                    f"{sorted(exclude_anchors)} failed to load and version {base}, older, is not retained") from None
             raise VersionNotFoundError(
-                f"{where}: version {head.version} needs version {base}, which is not "
-                "retained; update to the newest version instead"
+                f"{where}: version {head.version} needs version {base}, which is not in the store "
+                "(retention removed it, or it was deleted); update to a newer version, or, if "
+                f"{head.version} is the newest, the store has lost version {base} and the writer must "
+                "publish an anchor"
             ) from None
         if older.run_id != m.run_id:
             if best is not None:

@@ -13,7 +13,9 @@ An update from the version a receiver holds to a target version ``T`` (the newes
    their final values (delta path), or full tensors rebuilt from the anchor blocks (anchor path);
 5. **verify** the per-tensor checksums of the state this would produce against ``T``'s manifest. For
    a delta path this costs ``O(changed elements)``: ``C' = C - partial(old) + partial(new)``. A
-   mismatch on a delta path falls back to the anchor path once; a mismatch there raises.
+   corrupt object or mismatch on a delta path falls back to the anchor path; one on an anchor path
+   to an older anchor (crossing the failed one by its delta part); after two such recoveries the
+   error is raised.
 6. **apply** in place (``index_copy_`` for deltas, ``copy_`` for anchors).
 
 Steps 1-5 are :meth:`DeltaReceiver.prepare`: it reads the live weights (old values, for checksums
@@ -36,7 +38,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Collection, Mapping
 
 import torch
 from torch import nn
@@ -46,7 +48,6 @@ from ..errors import (
     ChecksumMismatchError, CorruptObjectError, DeltaSyncError, ObjectNotFoundError, StaleUpdateError,
     SyncTimeoutError, VersionNotFoundError,
 )
-from ..format import verify_bytes
 from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manifest_key
 from ..manifest import Manifest, load_manifest
 from ..store import Store, open_store
@@ -54,13 +55,14 @@ from ..targets import ModuleTarget, Target
 from ..targets._base import prepare_commit
 from ._config import ReceiverConfig
 from ._plan import PlanStep, UpdatePlan, walk_chain
-from ._stage import StagedUpdate, UpdateStats, stage_anchor, stage_deltas, verify_checksums, write_staged
+from ._stage import (
+    StagedUpdate, UpdateStats, download, reread, stage_anchor, stage_deltas, verify_checksums, write_staged,
+)
 
 log = logging.getLogger("torch_deltasync.receiver")
-T = TypeVar("T")
 
-#: Reads of one object before a size/sha256 mismatch counts as corruption (not a bad transfer).
-_REREAD_ATTEMPTS = 3
+# Anchor paths tried after a failed update (each from an older anchor than the one that failed).
+_MAX_RECOVERIES = 2
 #: Plans of one ``update()`` toward the newest version when retention removes the chain meanwhile.
 _REPLAN_ATTEMPTS = 3
 
@@ -159,7 +161,7 @@ class DeltaReceiver:
         if cached is not None and not fresh:
             return cached
         try:
-            m = self._reread(lambda: load_manifest(self.store, version))
+            m = reread(self.store, lambda: load_manifest(self.store, version))
         except VersionNotFoundError as e:
             why = self.store.absent()  # a mistyped path reads differently from a version not published
             if why:
@@ -203,7 +205,8 @@ class DeltaReceiver:
 
     # --- planning --------------------------------------------------------------------------------
 
-    def plan(self, version: int | None = None, *, force_anchor: bool = False) -> UpdatePlan:
+    def plan(self, version: int | None = None, *, force_anchor: bool = False,
+             exclude_anchors: Collection[int] = ()) -> UpdatePlan:
         """Work out which versions to download to reach ``version`` (the newest when ``None``), and
         take the path that downloads the fewest bytes.
 
@@ -232,6 +235,8 @@ class DeltaReceiver:
         Args:
             version: the target version; ``None``: the newest visible one.
             force_anchor: ignore the held version (recovery after a failed delta path).
+            exclude_anchors: anchors not to start from (recovery after their objects failed to
+                load): the walk goes on to older anchors, crossing these by their delta parts.
 
         Returns:
             The plan: its steps oldest first; ``path`` is ``"noop"`` when ``T`` is held already.
@@ -241,7 +246,8 @@ class DeltaReceiver:
             VersionNotFoundError: no version at all, the target version is not visible, or its
                 chain needs a version that is no longer retained.
             CorruptObjectError: ``T``'s chain crosses into another run before any anchor, so
-                nothing can rebuild it (two writers shared the prefix).
+                nothing can rebuild it (two writers shared the prefix), or every anchor on it is
+                in ``exclude_anchors``.
         """
         target = self.newest_version() if version is None else check_version(version)
         if target is None:
@@ -257,12 +263,13 @@ class DeltaReceiver:
         held = None if force_anchor else self.version
         chain, start, path, why = walk_chain(
             head, held, held_run=self._held_runs.get(held) if held is not None else None,
-            manifest=self.manifest, where=self.store.describe())
+            manifest=self.manifest, where=self.store.describe(), exclude_anchors=exclude_anchors)
         ms = chain[start::-1]
         held = self.version
         first_reason = (
             f"delta on {held}" if path == "delta"
             else "anchor: nothing held yet" if held is None
+            else f"anchor: recovering from an older anchor (not {sorted(exclude_anchors)})" if exclude_anchors
             else "anchor: recovering from the anchor" if force_anchor
             else why
         )
@@ -311,7 +318,8 @@ class DeltaReceiver:
         Reads live weights (old values at changed positions, for relative steps and checksums), so
         it may run in a background thread while an engine generates; only :meth:`commit` writes.
         Verification costs ``O(changed elements)`` on a delta path. A delta path that fails
-        (corrupt object, checksum mismatch) is retried once from the anchor.
+        (corrupt object, checksum mismatch) is retried from the anchor, and an anchor path that
+        fails from an older anchor, at most twice in all.
 
         Returns:
             A :class:`StagedUpdate` (``plan.path == "noop"`` when the target already holds
@@ -404,28 +412,40 @@ class DeltaReceiver:
         # A target that cannot hold the version (shapes, dtype, a LoRA config) fails the same way
         # on every path: check it here, outside the anchor recovery below.
         self._check_target(plan.manifests[-1])
-        recovered = False
-        try:
-            staged = self._stage(plan, checksums, ahead)
-        except (CorruptObjectError, ObjectNotFoundError) as e:
-            if generation != self._generation:
-                # A commit landed while this was staged (a background prepare racing an update):
-                # the old values it read may be the new ones. Not a reason to rebuild from an anchor.
-                raise StaleUpdateError(f"{self.store.describe()}: the target changed while version "
-                                       f"{plan.to_version} was being staged; prepare it again") from e
-            # Recover once from the anchor, with every cached manifest read again (a cached
-            # chain may belong to an earlier run on a wiped prefix). A second failure is final.
-            log.warning("%s path to version %d failed (%s); recovering from the anchor",
-                        plan.path, plan.to_version, e)
-            self._manifests.clear()
-            plan = self.plan(plan.to_version, force_anchor=True)
-            self._check_target(plan.manifests[-1])
-            staged = self._stage(plan, checksums, ahead)
-            recovered = True
+        recoveries, failed_anchors = 0, set()
+        while True:
+            try:
+                staged = self._stage(plan, checksums, ahead)
+                break
+            except (CorruptObjectError, ObjectNotFoundError) as e:
+                if generation != self._generation:
+                    # A commit landed while this was staged (a background prepare racing an update):
+                    # the old values it read may be the new ones. Not a reason to rebuild from an anchor.
+                    raise StaleUpdateError(f"{self.store.describe()}: the target changed while version "
+                                           f"{plan.to_version} was being staged; prepare it again") from e
+                # Recover from the anchor, with every cached manifest read again (a cached chain
+                # may belong to an earlier run on a wiped prefix); when an anchor path failed, from
+                # an older anchor, crossing that one by its delta part (its anchor objects may be
+                # what is damaged). At most _MAX_RECOVERIES times; then the error is final.
+                if plan.path == "anchor":
+                    failed_anchors.add(plan.steps[0].version)
+                if recoveries >= _MAX_RECOVERIES or not self.receiver_config.recover:
+                    raise
+                log.warning("%s path to version %d failed (%s); recovering from %s", plan.path, plan.to_version, e,
+                            f"an anchor older than {min(failed_anchors)}" if failed_anchors else "the anchor")
+                self._manifests.clear()
+                try:
+                    plan = self.plan(plan.to_version, force_anchor=True, exclude_anchors=failed_anchors)
+                except (CorruptObjectError, VersionNotFoundError) as no_other:
+                    if not failed_anchors:
+                        raise
+                    raise e from no_other  # the anchor's own failure is what to fix
+                self._check_target(plan.manifests[-1])
+                recoveries += 1
         staged._generation = generation
         assert staged.stats is not None
         staged.stats.plan_ms = plan_ms
-        staged.stats.recovered = recovered
+        staged.stats.recovered = recoveries > 0
         staged.stats.total_ms = (time.perf_counter() - t0) * 1e3
         return staged
 
@@ -531,32 +551,6 @@ class DeltaReceiver:
             self.target.check({t.name: t.shape for t in m.tensors}, dict(m.aliases), m.inference_dtype)
             self._checked = key
 
-    def _download(self, plan: UpdatePlan) -> dict[str, bytes]:
-        entries = [(m, o) for m, step in zip(plan.manifests, plan.steps) for o in step.objects]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
-
-        def read(m, o):
-            # at most one byte more than declared: an oversized object is refused unread
-            data = self.store.get(o.key, start=0, end=o.nbytes + 1)
-            verify_bytes(data, o, f"version {m.version}")
-            return o.key, data
-
-        return dict(self._pool.map(lambda mo: self._reread(lambda: read(*mo)), entries))
-
-    def _reread(self, read: Callable[[], T]) -> T:
-        """``read()``, called again (up to ``_REREAD_ATTEMPTS`` times in all) while it raises
-        :class:`CorruptObjectError`: a truncated or garbled transfer fails the size/sha256 or JSON
-        check, and a store that lost bytes once usually delivers them next time."""
-        for attempt in range(_REREAD_ATTEMPTS):
-            try:
-                return read()
-            except CorruptObjectError as e:
-                if attempt + 1 == _REREAD_ATTEMPTS:
-                    raise
-                log.debug("%s: %s; reading it again", self.store.describe(), e)
-        raise AssertionError("unreachable")  # pragma: no cover
-
     def _stage(self, plan: UpdatePlan, checksums: dict[str, int], ahead: bool) -> StagedUpdate:
         """Download, decode and verify ``plan`` on top of the held state whose checksums are
         ``checksums``; the caller has checked the target. Writes nothing."""
@@ -570,7 +564,9 @@ class DeltaReceiver:
         dtype = final.inference_dtype
 
         t = time.perf_counter()
-        blobs = self._download(plan)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
+        blobs = download(self.store, plan, self._pool)
         download_ms = (time.perf_counter() - t) * 1e3
 
         t = time.perf_counter()

@@ -3,9 +3,11 @@ the result against the published checksums. Reads the target (old values), never
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -13,11 +15,51 @@ from .._pool import map_largest_first
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import TensorDelta
 from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError
-from ..format import EncodedDelta, decode_anchor, read_delta
+from ..format import EncodedDelta, decode_anchor, read_delta, verify_bytes
 from ..manifest import Manifest
+from ..store import Store
 from ..targets import Target
 from ..targets._base import PreparedCommit, allows_concurrent
 from ._plan import UpdatePlan
+
+log = logging.getLogger("torch_deltasync.receiver")
+T = TypeVar("T")
+
+#: Reads of one object before a size/sha256 mismatch counts as corruption (not a bad transfer).
+REREAD_ATTEMPTS = 3
+
+
+def reread(store: Store, read: Callable[[], T]) -> T:
+    """``read()``, called again (up to :data:`REREAD_ATTEMPTS` times in all) while it raises
+    :class:`CorruptObjectError`: a truncated or garbled transfer fails the size/sha256 or JSON
+    check, and a store that lost bytes once usually delivers them next time."""
+    for attempt in range(REREAD_ATTEMPTS):
+        try:
+            return read()
+        except CorruptObjectError as e:
+            if attempt + 1 == REREAD_ATTEMPTS:
+                raise
+            log.debug("%s: %s; reading it again", store.describe(), e)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def download(store: Store, plan: UpdatePlan, pool: Executor) -> dict[str, bytes]:
+    """``{key: bytes}`` of every object of ``plan``, read on ``pool`` (in parallel) and checked
+    against its manifest entry (size, sha256), each read again as :func:`reread` does.
+
+    Raises:
+        CorruptObjectError: an object fails its check on every read (naming version and key).
+        StoreError: the store failed.
+    """
+    entries = [(m, o) for m, step in zip(plan.manifests, plan.steps) for o in step.objects]
+
+    def read(m: Manifest, o) -> tuple[str, bytes]:
+        # at most one byte more than declared: an oversized object is refused unread
+        data = store.get(o.key, start=0, end=o.nbytes + 1)
+        verify_bytes(data, o, f"version {m.version}")
+        return o.key, data
+
+    return dict(pool.map(lambda mo: reread(store, lambda: read(*mo)), entries))
 
 
 @dataclass
@@ -350,7 +392,9 @@ def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tu
 
         def apply(name: str, version: int = m.version) -> None:
             # decode, then one compiled pass: checksum of the old values, steps, write
-            with _named_mismatch(version, name):
+            with _named_mismatch(version, name, f" (on this anchor path the base is anchor version {anchor.version}"
+                                 " with the chain's earlier versions applied: that anchor's data or one of those "
+                                 "versions is damaged, not weights held here)"):
                 _decode(version, name, changed[name]).apply_to(dense[name].view(-1))
 
         map_largest_first(apply, list(changed), [sum(p.count for p in parts) for parts in changed.values()], threads)

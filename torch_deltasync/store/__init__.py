@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .._moved import alias_moved as _alias_moved
-from ._base import PrefixStore, Store, check_key
+from ._base import PrefixStore, Store, check_key, check_prefix
 from ._local import LocalStore
 from ._retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
 
@@ -30,11 +30,13 @@ __all__ = [
     "DeadlineStore",
     "open_store",
     "check_key",
+    "check_prefix",
 ]
 
 _LAZY = {"FsspecStore": "._fsspec", "HFBucketStore": "._hf"}
 
-for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore", "check_key"):
+for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore", "check_key",
+              "check_prefix"):
     globals()[_name].__module__ = __name__
 del _name
 
@@ -112,7 +114,17 @@ def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | o
             return uri
         timeout = DEFAULT_TIMEOUT_S if not explicit else timeout_s
         return uri if timeout is None else DeadlineStore(uri, timeout)  # type: ignore[arg-type]
+    if not isinstance(uri, (str, os.PathLike)):
+        raise TypeError(f"a store is a folder path, a URI (str or os.PathLike) or a Store, got "
+                        f"{type(uri).__name__} {uri!r}")
     text = os.fspath(uri)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text.strip():
+        raise ValueError(f"store {text!r} is empty: give a folder path or a URI such as s3://bucket/run "
+                         "(an empty path would mean the current folder)")
+    if "\x00" in text:
+        raise ValueError(f"store {text!r} contains a NUL character")
     protocol, sep, rest = text.partition("://")
     if not sep or protocol == "file":
         if sep and (not rest.startswith("/") or not rest.strip("/")):

@@ -16,7 +16,7 @@ from typing import Iterator, Protocol, runtime_checkable
 
 from ..errors import CorruptObjectError
 
-__all__ = ["Store", "PrefixStore", "check_key", "join_key", "driver_import_error", "exception_chain", "root_cause"]
+__all__ = ["Store", "PrefixStore", "check_key", "check_prefix", "join_key", "driver_import_error", "exception_chain", "root_cause"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+@,-]+")
 
@@ -58,6 +58,21 @@ def driver_import_error(uri: str, package: str, error: ImportError, fix: str = "
     return ImportError(f"store {uri!r} needs {package}, which is not installed in {where}: {fix} there")
 
 
+def _key_problem(key: str) -> str | None:
+    """What makes ``key`` (a non-empty string) no plain relative path, or ``None``."""
+    if len(key) > 1024:
+        return f"{len(key)} characters, at most 1024"
+    if key.startswith("/"):
+        return "absolute (keys are relative to the store root)"
+    if key.endswith("/"):
+        return "ends with '/' (keys name objects, not folders)"
+    for seg in key.split("/"):
+        if seg in ("", ".", "..") or not _SEGMENT.fullmatch(seg):
+            return (f"segment {seg[:40]!r} is not allowed (no '..', '.', empty segments, absolute paths or "
+                    "special characters: letters, digits and ._=+@,- only)")
+    return None
+
+
 def check_key(key: object, *, allow_empty: bool = False) -> str:
     """Validate an untrusted store key and return it.
 
@@ -71,19 +86,26 @@ def check_key(key: object, *, allow_empty: bool = False) -> str:
         return key
     if not key:
         raise CorruptObjectError("invalid store key '': empty (keys are non-empty relative paths)")
-    if len(key) > 1024:
-        raise CorruptObjectError(f"invalid store key {key[:40]!r}...: {len(key)} characters, at most 1024")
-    if key.startswith("/"):
-        raise CorruptObjectError(f"invalid store key {key!r}: absolute (keys are relative to the store root)")
-    if key.endswith("/"):
-        raise CorruptObjectError(f"invalid store key {key!r}: ends with '/' (keys name objects, not folders)")
-    for seg in key.split("/"):
-        if seg in ("", ".", "..") or not _SEGMENT.fullmatch(seg):
-            raise CorruptObjectError(
-                f"invalid store key {key!r}: segment {seg!r} is not allowed (no '..', '.', empty "
-                "segments, absolute paths or special characters)"
-            )
+    problem = _key_problem(key)
+    if problem is not None:
+        shown = repr(key) if len(key) <= 1024 else f"{key[:40]!r}..."
+        raise CorruptObjectError(f"invalid store key {shown}: {problem}")
     return key
+
+
+def check_prefix(prefix: str, what: str) -> str:
+    """A path inside a store that a user gave (a store URI's bucket and prefix, a run's
+    ``prefix=``), checked like a key (:func:`check_key`; empty is allowed).
+
+    Raises:
+        ValueError: naming ``what`` (e.g. ``"store 's3://b/../x'"``), when it is not a plain
+            relative path: bad user input, not a corrupt store (:func:`check_key` raises
+            :class:`~torch_deltasync.errors.CorruptObjectError` for keys read from a store).
+    """
+    problem = _key_problem(prefix) if prefix else None
+    if problem is not None:
+        raise ValueError(f"{what}: {prefix[:80]!r} is not a valid path inside a store: {problem}")
+    return prefix
 
 
 def join_key(prefix: str, key: str) -> str:
@@ -173,7 +195,7 @@ class Store(Protocol):
         prefix = prefix.strip("/")
         if not prefix:
             return self
-        return PrefixStore(self, check_key(prefix))
+        return PrefixStore(self, check_prefix(prefix, f"prefix of {self.describe()}"))
 
     def describe(self) -> str:
         """Short human-readable name used in error messages (e.g. ``file:///data/bucket``)."""

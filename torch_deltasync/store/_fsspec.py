@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ..errors import TransientStoreError
-from ._base import Store, check_key, driver_import_error, root_cause
+from ._base import Store, check_key, check_prefix, driver_import_error, root_cause
 from ._retry import RetryPolicy, call_with_retry, classify_error
 
 __all__ = ["FsspecStore", "s3_storage_options"]
@@ -145,8 +145,7 @@ class FsspecStore(Store):
             raise ValueError(f"expected protocol://path, got {url!r}")
         if protocol in _S3 and not path.strip("/"):
             raise ValueError(f"{url!r} names no bucket; expected s3://bucket/prefix")
-        if path.strip("/"):
-            check_key(path.strip("/"))  # no '..', '.', empty segments or odd characters in the root
+        check_prefix(path.strip("/"), f"store {url!r}")  # no '..', '.', empty segments or odd characters
         self.protocol = protocol
         self.url = f"{protocol}://{path.strip('/')}"
         self.retry = retry or RetryPolicy()

@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
 from ._http import http_status
-from ._base import Store, check_key, driver_import_error
+from ._base import Store, check_key, check_prefix, driver_import_error
 from ._retry import RetryPolicy, Verdict, call_with_retry, classify_error
 
 __all__ = ["HFBucketStore", "parse_bucket_uri"]
@@ -54,8 +54,7 @@ def parse_bucket_uri(uri: str) -> tuple[str, str]:
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"expected hf://buckets/<namespace>/<bucket>[/<prefix>], got {uri!r}")
     prefix = parts[2].strip("/") if len(parts) == 3 else ""
-    if prefix:
-        check_key(prefix)
+    check_prefix(prefix, f"store {uri!r}")
     return f"{parts[0]}/{parts[1]}", prefix
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,13 @@ __all__ = ["LocalStore"]
 # Temporary files carry this marker; `list` never returns them and a crashed writer's leftovers
 # are harmless (they are never named by a manifest).
 _TMP_MARK = ".tmp-"
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file of ``st_mode`` ``mode`` is, in words."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), f"file mode {mode:o}")
 
 
 class LocalStore(Store):
@@ -53,6 +61,9 @@ class LocalStore(Store):
     needs_deadline = False
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+        if not os.fspath(root).strip():
+            raise ValueError(f"LocalStore needs a folder path, got {os.fspath(root)!r} (an empty path would mean "
+                             "the current folder; give '.' for that)")
         self.root = Path(root).expanduser().resolve()
         self.fsync = fsync
 
@@ -153,14 +164,29 @@ class LocalStore(Store):
             raise self._os_error("write", key, path, e) from e
 
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        """The bytes of ``key`` (``[start, end)`` of them, clipped to the file).
+
+        Raises:
+            ObjectNotFoundError: no such object.
+            StoreError: ``key`` is not a regular file (a FIFO, a device, a socket: opened without
+                blocking and refused), or the read failed.
+        """
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with open(fd, "rb") as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise StoreError(f"{self.describe()}: {key!r} is not a regular file ({_file_kind(st.st_mode)}); "
+                                     "a store holds only files: remove it")
+                os.set_blocking(fd, True)
                 if start is None and end is None:
                     return f.read()
                 start = start or 0
                 f.seek(start)
-                return f.read(-1 if end is None else max(0, end - start))
+                # never more than the file holds: ``end`` may come from an untrusted manifest
+                return f.read(max(0, min(st.st_size if end is None else end, st.st_size) - start))
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
         except NotADirectoryError as e:  # a file where a folder of the key would be
@@ -168,6 +194,8 @@ class LocalStore(Store):
             if isinstance(err, StoreNotFoundError):
                 raise err from e
             raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
+        except StoreError:
+            raise
         except OSError as e:
             raise self._os_error("read", key, path, e) from e
 
@@ -203,7 +231,9 @@ class LocalStore(Store):
         while stack:
             with os.scandir(stack.pop()) as entries:
                 for entry in entries:
-                    if entry.is_symlink() and not self._inside(Path(os.path.realpath(entry.path))):
+                    # links leading outside, dangling or in a loop name nothing to read here
+                    if entry.is_symlink() and (not os.path.exists(entry.path)
+                                               or not self._inside(Path(os.path.realpath(entry.path)))):
                         continue
                     if entry.is_dir():
                         if not entry.is_symlink():  # like os.walk: linked folders are not descended

@@ -24,7 +24,7 @@ from ..._units import check_seconds
 from ...acks import AckBook, StoreAcks
 from ...receiver import DeltaReceiver, ReceiverConfig
 from ...sender import AnchorPolicy, DeltaSender, SenderConfig
-from ...store import Store, check_key, open_store
+from ...store import Store, check_prefix, open_store
 from .._sender_options import receiver_config as _receiver_config
 from .._sender_options import sender_config as _sender_config
 from .._sender_options import split_options
@@ -209,7 +209,7 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
                            background_receive=background_receive, version_key=version_key,
                            metrics_path=metrics_path, store_options=store_options)
         if prefix is not None:
-            check_key(prefix, allow_empty=True)
+            check_prefix(prefix, "DeltaWeightSyncScheme(prefix=...)")
         self.store_spec = store
         self.store_options = dict(store_options or {})
         self.prefix = prefix
