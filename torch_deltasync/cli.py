@@ -48,6 +48,15 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _version(text: str) -> int:
+    from .keys import MAX_VERSION
+
+    v = int(text)
+    if not 0 <= v <= MAX_VERSION:
+        raise argparse.ArgumentTypeError(f"must be a version number in [0, {MAX_VERSION}], got {text}")
+    return v
+
+
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:
@@ -262,7 +271,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
-    p.add_argument("--from-version", type=int, default=None, help="first version to check (none: the oldest)")
+    p.add_argument("--from-version", type=_version, default=None, help="first version to check (none: the oldest)")
 
 
 @command("verify", "replay every version, check every checksum and every object", _verify_args)
@@ -275,6 +284,7 @@ def _verify(args: argparse.Namespace) -> int:
     from .keys import list_versions
     from .manifest import load_manifest
     from .receiver import DeltaReceiver
+
     store = _open_existing(args)
     versions = list_versions(store)
     if args.from_version is not None:

@@ -97,8 +97,11 @@ class OwnerRecord:
                    float(doc["lease_s"]))
 
     def describe(self, now: float) -> str:
-        return (f"run {self.run_id!r} (host {self.host}, pid {self.pid}), lease renewed "
-                f"{now - self.renewed_at:.1f} s ago for {self.lease_s:g} s")
+        age = now - self.renewed_at
+        when = (f"{age:.1f} s ago" if age >= 0 else
+                f"{-age:.1f} s in the future by this host's clock (the owner's clock runs ahead, or the "
+                "record is damaged)")
+        return f"run {self.run_id!r} (host {self.host}, pid {self.pid}), lease renewed {when} for {self.lease_s:g} s"
 
     def live(self, now: float) -> bool:
         return now - self.renewed_at < self.lease_s

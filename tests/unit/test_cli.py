@@ -173,7 +173,8 @@ def test_inspect_refuses_what_is_not_a_regular_file(tmp_path, capsys):
 
 def test_bad_arguments_are_refused_by_the_parser(capsys):
     for argv in (["demo", "--size", "nope"], ["demo", "--steps", "0"], ["follow", "x", "--poll", "-1"],
-                 ["serve-buffer", "--port", "-1"], ["serve-buffer", "--port", "70000"]):
+                 ["serve-buffer", "--port", "-1"], ["serve-buffer", "--port", "70000"],
+                 ["verify", "x", "--from-version", "-5"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

@@ -112,6 +112,18 @@ def test_a_dead_or_malformed_lease_is_claimed(tmp_path, record, reason):
     sender.close()
 
 
+def test_a_record_renewed_in_the_future_counts_as_live_and_says_so(tmp_path):
+    """A record stamped ahead of this host's clock (another host's clock, or damage) is kept as live
+    (taking it over could interleave two writers) and the refusal says the time is in the future."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    record = {"run_id": "x", "session": "s", "host": "h", "pid": 1, "renewed_at": time.time() + 3600, "lease_s": 60.0}
+    store.put(OWNER_KEY, json.dumps(record).encode())
+    with pytest.raises(PrefixInUseError, match=r"lease renewed 3[56]\d\d\.\d s in the future by this host's clock "
+                                               r"\(the owner's clock runs ahead, or the record is damaged\)"):
+        DeltaSender(StepModel(seed=6).tensors, store)
+    assert json.loads(store.get(OWNER_KEY)) == record  # untouched
+
+
 def test_a_live_lease_is_renewed_while_the_sender_is_open(tmp_path):
     store = LocalStore(tmp_path / "b", fsync=False)
     lease = PrefixLease(store, "run-x", lease_s=0.2)  # renewed every 0.05 s

@@ -338,10 +338,12 @@ class DeltaReceiver:
         # recovers from the newest anchor). An explicit version that is gone stays an error.
         attempts = 1 if version is not None else _REPLAN_ATTEMPTS
         for attempt in range(attempts):
+            target = version if version is not None else self.newest_version()
             try:
-                return self._prepare(version, ahead)
+                return self._prepare(target, ahead)
             except (VersionNotFoundError, ObjectNotFoundError) as e:
-                if attempt + 1 == attempts or self.newest_version() is None:
+                # planned again only when a newer version has replaced the chain's head meanwhile
+                if attempt + 1 == attempts or self.newest_version() in (None, target):
                     raise
                 log.info("%s: the chain being applied is no longer retained (%s); planning again "
                          "from the newest version", self.store.describe(), e)
@@ -431,15 +433,16 @@ class DeltaReceiver:
                     failed_anchors.add(plan.steps[0].version)
                 if recoveries >= _MAX_RECOVERIES or not self.receiver_config.recover:
                     raise
-                log.warning("%s path to version %d failed (%s); recovering from %s", plan.path, plan.to_version, e,
-                            f"an anchor older than {min(failed_anchors)}" if failed_anchors else "the anchor")
                 self._manifests.clear()
+                failed = plan
                 try:
                     plan = self.plan(plan.to_version, force_anchor=True, exclude_anchors=failed_anchors)
                 except (CorruptObjectError, VersionNotFoundError) as no_other:
                     if not failed_anchors:
                         raise
                     raise e from no_other  # the anchor's own failure is what to fix
+                log.warning("%s path to version %d failed (%s); recovering from anchor %d", failed.path,
+                            failed.to_version, e, plan.steps[0].version)
                 self._check_target(plan.manifests[-1])
                 recoveries += 1
         staged._generation = generation

@@ -167,7 +167,8 @@ class ModuleTarget(Target):
                 "only, so it would never be synced and no verification could cover it. Register derived state as "
                 "a non-persistent buffer (register_buffer(..., persistent=False)), or pass "
                 "ModuleTarget(model, strict=False) as the receiver's target to leave non-floating tensors alone "
-                "(neither synced nor verified)"
+                "(neither synced nor verified); if it is a weight the sender publishes, hold it in a floating "
+                "dtype (the inference dtype, e.g. torch.bfloat16), not as an integer view"
             )
         self._other = {n for n, _ in other}
         self._names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
