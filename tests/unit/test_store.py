@@ -146,6 +146,16 @@ def test_store_arguments_are_named_when_wrong(uri, error, match, tmp_path, monke
     assert list(tmp_path.iterdir()) == []  # nothing was written into the current folder
 
 
+def test_check_prefix_names_the_argument():
+    from torch_deltasync.store import check_prefix
+
+    assert check_prefix("runs/a", "X") == "runs/a" and check_prefix("", "X") == ""
+    with pytest.raises(TypeError, match="X: a path inside a store is a string, got int 5"):
+        check_prefix(5, "X")
+    with pytest.raises(ValueError, match=r"X: '/abs' is not a valid path inside a store: absolute"):
+        check_prefix("/abs", "X")
+
+
 @pytest.mark.timeout(60)  # a FIFO opened the plain way would block here forever
 def test_local_reads_refuse_special_files_and_skip_broken_links(tmp_path):
     """A FIFO is refused without blocking (opening one waits for a writer); links that dangle or

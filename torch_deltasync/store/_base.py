@@ -98,10 +98,13 @@ def check_prefix(prefix: str, what: str) -> str:
     ``prefix=``), checked like a key (:func:`check_key`; empty is allowed).
 
     Raises:
+        TypeError: ``prefix`` is not a string (naming ``what``).
         ValueError: naming ``what`` (e.g. ``"store 's3://b/../x'"``), when it is not a plain
             relative path: bad user input, not a corrupt store (:func:`check_key` raises
             :class:`~torch_deltasync.errors.CorruptObjectError` for keys read from a store).
     """
+    if not isinstance(prefix, str):
+        raise TypeError(f"{what}: a path inside a store is a string, got {type(prefix).__name__} {prefix!r}")
     problem = _key_problem(prefix) if prefix else None
     if problem is not None:
         raise ValueError(f"{what}: {prefix[:80]!r} is not a valid path inside a store: {problem}")
