@@ -310,7 +310,7 @@ def _verify(args: argparse.Namespace) -> int:
             receiver.update(v)
             st = receiver.last_stats
             note = " (its first path failed; recovered from an anchor, see the log)" if st.recovered else ""
-            receiver, checked = _check_rest(receiver, target, store, receiver.manifest(v), st.path, st.recovered)
+            checked = _check_rest(target, store, receiver.manifest(v), st.path, st.recovered)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked}){note}")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             failures += 1
@@ -321,37 +321,37 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _check_rest(receiver, target, store, m, path: str, recovered: bool = False):
-    """Check the objects of version ``m`` that an update along ``path`` did not read (an update
-    that ``recovered`` may have crossed ``m``'s anchor from an older one).
+def _check_rest(target, store, m, path: str, recovered: bool = False) -> str:
+    """Check the parts of version ``m`` that an update along ``path`` may not have read; an update
+    that ``recovered`` may have started from another anchor than its plan's, so for it both parts of
+    an anchor are checked. Returns a note for the report line.
 
-    Returns:
-        ``(receiver, note)``: the receiver to go on with (a new one after rebuilding an anchor from
-        its anchor objects; it holds the same version) and a note for the report line.
+    The anchor part is rebuilt into ``target`` by a second receiver that holds nothing and does not
+    recover (its failure is what is reported); it leaves the same version in ``target``, so the
+    replay's receiver goes on from there. The delta part is read and decoded (bytes and structure:
+    it applies to a version not held).
 
     Raises:
-        DeltaSyncError: an object fails (the target keeps the version the replay gave it).
+        DeltaSyncError: a part fails (``target`` keeps the version the replay gave it).
     """
     from .format import decode_delta, verify_bytes
     from .receiver import DeltaReceiver
 
+    notes = []
     if m.kind == "anchor" and (path == "delta" or recovered):
-        # holds nothing: the anchor path, from the anchor objects, whose failure is reported
         fresh = DeltaReceiver(target, store, recover=False)
         try:
             fresh.update(m.version)
-        except Exception:
+        finally:
             fresh.close()
-            raise
-        receiver.close()
-        return fresh, f"; anchor objects rebuilt and checked, {m.anchor_nbytes:,} B"
-    if m.kind == "anchor" and m.has_delta and path == "anchor":
-        for o in m.delta_objects:  # applies to a version not held: bytes and structure only
+        notes.append(f"anchor objects rebuilt and checked, {m.anchor_nbytes:,} B")
+    if m.kind == "anchor" and m.has_delta and (path == "anchor" or recovered):
+        for o in m.delta_objects:
             data = store.get(o.key, start=0, end=o.nbytes + 1)
             verify_bytes(data, o, f"version {m.version}")
             decode_delta(data, m, o)
-        return receiver, f"; delta objects checked, {m.delta_nbytes:,} B"
-    return receiver, ""
+        notes.append(f"delta objects checked, {m.delta_nbytes:,} B")
+    return "".join(f"; {n}" for n in notes)
 
 
 # --- gc ----------------------------------------------------------------------------------------

@@ -238,6 +238,22 @@ def test_verify_checks_the_delta_part_of_an_anchor_reached_through_the_anchor(an
     assert "4/5 versions verified" in out
 
 
+def test_verify_fails_a_damaged_delta_part_that_the_replay_recovered_past(anchored, capsys):
+    """From version 0, the replay's delta path to 10 fails on 10's delta part and recovers from anchor
+    10: a follower would get there, but the object is damaged, so 10 is reported FAILED; the
+    replay goes on (11-14 ok)."""
+    from torch_deltasync.manifest import load_manifest
+
+    store, _ = anchored
+    _flip(store, load_manifest(store, 10).delta_objects[0].key)
+    assert main(["verify", str(store.root)]) == 1
+    out = capsys.readouterr().out
+    lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
+    assert "FAILED: CorruptObjectError" in lines[10] and "delta-r00000-of00001.safetensors has sha256" in lines[10]
+    assert all(": ok (" in lines[v] for v in range(15) if v != 10)
+    assert "14/15 versions verified" in out
+
+
 def test_gc_keeps_the_versions_below_an_anchor_that_fails_its_check(anchored, capsys):
     from remote_helpers import assert_holds, empty_target
 

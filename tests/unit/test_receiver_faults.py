@@ -194,6 +194,50 @@ def test_a_damaged_newest_anchor_is_crossed_from_an_older_one(store, held):
     assert first_difference(trainer, replica) is None
 
 
+class CountingStore(PassThroughStore):
+    """Counts the reads of each object (manifests and pointers are not counted)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.reads = {}
+
+    def get(self, key, *, start=None, end=None):
+        if key.startswith("objects/"):
+            self.reads[key] = self.reads.get(key, 0) + 1
+        return self.inner.get(key, start=start, end=end)
+
+
+def test_recovery_avoids_what_failed_and_never_retries_a_damaged_delta_part(store):
+    """Anchors at 0, 3, 6. (a) Anchor 6 damaged, the receiver holding 6's predecessor chain at 4:
+    the recovery takes the delta path from 4, not another anchor. (b) Delta 7 damaged: every path to
+    8 needs it, so the error comes after one attempt, without downloading anchors 3 or 0."""
+    trainer, *_ = publish_steps(store, 9, anchor_every=3)
+    counting = CountingStore(store)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, counting)
+    receiver.update(5)
+    anchor6 = next(o.key for o in receiver.manifest(6).anchor_objects)
+    intact = store.get(anchor6)
+    _truncate_anchor(store, 6)
+    assert receiver.plan(7).steps[0].version == 6  # anchor 6 downloads less than the deltas 6-7 from 5
+    counting.reads.clear()
+    assert receiver.update(7) == 7
+    st = receiver.last_stats
+    assert st.recovered and st.path == "delta" and st.from_version == 5
+    assert set(counting.reads) == {anchor6} | {o.key for v in (6, 7) for o in receiver.manifest(v).delta_objects}
+
+    store.put(anchor6, intact)
+    delta7 = next(o.key for o in receiver.manifest(7).delta_objects)
+    store.put(delta7, store.get(delta7)[:10])
+    fresh = DeltaReceiver(make_mlp(1, torch.bfloat16), counting)
+    counting.reads.clear()
+    with pytest.raises(CorruptObjectError, match=f"version 7: {delta7} is 10 bytes"):
+        fresh.update(8)
+    # one attempt (anchor 6, deltas 7 and 8; a bad read is read 3 times): anchors 3 and 0 never read
+    assert set(counting.reads) == {anchor6, delta7, next(o.key for o in receiver.manifest(8).delta_objects)}
+    assert counting.reads[anchor6] == 1
+
+
 def test_without_recovery_the_first_failure_is_raised(store):
     publish_steps(store, 9, anchor_every=3)
     key = _truncate_anchor(store, 6)

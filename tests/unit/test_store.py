@@ -158,9 +158,10 @@ def test_check_prefix_names_the_argument():
 
 @pytest.mark.timeout(60)  # a FIFO opened the plain way would block here forever
 def test_local_reads_refuse_special_files_and_skip_broken_links(tmp_path):
-    """A FIFO is refused without blocking (opening one waits for a writer); links that dangle or
-    loop are left out of listings; a byte range is clipped to the file (the end may come from an
-    untrusted manifest: no allocation of its size)."""
+    """What is not a regular file is no object: a FIFO (opening one the plain way waits for a
+    writer), a folder at a key, links that dangle or loop are refused by get (without blocking,
+    without leaking the descriptor) and left out by list and exists. A byte range is clipped to the
+    file (the end may come from an untrusted manifest: no allocation of its size)."""
     import os
 
     from torch_deltasync.errors import StoreError
@@ -170,9 +171,16 @@ def test_local_reads_refuse_special_files_and_skip_broken_links(tmp_path):
     os.mkfifo(tmp_path / "s" / "versions" / "000000000002.json")
     os.symlink("gone.json", tmp_path / "s" / "versions" / "000000000009.json")  # dangling
     os.symlink("loop.json", tmp_path / "s" / "versions" / "loop.json")  # a loop
-    with pytest.raises(StoreError, match=r"'versions/000000000002.json' is not a regular file \(a FIFO\)"):
-        s.get("versions/000000000002.json")
-    assert s.list("versions") == ["versions/000000000001.json", "versions/000000000002.json"]
+    (tmp_path / "s" / "objects" / "k").mkdir(parents=True)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with pytest.raises(ObjectNotFoundError, match=r"'versions/000000000002.json' is not a regular file \(a FIFO\)"):
+            s.get("versions/000000000002.json")
+        with pytest.raises(ObjectNotFoundError, match=r"'objects/k' is not a regular file \(a folder\)"):
+            s.get("objects/k")
+    assert len(os.listdir("/proc/self/fd")) == fds  # every descriptor closed
+    assert s.list() == ["versions/000000000001.json"]
+    assert not s.exists("versions/000000000002.json") and not s.exists("objects/k")
     with pytest.raises(StoreError, match="loop.json"):
         s.get("versions/loop.json")
     assert s.get("versions/000000000001.json", start=0, end=2**50) == b"{}"

@@ -49,10 +49,11 @@ class ReceiverConfig:
 
     recover: bool = True
     """Whether an update whose path fails (a corrupt or missing object, a checksum mismatch) is
-    staged again from an anchor: a failed delta path from the anchor on the chain, a failed anchor
-    path from an older anchor (crossing the failed one by its delta part); at most twice, then the
-    error is raised. ``False``: the first failure is raised (checking tools, which must report every
-    object they were asked to read, set it)."""
+    staged again along a path that avoids what failed: a failed delta path from the anchor on the
+    chain, a failed anchor along the delta path from the version held or from an older anchor
+    (crossing the failed one by its delta part); a damaged delta part that every path needs ends
+    it at once; at most twice, then the error is raised. ``False``: the first failure is raised
+    (checking tools, which must report every object they were asked to read, set it)."""
 
     metrics_path: str | os.PathLike | None = None
     """File to append one JSON line of :class:`~torch_deltasync.receiver.UpdateStats` to per

@@ -13,9 +13,9 @@ An update from the version a receiver holds to a target version ``T`` (the newes
    their final values (delta path), or full tensors rebuilt from the anchor blocks (anchor path);
 5. **verify** the per-tensor checksums of the state this would produce against ``T``'s manifest. For
    a delta path this costs ``O(changed elements)``: ``C' = C - partial(old) + partial(new)``. A
-   corrupt object or mismatch on a delta path falls back to the anchor path; one on an anchor path
-   to an older anchor (crossing the failed one by its delta part); after two such recoveries the
-   error is raised.
+   corrupt object or mismatch on a delta path falls back to the anchor path; one in an anchor's
+   objects to the delta path or an older anchor (crossing it by its delta part); a damaged delta
+   part that every path needs, or a third failure, is raised.
 6. **apply** in place (``index_copy_`` for deltas, ``copy_`` for anchors).
 
 Steps 1-5 are :meth:`DeltaReceiver.prepare`: it reads the live weights (old values, for checksums
@@ -55,13 +55,12 @@ from ..targets import ModuleTarget, Target
 from ..targets._base import prepare_commit
 from ._config import ReceiverConfig
 from ._plan import PlanStep, UpdatePlan, walk_chain
-from ._stage import (
-    StagedUpdate, UpdateStats, download, reread, stage_anchor, stage_deltas, verify_checksums, write_staged,
-)
+from ._stage import StagedUpdate, UpdateStats, download, failed_part, reread, stage_anchor, stage_deltas
+from ._stage import verify_checksums, write_staged
 
 log = logging.getLogger("torch_deltasync.receiver")
 
-# Anchor paths tried after a failed update (each from an older anchor than the one that failed).
+#: Paths tried again after a failed update, each avoiding what failed before (``_prepare``).
 _MAX_RECOVERIES = 2
 #: Plans of one ``update()`` toward the newest version when retention removes the chain meanwhile.
 _REPLAN_ATTEMPTS = 3
@@ -319,7 +318,7 @@ class DeltaReceiver:
         it may run in a background thread while an engine generates; only :meth:`commit` writes.
         Verification costs ``O(changed elements)`` on a delta path. A delta path that fails
         (corrupt object, checksum mismatch) is retried from the anchor, and an anchor path that
-        fails from an older anchor, at most twice in all.
+        fails along the delta path or from an older anchor, at most twice in all.
 
         Returns:
             A :class:`StagedUpdate` (``plan.path == "noop"`` when the target already holds
@@ -414,7 +413,7 @@ class DeltaReceiver:
         # A target that cannot hold the version (shapes, dtype, a LoRA config) fails the same way
         # on every path: check it here, outside the anchor recovery below.
         self._check_target(plan.manifests[-1])
-        recoveries, failed_anchors = 0, set()
+        recoveries, failed_anchors, damaged_deltas, force = 0, set(), set(), False
         while True:
             try:
                 staged = self._stage(plan, checksums, ahead)
@@ -425,24 +424,30 @@ class DeltaReceiver:
                     # the old values it read may be the new ones. Not a reason to rebuild from an anchor.
                     raise StaleUpdateError(f"{self.store.describe()}: the target changed while version "
                                            f"{plan.to_version} was being staged; prepare it again") from e
-                # Recover from the anchor, with every cached manifest read again (a cached chain
-                # may belong to an earlier run on a wiped prefix); when an anchor path failed, from
-                # an older anchor, crossing that one by its delta part (its anchor objects may be
-                # what is damaged). At most _MAX_RECOVERIES times; then the error is final.
-                if plan.path == "anchor":
-                    failed_anchors.add(plan.steps[0].version)
                 if recoveries >= _MAX_RECOVERIES or not self.receiver_config.recover:
                     raise
+                # Recover, avoiding what failed: a failed anchor part (or anchor path naming no object)
+                # is crossed by its delta part, a failed delta path not taken again (the held state
+                # may be wrong), no path needing a damaged delta part tried. Cached manifests are
+                # read again (a cached chain may belong to an earlier run on a wiped prefix).
+                part = failed_part(plan, e)
+                if part is not None and part[1] == "delta":
+                    damaged_deltas.add(part[0])
+                elif part is not None or plan.path == "anchor":
+                    failed_anchors.add(part[0] if part is not None else plan.steps[0].version)
+                force = force or plan.path == "delta"
                 self._manifests.clear()
                 failed = plan
                 try:
-                    plan = self.plan(plan.to_version, force_anchor=True, exclude_anchors=failed_anchors)
+                    plan = self.plan(plan.to_version, force_anchor=force, exclude_anchors=failed_anchors)
                 except (CorruptObjectError, VersionNotFoundError) as no_other:
                     if not failed_anchors:
                         raise
                     raise e from no_other  # the anchor's own failure is what to fix
-                log.warning("%s path to version %d failed (%s); recovering from anchor %d", failed.path,
-                            failed.to_version, e, plan.steps[0].version)
+                if any(s.kind == "delta" and s.version in damaged_deltas for s in plan.steps):
+                    raise e  # every way to the version needs the damaged delta part
+                log.warning("%s path to version %d failed (%s); recovering from %s", failed.path, failed.to_version, e,
+                            f"anchor {plan.steps[0].version}" if plan.path == "anchor" else f"version {plan.from_version}")
                 self._check_target(plan.manifests[-1])
                 recoveries += 1
         staged._generation = generation

@@ -14,7 +14,7 @@ import torch
 from .._pool import map_largest_first
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import TensorDelta
-from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError
+from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError, ObjectNotFoundError
 from ..format import EncodedDelta, decode_anchor, read_delta, verify_bytes
 from ..manifest import Manifest
 from ..store import Store
@@ -43,20 +43,39 @@ def reread(store: Store, read: Callable[[], T]) -> T:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def failed_part(plan: UpdatePlan, error: BaseException) -> tuple[int, str] | None:
+    """``(version, "anchor" | "delta")``: the part of ``plan`` whose object ``error`` names
+    (``object_key``, set by :func:`download`), or ``None`` when it names none (a decode or
+    checksum failure)."""
+    key = getattr(error, "object_key", None)
+    for m, step in zip(plan.manifests, plan.steps):
+        if any(o.key == key for o in step.objects):
+            return m.version, step.kind
+    return None
+
+
 def download(store: Store, plan: UpdatePlan, pool: Executor) -> dict[str, bytes]:
     """``{key: bytes}`` of every object of ``plan``, read on ``pool`` (in parallel) and checked
     against its manifest entry (size, sha256), each read again as :func:`reread` does.
 
     Raises:
         CorruptObjectError: an object fails its check on every read (naming version and key).
+        ObjectNotFoundError: an object is missing.
         StoreError: the store failed.
+
+        The first two carry the object's key as ``object_key`` (the receiver's recovery avoids the
+        paths that need it: :func:`failed_part`).
     """
     entries = [(m, o) for m, step in zip(plan.manifests, plan.steps) for o in step.objects]
 
     def read(m: Manifest, o) -> tuple[str, bytes]:
-        # at most one byte more than declared: an oversized object is refused unread
-        data = store.get(o.key, start=0, end=o.nbytes + 1)
-        verify_bytes(data, o, f"version {m.version}")
+        try:
+            # at most one byte more than declared: an oversized object is refused unread
+            data = store.get(o.key, start=0, end=o.nbytes + 1)
+            verify_bytes(data, o, f"version {m.version}")
+        except (CorruptObjectError, ObjectNotFoundError) as e:
+            e.object_key = o.key
+            raise
         return o.key, data
 
     return dict(pool.map(lambda mo: reread(store, lambda: read(*mo)), entries))

@@ -117,9 +117,7 @@ def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | o
     if not isinstance(uri, (str, os.PathLike)):
         raise TypeError(f"a store is a folder path, a URI (str or os.PathLike) or a Store, got "
                         f"{type(uri).__name__} {uri!r}")
-    text = os.fspath(uri)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
+    text = os.fsdecode(uri)
     if not text.strip():
         raise ValueError(f"store {text!r} is empty: give a folder path or a URI such as s3://bucket/run "
                          "(an empty path would mean the current folder)")

@@ -167,26 +167,34 @@ class LocalStore(Store):
         """The bytes of ``key`` (``[start, end)`` of them, clipped to the file).
 
         Raises:
-            ObjectNotFoundError: no such object.
-            StoreError: ``key`` is not a regular file (a FIFO, a device, a socket: opened without
-                blocking and refused), or the read failed.
+            ObjectNotFoundError: no such object, or ``key`` is not a regular file (a folder, a FIFO,
+                a device, a socket: opened without blocking and refused, as :meth:`list` and
+                :meth:`exists` leave it out).
+            StoreError: the read failed.
         """
         path = self._path(key)
         try:
             # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            with open(fd, "rb") as f:
+            try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise StoreError(f"{self.describe()}: {key!r} is not a regular file ({_file_kind(st.st_mode)}); "
-                                     "a store holds only files: remove it")
+                if not stat.S_ISREG(st.st_mode):  # not an object (list and exists leave it out too)
+                    raise ObjectNotFoundError(f"{self.describe()}: {key!r} is not a regular file "
+                                              f"({_file_kind(st.st_mode)}), so no object; remove it")
                 os.set_blocking(fd, True)
+                f = open(fd, "rb")  # owns fd from here
+            except BaseException:
+                os.close(fd)
+                raise
+            with f:
                 if start is None and end is None:
                     return f.read()
                 start = start or 0
                 f.seek(start)
                 # never more than the file holds: ``end`` may come from an untrusted manifest
                 return f.read(max(0, min(st.st_size if end is None else end, st.st_size) - start))
+        except ObjectNotFoundError:
+            raise
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
         except NotADirectoryError as e:  # a file where a folder of the key would be
@@ -194,8 +202,6 @@ class LocalStore(Store):
             if isinstance(err, StoreNotFoundError):
                 raise err from e
             raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
-        except StoreError:
-            raise
         except OSError as e:
             raise self._os_error("read", key, path, e) from e
 
@@ -217,8 +223,9 @@ class LocalStore(Store):
             raise self._os_error("stat", key, path, e) from e
 
     def list(self, prefix: str = "") -> list[str]:
-        """Every key under ``prefix``, sorted; temporary files and links leading outside the root are
-        left out. A missing root lists nothing (see :meth:`absent`)."""
+        """Every key under ``prefix``, sorted; temporary files, links leading outside the root (or
+        dangling, or in a loop) and what is not a regular file (FIFOs, sockets, devices) are left
+        out. A missing root lists nothing (see :meth:`absent`)."""
         base = self.root / check_key(prefix, allow_empty=True) if prefix else self.root
         if not base.is_dir():
             if not self.root.is_dir():
@@ -238,7 +245,7 @@ class LocalStore(Store):
                     if entry.is_dir():
                         if not entry.is_symlink():  # like os.walk: linked folders are not descended
                             stack.append(Path(entry.path))
-                    elif _TMP_MARK not in entry.name:
+                    elif entry.is_file() and _TMP_MARK not in entry.name:  # no FIFOs, sockets, devices
                         out.append(Path(entry.path).relative_to(self.root).as_posix())
         return sorted(out)
 
