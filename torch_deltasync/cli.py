@@ -279,8 +279,10 @@ def _verify(args: argparse.Namespace) -> int:
     """Replay the versions in order with one receiver, as a follower would, and check what the
     replay did not read: an anchor reached through its delta part is also rebuilt from its anchor
     objects (a new receiver's only way in once older versions are collected), and the delta part
-    of an anchor reached through the anchor has its objects checked (size, sha256, structure)."""
-    from .errors import DeltaSyncError
+    of an anchor reached through the anchor has its objects checked (size, sha256, structure). A
+    version the replay reaches only by recovering (its planned path failed) is reported FAILED
+    with why; the replay goes on from it, as a follower would."""
+    from .errors import CorruptObjectError, DeltaSyncError
     from .keys import list_versions
     from .manifest import load_manifest
     from .receiver import DeltaReceiver
@@ -309,9 +311,11 @@ def _verify(args: argparse.Namespace) -> int:
                 raise unreadable[v]  # no manifest of this store parses
             receiver.update(v)
             st = receiver.last_stats
-            note = " (its first path failed; recovered from an anchor, see the log)" if st.recovered else ""
             checked = _check_rest(target, store, receiver.manifest(v), st.path, st.recovered)
-            print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked}){note}")
+            if st.recovered:  # the replay held a checked version: what its path read is damaged
+                raise CorruptObjectError(f"{st.recovered_from} (a follower gets past it along another path: "
+                                         f"{st.path} path, {st.versions_applied} applied)")
+            print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked})")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             failures += 1
             print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")

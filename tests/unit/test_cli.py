@@ -49,16 +49,13 @@ def test_inspect_delta_and_manifest(run, capsys):
     assert "version 4 (delta, base 3, anchor 3)" in capsys.readouterr().out
 
 
-def test_verify_ok_and_tampered(run, capsys):
-    store, _, _ = run
-    assert main(["verify", str(store.root)]) == 0
-    assert "5/5 versions verified" in capsys.readouterr().out
-    # forge version 4: flip a value and fix its sha256 so only the checksum can tell
+def _forge_value(store, version):
+    """Flip a value of ``version``'s delta object and fix its sha256, so only checksums can tell."""
     from safetensors.torch import load, save
 
     from torch_deltasync.format import read_header
 
-    key = f"objects/{4:012d}/delta-r00000-of00001.safetensors"
+    key = f"objects/{version:012d}/delta-r00000-of00001.safetensors"
     data = store.get(key)
     _, meta = read_header(data)
     ts = load(data)
@@ -68,11 +65,18 @@ def test_verify_ok_and_tampered(run, capsys):
     ts[k] = v
     data = save(ts, metadata=meta)
     store.put(key, data)
-    m = json.loads(store.get(f"versions/{4:012d}.json"))
+    m = json.loads(store.get(f"versions/{version:012d}.json"))
     for o in m["objects"]:
         if o["key"] == key:
             o.update(nbytes=len(data), sha256=sha256_hex(data))
-    store.put(f"versions/{4:012d}.json", seal_manifest(m))
+    store.put(f"versions/{version:012d}.json", seal_manifest(m))
+
+
+def test_verify_ok_and_tampered(run, capsys):
+    store, _, _ = run
+    assert main(["verify", str(store.root)]) == 0
+    assert "5/5 versions verified" in capsys.readouterr().out
+    _forge_value(store, 4)
     assert main(["verify", str(store.root)]) == 1
     out = capsys.readouterr().out
     assert "version        4: FAILED: ChecksumMismatchError" in out and "4/5 versions verified" in out
@@ -252,6 +256,29 @@ def test_verify_fails_a_damaged_delta_part_that_the_replay_recovered_past(anchor
     assert "FAILED: CorruptObjectError" in lines[10] and "delta-r00000-of00001.safetensors has sha256" in lines[10]
     assert all(": ok (" in lines[v] for v in range(15) if v != 10)
     assert "14/15 versions verified" in out
+
+
+def test_verify_fails_a_version_the_replay_reaches_only_by_recovering(tmp_path, capsys):
+    """A value of anchor 10's delta part forged (raw codec, sha256 fixed): the replay's delta path
+    to 10 fails its checksum and recovers from anchor 10, as a follower would; the version is still
+    reported FAILED, with why."""
+    from remote_helpers import StepModel
+
+    from torch_deltasync import LocalStore
+
+    store = LocalStore(tmp_path / "bucket", fsync=False)
+    model = StepModel(seed=11)
+    sender = DeltaSender(model.tensors, store, anchor_every=5, codec="raw")
+    for step in range(12):
+        model.set_step(step)
+        sender.publish()
+    _forge_value(store, 10)
+    assert main(["verify", str(store.root)]) == 1
+    out = capsys.readouterr().out
+    lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
+    assert ("FAILED: CorruptObjectError: ChecksumMismatchError: version 10: the staged state differs" in lines[10]
+            and "(a follower gets past it along another path: anchor path, 1 applied)" in lines[10])
+    assert all(": ok (" in lines[v] for v in range(12) if v != 10) and "11/12 versions verified" in out
 
 
 def test_gc_keeps_the_versions_below_an_anchor_that_fails_its_check(anchored, capsys):

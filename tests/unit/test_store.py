@@ -159,12 +159,11 @@ def test_check_prefix_names_the_argument():
 @pytest.mark.timeout(60)  # a FIFO opened the plain way would block here forever
 def test_local_reads_refuse_special_files_and_skip_broken_links(tmp_path):
     """What is not a regular file is no object: a FIFO (opening one the plain way waits for a
-    writer), a folder at a key, links that dangle or loop are refused by get (without blocking,
+    writer), a folder or a socket at a key, links that dangle or loop are refused by get (without blocking,
     without leaking the descriptor) and left out by list and exists. A byte range is clipped to the
     file (the end may come from an untrusted manifest: no allocation of its size)."""
     import os
-
-    from torch_deltasync.errors import StoreError
+    import socket
 
     s = LocalStore(tmp_path / "s")
     s.put("versions/000000000001.json", b"{}")
@@ -181,8 +180,13 @@ def test_local_reads_refuse_special_files_and_skip_broken_links(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == fds  # every descriptor closed
     assert s.list() == ["versions/000000000001.json"]
     assert not s.exists("versions/000000000002.json") and not s.exists("objects/k")
-    with pytest.raises(StoreError, match="loop.json"):
+    with pytest.raises(ObjectNotFoundError, match="'versions/loop.json' is a symbolic link in a loop, so no object"):
         s.get("versions/loop.json")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "s" / "objects" / "sock"))
+        with pytest.raises(ObjectNotFoundError, match="'objects/sock' is a socket"):
+            s.get("objects/sock")
+        assert "objects/sock" not in s.list()
     assert s.get("versions/000000000001.json", start=0, end=2**50) == b"{}"
     assert s.get("versions/000000000001.json", start=1, end=2**62) == b"}"
 

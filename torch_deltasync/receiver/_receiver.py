@@ -413,7 +413,7 @@ class DeltaReceiver:
         # A target that cannot hold the version (shapes, dtype, a LoRA config) fails the same way
         # on every path: check it here, outside the anchor recovery below.
         self._check_target(plan.manifests[-1])
-        recoveries, failed_anchors, damaged_deltas, force = 0, set(), set(), False
+        recoveries, failed_anchors, damaged_deltas, force, first_error = 0, set(), set(), False, ""
         while True:
             try:
                 staged = self._stage(plan, checksums, ahead)
@@ -430,6 +430,7 @@ class DeltaReceiver:
                 # is crossed by its delta part, a failed delta path not taken again (the held state
                 # may be wrong), no path needing a damaged delta part tried. Cached manifests are
                 # read again (a cached chain may belong to an earlier run on a wiped prefix).
+                first_error = first_error or f"{type(e).__name__}: {e}"
                 part = failed_part(plan, e)
                 if part is not None and part[1] == "delta":
                     damaged_deltas.add(part[0])
@@ -441,9 +442,7 @@ class DeltaReceiver:
                 try:
                     plan = self.plan(plan.to_version, force_anchor=force, exclude_anchors=failed_anchors)
                 except (CorruptObjectError, VersionNotFoundError) as no_other:
-                    if not failed_anchors:
-                        raise
-                    raise e from no_other  # the anchor's own failure is what to fix
+                    raise e from no_other  # what failed first is what to fix
                 if any(s.kind == "delta" and s.version in damaged_deltas for s in plan.steps):
                     raise e  # every way to the version needs the damaged delta part
                 log.warning("%s path to version %d failed (%s); recovering from %s", failed.path, failed.to_version, e,
@@ -453,7 +452,7 @@ class DeltaReceiver:
         staged._generation = generation
         assert staged.stats is not None
         staged.stats.plan_ms = plan_ms
-        staged.stats.recovered = recoveries > 0
+        staged.stats.recovered, staged.stats.recovered_from = recoveries > 0, first_error
         staged.stats.total_ms = (time.perf_counter() - t0) * 1e3
         return staged
 

@@ -98,7 +98,8 @@ class UpdateStats:
     ahead_ms: float = 0.0  # prepare: the target's work ahead of the commit (e.g. re-packing vLLM modules)
     apply_ms: float = 0.0  # commit: every write, plus the target's finish (e.g. a vLLM re-pack)
     total_ms: float = 0.0
-    recovered: bool = False  # a delta path failed verification and the anchor path was used
+    recovered: bool = False  # the planned path failed and another one (avoiding what failed) was used
+    recovered_from: str = ""  # when recovered: why the first path failed (its error, type and message)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import uuid
@@ -16,6 +17,10 @@ __all__ = ["LocalStore"]
 # Temporary files carry this marker; `list` never returns them and a crashed writer's leftovers
 # are harmless (they are never named by a manifest).
 _TMP_MARK = ".tmp-"
+
+
+# Errors of opening a key that say it names no file to read (not a failing store).
+_NO_OBJECT = {errno.ENXIO: "a socket or a device without a driver", errno.ELOOP: "a symbolic link in a loop"}
 
 
 def _file_kind(mode: int) -> str:
@@ -203,6 +208,9 @@ class LocalStore(Store):
                 raise err from e
             raise ObjectNotFoundError(f"{self.describe()}: no object {key!r}") from None
         except OSError as e:
+            if e.errno in _NO_OBJECT:  # a socket, a link in a loop: no object (list leaves them out)
+                raise ObjectNotFoundError(f"{self.describe()}: {key!r} is {_NO_OBJECT[e.errno]}, so no object; "
+                                          "remove it") from None
             raise self._os_error("read", key, path, e) from e
 
     def exists(self, key: str) -> bool:
