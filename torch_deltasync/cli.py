@@ -311,10 +311,10 @@ def _verify(args: argparse.Namespace) -> int:
                 raise unreadable[v]  # no manifest of this store parses
             receiver.update(v)
             st = receiver.last_stats
-            checked = _check_rest(target, store, receiver.manifest(v), st.path, st.recovered)
             if st.recovered:  # the replay held a checked version: what its path read is damaged
                 raise CorruptObjectError(f"{st.recovered_from} (a follower gets past it along another path: "
                                          f"{st.path} path, {st.versions_applied} applied)")
+            checked = _check_rest(target, store, receiver.manifest(v), st.path)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked})")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             failures += 1
@@ -325,10 +325,9 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _check_rest(target, store, m, path: str, recovered: bool = False) -> str:
-    """Check the parts of version ``m`` that an update along ``path`` may not have read; an update
-    that ``recovered`` may have started from another anchor than its plan's, so for it both parts of
-    an anchor are checked. Returns a note for the report line.
+def _check_rest(target, store, m, path: str) -> str:
+    """Check the parts of version ``m`` that an update along ``path`` did not read. Returns a note
+    for the report line.
 
     The anchor part is rebuilt into ``target`` by a second receiver that holds nothing and does not
     recover (its failure is what is reported); it leaves the same version in ``target``, so the
@@ -342,14 +341,14 @@ def _check_rest(target, store, m, path: str, recovered: bool = False) -> str:
     from .receiver import DeltaReceiver
 
     notes = []
-    if m.kind == "anchor" and (path == "delta" or recovered):
+    if m.kind == "anchor" and path == "delta":
         fresh = DeltaReceiver(target, store, recover=False)
         try:
             fresh.update(m.version)
         finally:
             fresh.close()
         notes.append(f"anchor objects rebuilt and checked, {m.anchor_nbytes:,} B")
-    if m.kind == "anchor" and m.has_delta and (path == "anchor" or recovered):
+    if m.kind == "anchor" and m.has_delta and path == "anchor":
         for o in m.delta_objects:
             data = store.get(o.key, start=0, end=o.nbytes + 1)
             verify_bytes(data, o, f"version {m.version}")
