@@ -69,6 +69,7 @@ from typing import Any
 
 from recipes.grpo.config import GRPOConfig
 from recipes.grpo.vllm_server import free_port
+from torch_deltasync.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_S = 900.0  # generator setup with --engine vllm: the server's start timeout plus its setup
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m recipes.async_grpo",
         description="Async GRPO on Monarch actor meshes; trainer -> generators weight sync by lossless deltas.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,  # the deltasync command's: no '(default: None)' after a help that says it
     )
     a = p.add_argument
     a("--run-name", default=d.run_name, help="run folder name under --runs-dir")

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--anchor-every", type=int, default=10)
     p.add_argument("--max-staleness", type=int, default=2, help="versions a sampled frame may lag the trainer")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--start-method", default=None, choices=[None, "fork", "spawn", "forkserver"])
+    p.add_argument("--start-method", default=None, choices=["fork", "spawn", "forkserver"],
+                   help="multiprocessing start method of the workers (default: torchrl's, spawn)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.start_method:

@@ -22,7 +22,7 @@ def is_real_number(x: object) -> bool:
 
 
 def check_seconds(value: object, name: str, where: str, *, positive: bool, none_ok: bool = False,
-                  none_means: str = "to wait without a time limit") -> float | None:
+                  none_means: str = "to wait without a time limit", finite: bool = True) -> float | None:
     """A duration in seconds from the caller (a timeout, a poll interval), returned unchanged.
 
     Args:
@@ -32,6 +32,7 @@ def check_seconds(value: object, name: str, where: str, *, positive: bool, none_
         positive: ``> 0`` (a poll interval: ``0`` would spin); else ``>= 0`` (a timeout).
         none_ok: ``None`` is accepted (what it means is the caller's: "never", "the default").
         none_means: what ``None`` does, for the hint in the message (with ``none_ok``).
+        finite: refuse ``inf`` (``False``: ``inf`` is accepted, e.g. a timeout that never ends).
 
     Raises:
         TypeError: not a real number (nor ``None`` where that is accepted).
@@ -44,6 +45,7 @@ def check_seconds(value: object, name: str, where: str, *, positive: bool, none_
     if not is_real_number(value):
         raise TypeError(f"{where}: {name} must be a number of seconds {bound}"
                         f"{' or None' if none_ok else ''}, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-        raise ValueError(f"{where}: {name} must be a finite number of seconds {bound}, got {value!r}{forever}")
+    if math.isnan(value) or (finite and math.isinf(value)) or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{where}: {name} must be a{' finite' if finite else ''} number of seconds {bound}, "
+                         f"got {value!r}{forever}")
     return value

@@ -32,7 +32,6 @@ dtype, which must have the same tensor names and shapes as the sender's).
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO, TypeVar
 
+from ._metrics import append_metrics, check_metrics_path
 from ._units import check_seconds, format_bytes
 
 __all__ = ["follow", "FollowReport", "follow_newer", "poll_until", "wait_for_newer"]
@@ -260,7 +260,7 @@ def follow(
 
     Raises:
         TypeError, ValueError: ``poll_s`` or ``idle_timeout_s`` is not a finite number of seconds
-            in range.
+            in range; ``metrics_path`` is a folder.
         VersionNotFoundError: no version appeared within ``idle_timeout_s``.
         IncompatibleTargetError: ``model`` does not match the published tensors.
         StoreError: the store failed other than transiently (e.g. ``StoreNotFoundError``).
@@ -273,6 +273,7 @@ def follow(
 
     check_seconds(poll_s, "poll_s", "follow", positive=True)
     check_seconds(idle_timeout_s, "idle_timeout_s", "follow", positive=False, none_ok=True)
+    check_metrics_path("follow", metrics_path)
     out = out or sys.stdout
     st = open_store(store).sub(prefix)
     report = FollowReport()
@@ -345,7 +346,6 @@ def follow(
               f"density {row['density']:8.3%}  {format_bytes(s.nbytes):>10}  lag {lag}  "
               f"apply {s.apply_ms:6.1f} ms  total {s.total_ms:7.1f} ms", file=out, flush=True)
         if metrics_path is not None:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"event": "follow", **row}) + "\n")
+            append_metrics(metrics_path, {"event": "follow", **row})
     receiver.close()
     return report

@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ from dataclasses import dataclass
 from .errors import CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
 from .keys import list_versions, manifest_key
 from .manifest import Manifest, load_manifest
-from .store import Store
+from ._units import is_real_number
+from .store import Store, open_store
 
 __all__ = ["RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention", "collect_garbage"]
 
@@ -72,8 +74,13 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         if type(self.keep_anchors) is not int or self.keep_anchors < 0:
             raise ValueError(f"RetentionPolicy.keep_anchors must be an integer >= 0, got {self.keep_anchors!r}")
+        if not is_real_number(self.grace_s):
+            raise TypeError(f"RetentionPolicy.grace_s must be a number of seconds >= 0, got "
+                            f"{type(self.grace_s).__name__} {self.grace_s!r}")
         if not self.grace_s >= 0:
             raise ValueError(f"RetentionPolicy.grace_s must be >= 0, got {self.grace_s}")
+        if not isinstance(self.verify_cut, bool):
+            raise TypeError(f"RetentionPolicy.verify_cut must be True or False, got {self.verify_cut!r}")
 
 
 @dataclass(frozen=True)
@@ -269,15 +276,27 @@ def apply_retention(store: Store, plan: RetentionPlan) -> RetentionPlan:
     return plan
 
 
-def collect_garbage(store: Store, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
+def collect_garbage(store: "Store | str | os.PathLike", policy: RetentionPolicy | None = None, *, dry_run: bool = False,
                     now: float | None = None) -> RetentionPlan:
     """:func:`plan_retention`, then :func:`apply_retention` unless ``dry_run``.
 
     Safe to run while a writer publishes and receivers read, and from several processes at once.
 
+    Args:
+        store: a :class:`Store` (the run's prefix applied) or anything :func:`open_store` accepts.
+        policy: ``None``: ``RetentionPolicy()``.
+
     Returns:
         The plan that was (or, with ``dry_run``, would be) carried out.
+
+    Raises:
+        TypeError: ``policy`` is not a :class:`RetentionPolicy`.
     """
+    if policy is not None and not isinstance(policy, RetentionPolicy):
+        raise TypeError(f"collect_garbage: policy must be a RetentionPolicy or None, got {type(policy).__name__} "
+                        f"{policy!r}; e.g. RetentionPolicy(keep_anchors=1)")
+    if not isinstance(store, Store):
+        store = open_store(store)
     plan = plan_retention(store, policy, now=now)
     if not dry_run:
         apply_retention(store, plan)

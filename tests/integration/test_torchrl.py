@@ -290,6 +290,36 @@ def test_manual_receive(tmp_path):
         receiver.shutdown()
 
 
+def test_a_policy_with_an_integer_buffer_syncs_its_floating_tensors(tmp_path):
+    """A BatchNorm policy (its ``num_batches_tracked`` is int64) could not be received at all: the
+    receiver refused the integer buffer and advised options the scheme does not take. Its floating
+    tensors (running statistics included) sync bit-exactly; the counter stays the worker's own."""
+    torch.manual_seed(0)
+    trainer = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    sender = DeltaWeightSyncScheme(str(tmp_path), sync=False)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    worker = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    receiver = DeltaWeightSyncScheme(str(tmp_path), background_receive=False, connect_timeout_s=30)
+    receiver.init_on_receiver(model_id="policy", model=worker)
+    receiver.connect()
+    try:
+        trainer(torch.randn(8, 3))  # training mode: running statistics and the counter move
+        with torch.no_grad():
+            trainer[0].weight.add_(0.1)
+        sender.send()
+        assert receiver.receive(timeout=30) is not None and receiver.version == 1
+        want, got = trainer.state_dict(), worker.state_dict()
+        floating = [n for n, t in want.items() if t.is_floating_point()]
+        assert "1.running_mean" in floating
+        assert all(torch.equal(got[n].to(torch.bfloat16).view(torch.int16), want[n].to(torch.bfloat16).view(torch.int16))
+                   for n in floating)
+        assert int(want["1.num_batches_tracked"]) == 1 and int(got["1.num_batches_tracked"]) == 0
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
 def test_receiver_without_sender_times_out(tmp_path):
     """A worker whose sender never connects (or that uses another prefix) fails with a clear error."""
     receiver = DeltaWeightSyncScheme(str(tmp_path), prefix="nobody-publishes-here", connect_timeout_s=0.3)

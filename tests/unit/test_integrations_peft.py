@@ -305,3 +305,19 @@ def test_anchor_every_as_a_keyword_sets_the_adapter_cadence(tmp_path):
     default = AdapterSender(model, LocalStore(tmp_path / "c"))
     assert default.policy.every is None
     default.close()
+
+
+def test_a_takeover_by_another_adapter_is_refused_before_the_prefix_changes_hands(tmp_path):
+    """``takeover=True`` with an adapter of another structure took the prefix over (replacing the
+    running writer's lease record, then dropping it) before it refused the adapter."""
+    from torch_deltasync.lease import OWNER_KEY
+
+    first = AdapterSender(lora_model(seed=1), tmp_path, prefix="run")
+    first.publish()
+    store = LocalStore(tmp_path).sub("run")
+    owner = store.get(OWNER_KEY)
+    with pytest.raises(ValueError, match="another adapter.*r: 4 vs 8"):
+        AdapterSender(lora_model(seed=1, r=8), tmp_path, prefix="run", takeover=True)
+    assert store.get(OWNER_KEY) == owner  # the running writer still owns its prefix
+    assert first.publish() == 1
+    first.close()

@@ -63,6 +63,39 @@ def test_scheme_refuses_a_bad_value_of_its_own_options_when_built(tmp_path, opti
         DeltaWeightSyncScheme(str(tmp_path), **{option: value})
 
 
+def test_scheme_refuses_a_bad_store_device_or_receiver_dtype_when_built(tmp_path):
+    """These failed only at connect, in the worker process (or as a raw ``TypeError`` from
+    ``open_store``), or named the wrong option."""
+    import torch
+
+    from torch_deltasync import LocalStore
+
+    cases = [
+        (dict(receiver_dtype=torch.float16, inference_dtype=torch.bfloat16), ValueError,
+         r"receiver_dtype torch\.float16 cannot hold every torch\.bfloat16 value \(the inference_dtype\) exactly; use "
+         r"torch\.bfloat16 or torch\.float32, or None"),
+        (dict(receiver_dtype="bf16", inference_dtype="fp32"), ValueError,
+         r"receiver_dtype torch\.bfloat16 cannot hold every torch\.float32 value .*use torch\.float32,"),
+        (dict(receiver_dtype=torch.int8), ValueError, r"receiver_dtype torch\.int8 is not a floating dtype the workers"),
+        (dict(device="gpu"), ValueError, r"device 'gpu' is no torch device .*e\.g\. 'cpu' or 'cuda:0'"),
+        (dict(device=5.5), TypeError, r"device must be a torch\.device, a device string .*got float 5\.5"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            DeltaWeightSyncScheme(str(tmp_path), **kwargs)
+    for store, error, message in [(None, TypeError, r"store must be a store URI or path .*got NoneType None"),
+                                  (5, TypeError, r"store must be .*got int 5")]:
+        with pytest.raises(error, match=message):
+            DeltaWeightSyncScheme(store)
+    with pytest.raises(ValueError, match=r"store_options \['endpoint'\] apply to a store URI, and the store given is "
+                                         r"already open \(file://"):
+        DeltaWeightSyncScheme(LocalStore(tmp_path), store_options={"endpoint": "x"})
+    # a receiver that was not told the inference dtype takes the manifest's (checked at connect)
+    assert DeltaWeightSyncScheme(str(tmp_path), receiver_dtype=torch.float16).receiver_dtype == torch.float16
+    assert DeltaWeightSyncScheme(tmp_path, receiver_dtype="float32", inference_dtype="bf16",
+                                 device="cpu").receiver_dtype == torch.float32
+
+
 def test_scheme_keeps_valid_values_of_its_own_options(tmp_path):
     s = DeltaWeightSyncScheme(str(tmp_path), sync=False, num_workers=2, ack_timeout_s=5, poll_interval_s=0.5,
                               connect_timeout_s=INF, background_receive=False, version_key=None,

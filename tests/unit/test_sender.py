@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
-from torch_deltasync.errors import PublishError
+from torch_deltasync.errors import PublishError, TransientStoreError
 from torch_deltasync.keys import list_versions
 from torch_deltasync.testing import first_difference
 
@@ -161,3 +161,80 @@ def test_changes_are_read_on_threads_bit_exactly(tmp_path, monkeypatch, threads)
         assert first_difference(model, replica) is None
     receiver.verify()
     sender.close()
+
+
+class LostManifestReply(LocalStore):
+    """Writes a manifest, then raises as if the reply were lost (``lose``); ``unreadable``: reading
+    a manifest back fails once too."""
+
+    lose = unreadable = False
+
+    def put_new(self, key, data):
+        super().put_new(key, data)
+        if self.lose and key.startswith("versions/"):
+            self.lose = False
+            raise TransientStoreError(f"lost reply for {key}")
+
+    def get(self, key, *args, **kwargs):
+        if self.unreadable and key.startswith("versions/"):
+            self.unreadable = False
+            raise TransientStoreError(f"no answer for {key}")
+        return super().get(key, *args, **kwargs)
+
+
+def test_a_manifest_that_landed_although_its_write_raised_is_published(tmp_path):
+    """The write of a manifest raised after it landed: publish() said "not published, no partial
+    version is visible" while receivers applied it, and based the next version on the one before,
+    so every receiver holding it had to download an anchor."""
+    store = LostManifestReply(tmp_path / "b", fsync=False)
+    torch.manual_seed(0)
+    weights = {"a": torch.randn(256)}
+    sender = DeltaSender(weights, store, anchor_every=100)
+    replica = {"a": torch.zeros(256, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(replica, LocalStore(tmp_path / "b"))
+    sender.publish()
+    receiver.update()
+    weights["a"][:5] += 1
+    store.lose = True
+    assert sender.publish() == 1 and sender.version == 1
+    weights["a"][10:12] += 1
+    assert sender.publish() == 2 and sender.last_stats.base_version == 1
+    assert receiver.update() == 2 and receiver.last_stats.path == "delta"
+    # Neither the write nor the read-back answers: the caller is told it may be visible.
+    weights["a"][20:22] += 1
+    store.lose = store.unreadable = True
+    with pytest.raises(PublishError, match=r"version 3 may or may not be visible \(.*lost reply.*reading "
+                                           r"versions/000000000003\.json back failed too .*based on version 2"):
+        sender.publish()
+    weights["a"][30:32] += 1
+    assert sender.publish() == 4 and sender.last_stats.base_version == 2
+    assert receiver.update() == 4
+    assert torch.equal(replica["a"].view(torch.int16), weights["a"].to(torch.bfloat16).view(torch.int16))
+
+
+def test_metrics_that_cannot_be_written_never_fail_a_publish_or_update(tmp_path, caplog):
+    """A metrics_path naming a folder raised IsADirectoryError from publish() and update() after the
+    version was published or applied (the caller was told it failed; retention was skipped)."""
+    from torch_deltasync.follow import follow
+
+    weights = {"a": torch.arange(8, dtype=torch.float32)}
+    with pytest.raises(ValueError, match=r"SenderConfig\.metrics_path '.*' is a folder; give a file in it"):
+        DeltaSender(weights, tmp_path / "b", metrics_path=tmp_path)
+    with pytest.raises(ValueError, match=r"ReceiverConfig\.metrics_path '.*' is a folder"):
+        DeltaReceiver({"a": torch.zeros(8, dtype=torch.bfloat16)}, tmp_path / "b", metrics_path=tmp_path)
+    with pytest.raises(ValueError, match=r"follow\.metrics_path '.*' is a folder"):
+        follow(str(tmp_path / "b"), metrics_path=tmp_path)
+    metrics = tmp_path / "m" / "metrics.jsonl"
+    sender = DeltaSender(weights, tmp_path / "b", metrics_path=metrics)
+    replica = {"a": torch.zeros(8, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(replica, tmp_path / "b", metrics_path=metrics)
+    assert sender.publish() == 0 and receiver.update() == 0
+    assert [line.split('"event": "')[1][:6] for line in metrics.read_text().splitlines()] == ["publis", "update"]
+    metrics.unlink()
+    metrics.mkdir()  # the file became a folder
+    weights["a"][3] += 1
+    with caplog.at_level("WARNING", logger="torch_deltasync"):
+        assert sender.publish() == 1 and receiver.update() == 1
+    assert torch.equal(replica["a"].view(torch.int16), weights["a"].to(torch.bfloat16).view(torch.int16))
+    warnings = [r.getMessage() for r in caplog.records if "cannot write metrics" in r.getMessage()]
+    assert len(warnings) == 1 and str(metrics) in warnings[0]  # once per path

@@ -264,3 +264,57 @@ def test_a_256_character_run_id_and_numpy_lease_work(tmp_path):
 def test_a_cuda_snapshot_without_cuda_is_refused_when_built():
     with pytest.raises(ValueError, match=r"snapshot_device 'cuda:0' cannot hold a snapshot on this machine \(no CUDA device\)"):
         SenderConfig(snapshot_device="cuda:0")
+
+
+def test_misused_arguments_are_named(tmp_path, caplog):
+    """Values that raised from deep inside (``'>' not supported between 'str' and 'int'``, an
+    ``AttributeError`` on a dict) or were taken for ``True`` (``"no"``)."""
+    from torch import nn
+
+    from torch_deltasync import ModuleTarget, collect_garbage
+    from torch_deltasync.errors import UnsupportedLayoutError
+
+    refused = [
+        (lambda: AnchorPolicy(chain_ratio="1.0"), TypeError, r"AnchorPolicy\.chain_ratio must be a number > 0 or None, "
+                                                             r"got str '1\.0'"),
+        (lambda: AnchorPolicy(max_delta_ratio=True), TypeError, r"AnchorPolicy\.max_delta_ratio must be a number"),
+        (lambda: RetentionPolicy(grace_s=None), TypeError, r"RetentionPolicy\.grace_s must be a number of seconds >= 0, "
+                                                           r"got NoneType None"),
+        (lambda: RetentionPolicy(verify_cut="no"), TypeError, r"RetentionPolicy\.verify_cut must be True or False"),
+        (lambda: collect_garbage(tmp_path, {"keep_anchors": 1}), TypeError,
+         r"collect_garbage: policy must be a RetentionPolicy or None, got dict"),
+        (lambda: ModuleTarget(nn.Linear(2, 2), strict="no"), TypeError, r"ModuleTarget\(strict=\.\.\.\) must be True "
+                                                                        r"or False, got 'no'"),
+        (lambda: DeltaSender({1: torch.zeros(3)}, tmp_path / "a"), TypeError,
+         r"tensor names are strings \(state-dict keys\), got int 1"),
+        (lambda: DeltaSender({"m": torch.empty(3, device="meta")}, tmp_path / "b"), UnsupportedLayoutError,
+         r"tensor 'm' is on the meta device \(no data to publish\)"),
+    ]
+    for call, error, message in refused:
+        with pytest.raises(error, match=message):
+            call()
+    assert collect_garbage(str(tmp_path / "empty"), RetentionPolicy()).reason == "no versions"  # a path works
+    weights = {"w": torch.arange(4, dtype=torch.float32)}
+    sender = DeltaSender(weights, tmp_path / "c")
+    with pytest.raises(TypeError, match=r"publish\(background=\.\.\.\) must be True, False or None"):
+        sender.publish(background="no")
+    assert sender.version is None
+    sender.publish()
+    receiver = DeltaReceiver({"w": torch.zeros(4, dtype=torch.bfloat16)}, tmp_path / "c")
+    for kwargs, error, message in [(dict(version="0"), TypeError, r"a version is an int, got str '0'"),
+                                   (dict(timeout_s=None), TypeError, r"wait_for: timeout_s must be a number"),
+                                   (dict(poll_s=-1), ValueError, r"wait_for: poll_s must be a finite number of "
+                                                                 r"seconds > 0, got -1")]:
+        with pytest.raises(error, match=message):
+            receiver.wait_for(**kwargs)
+    assert receiver.wait_for(0, timeout_s=float("inf")) == 0  # inf: as long as it takes
+    # A state dict given as the model is frozen: a delta without changes says how that happens, once.
+    policy = nn.Linear(4, 4)
+    frozen = DeltaSender(policy.state_dict(), tmp_path / "d")
+    frozen.publish()
+    policy.load_state_dict({k: v * 2 for k, v in policy.state_dict().items()}, assign=True)
+    with caplog.at_level("WARNING", logger="torch_deltasync.sender"):
+        frozen.publish()
+        frozen.publish()
+    said = [r.getMessage() for r in caplog.records if "no element changed" in r.getMessage()]
+    assert len(said) == 1 and "version 1: no element changed since version 0" in said[0] and "pass the module" in said[0]

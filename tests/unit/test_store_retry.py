@@ -280,3 +280,16 @@ def test_deadline_store_needs_a_deadline(local):
     store = DeadlineStore(local, timeout_s=30)
     assert repr(store) == f"DeadlineStore({local!r}, timeout_s=30)" and store.needs_deadline is False
     assert store.policy.attempts == 1 and store.describe() == local.describe()
+
+
+def test_a_deadline_beyond_what_a_thread_can_wait_is_none(tmp_path):
+    """``timeout_s=float('inf')`` (or ``1e12``, ``deltasync ls --timeout inf``) raised
+    ``OverflowError: timestamp out of range`` from every store call."""
+    from torch_deltasync import open_store as open_
+
+    store = open_(tmp_path, timeout_s=float("inf"))
+    store.put("a", b"x")
+    assert store.get("a") == b"x"
+    mem = open_("memory://deadline-inf", retry=RetryPolicy(timeout_s=1e12))
+    mem.put("k", b"y")
+    assert mem.list("") == ["k"] and mem.get("k") == b"y"

@@ -253,3 +253,88 @@ def test_a_target_missing_members_is_told_which(tmp_path):
         DeltaReceiver(Partial(), LocalStore(tmp_path / "b"))
     with pytest.raises(TypeError, match=r"expected an nn.Module, a state dict or a Target, got int$"):
         DeltaReceiver(3, LocalStore(tmp_path / "b"))
+
+
+def test_an_untied_copy_of_a_tied_tensor_is_verified(store):
+    """A trainer ties ``emb`` and ``head``; the replica holds them untied, so ``head`` is written as
+    a mirror of ``emb``. ``assume()`` and ``verify()`` checked ``emb`` only: a stale or overwritten
+    ``head`` passed both while the model served it."""
+    torch.manual_seed(0)
+    e = torch.randn(5, 6)
+    sender = DeltaSender({"emb": e, "head": e}, store)
+    sender.publish()
+    replica = {"emb": e.to(torch.bfloat16), "head": torch.zeros(5, 6, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(replica, store)
+    with pytest.raises(ChecksumMismatchError, match=r"'head', written as an untied copy of 'emb', differs from it "
+                                                    r"at 30 of 30 elements"):
+        receiver.assume(0)
+    assert receiver.version is None
+    receiver.update()
+    receiver.verify()
+    e[0, :2] += 1
+    sender.publish()
+    assert receiver.update() == 1
+    want = e.to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(replica["head"].view(torch.int16), want) and torch.equal(replica["emb"].view(torch.int16), want)
+    replica["head"][4, 5] = 3.0  # something else writes the copy
+    with pytest.raises(ChecksumMismatchError, match=r"'head', .* differs from it at 1 of 30 elements"):
+        receiver.verify()
+    assert isinstance(receiver.verify_or_forget(), ChecksumMismatchError) and receiver.version is None
+    assert receiver.update() == 1 and receiver.last_stats.path == "anchor"
+    assert torch.equal(replica["head"].view(torch.int16), want)
+
+
+def test_fp32_storage_holding_values_that_are_no_bf16_values_fails_verification(store):
+    """A bf16 version held in fp32 reads the high 16 bits: fp32 values whose low bits are set
+    (loaded from another checkpoint, nudged by an in-place op) passed ``assume()`` and ``verify()``
+    while the model computed with other numbers."""
+    torch.manual_seed(0)
+    w = torch.randn(64)
+    DeltaSender({"w": w}, store).publish()
+    exact = w.to(torch.bfloat16).float()
+    receiver = DeltaReceiver({"w": exact.clone()}, store)
+    receiver.assume(0)
+    receiver.verify()  # bf16 values in fp32: fine
+    nudged = exact.clone()
+    nudged.view(torch.int32)[[3, 9]] += 1
+    receiver = DeltaReceiver({"w": nudged}, store)
+    with pytest.raises(ChecksumMismatchError, match=r"tensor 'w' is held in torch\.float32 and 2 of its 64 elements "
+                                                    r"are no torch\.bfloat16 values"):
+        receiver.assume(0)
+    assert receiver.update() == 0  # rebuilt from the anchor
+    assert torch.equal(nudged.view(torch.int32), exact.view(torch.int32))
+
+
+def test_a_state_dict_hook_that_returns_copies_is_refused(store):
+    """A module whose ``state_dict()`` returns cast copies: the receiver wrote the copies and
+    ``verify()`` read them, while the module kept its own weights."""
+    trainer = make_mlp(0)
+    DeltaSender(trainer, store).publish()
+    replica = make_mlp(1)
+
+    def to_bf16(module, sd, prefix, meta):
+        for k in list(sd):
+            sd[k] = sd[k].detach().to(torch.bfloat16)
+
+    replica._register_state_dict_hook(to_bf16)
+    with pytest.raises(IncompatibleTargetError, match=r"state_dict\(\) returns '.*' in memory that is none of its "
+                                                      r"parameters or buffers"):
+        DeltaReceiver(replica, store)
+
+    class Renamed(nn.Module):  # a hook that renames (views of the module's memory) stays fine
+        def __init__(self):
+            super().__init__()
+            self.inner = make_mlp(0)
+            self._register_state_dict_hook(self._rename)
+
+        @staticmethod
+        def _rename(module, sd, prefix, meta):
+            for k in list(sd):
+                sd[k[len("inner."):]] = sd.pop(k)
+
+    renamed = Renamed()
+    with torch.no_grad():
+        for p in renamed.parameters():
+            p.zero_()
+    assert DeltaReceiver(renamed, store).update() == 0
+    assert same(bf16_bits(renamed.inner), bf16_bits(trainer))

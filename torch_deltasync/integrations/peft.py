@@ -336,6 +336,8 @@ class AdapterSender(DeltaSender):
         lora_config = _peft_config(model, adapter_name)
         self.peft_model = model
         self.adapter_name = adapter_name
+        # Before the prefix is claimed: a takeover would replace the running writer's lease record.
+        _holds_adapter(open_store(store).sub(prefix), lora_config)
         every = kwargs["anchor_every"] if "anchor_every" in kwargs else None  # a keyword sets the cadence
         policy = anchor_policy or config.anchor_policy or AnchorPolicy(every=every, chain_ratio=2.0, max_delta_ratio=1.0)
         super().__init__(lambda: adapter_state_dict(model, adapter_name), store, prefix=prefix,
@@ -345,20 +347,27 @@ class AdapterSender(DeltaSender):
             self._write_config(lora_config)
 
     def _write_config(self, config) -> None:
-        data = adapter_config_json(config)
-        try:
-            existing = self.store.get(ADAPTER_CONFIG_KEY)
-        except ObjectNotFoundError:
-            existing = None
-        if existing is None:
-            self.store.put(ADAPTER_CONFIG_KEY, data)
-            return
-        old = parse_adapter_config(existing, f"{self.store.describe()}/{ADAPTER_CONFIG_KEY}")
-        diff = _structure_diff(old, config)
-        if diff:
-            raise IncompatibleTargetError(
-                f"{self.store.describe()} holds a run of another adapter ({'; '.join(diff)}); publish to a new prefix"
-            )
+        if not _holds_adapter(self.store, config):
+            self.store.put(ADAPTER_CONFIG_KEY, adapter_config_json(config))
+
+
+def _holds_adapter(store: Store, config) -> bool:
+    """Whether ``store`` (a run prefix) holds the config of an adapter run already (``False``: none).
+
+    Raises:
+        IncompatibleTargetError: it holds a run of an adapter of another structure (naming the fields).
+    """
+    try:
+        existing = store.get(ADAPTER_CONFIG_KEY)
+    except ObjectNotFoundError:
+        return False
+    old = parse_adapter_config(existing, f"{store.describe()}/{ADAPTER_CONFIG_KEY}")
+    diff = _structure_diff(old, config)
+    if diff:
+        raise IncompatibleTargetError(
+            f"{store.describe()} holds a run of another adapter ({'; '.join(diff)}); publish to a new prefix"
+        )
+    return True
 
 
 # --- receiver ----------------------------------------------------------------------------------

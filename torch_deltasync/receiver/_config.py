@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .._metrics import check_metrics_path
 from .._pool import check_threads
 
 
@@ -67,6 +68,4 @@ class ReceiverConfig:
         check_threads(self.threads, "ReceiverConfig.threads")
         if type(self.recover) is not bool:
             raise TypeError(f"ReceiverConfig.recover must be a bool, got {self.recover!r}")
-        if self.metrics_path is not None and not isinstance(self.metrics_path, (str, os.PathLike)):
-            raise TypeError(f"ReceiverConfig.metrics_path must be a path (str or os.PathLike) or None, "
-                            f"got {self.metrics_path!r}")
+        check_metrics_path("ReceiverConfig", self.metrics_path)

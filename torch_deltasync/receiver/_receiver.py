@@ -32,7 +32,6 @@ device memory), the receiver marks its state unknown and the next update takes t
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
@@ -44,19 +43,21 @@ import torch
 from torch import nn
 
 from .._config import with_options
+from .._metrics import append_metrics
+from .._units import check_seconds
 from ..errors import (
     ChecksumMismatchError, CorruptObjectError, DeltaSyncError, ObjectNotFoundError, StaleUpdateError,
     SyncTimeoutError, VersionNotFoundError,
 )
 from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manifest_key
-from ..manifest import Manifest, load_manifest
+from ..manifest import Manifest
 from ..store import Store, open_store
 from ..targets import ModuleTarget, Target
 from ..targets._base import prepare_commit
 from ._config import ReceiverConfig
 from ._plan import PlanStep, UpdatePlan, walk_chain
-from ._stage import StagedUpdate, UpdateStats, download, failed_part, reread, stage_anchor, stage_deltas
-from ._stage import verify_checksums, write_staged
+from ._stage import StagedUpdate, UpdateStats, download, failed_part, read_manifest, stage_anchor
+from ._stage import stage_deltas, verify_checksums, write_staged
 
 log = logging.getLogger("torch_deltasync.receiver")
 
@@ -79,7 +80,8 @@ class DeltaReceiver:
         prefix: the run's sub-path in the store (as given to the sender).
         config: the receiver's options (:class:`~torch_deltasync.receiver.ReceiverConfig`, which
             documents each field): ``max_workers`` (parallel downloads, 8), ``threads`` (tensors
-            decoded and staged at once, one per core shared among local ranks, at most 8), ``metrics_path``.
+            decoded and staged at once, one per core shared among local ranks, at most 8),
+            ``recover`` (another path after a damaged object, True), ``metrics_path``.
             ``None``: ``ReceiverConfig()``.
         options: ``ReceiverConfig`` fields given as keywords (``max_workers=4``); they override
             ``config``'s (``dataclasses.replace``).
@@ -155,25 +157,7 @@ class DeltaReceiver:
             VersionNotFoundError: no such version is visible (never published, or not retained).
             CorruptObjectError: the manifest is malformed.
         """
-        check_version(version)
-        cached = self._manifests.get(version)
-        if cached is not None and not fresh:
-            return cached
-        try:
-            m = reread(self.store, lambda: load_manifest(self.store, version))
-        except VersionNotFoundError as e:
-            why = self.store.absent()  # a mistyped path reads differently from a version not published
-            if why:
-                raise VersionNotFoundError(f"{e}: {why}") from None
-            raise
-        if cached is not None and cached != m:
-            log.warning("%s: the manifest of version %d changed (a new run on a wiped prefix?); "
-                        "forgetting every cached manifest", self.store.describe(), version)
-            self._manifests.clear()
-        if len(self._manifests) >= 512:
-            self._manifests.pop(next(iter(self._manifests)))
-        self._manifests[version] = m
-        return m
+        return read_manifest(self.store, self._manifests, check_version(version), fresh)
 
     def newest_version(self) -> int | None:
         """The newest visible version (``LATEST`` if it is current, else a listing), or ``None``."""
@@ -192,7 +176,12 @@ class DeltaReceiver:
 
         Raises:
             SyncTimeoutError: (a ``TimeoutError``) nothing new appeared within ``timeout_s`` seconds.
+            TypeError, ValueError: ``version``, ``timeout_s`` or ``poll_s`` out of type or range.
         """
+        if version is not None:
+            check_version(version)
+        check_seconds(poll_s, "poll_s", "DeltaReceiver.wait_for", positive=True)
+        check_seconds(timeout_s, "timeout_s", "DeltaReceiver.wait_for", positive=False, finite=False)
         deadline = time.monotonic() + timeout_s
         while True:
             newest = self.newest_version()
@@ -396,9 +385,7 @@ class DeltaReceiver:
             stats.total_ms += stats.apply_ms
             self.last_stats = stats
             if self.metrics_path is not None:
-                self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.metrics_path, "a") as f:
-                    f.write(json.dumps({"event": "update", **stats.to_dict()}) + "\n")
+                append_metrics(self.metrics_path, {"event": "update", **stats.to_dict()})
             return self.version
 
     def _prepare(self, version: int | None, ahead: bool) -> StagedUpdate:

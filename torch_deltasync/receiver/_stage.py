@@ -15,8 +15,9 @@ from .._pool import map_largest_first
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import TensorDelta
 from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError, ObjectNotFoundError
+from ..errors import VersionNotFoundError
 from ..format import EncodedDelta, decode_anchor, read_delta, verify_bytes
-from ..manifest import Manifest
+from ..manifest import Manifest, load_manifest
 from ..store import Store
 from ..targets import Target
 from ..targets._base import PreparedCommit, allows_concurrent
@@ -81,6 +82,30 @@ def download(store: Store, plan: UpdatePlan, pool: Executor) -> dict[str, bytes]
     return dict(pool.map(lambda mo: reread(store, lambda: read(*mo)), entries))
 
 
+def read_manifest(store: Store, cache: dict[int, Manifest], version: int, fresh: bool) -> Manifest:
+    """``DeltaReceiver.manifest``: the validated manifest of ``version`` through ``cache`` (at most
+    512 entries, oldest dropped first; all dropped when a manifest read ``fresh`` differs from its
+    cached copy: a new run on a wiped prefix)."""
+    cached = cache.get(version)
+    if cached is not None and not fresh:
+        return cached
+    try:
+        m = reread(store, lambda: load_manifest(store, version))
+    except VersionNotFoundError as e:
+        why = store.absent()  # a mistyped path reads differently from a version not published
+        if why:
+            raise VersionNotFoundError(f"{e}: {why}") from None
+        raise
+    if cached is not None and cached != m:
+        log.warning("%s: the manifest of version %d changed (a new run on a wiped prefix?); "
+                    "forgetting every cached manifest", store.describe(), version)
+        cache.clear()
+    if len(cache) >= 512:
+        cache.pop(next(iter(cache)))
+    cache[version] = m
+    return m
+
+
 @dataclass
 class UpdateStats:
     """Numbers of one update. Times in milliseconds."""
@@ -89,7 +114,7 @@ class UpdateStats:
     from_version: int | None
     path: str
     versions_applied: int
-    nbytes: int  # downloaded
+    nbytes: int  # the objects of the path taken (a recovered update also read some of the failed path's)
     changed: int  # elements written (delta path) or elements of the model (anchor path)
     plan_ms: float = 0.0
     download_ms: float = 0.0

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..checksum import combine
-from ..errors import ObjectExistsError
+from ..errors import ObjectExistsError, ObjectNotFoundError
 from ..keys import LATEST_KEY, manifest_key, next_free_version
 from ..manifest import Manifest, ObjectEntry, TensorEntry
 from ..store import Store
@@ -39,7 +39,8 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
     Returns:
         The outcome rank 0 broadcasts: ``{"ok": True, "nbytes", "changed", "anchor_nbytes",
         "delta_nbytes"}``, or ``{"ok": False, "error"}`` (plus ``"next_version"`` when another writer
-        already uses this version number: continue after it, with an anchor). Never raises.
+        already uses this version number: continue after it, with an anchor; ``"unknown": True``
+        when the manifest's write and its read-back both failed, see :func:`landed`). Never raises.
     """
     if any(r.get("taken") for r in gathered):
         return taken(store, job.version)
@@ -72,6 +73,10 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
             put_once(store, manifest_key(job.version), data)  # manifests are immutable
         except ObjectExistsError:
             return taken(store, job.version)
+        except Exception as put_error:  # noqa: BLE001 - the put may have landed all the same
+            unknown = landed(store, manifest_key(job.version), data, put_error, job.version, job.base_version)
+            if unknown is not None:
+                return unknown
     except Exception as e:  # noqa: BLE001 - reported to every rank through the outcome
         return {"ok": False, "error": f"rank 0 manifest: {type(e).__name__}: {e}"}
     return {"ok": True, "nbytes": manifest.nbytes + len(data), "changed": sum(counts.values()),
@@ -90,6 +95,30 @@ def put_once(store: Store, key: str, data: bytes) -> None:
     except ObjectExistsError:
         if store.get(key) != data:
             raise
+
+
+def landed(store: Store, key: str, data: bytes, put_error: Exception, version: int,
+           base: int | None) -> dict[str, Any] | None:
+    """After the put of ``version``'s manifest raised ``put_error``: read the key back. ``None``
+    when it holds ``data`` (the reply was lost, not the write: the version is published); else
+    re-raise ``put_error`` when the key holds nothing (nothing is visible), or return the outcome
+    of a version that may be visible (the read failed too). Either way the next version is based
+    on the last one known to be published; its number is never used again."""
+    try:
+        back = store.get(key)
+    except ObjectNotFoundError:
+        raise put_error from None
+    except Exception as read_error:  # noqa: BLE001 - neither write nor read answered
+        return {"ok": False, "unknown": True,
+                "error": f"version {version} may or may not be visible (rank 0 manifest: {type(put_error).__name__}: "
+                         f"{put_error}; reading {key} back failed too ({type(read_error).__name__}: {read_error})); the "
+                         f"next publish is based on version {base} (a receiver that applied version {version} reaches "
+                         "it through an anchor)"}
+    if back != data:
+        raise put_error
+    log.warning("writing the manifest of version %d raised %s: %s, but it is in the store: published",
+                version, type(put_error).__name__, put_error)
+    return None
 
 
 def taken(store: Store, version: int) -> dict[str, Any]:

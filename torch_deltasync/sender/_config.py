@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .._dtypes import as_dtype
+from .._metrics import check_metrics_path
 from .._pool import check_threads
 from ..codecs import get_codec, sender_codec
 from .._units import is_real_number
@@ -149,7 +150,7 @@ class SenderConfig:
         if self.run_id is not None and len(self.run_id) > MAX_RUN_ID_CHARS:
             raise ValueError(f"SenderConfig.run_id must be at most {MAX_RUN_ID_CHARS} characters, got "
                              f"{len(self.run_id)}")
-        _check_optional("metrics_path", self.metrics_path, (str, os.PathLike), "a path (str or os.PathLike) or None")
+        check_metrics_path("SenderConfig", self.metrics_path)
         _check_optional("retention", self.retention, RetentionPolicy, "a RetentionPolicy or None")
         if not is_real_number(self.lease_s) or not (math.isfinite(self.lease_s) and self.lease_s >= MIN_LEASE_S):
             raise ValueError(f"SenderConfig.lease_s must be a positive number of seconds (finite, at least "

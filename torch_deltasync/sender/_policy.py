@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._units import is_real_number
+
 
 @dataclass(frozen=True, kw_only=True)
 class AnchorPolicy:
@@ -37,10 +39,12 @@ class AnchorPolicy:
             raise TypeError(f"AnchorPolicy.every must be an int or None, got {self.every!r}")
         if self.every is not None and self.every < 0:
             raise ValueError(f"AnchorPolicy.every must be >= 0 or None, got {self.every}")
-        if self.chain_ratio is not None and not self.chain_ratio > 0:
-            raise ValueError(f"AnchorPolicy.chain_ratio must be > 0 or None, got {self.chain_ratio}")
-        if self.max_delta_ratio is not None and not self.max_delta_ratio > 0:
-            raise ValueError(f"AnchorPolicy.max_delta_ratio must be > 0 or None, got {self.max_delta_ratio}")
+        for name in ("chain_ratio", "max_delta_ratio"):
+            value = getattr(self, name)
+            if value is not None and not is_real_number(value):
+                raise TypeError(f"AnchorPolicy.{name} must be a number > 0 or None, got {type(value).__name__} {value!r}")
+            if value is not None and not value > 0:
+                raise ValueError(f"AnchorPolicy.{name} must be > 0 or None, got {value}")
 
     def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
         if self.every and version - last_anchor >= self.every:

@@ -23,7 +23,6 @@ on a worker thread. If the previous upload is still running, ``publish()`` coale
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -37,6 +36,7 @@ import torch
 
 from .._config import with_options
 from .._dtypes import as_dtype
+from .._metrics import append_metrics
 from .._pool import map_largest_first
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import get_codec
@@ -55,7 +55,7 @@ from ._commit import put_once, write_latest, write_manifest
 from ._encode import delta_parts, encode_objects
 from ._group import Group, SingleProcess
 from ._job import Job
-from ._sources import collect_sources
+from ._sources import check_publishable, collect_sources, warn_unchanged
 from ._stats import PublishStats
 
 log = logging.getLogger(__name__)
@@ -142,13 +142,7 @@ class DeltaSender:
         self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=config.snapshot_device)
 
         sources, _ = collect_sources(model)
-        if not sources:
-            raise ValueError("the model has no floating-point tensors to publish")
-        for s in sources:  # the limits of docs/format.md §3, checked before anything is written
-            if not s.name or len(s.name) > 1024 or len(s.slice.global_shape) > 8:
-                raise ValueError(
-                    f"tensor {s.name[:80]!r}: names must be 1-1024 characters and tensors at most 8-D to publish"
-                )
+        check_publishable(sources)
         if group is None and any(s.distributed for s in sources):
             from ..dtensor import default_group
 
@@ -170,6 +164,7 @@ class DeltaSender:
         self._lease, self.run_id = claim_prefix(self.group, self.store, self.run_id, lease_s=config.lease_s,
                                                 takeover=config.takeover)
         self._in_use: str | None = None  # set on every rank once another writer took the prefix over
+        self._warned_unchanged = False  # a mapping published a delta without changes (warn_unchanged)
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
         # After the newest version, and after objects a crashed writer left without a manifest:
@@ -220,7 +215,10 @@ class DeltaSender:
             PublishError: the store failed or a rank failed while reading its weights (foreground;
                 raised on every rank), or the previous background publish failed. Nothing partial
                 is visible; the next publish recovers.
+            TypeError: ``background`` is not a bool or ``None``.
         """
+        if background is not None and not isinstance(background, bool):
+            raise TypeError(f"publish(background=...) must be True, False or None (the default), got {background!r}")
         background = self.background if background is None else background
         if self._in_use is not None:
             raise PrefixInUseError(self._in_use)
@@ -530,6 +528,8 @@ class DeltaSender:
                 self._next_version = max(self._next_version, outcome["next_version"])
                 self._force_anchor = True
                 raise PublishError(f"version {job.version} was not published: {outcome['error']}")
+            if outcome.get("unknown"):  # version numbers are never reused: receivers are right either way
+                raise PublishError(outcome["error"])
             raise PublishError(
                 f"version {job.version} was not published ({outcome['error']}); no partial version is "
                 f"visible and the next publish is based on version {self.version}"
@@ -537,13 +537,13 @@ class DeltaSender:
         self._commit(job, outcome)
         stats.nbytes = outcome["nbytes"]
         stats.changed = outcome["changed"]
+        if job.kind == "delta" and not stats.changed and g.rank == 0 and not self._warned_unchanged:
+            self._warned_unchanged = warn_unchanged(self.model, job.version, job.base_version)
         stats.publish_ms = (time.perf_counter() - t0) * 1e3
         self.last_stats = stats
         self.history.append(stats)
         if self.metrics_path is not None and g.rank == 0:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"event": "publish", **stats.to_dict()}) + "\n")
+            append_metrics(self.metrics_path, {"event": "publish", **stats.to_dict()})
         if self.retention is not None and job.kind == "anchor" and g.rank == 0:
             self._collect_garbage()
 

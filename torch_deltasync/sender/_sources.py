@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -9,6 +10,8 @@ from torch import nn
 
 from ..errors import UnsupportedLayoutError
 from ..layout import Source, TensorBlock
+
+log = logging.getLogger("torch_deltasync.sender")
 
 
 def _tensors_of(model: Any) -> Mapping[str, torch.Tensor]:
@@ -31,13 +34,22 @@ def collect_sources(model: Any) -> tuple[list[Source], dict[str, str]]:
     Plain tensors are whole (:meth:`TensorBlock.full`); ``DTensor`` parameters (FSDP2) are
     described by :func:`torch_deltasync.dtensor.local_source`. Non-floating entries (integer
     buffers) are not synced.
+
+    Raises:
+        TypeError: a name that is not a string.
+        UnsupportedLayoutError: a sparse or meta-device tensor (no strided data to read).
     """
     sources: list[Source] = []
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, t in _tensors_of(model).items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names are strings (state-dict keys), got {type(name).__name__} {name!r}")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             continue
+        if t.is_meta:
+            raise UnsupportedLayoutError(f"tensor {name!r} is on the meta device (no data to publish); "
+                                         "materialise the model first (e.g. model.to_empty(device=...) and load it)")
         param, t = t, t.detach()
         if type(t).__name__ == "DTensor":
             from ..dtensor import local_source
@@ -58,3 +70,31 @@ def collect_sources(model: Any) -> tuple[list[Source], dict[str, str]]:
         seen[key] = name
         sources.append(src)
     return sources, aliases
+
+
+def check_publishable(sources: list[Source]) -> None:
+    """The limits of docs/format.md §3, checked when a sender is built (before anything is written).
+
+    Raises:
+        ValueError: no source (no floating-point tensor), or a name outside 1-1024 characters or a
+            tensor of more than 8 dimensions (naming it).
+    """
+    if not sources:
+        raise ValueError("the model has no floating-point tensors to publish")
+    for s in sources:
+        if not s.name or len(s.name) > 1024 or len(s.slice.global_shape) > 8:
+            raise ValueError(f"tensor {s.name[:80]!r}: names must be 1-1024 characters and tensors at most 8-D "
+                             "to publish")
+
+
+def warn_unchanged(model: Any, version: int, base: int | None) -> bool:
+    """Log that delta ``version`` changed nothing since ``base`` when ``model`` is a
+    ``{name: tensor}`` mapping, whose tensors may be stale: ``module.state_dict()`` is no longer the
+    module's memory after ``module.to(...)`` or ``load_state_dict(..., assign=True)``. Returns
+    whether it warned (the sender warns once)."""
+    if not isinstance(model, Mapping):
+        return False
+    log.warning("version %d: no element changed since version %s. If the model's tensors were replaced "
+                "(module.to(...), load_state_dict(..., assign=True)), a state dict taken before still holds "
+                "the old ones: pass the module itself", version, base)
+    return True

@@ -127,9 +127,10 @@ def _with_deadline(fn: Callable[[], T], timeout_s: float | None) -> T:
     """``fn()``, or :class:`_DeadlineExceeded` after ``timeout_s`` seconds.
 
     The call runs on a daemon thread so that a hung socket can neither block the caller past its
-    deadline nor keep the interpreter alive at exit.
+    deadline nor keep the interpreter alive at exit. A deadline beyond what a thread can wait
+    (``threading.TIMEOUT_MAX``, ``inf``) is none.
     """
-    if timeout_s is None:
+    if timeout_s is None or timeout_s >= threading.TIMEOUT_MAX:
         return fn()
     box: dict[str, object] = {}
 

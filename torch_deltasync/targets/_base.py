@@ -90,7 +90,12 @@ class Target(Protocol):
     @abstractmethod
     def checksum(self, name: str, dtype: torch.dtype) -> int:
         """Partial checksum (:mod:`torch_deltasync.checksum`) of the elements this target holds,
-        each counted once, in ``dtype``."""
+        each counted once, in ``dtype``.
+
+        Raises:
+            ChecksumMismatchError: the target holds no one set of values for ``name`` that a
+                checksum could stand for (e.g. copies of it that differ), naming what differs.
+        """
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ from torch import nn
 from .. import _native, _native_apply
 from .._dtypes import bits, int_view_dtype
 from ..checksum import tensor_checksum
-from ..errors import CorruptObjectError, IncompatibleTargetError
+from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError
 from ._base import TARGET_MEMBERS, Target
 
 __all__ = ["ModuleTarget"]
@@ -50,6 +50,12 @@ def _refuse_shared_memory(tensors: Mapping[str, torch.Tensor], written: list[str
             )
 
 
+def holds_exactly(storage: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``storage`` dtype holds every ``dtype`` value bit-exactly, as
+    :class:`ModuleTarget` stores them: the same dtype, or bf16 in fp32 (see :class:`_Codec`)."""
+    return storage == dtype or (dtype == torch.bfloat16 and storage == torch.float32)
+
+
 class _Codec:
     """How values of the inference dtype live in a tensor's storage, bit for bit.
 
@@ -63,10 +69,6 @@ class _Codec:
     def __init__(self, storage: torch.dtype, dtype: torch.dtype) -> None:
         self.storage, self.dtype = storage, dtype
         self.widened = storage != dtype
-
-    @staticmethod
-    def supported(storage: torch.dtype, dtype: torch.dtype) -> bool:
-        return storage == dtype or (dtype == torch.bfloat16 and storage == torch.float32)
 
     def to_storage_bits(self, values: torch.Tensor) -> torch.Tensor:
         b = bits(values.to(self.dtype))
@@ -97,6 +99,10 @@ class ModuleTarget(Target):
     anchor ``assign``, every tensor is looked up, so a replacement that no longer fits is refused
     before any weight changes. A replacement of the same shape and dtype keeps the receiver's
     version: the receiver assumes nobody else writes the weights (``verify()`` checks that).
+    A mapping can only be followed by its entries: ``module.state_dict()`` given as a mapping is
+    the module's tensors as they were then, and after ``module.to(...)`` or
+    ``load_state_dict(..., assign=True)`` the module serves other memory than the one written and
+    verified. Pass the module itself to follow it.
 
     Args:
         model: an ``nn.Module`` (its ``state_dict`` names) or a ``{name: tensor}`` mapping.
@@ -107,8 +113,10 @@ class ModuleTarget(Target):
             tensors, floating or not, are left alone: neither synced nor verified.
 
     Raises:
-        TypeError: ``model`` is neither a module nor a mapping.
-        IncompatibleTargetError: (``strict``) the model holds a non-floating tensor.
+        TypeError: ``model`` is neither a module nor a mapping; ``strict`` is not a bool.
+        IncompatibleTargetError: (``strict``) the model holds a non-floating tensor; the module's
+            ``state_dict()`` returns a tensor that is none of its parameters' or buffers' memory
+            (a state-dict hook that copies).
     """
 
     concurrent_reads = True  # see Target: reads only look up and gather (the lookup takes a lock)
@@ -121,6 +129,8 @@ class ModuleTarget(Target):
                 hint = (f"; as a Target it lacks {missing} (subclass torch_deltasync.Target for the defaults "
                         "of owned, finish and holds_all)")
             raise TypeError(f"expected an nn.Module, a state dict or a Target, got {type(model).__name__}{hint}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"ModuleTarget(strict=...) must be True or False, got {strict!r}")
         self._source = model
         self.strict = strict
         # A receiver reads tensors on several threads: a lookup that finds a replaced tensor (and
@@ -154,7 +164,8 @@ class ModuleTarget(Target):
         """Read the model's names and where each tensor lives (again after a submodule was replaced).
 
         Raises:
-            IncompatibleTargetError: (``strict``) a non-floating tensor.
+            IncompatibleTargetError: (``strict``) a non-floating tensor; a ``state_dict()`` entry in
+                memory that is none of the module's parameters or buffers.
         """
         model = self._source
         tensors = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
@@ -173,9 +184,18 @@ class ModuleTarget(Target):
         self._other = {n for n, _ in other}
         self._names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
         self._owners = _owners(model, tensors) if isinstance(model, nn.Module) else {}
-        # Entries the owner lookup cannot reach (state-dict hooks that rename them): kept as given.
+        # Entries the owner lookup cannot reach (state-dict hooks that rename them): kept as given,
+        # if they are the module's memory (a hook that returns copies would have every write lost).
         self._fixed = ({n: tensors[n] for n in self._names if n not in self._owners}
                        if isinstance(model, nn.Module) else {})
+        if self._fixed:
+            own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+            copies = [n for n, t in self._fixed.items() if t.numel() and t.untyped_storage().data_ptr() not in own]
+            if copies:
+                raise IncompatibleTargetError(
+                    f"the receiving module's state_dict() returns {copies[0]!r} in memory that is none of its "
+                    f"parameters or buffers ({len(copies)} such tensors; e.g. a state-dict hook that casts or "
+                    "copies): writes to it would not reach the model. Pass a {name: live tensor} mapping instead")
 
     def _get(self, name: str) -> torch.Tensor:
         """The tensor (or parameter) the model holds under ``name`` now."""
@@ -308,7 +328,7 @@ class ModuleTarget(Target):
         codecs = {}
         for n in list(shapes) + [a for m in mirrors.values() for a in m]:
             storage = tensors[n].dtype
-            if not _Codec.supported(storage, dtype):
+            if not holds_exactly(storage, dtype):
                 hint = f"{dtype} or torch.float32" if dtype == torch.bfloat16 else f"{dtype}"
                 raise IncompatibleTargetError(
                     f"tensor {n!r} is {storage}, which cannot hold every {dtype} bit pattern; store it as {hint}"
@@ -349,7 +369,7 @@ class ModuleTarget(Target):
     def _codec(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> _Codec:
         c = self._codecs.get(name)
         if c is None or c.dtype != dtype or c.storage != t.dtype:
-            if not _Codec.supported(t.dtype, dtype):
+            if not holds_exactly(t.dtype, dtype):
                 raise IncompatibleTargetError(f"tensor {name!r} is {t.dtype}, which cannot hold {dtype} values bit-exactly; "
                                               f"read and write it as {t.dtype}" + (" (or store it as torch.float32)"
                                                                                    if dtype == torch.bfloat16 else ""))
@@ -404,7 +424,36 @@ class ModuleTarget(Target):
         return self._codec(name, t, dtype).from_storage_bits(self._stored_bits(t))
 
     def checksum(self, name: str, dtype: torch.dtype) -> int:
-        return tensor_checksum(self.values(name, dtype))
+        """Checksum of ``name``'s values in ``dtype``, after checking that the target holds one set
+        of such values for it: every untied alias written beside it (:meth:`check`'s mirrors)
+        bit-identical to it, and bf16 values held in fp32 with their low 16 bits zero (else the
+        model computes with numbers that are no bf16 values, whose checksum could still match).
+
+        Raises:
+            ChecksumMismatchError: an alias differs, or an fp32 tensor holds non-bf16 values
+                (naming the tensor and how many elements; ``verify_or_forget()`` then ``update()``
+                rebuilds it from an anchor).
+        """
+        values = self.values(name, dtype)
+        for n in self._targets(name):
+            t = self._live(n)
+            codec = self._codec(n, t, dtype)
+            if codec.widened:
+                low = int(torch.count_nonzero(self._stored_bits(t).bitwise_and(0xFFFF)))
+                if low:
+                    raise ChecksumMismatchError(
+                        f"tensor {n!r} is held in {t.dtype} and {low} of its {t.numel()} elements are no {dtype} values "
+                        f"(their low 16 bits are set): it holds no published version. Load {dtype} weights, or call "
+                        "verify_or_forget() and update() to rebuild it from an anchor")
+            if n != name:
+                other = codec.from_storage_bits(self._stored_bits(t))
+                differ = int(torch.count_nonzero(bits(other) != bits(values)))
+                if differ:
+                    raise ChecksumMismatchError(
+                        f"tensor {n!r}, written as an untied copy of {name!r}, differs from it at {differ} of "
+                        f"{t.numel()} elements (something else wrote one of them); call verify_or_forget() and "
+                        "update() to rebuild both from an anchor")
+        return tensor_checksum(values)
 
     def state_dict(self) -> dict[str, Any]:
         return self.tensors

@@ -85,7 +85,7 @@ class VLLMEngineTarget(Target):
         reload_ahead: reload the changed modules on shadows during ``prepare`` (module doc):
             ``"auto"``: when every one of them qualifies (:func:`~._vllm_ahead.ahead_ok`: vLLM's
             unquantized linear and embedding methods, no buffers), else all inside the commit;
-            ``"always"``: also modules with other ``quant_method``\ s (no buffers; their
+            ``"always"``: also modules with other quant methods (no buffers; their
             processing must touch only the layer); ``"never"``: inside the commit, as vLLM's
             layerwise reload does.
         tp_rank, tp_size: override the TP rank and size read from the model's layers.

@@ -25,6 +25,7 @@ from ...acks import AckBook, StoreAcks
 from ...receiver import DeltaReceiver, ReceiverConfig
 from ...sender import AnchorPolicy, DeltaSender, SenderConfig
 from ...store import Store, check_prefix, open_store
+from ...targets._module import holds_exactly
 from .._sender_options import receiver_config as _receiver_config
 from .._sender_options import sender_config as _sender_config
 from .._sender_options import split_options
@@ -91,6 +92,44 @@ def _check_own_options(*, sync: Any, num_workers: Any, ack_timeout_s: Any, poll_
             raise TypeError(f"{_OWNER}: store_options keys must be open_store option names (str), got {bad}")
 
 
+def _check_store_and_device(store: Any, store_options: Any, device: Any) -> None:
+    """Refuse a store that is neither a URI, a path nor a :class:`Store`, ``store_options`` for a
+    store already opened, and a device torch does not know, when the scheme is built."""
+    if not isinstance(store, (str, os.PathLike, Store)):
+        raise TypeError(f"{_OWNER}: store must be a store URI or path (str or os.PathLike) or a torch_deltasync "
+                        f"Store, got {type(store).__name__} {store!r}")
+    if isinstance(store, Store) and store_options:
+        raise ValueError(f"{_OWNER}: store_options {sorted(store_options)} apply to a store URI, and the store given "
+                         f"is already open ({store.describe()}); pass the URI, or open the store with those options")
+    if device is not None:
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"{_OWNER}: device must be a torch.device, a device string such as 'cpu' or 'cuda:0', "
+                            f"or None, got {type(device).__name__} {device!r}")
+        try:
+            torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"{_OWNER}: device {device!r} is no torch device ({e}); e.g. 'cpu' or 'cuda:0'") from None
+
+
+def _receiver_dtype(receiver_dtype: Any, inference_dtype: Any) -> torch.dtype | None:
+    """``receiver_dtype`` as a torch dtype, checked against the ``inference_dtype`` given to the
+    scheme (``None``: not given here, the manifest's is checked at connect)."""
+    if receiver_dtype is None:
+        return None
+    try:
+        dtype = as_dtype(receiver_dtype)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{_OWNER}: receiver_dtype {receiver_dtype!r} is not a floating dtype the workers can "
+                         f"hold the weights in ({e})") from None
+    if inference_dtype is not None:
+        inference = as_dtype(inference_dtype)
+        if not holds_exactly(dtype, inference):
+            also = " or torch.float32" if inference == torch.bfloat16 else ""
+            raise ValueError(f"{_OWNER}: receiver_dtype {dtype} cannot hold every {inference} value (the "
+                             f"inference_dtype) exactly; use {inference}{also}, or None to keep the policy's dtype")
+    return dtype
+
+
 @register_weight_sync_backend("delta")
 class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
     """Lossless sparse weight sync for torchrl collectors through an object store.
@@ -105,7 +144,9 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
 
     Each ``update_policy_weights_()`` publishes one version: the elements whose bits changed in the
     inference dtype since the last published version (typically ~1% in bf16 at RL learning rates),
-    or every ``anchor_every`` versions a full anchor. Workers apply it bit-exactly in place.
+    or every ``anchor_every`` versions a full anchor. Workers apply it bit-exactly in place. Only
+    floating tensors are synced: a worker keeps its own integer buffers (BatchNorm's
+    ``num_batches_tracked``).
 
     Args:
         store: a store URI or path (``"runs/x/bucket"``, ``"s3://bucket/run"``, ...), opened with
@@ -210,6 +251,7 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
                            metrics_path=metrics_path, store_options=store_options)
         if prefix is not None:
             check_prefix(prefix, "DeltaWeightSyncScheme(prefix=...)")
+        _check_store_and_device(store, store_options, device)
         self.store_spec = store
         self.store_options = dict(store_options or {})
         self.prefix = prefix
@@ -220,7 +262,8 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         self.sender_config = _sender_config(sender_options, owner, config=sender_config)
         self.receiver_config = _receiver_config(receiver_options, owner,
                                                 config=receiver_config or _SCHEME_RECEIVER_CONFIG)
-        self.receiver_dtype = None if receiver_dtype is None else as_dtype(receiver_dtype)
+        self.receiver_dtype = _receiver_dtype(receiver_dtype, self.sender_config.inference_dtype
+                                              if "inference_dtype" in sender_options or sender_config else None)
         self.device = device
         self.sync = sync
         self.num_workers = num_workers

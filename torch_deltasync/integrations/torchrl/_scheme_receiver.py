@@ -63,7 +63,7 @@ class ReceiverSide:
         materialize(model, device=self.device or "cpu", dtype=self.receiver_dtype)
         store = self._open_store()
         metrics = self._metrics_path(str(self._worker_idx), self.receiver_config.metrics_path)
-        self._receiver = DeltaReceiver(ModuleTarget(named_tensors(model)), store, prefix=self.run_prefix,
+        self._receiver = DeltaReceiver(self._target(model), store, prefix=self.run_prefix,
                                        config=self.receiver_config, metrics_path=metrics)
         if self._acks is None and self.sync and self.num_workers:
             self._acks = StoreAcks(self.model_key)
@@ -136,10 +136,20 @@ class ReceiverSide:
         if tracker is not None:
             tracker.version = int(version)
 
+    def _target(self, model: nn.Module) -> ModuleTarget:
+        """The target of ``model``'s floating tensors; its other tensors (BatchNorm's
+        ``num_batches_tracked``: the sender publishes floating tensors only) stay the worker's own."""
+        tensors = named_tensors(model)
+        left = sorted(n for n, t in tensors.items() if not t.is_floating_point())
+        if left:
+            torchrl_logger.info(f"DeltaWeightSyncScheme worker {self._worker_idx}: not synced (not floating point): "
+                                f"{left[:5]}{' ...' if len(left) > 5 else ''}")
+        return ModuleTarget({n: t for n, t in tensors.items() if n not in left})
+
     def _retarget(self, old: nn.Module, new: nn.Module) -> None:
         with self._update_lock, self._gate.exclusive():
             materialize(new, device=self.device or "cpu", dtype=self.receiver_dtype)
-            inner = ModuleTarget(named_tensors(new))
+            inner = self._target(new)
             r = self._receiver
             if r.version is not None:
                 m = r.manifest(r.version)
