@@ -18,21 +18,23 @@ log = logging.getLogger("torch_deltasync")
 _warned: set[str] = set()
 
 
-def check_metrics_path(owner: str, path: str | os.PathLike | None) -> None:
-    """Refuse a ``metrics_path`` that cannot name a file.
+def check_metrics_path(what: str, path: str | os.PathLike | None) -> None:
+    """Refuse a metrics path that cannot name a file (``""`` and ``None``: no metrics).
+
+    Args:
+        what: the argument, for the message (``"SenderConfig.metrics_path"``, ``"--metrics"``).
 
     Raises:
         TypeError: not a path (``str`` or ``os.PathLike`` of ``str``) or ``None``.
-        ValueError: an existing folder (naming ``owner``, e.g. ``"SenderConfig"``).
+        ValueError: an existing folder.
     """
     if path is None:
         return
     if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
-        raise TypeError(f"{owner}.metrics_path must be a path (str or os.PathLike) or None, got {path!r}")
+        raise TypeError(f"{what} must be a path (str or os.PathLike) or None, got {path!r}")
     text = os.fspath(path)
     if text and os.path.isdir(text):
-        raise ValueError(f"{owner}.metrics_path {text!r} is a folder; give a file in it, e.g. "
-                         f"{os.path.join(text, 'metrics.jsonl')!r}")
+        raise ValueError(f"{what} {text!r} is a folder; give a file in it, e.g. {os.path.join(text, 'metrics.jsonl')!r}")
 
 
 def append_metrics(path: str | os.PathLike, record: dict[str, Any]) -> bool:

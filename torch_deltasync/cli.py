@@ -57,6 +57,16 @@ def _version(text: str) -> int:
     return v
 
 
+def _metrics_file(text: str) -> str:
+    from ._metrics import check_metrics_path
+
+    try:
+        check_metrics_path("the path", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:
@@ -427,10 +437,11 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll", type=_positive_finite_float, default=0.2, help="seconds between polls")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="stop after this many seconds without a new version (<= 0 or inf: never)")
-    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates (none: never)")
-    p.add_argument("--until", type=int, default=None,
+    p.add_argument("--max-updates", type=_positive_int, default=None, help="stop after this many updates (none: never)")
+    p.add_argument("--until", type=_version, default=None,
                    help="stop once this version (or a newer one) is held (none: never)")
-    p.add_argument("--metrics", default=None, help="append one JSON line per update to this file (none: no file)")
+    p.add_argument("--metrics", type=_metrics_file, default=None,
+                   help="append one JSON line per update to this file (none: no file)")
     p.add_argument("--verify", action="store_true", help="also recompute every checksum after each update")
 
 

@@ -33,6 +33,7 @@ dtype, which must have the same tensor names and shapes as the sender's).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -260,7 +261,7 @@ def follow(
 
     Raises:
         TypeError, ValueError: ``poll_s`` or ``idle_timeout_s`` is not a finite number of seconds
-            in range; ``metrics_path`` is a folder.
+            in range; ``metrics_path`` is a folder; ``model`` is a path to no folder.
         VersionNotFoundError: no version appeared within ``idle_timeout_s``.
         IncompatibleTargetError: ``model`` does not match the published tensors.
         StoreError: the store failed other than transiently (e.g. ``StoreNotFoundError``).
@@ -273,7 +274,10 @@ def follow(
 
     check_seconds(poll_s, "poll_s", "follow", positive=True)
     check_seconds(idle_timeout_s, "idle_timeout_s", "follow", positive=False, none_ok=True)
-    check_metrics_path("follow", metrics_path)
+    check_metrics_path("follow: metrics_path", metrics_path)
+    metrics_path = metrics_path or None  # "": no file, as in the configs
+    if model is not None and model.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(model)):
+        raise ValueError(f"follow: model {model!r} is no folder; give a checkpoint folder or a Hugging Face model id")
     out = out or sys.stdout
     st = open_store(store).sub(prefix)
     report = FollowReport()

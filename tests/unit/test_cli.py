@@ -178,10 +178,18 @@ def test_inspect_refuses_what_is_not_a_regular_file(tmp_path, capsys):
 def test_bad_arguments_are_refused_by_the_parser(capsys):
     for argv in (["demo", "--size", "nope"], ["demo", "--steps", "0"], ["follow", "x", "--poll", "-1"],
                  ["serve-buffer", "--port", "-1"], ["serve-buffer", "--port", "70000"],
-                 ["verify", "x", "--from-version", "-5"]):
+                 ["verify", "x", "--from-version", "-5"], ["follow", "x", "--max-updates", "-1"],
+                 ["follow", "x", "--until", "-1"], ["follow", "x", "--metrics", "."]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
+
+
+def test_follow_names_a_model_path_that_is_no_folder(tmp_path, capsys):
+    """``--model /nonexistent`` read as a mistyped Hugging Face repo id ("Repo id must use
+    alphanumeric chars"), after waiting for the first version."""
+    assert main(["follow", str(tmp_path), "--model", str(tmp_path / "nope")]) == 2
+    assert f"model '{tmp_path / 'nope'}' is no folder" in capsys.readouterr().err
 
 
 # --- verify and gc: every object of every version, and never the last sound way in ----------------

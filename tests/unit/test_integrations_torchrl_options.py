@@ -90,6 +90,9 @@ def test_scheme_refuses_a_bad_store_device_or_receiver_dtype_when_built(tmp_path
     with pytest.raises(ValueError, match=r"store_options \['endpoint'\] apply to a store URI, and the store given is "
                                          r"already open \(file://"):
         DeltaWeightSyncScheme(LocalStore(tmp_path), store_options={"endpoint": "x"})
+    with pytest.raises(ValueError, match=r"DeltaWeightSyncScheme: metrics_path '.*' is a folder; give a file in it"):
+        DeltaWeightSyncScheme(str(tmp_path), metrics_path=tmp_path)
+    DeltaWeightSyncScheme(str(tmp_path), metrics_path=tmp_path / "{worker}")  # a folder per worker: fine
     # a receiver that was not told the inference dtype takes the manifest's (checked at connect)
     assert DeltaWeightSyncScheme(str(tmp_path), receiver_dtype=torch.float16).receiver_dtype == torch.float16
     assert DeltaWeightSyncScheme(tmp_path, receiver_dtype="float32", inference_dtype="bf16",

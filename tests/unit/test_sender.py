@@ -222,7 +222,7 @@ def test_metrics_that_cannot_be_written_never_fail_a_publish_or_update(tmp_path,
         DeltaSender(weights, tmp_path / "b", metrics_path=tmp_path)
     with pytest.raises(ValueError, match=r"ReceiverConfig\.metrics_path '.*' is a folder"):
         DeltaReceiver({"a": torch.zeros(8, dtype=torch.bfloat16)}, tmp_path / "b", metrics_path=tmp_path)
-    with pytest.raises(ValueError, match=r"follow\.metrics_path '.*' is a folder"):
+    with pytest.raises(ValueError, match=r"follow: metrics_path '.*' is a folder"):
         follow(str(tmp_path / "b"), metrics_path=tmp_path)
     metrics = tmp_path / "m" / "metrics.jsonl"
     sender = DeltaSender(weights, tmp_path / "b", metrics_path=metrics)
@@ -238,3 +238,41 @@ def test_metrics_that_cannot_be_written_never_fail_a_publish_or_update(tmp_path,
     assert torch.equal(replica["a"].view(torch.int16), weights["a"].to(torch.bfloat16).view(torch.int16))
     warnings = [r.getMessage() for r in caplog.records if "cannot write metrics" in r.getMessage()]
     assert len(warnings) == 1 and str(metrics) in warnings[0]  # once per path
+
+
+def test_a_manifest_write_past_its_deadline_may_still_land(tmp_path):
+    """A manifest put past its deadline goes on in the background and lands later: it was reported
+    "not published, no partial version is visible" while receivers then applied it."""
+    import time
+
+    from torch_deltasync.keys import list_versions
+    from torch_deltasync.store import DeadlineStore
+
+    class SlowManifests(LocalStore):
+        slow = False
+
+        def put_new(self, key, data):
+            if self.slow and key.startswith("versions/"):
+                time.sleep(0.5)
+            super().put_new(key, data)
+
+    inner = SlowManifests(tmp_path / "b", fsync=False)
+    weights = {"a": torch.arange(64, dtype=torch.float32)}
+    sender = DeltaSender(weights, DeadlineStore(inner, 0.1))
+    sender.publish()
+    weights["a"][:3] += 1
+    inner.slow = True
+    with pytest.raises(PublishError, match=r"version 1 may or may not be visible \(.*no answer within 0\.1 s.*"
+                                           r"versions/000000000001\.json is not there yet\); the next publish is "
+                                           r"based on version 0"):
+        sender.publish()
+    inner.slow = False
+    deadline = time.monotonic() + 10
+    while list_versions(inner) != [0, 1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list_versions(inner) == [0, 1]  # it landed after all
+    weights["a"][5] += 1
+    assert sender.publish() == 2 and sender.last_stats.base_version == 0
+    replica = {"a": torch.zeros(64, dtype=torch.bfloat16)}
+    assert DeltaReceiver(replica, inner).update() == 2
+    assert torch.equal(replica["a"].view(torch.int16), weights["a"].to(torch.bfloat16).view(torch.int16))

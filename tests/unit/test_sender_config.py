@@ -264,6 +264,9 @@ def test_a_256_character_run_id_and_numpy_lease_work(tmp_path):
 def test_a_cuda_snapshot_without_cuda_is_refused_when_built():
     with pytest.raises(ValueError, match=r"snapshot_device 'cuda:0' cannot hold a snapshot on this machine \(no CUDA device\)"):
         SenderConfig(snapshot_device="cuda:0")
+    if torch.accelerator.current_accelerator(check_available=True) is None:  # 'mps' passed on any machine
+        with pytest.raises(ValueError, match=r"snapshot_device 'mps' cannot hold a snapshot on this machine \(no mps"):
+            SenderConfig(snapshot_device="mps")
 
 
 def test_misused_arguments_are_named(tmp_path, caplog):

@@ -488,3 +488,29 @@ def test_warm_compiles_every_kernel_a_commit_calls(tmp_path):
         assert rec.update(v[0]) == v[0]
         assert rec.update(v[2]) == v[2] and rec.last_stats.path == "delta" and rec.last_stats.changed > 0
     assert _compiled_signatures() == before
+
+
+def test_fp32_parameters_holding_values_that_are_no_bf16_values_fail_the_checksum(tmp_path):
+    """A vLLM parameter in fp32 for a bf16 run was cast to bf16 for its checksum: an fp32 value that
+    merely rounds to the published one (something else wrote it) passed ``assume()`` and the
+    partial checksums while the engine computed with another number."""
+    from torch_deltasync.errors import ChecksumMismatchError
+
+    spec = TINY_VLLM_CONFIGS["qwen3"]
+    hf = hf_model(spec, seed=2)
+    store = LocalStore(tmp_path / "bucket")
+    anchor_state = _bf16_state(hf)
+    v = _train_and_publish(hf, store, steps=1)
+    m = build_vllm_model(vllm_config(spec, tmp_path / "cfg"), 0, 1).to(torch.float32)
+    load_hf_weights(m, anchor_state, dtype=torch.float32)  # bf16 values, held exactly in fp32
+    rec = DeltaReceiver(VLLMTarget(m, moe_backends=CPU_MOE), store)
+    rec.assume(v[0])
+    m0 = load_manifest(store, v[0])
+    check_partials({t.name: t.checksum for t in m0.tensors}, [rec.partial_checksums()])
+    name, param = next((n, p) for n, p in m.named_parameters() if p.dim() == 2)
+    with torch.no_grad():
+        param.view(-1)[7] = torch.nextafter(param.view(-1)[7], torch.tensor(math.inf))  # rounds back to the same bf16
+    assert param.view(-1)[7].to(BF16) == param.view(-1)[7].to(BF16)
+    with pytest.raises(ChecksumMismatchError, match=r"is held in torch\.float32 and 1 of these \d+ elements are no "
+                                                    r"torch\.bfloat16 values"):
+        rec.partial_checksums()

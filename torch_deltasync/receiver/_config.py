@@ -68,4 +68,4 @@ class ReceiverConfig:
         check_threads(self.threads, "ReceiverConfig.threads")
         if type(self.recover) is not bool:
             raise TypeError(f"ReceiverConfig.recover must be a bool, got {self.recover!r}")
-        check_metrics_path("ReceiverConfig", self.metrics_path)
+        check_metrics_path("ReceiverConfig.metrics_path", self.metrics_path)

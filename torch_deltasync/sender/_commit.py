@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..checksum import combine
-from ..errors import ObjectExistsError, ObjectNotFoundError
+from ..errors import ObjectExistsError, ObjectNotFoundError, TransientStoreError
 from ..keys import LATEST_KEY, manifest_key, next_free_version
 from ..manifest import Manifest, ObjectEntry, TensorEntry
 from ..store import Store
@@ -101,24 +101,29 @@ def landed(store: Store, key: str, data: bytes, put_error: Exception, version: i
            base: int | None) -> dict[str, Any] | None:
     """After the put of ``version``'s manifest raised ``put_error``: read the key back. ``None``
     when it holds ``data`` (the reply was lost, not the write: the version is published); else
-    re-raise ``put_error`` when the key holds nothing (nothing is visible), or return the outcome
-    of a version that may be visible (the read failed too). Either way the next version is based
-    on the last one known to be published; its number is never used again."""
+    re-raise ``put_error`` when the key holds nothing and the put failed for good (nothing is
+    visible), or return the outcome of a version that may be visible: the read failed too, or the
+    put failed transiently (past its deadline, it may still be under way and land later). Either
+    way the next version is based on the last one known to be published; its number is never
+    used again."""
     try:
         back = store.get(key)
     except ObjectNotFoundError:
-        raise put_error from None
+        if not isinstance(put_error, TransientStoreError):
+            raise put_error from None
+        why = f"{key} is not there yet"
     except Exception as read_error:  # noqa: BLE001 - neither write nor read answered
-        return {"ok": False, "unknown": True,
-                "error": f"version {version} may or may not be visible (rank 0 manifest: {type(put_error).__name__}: "
-                         f"{put_error}; reading {key} back failed too ({type(read_error).__name__}: {read_error})); the "
-                         f"next publish is based on version {base} (a receiver that applied version {version} reaches "
-                         "it through an anchor)"}
-    if back != data:
-        raise put_error
-    log.warning("writing the manifest of version %d raised %s: %s, but it is in the store: published",
-                version, type(put_error).__name__, put_error)
-    return None
+        why = f"reading {key} back failed too ({type(read_error).__name__}: {read_error})"
+    else:
+        if back != data:
+            raise put_error
+        log.warning("writing the manifest of version %d raised %s: %s, but it is in the store: published",
+                    version, type(put_error).__name__, put_error)
+        return None
+    return {"ok": False, "unknown": True,
+            "error": f"version {version} may or may not be visible (rank 0 manifest: {type(put_error).__name__}: "
+                     f"{put_error}; {why}); the next publish is based on version {base} (a receiver that applied "
+                     f"version {version} reaches it through an anchor)"}
 
 
 def taken(store: Store, version: int) -> dict[str, Any]:

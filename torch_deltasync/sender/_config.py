@@ -131,10 +131,12 @@ class SenderConfig:
             except (RuntimeError, ValueError):
                 raise ValueError(f"SenderConfig.snapshot_device must be a device such as 'cpu' or 'cuda:0', got "
                                  f"{self.snapshot_device!r}") from None
-            if device.type == "meta" or (device.type == "cuda" and not torch.cuda.is_available()):
+            accelerator = torch.accelerator.current_accelerator(check_available=True)  # None: no device here
+            if device.type != "cpu" and (accelerator is None or device.type != accelerator.type):
+                why = ("(meta tensors hold no data)" if device.type == "meta" else
+                       f"on this machine (no {'CUDA' if device.type == 'cuda' else device.type} device)")
                 raise ValueError(f"SenderConfig.snapshot_device {self.snapshot_device!r} cannot hold a snapshot "
-                                 f"{'(meta tensors hold no data)' if device.type == 'meta' else 'on this machine (no CUDA device)'}; "
-                                 "use 'cpu' or None (each tensor's own device)")
+                                 f"{why}; use 'cpu' or None (each tensor's own device)")
         if not isinstance(self.codec, str):
             raise TypeError(f"SenderConfig.codec must be a codec name (str), got {self.codec!r}")
         name = self.codec_name  # "auto" without a valid link_gbps, or link_gbps with another codec
@@ -150,7 +152,7 @@ class SenderConfig:
         if self.run_id is not None and len(self.run_id) > MAX_RUN_ID_CHARS:
             raise ValueError(f"SenderConfig.run_id must be at most {MAX_RUN_ID_CHARS} characters, got "
                              f"{len(self.run_id)}")
-        check_metrics_path("SenderConfig", self.metrics_path)
+        check_metrics_path("SenderConfig.metrics_path", self.metrics_path)
         _check_optional("retention", self.retention, RetentionPolicy, "a RetentionPolicy or None")
         if not is_real_number(self.lease_s) or not (math.isfinite(self.lease_s) and self.lease_s >= MIN_LEASE_S):
             raise ValueError(f"SenderConfig.lease_s must be a positive number of seconds (finite, at least "

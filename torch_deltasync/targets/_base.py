@@ -12,7 +12,9 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Target", "TARGET_MEMBERS", "PreparedCommit", "allows_concurrent", "prepare_commit"]
+from ..errors import ChecksumMismatchError
+
+__all__ = ["Target", "TARGET_MEMBERS", "PreparedCommit", "allows_concurrent", "prepare_commit", "narrow_exactly"]
 
 #: The members a :class:`Target` has (what ``isinstance(obj, Target)`` checks).
 TARGET_MEMBERS = ("holds_all", "check", "read", "owned", "write", "assign", "finish", "checksum")
@@ -134,3 +136,25 @@ def allows_concurrent(target: object, calls: str) -> bool:
     ``owned``; ``"writes"``: :meth:`Target.write`) true, so a receiver may make those calls for
     several tensors at once (see :class:`Target`, "Threads")."""
     return bool(getattr(target, f"concurrent_{calls}", False))
+
+
+def narrow_exactly(values: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``values``, held in a wider floating dtype (vLLM parameters in fp32 for a bf16 run), cast to
+    ``dtype`` for a checksum, after checking that each one is a ``dtype`` value: the cast back gives
+    it again (NaNs aside). A wider value that merely rounds to the published one would pass the
+    checksum while the engine computes with another number.
+
+    Raises:
+        ChecksumMismatchError: naming tensor ``name`` and how many of its elements are no ``dtype``
+            values.
+    """
+    if values.dtype == dtype:
+        return values
+    out = values.to(dtype)
+    off = int(((out.to(values.dtype) != values) & ~torch.isnan(values)).sum())
+    if off:
+        raise ChecksumMismatchError(
+            f"tensor {name!r} is held in {values.dtype} and {off} of these {values.numel()} elements are no {dtype} "
+            f"values: it holds no published version (something else wrote it); update from an anchor "
+            "(verify_or_forget(), then update())")
+    return out

@@ -114,9 +114,7 @@ class ModuleTarget(Target):
 
     Raises:
         TypeError: ``model`` is neither a module nor a mapping; ``strict`` is not a bool.
-        IncompatibleTargetError: (``strict``) the model holds a non-floating tensor; the module's
-            ``state_dict()`` returns a tensor that is none of its parameters' or buffers' memory
-            (a state-dict hook that copies).
+        IncompatibleTargetError: (``strict``) the model holds a non-floating tensor.
     """
 
     concurrent_reads = True  # see Target: reads only look up and gather (the lookup takes a lock)
@@ -164,8 +162,7 @@ class ModuleTarget(Target):
         """Read the model's names and where each tensor lives (again after a submodule was replaced).
 
         Raises:
-            IncompatibleTargetError: (``strict``) a non-floating tensor; a ``state_dict()`` entry in
-                memory that is none of the module's parameters or buffers.
+            IncompatibleTargetError: (``strict``) a non-floating tensor.
         """
         model = self._source
         tensors = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
@@ -184,18 +181,10 @@ class ModuleTarget(Target):
         self._other = {n for n, _ in other}
         self._names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
         self._owners = _owners(model, tensors) if isinstance(model, nn.Module) else {}
-        # Entries the owner lookup cannot reach (state-dict hooks that rename them): kept as given,
-        # if they are the module's memory (a hook that returns copies would have every write lost).
+        # Entries the owner lookup cannot reach (state-dict hooks that rename them): kept as given
+        # (check() refuses the written ones that are no memory of the module: copies).
         self._fixed = ({n: tensors[n] for n in self._names if n not in self._owners}
                        if isinstance(model, nn.Module) else {})
-        if self._fixed:
-            own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
-            copies = [n for n, t in self._fixed.items() if t.numel() and t.untyped_storage().data_ptr() not in own]
-            if copies:
-                raise IncompatibleTargetError(
-                    f"the receiving module's state_dict() returns {copies[0]!r} in memory that is none of its "
-                    f"parameters or buffers ({len(copies)} such tensors; e.g. a state-dict hook that casts or "
-                    "copies): writes to it would not reach the model. Pass a {name: live tensor} mapping instead")
 
     def _get(self, name: str) -> torch.Tensor:
         """The tensor (or parameter) the model holds under ``name`` now."""
@@ -315,8 +304,9 @@ class ModuleTarget(Target):
                 if tuple(t.shape) != shapes[canon]:
                     raise IncompatibleTargetError(f"alias {alias!r} has shape {tuple(t.shape)}, expected {shapes[canon]}")
                 mirrors.setdefault(canon, []).append(alias)
-        _refuse_shared_memory(tensors, [n for n in shapes if tensors[n].numel()] +
-                              [a for m in mirrors.values() for a in m])
+        written = [n for n in shapes if tensors[n].numel()] + [a for m in mirrors.values() for a in m]
+        _refuse_shared_memory(tensors, written)
+        self._refuse_copies([n for n in written if n in self._fixed])
         if self.strict:
             covered = set(shapes) | set(aliases)
             extra = [n for n in tensors if n not in covered]
@@ -337,6 +327,24 @@ class ModuleTarget(Target):
         self._mirrors, self._codecs = mirrors, codecs
         self._keys = {n: _identity(tensors[n]) for n in codecs}
         self._checked = (dict(shapes), dict(aliases), dtype)
+
+    def _refuse_copies(self, names: list[str]) -> None:
+        """Refuse written ``state_dict()`` entries of a module that are none of its parameters' or
+        buffers' memory (a state-dict hook that casts or copies): every write would be lost.
+
+        Raises:
+            IncompatibleTargetError: naming the first such entry.
+        """
+        if not names:
+            return
+        model = self._source
+        own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+        copies = [n for n in names if self._fixed[n].untyped_storage().data_ptr() not in own]
+        if copies:
+            raise IncompatibleTargetError(
+                f"the receiving module's state_dict() returns {copies[0]!r} in memory that is none of its parameters "
+                f"or buffers ({len(copies)} such tensors; e.g. a state-dict hook that casts or copies): writes to it "
+                "would not reach the model. Pass a {name: live tensor} mapping instead")
 
     def _targets(self, name: str) -> list[str]:
         return [name] + self._mirrors.get(name, [])
@@ -447,7 +455,7 @@ class ModuleTarget(Target):
                         "verify_or_forget() and update() to rebuild it from an anchor")
             if n != name:
                 other = codec.from_storage_bits(self._stored_bits(t))
-                differ = int(torch.count_nonzero(bits(other) != bits(values)))
+                differ = int(torch.count_nonzero(bits(other).to(values.device) != bits(values)))
                 if differ:
                     raise ChecksumMismatchError(
                         f"tensor {n!r}, written as an untied copy of {name!r}, differs from it at {differ} of "

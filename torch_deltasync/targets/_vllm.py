@@ -81,7 +81,7 @@ from torch import nn
 from .. import _native, _native_apply
 from ..checksum import checksum as _checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
-from ._base import Target
+from ._base import Target, narrow_exactly
 
 from ._vllm_layout import DEFAULT_MOE_BACKENDS, _Entry, _flat, _holds_exactly, _Place, _same_tensor, _VLLMLayout
 
@@ -327,7 +327,7 @@ class VLLMTarget(_VLLMLayout, Target):
         total = 0
         for gidx, local in self._walk(e, p):
             vals = flat[local]
-            total += _checksum(vals if vals.dtype == dtype else vals.to(dtype), gidx)
+            total += _checksum(narrow_exactly(vals, dtype, name), gidx)
         return total & ((1 << 64) - 1)
 
     # --- introspection ---------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from .._dtypes import bits
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from . import _vllm_ahead as ahead
-from ._base import Target
+from ._base import Target, narrow_exactly
 from ._vllm import VLLMTarget
 
 __all__ = ["VLLMEngineTarget"]
@@ -449,7 +449,7 @@ class VLLMEngineTarget(Target):
     def checksum(self, name: str, dtype: torch.dtype) -> int:
         """Full checksum of the host copy of ``name`` (every element: the target ``holds_all``)."""
         host = self._host(name)
-        return tensor_checksum(host if host.dtype == dtype else host.to(dtype))
+        return tensor_checksum(narrow_exactly(host, dtype, name))
 
     # --- introspection ---------------------------------------------------------------------------
 

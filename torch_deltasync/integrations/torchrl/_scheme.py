@@ -20,6 +20,7 @@ from torchrl.weight_update.utils import _resolve_model
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme, register_weight_sync_backend
 
 from ..._dtypes import as_dtype
+from ..._metrics import check_metrics_path
 from ..._units import check_seconds
 from ...acks import AckBook, StoreAcks
 from ...receiver import DeltaReceiver, ReceiverConfig
@@ -83,6 +84,8 @@ def _check_own_options(*, sync: Any, num_workers: Any, ack_timeout_s: Any, poll_
                                          and isinstance(os.fspath(metrics_path), str)):
         raise TypeError(f"{_OWNER}: metrics_path must be a path (str or os.PathLike; '{{worker}}' is replaced by "
                         f"the worker index) or None, got {type(metrics_path).__name__} {metrics_path!r}")
+    if metrics_path is not None and "{worker}" not in os.fspath(metrics_path):
+        check_metrics_path(f"{_OWNER}: metrics_path", metrics_path)
     if store_options is not None:
         if not isinstance(store_options, Mapping):
             raise TypeError(f"{_OWNER}: store_options must be a dict of open_store options (endpoint, "
