@@ -22,7 +22,7 @@ def check_metrics_path(what: str, path: str | os.PathLike | None) -> None:
     """Refuse a metrics path that cannot name a file (``""`` and ``None``: no metrics).
 
     Args:
-        what: the argument, for the message (``"SenderConfig.metrics_path"``, ``"--metrics"``).
+        what: the argument, for the message (``"SenderConfig.metrics_path"``; the CLI: ``"the path"``).
 
     Raises:
         TypeError: not a path (``str`` or ``os.PathLike`` of ``str``) or ``None``.

@@ -40,7 +40,7 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
         The outcome rank 0 broadcasts: ``{"ok": True, "nbytes", "changed", "anchor_nbytes",
         "delta_nbytes"}``, or ``{"ok": False, "error"}`` (plus ``"next_version"`` when another writer
         already uses this version number: continue after it, with an anchor; ``"unknown": True``
-        when the manifest's write and its read-back both failed, see :func:`landed`). Never raises.
+        when the manifest's write failed but it may be visible, see :func:`landed`). Never raises.
     """
     if any(r.get("taken") for r in gathered):
         return taken(store, job.version)
