@@ -49,12 +49,13 @@ def _positive_int(text: str) -> int:
 
 
 def _version(text: str) -> int:
-    from .keys import MAX_VERSION
+    from .keys import check_version
 
-    v = int(text)
-    if not 0 <= v <= MAX_VERSION:
-        raise argparse.ArgumentTypeError(f"must be a version number in [0, {MAX_VERSION}], got {text}")
-    return v
+    v = int(text)  # not a number: argparse's own "invalid ... value"
+    try:
+        return check_version(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _metrics_file(text: str) -> str:

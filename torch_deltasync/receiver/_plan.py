@@ -93,9 +93,7 @@ def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manife
             best = (deltas + m.anchor_nbytes, i, "anchor")
         if not m.has_delta:
             if best is None:  # every anchor on the way here failed to load
-                raise CorruptObjectError(
-                    f"{where}: no other anchor leads to version {head.version}: the chain's anchors "
-                    f"{sorted(exclude_anchors)} failed to load and version {m.version} is the first of its chain")
+                raise _no_other_anchor(where, head, exclude_anchors, f"version {m.version} is the first of its chain")
             break  # a run's first anchor (or one after a reshape): nothing older leads here
         deltas += m.delta_nbytes
         base = m.base_version
@@ -130,9 +128,7 @@ def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manife
             if best is not None:
                 break  # retention removed the older chain; the candidates found suffice
             if exclude_anchors:
-                raise CorruptObjectError(
-                    f"{where}: no other anchor leads to version {head.version}: the chain's anchors "
-                    f"{sorted(exclude_anchors)} failed to load and version {base}, older, is not retained") from None
+                raise _no_other_anchor(where, head, exclude_anchors, f"version {base}, older, is not retained") from None
             raise VersionNotFoundError(
                 f"{where}: version {head.version} needs version {base}, which is not in the store "
                 "(retention removed it, or it was deleted); update to a newer version, or, if "
@@ -151,3 +147,10 @@ def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manife
         m = older
     assert best is not None  # the walk ends at an anchor (Manifest: every delta has a base)
     return chain, best[1], best[2], why
+
+
+def _no_other_anchor(where: str, head: Manifest, excluded: Collection[int], end: str) -> CorruptObjectError:
+    """The error of a walk that finds no anchor but the ones excluded (they failed to load), and
+    ends where ``end`` says."""
+    return CorruptObjectError(f"{where}: no other anchor leads to version {head.version}: the chain's anchors "
+                              f"{sorted(excluded)} failed to load and {end}")
