@@ -293,8 +293,8 @@ def _verify(args: argparse.Namespace) -> int:
     of an anchor reached through the anchor has its objects checked (size, sha256, structure). A
     version the replay reaches only by recovering (its planned path failed) is reported FAILED
     with why; the replay goes on from it, as a follower would."""
-    from .errors import DeltaSyncError
-    from .keys import list_versions
+    from .errors import DeltaSyncError, VersionNotFoundError
+    from .keys import list_versions, manifest_key
     from .manifest import load_manifest
     from .receiver import DeltaReceiver
 
@@ -315,7 +315,7 @@ def _verify(args: argparse.Namespace) -> int:
             unreadable[v] = e
     target = shapes.zeros() if shapes is not None else None
     receiver = DeltaReceiver(target, store) if target is not None else None
-    failures = 0
+    failures = deleted = 0
     for v in versions:
         try:
             if receiver is None:
@@ -329,12 +329,20 @@ def _verify(args: argparse.Namespace) -> int:
                 continue
             checked = _check_rest(target, store, receiver.manifest(v), st.path)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked})")
+        except VersionNotFoundError as e:
+            if store.exists(manifest_key(v)):  # still there: what it needs is gone
+                failures += 1
+                print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")
+            else:  # collected (retention) since it was listed: nothing to verify
+                deleted += 1
+                print(f"version {v:>8}: deleted meanwhile")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             failures += 1
             print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")
     if receiver is not None:
         receiver.close()
-    print(f"{len(versions) - failures}/{len(versions)} versions verified")
+    print(f"{len(versions) - failures - deleted}/{len(versions)} versions verified"
+          + (f", {deleted} deleted meanwhile" if deleted else ""))
     return 1 if failures else 0
 
 
@@ -389,6 +397,9 @@ def _gc(args: argparse.Namespace) -> int:
     store = _open_existing(args)
     policy = RetentionPolicy(keep_anchors=args.keep_anchors, grace_s=args.grace_s, verify_cut=not args.no_verify)
     plan = collect_garbage(store, policy, dry_run=args.dry_run)
+    if plan.newest is None:
+        print(f"{store.describe()}: no versions here (check the path and --prefix); nothing to delete")
+        return 1
     print(plan)
     if plan.empty:
         print("nothing to delete")

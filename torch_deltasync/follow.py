@@ -43,6 +43,7 @@ from typing import Any, Callable, TextIO, TypeVar
 
 from ._metrics import append_metrics, check_metrics_path
 from ._units import check_seconds, format_bytes
+from .errors import DeltaSyncError
 
 __all__ = ["follow", "FollowReport", "follow_newer", "poll_until", "wait_for_newer"]
 
@@ -106,7 +107,9 @@ def wait_for_newer(
             means nothing is visible, e.g. while the store is unavailable. Its errors propagate.
 
     Returns:
-        The newest visible version (``!= receiver.version``, not skipped), or ``None``.
+        The newest visible version (not skipped) when the receiver does not hold it: another
+        ``version``, or the same number published again by a new run on a wiped prefix
+        (:meth:`~torch_deltasync.DeltaReceiver.needs_update`); else ``None``.
 
     Raises:
         TypeError, ValueError: ``poll_s`` or ``idle_timeout_s`` is not a finite number of seconds
@@ -120,7 +123,7 @@ def wait_for_newer(
         newest = read()
         if newest is not None and newest != last_seen:
             last_seen, last_new = newest, time.monotonic()
-        if newest is not None and newest != receiver.version and not (skip is not None and skip(newest)):
+        if newest is not None and _differs(receiver, newest) and not (skip is not None and skip(newest)):
             return newest
         if stop is not None and stop.is_set():
             return None
@@ -134,6 +137,18 @@ def wait_for_newer(
             stop.wait(delay)
         else:
             time.sleep(delay)
+
+
+def _differs(receiver: Any, newest: int) -> bool:
+    """Whether ``newest`` is not what ``receiver`` holds; a store failure while asking (a ranged
+    read of the held manifest's digest) counts as "holds it": the next poll asks again."""
+    if newest != receiver.version:
+        return True
+    try:
+        return receiver.needs_update(newest)
+    except DeltaSyncError as e:
+        log.debug("could not tell whether version %d was published again: %s", newest, e)
+        return False
 
 
 def follow_newer(
@@ -240,6 +255,11 @@ def follow(
 ) -> FollowReport:
     """Follow a run: wait for versions and apply each newest one to a local model.
 
+    A version that fails (a damaged object or manifest) is reported once and not retried; the
+    model keeps what it held and the next newer version is planned from it. At start the model is
+    shaped by the newest manifest that parses (a damaged newest one is reported, and the newest
+    readable version applied first).
+
     Args:
         store: a :class:`~torch_deltasync.store.Store` or anything ``open_store`` accepts.
         prefix: the run's prefix inside the store.
@@ -300,12 +320,22 @@ def follow(
 
     deadline = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
     first = None
+    failed: dict[int, str] = {}  # versions whose update (or manifest) failed: not retried
     while first is None:
         ok, versions = reachable(lambda: list_versions(st))
-        if ok and versions:
-            ok, first = reachable(lambda: load_manifest(st, versions[-1]))
-            if ok:
-                break
+        for v in reversed(versions if ok else []):  # the model is shaped by the newest manifest that parses
+            try:
+                ok, first = reachable(lambda: load_manifest(st, v))
+            except VersionNotFoundError:
+                continue  # collected meanwhile
+            except DeltaSyncError as e:  # reported, and the follower starts from an older version
+                if v not in failed:
+                    failed[v] = f"{type(e).__name__}: {e}"
+                    print(f"version {v:>7} FAILED: {failed[v]} (starting from an older version)", file=out, flush=True)
+                continue
+            break
+        if first is not None:
+            break
         if deadline is not None and time.monotonic() > deadline:
             why = st.absent() if ok else None
             raise VersionNotFoundError(f"{st.describe()}: no version appeared within {idle_timeout_s} s"
@@ -315,12 +345,14 @@ def follow(
     receiver = DeltaReceiver(report.model, st, metrics_path=metrics_path)
     print(f"following {st.describe()}: {len(first.tensors)} tensors, {first.numel:,} elements, "
           f"{first.inference_dtype}", file=out, flush=True)
-    failed: set[int] = set()
+    report.failures += [f"version {v}: {why}" for v, why in failed.items()]
+    start = first.version if failed else None  # the newest is unreadable: apply the newest that is
     while max_updates is None or len(report.versions) < max_updates:
         if until_version is not None and receiver.version is not None and receiver.version >= until_version:
             break
-        newest = wait_for_newer(receiver, poll_s=poll_s, idle_timeout_s=idle_timeout_s, skip=failed.__contains__,
-                                read=lambda: reachable(receiver.newest_version)[1])
+        newest, start = start if start is not None else wait_for_newer(
+            receiver, poll_s=poll_s, idle_timeout_s=idle_timeout_s, skip=failed.__contains__,
+            read=lambda: reachable(receiver.newest_version)[1]), None
         if newest is None:
             break
         try:
@@ -332,7 +364,7 @@ def follow(
                 receiver.verify()
         except DeltaSyncError as e:
             # not retried: the model keeps its version and the next newer version is planned from it
-            failed.add(newest)
+            failed[newest] = f"{type(e).__name__}: {e}"
             report.failures.append(f"version {newest}: {type(e).__name__}: {e}")
             print(f"version {newest:>7} FAILED: {type(e).__name__}: {e} ({'model still at version ' + str(receiver.version) if receiver.version is not None else 'model holds no version yet'})",
                   file=out, flush=True)

@@ -59,6 +59,11 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+#: What to do about an object that fails its check (the end of the messages below).
+_DAMAGED = ("damaged or replaced in the store: receivers take another path where one exists (an anchor), else "
+            "the writer's next anchor rebuilds them; `deltasync verify` lists every damaged version")
+
+
 def verify_bytes(data: bytes, entry: ObjectEntry, where: str) -> None:
     """Check an object's size and sha256 against its manifest entry.
 
@@ -66,10 +71,10 @@ def verify_bytes(data: bytes, entry: ObjectEntry, where: str) -> None:
         CorruptObjectError: size or digest differ (truncated, corrupted or replaced object).
     """
     if len(data) != entry.nbytes:
-        raise CorruptObjectError(f"{where}: {entry.key} is {len(data)} bytes, manifest says {entry.nbytes}")
+        raise CorruptObjectError(f"{where}: {entry.key} is {len(data)} bytes, manifest says {entry.nbytes} ({_DAMAGED})")
     digest = sha256_hex(data)
     if digest != entry.sha256:
-        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {digest}, manifest says {entry.sha256}")
+        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {digest}, manifest says {entry.sha256} ({_DAMAGED})")
 
 
 def verify_stored(store, entry: ObjectEntry, where: str, *, part_nbytes: int = 64 << 20) -> None:
@@ -89,7 +94,7 @@ def verify_stored(store, entry: ObjectEntry, where: str, *, part_nbytes: int = 6
     """
     size = store.size(entry.key)
     if size != entry.nbytes:
-        raise CorruptObjectError(f"{where}: {entry.key} is {size} bytes, manifest says {entry.nbytes}")
+        raise CorruptObjectError(f"{where}: {entry.key} is {size} bytes, manifest says {entry.nbytes} ({_DAMAGED})")
     h = hashlib.sha256()
     for start in range(0, entry.nbytes, part_nbytes):
         end = min(start + part_nbytes, entry.nbytes)
@@ -98,7 +103,7 @@ def verify_stored(store, entry: ObjectEntry, where: str, *, part_nbytes: int = 6
             raise CorruptObjectError(f"{where}: {entry.key} bytes [{start}, {end}) read as {len(data)} bytes")
         h.update(data)
     if h.hexdigest() != entry.sha256:
-        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {h.hexdigest()}, manifest says {entry.sha256}")
+        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {h.hexdigest()}, manifest says {entry.sha256} ({_DAMAGED})")
 
 
 def _metadata(kind: str, version: int, rank: int, world: int, dtype: torch.dtype, extra: dict) -> dict[str, str]:

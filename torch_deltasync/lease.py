@@ -16,7 +16,10 @@ models without noticing. So a sender owns its prefix while it runs:
   writer died without ``close()``), is malformed, or is missing is claimed;
 * before writing each manifest the owner reads the record again: if another writer took the prefix
   over, the publish is refused (:class:`~torch_deltasync.errors.PrefixInUseError`) and so is every
-  later one, so at most the version in flight at the moment of a takeover lands after it.
+  later one, so at most the version in flight at the moment of a takeover lands after it. A record
+  that is gone is written again only while the owner's own lease is live; an owner whose lease ran
+  out (a paused process, a partition) cannot tell whether another writer claimed the prefix,
+  published and closed meanwhile, so it refuses as after a takeover.
 
 The record is advisory for readers (they never read it) and kept by retention. The renewal is a
 read followed by a write, not a compare-and-swap: a takeover that lands between the two is undone by
@@ -150,6 +153,7 @@ class PrefixLease:
         self.store = store
         self.record = OwnerRecord(run_id, uuid.uuid4().hex, socket.gethostname(), os.getpid(), 0.0, float(lease_s))
         self._lost: str | None = None  # why the prefix is no longer ours
+        self._written_at = 0.0  # time.time() of the stamp of our last record that landed
         self._stop = threading.Event()
         self._io = threading.Lock()  # a renewal and the release never interleave
         self._claim(takeover)
@@ -168,9 +172,8 @@ class PrefixLease:
 
     def _claim(self, takeover: bool) -> None:
         now = time.time()
-        mine = self._stamped(now)
         try:
-            self.store.put_new(OWNER_KEY, mine)
+            self._put(self.store.put_new)
             return
         except ObjectExistsError:
             pass
@@ -186,11 +189,18 @@ class PrefixLease:
             )
         if other is not None and other.live(now):
             log.warning("%s: taking over from %s", self.store.describe(), other.describe(now))
-        self.store.put(OWNER_KEY, mine)
+        self._put(self.store.put)
 
     def _stamped(self, now: float) -> bytes:
         self.record = OwnerRecord(**{**asdict(self.record), "renewed_at": now})
         return self.record.to_json()
+
+    def _put(self, put) -> None:
+        """Write a freshly stamped record with ``put`` (``store.put`` or ``store.put_new``); once it
+        landed, the lease counts from that stamp."""
+        stamp = time.time()
+        put(OWNER_KEY, self._stamped(stamp))
+        self._written_at = stamp
 
     def check(self) -> None:
         """Confirm the prefix is still ours (reads the record once).
@@ -202,18 +212,27 @@ class PrefixLease:
         """
         if self._lost is None:
             other = read_owner(self.store)
-            if other is None and not self._stop.is_set():
-                # Deleted (or garbled) by someone else, not claimed: claim it again, unless another
-                # writer gets there first.
+            now = time.time()
+            if other is None and not self._stop.is_set() and now - self._written_at >= self.record.lease_s:
+                # Our own lease ran out before the record went (this process was paused or cut off
+                # from the store): another writer may have taken the prefix over, published and
+                # closed meanwhile. Claiming it again would interleave the two runs.
+                self._lost = (f"{self.store.describe()}: this writer's lease expired ({now - self._written_at:.1f} s "
+                              f"since its last renewal, lease {self.record.lease_s:g} s: the process was paused "
+                              "or could not reach the store) and its OWNER record is gone, so another writer "
+                              "may have used the prefix meanwhile")
+                self._stop.set()
+            elif other is None and not self._stop.is_set():
+                # Deleted (or garbled) by someone else while our lease was live: claim it again,
+                # unless another writer gets there first.
                 try:
-                    self.store.put_new(OWNER_KEY, self._stamped(time.time()))
+                    self._put(self.store.put_new)
                     return
                 except ObjectExistsError:
                     other = read_owner(self.store)
                     if other is not None and other.session == self.session:
                         return
-            if other is None or other.session != self.session:
-                now = time.time()
+            if self._lost is None and (other is None or other.session != self.session):
                 self._lost = (f"{self.store.describe()} was taken over by "
                               + (other.describe(now) if other is not None else "another writer (unreadable record)"))
                 self._stop.set()
@@ -233,7 +252,7 @@ class PrefixLease:
         with self._io:
             self.check()
             if not self._stop.is_set():
-                self.store.put(OWNER_KEY, self._stamped(time.time()))
+                self._put(self.store.put)
 
     def release(self) -> None:
         """Stop renewing and delete the record if it is still ours. Idempotent; store errors are

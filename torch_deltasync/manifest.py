@@ -52,6 +52,7 @@ MAX_MANIFEST_BYTES = 256 << 20
 _MANIFEST_HEAD_BYTES = 1 << 20
 #: The start of a manifest with a digest: ``{"digest": "sha256:<64 hex>",`` (docs/format.md §3).
 _DIGEST_PREFIX = re.compile(rb'\{"digest": "sha256:([0-9a-f]{64})",')
+_DIGEST_NBYTES = len(b'{"digest": "sha256:",') + 64
 #: Top-level members of manifests written before digests: a manifest without a digest may have no
 #: other member (so a digest whose name is damaged cannot pass as an old manifest).
 _UNSEALED_FIELDS = frozenset({
@@ -93,6 +94,26 @@ def load_manifest(store, version: int) -> "Manifest":
     except ObjectNotFoundError:
         raise VersionNotFoundError(f"{store.describe()}: version {version} is not visible") from None
     return Manifest.from_json(data, expected_version=version, where=where)
+
+
+def read_digest(store, version: int) -> str | None:
+    """The digest the stored manifest of ``version`` carries (``"sha256:<hex>"``), read from its
+    first bytes in one ranged request (the digest is its first member, docs/format.md §3); ``None``
+    for a manifest without one (written before digests, or damaged: :func:`load_manifest` tells).
+    Cheap enough to ask on every poll whether a manifest is still the one read before.
+
+    Raises:
+        VersionNotFoundError: the version is not visible.
+        StoreError: the store failed.
+    """
+    from .errors import ObjectNotFoundError, VersionNotFoundError
+
+    try:
+        data = store.get(manifest_key(check_version(version)), start=0, end=_DIGEST_NBYTES)
+    except ObjectNotFoundError:
+        raise VersionNotFoundError(f"{store.describe()}: version {version} is not visible") from None
+    m = _DIGEST_PREFIX.match(data)
+    return f"sha256:{m.group(1).decode()}" if m is not None else None
 
 
 def seal_manifest(doc: dict) -> bytes:
@@ -223,6 +244,9 @@ class Manifest:
         aliases: tied names, ``{alias: canonical}``: the alias holds the same tensor and is not shipped.
         stats: informational numbers (changed elements, bytes, timings); never trusted for safety.
         created_at: Unix time in seconds.
+        digest: ``"sha256:<hex>"``, the digest the stored manifest carries (read from the store;
+            ``None`` for manifests written before digests and for one built in memory). Not part of
+            equality: two manifests with the same fields are equal.
     """
 
     version: int
@@ -237,6 +261,7 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
+    digest: str | None = field(default=None, compare=False, repr=False)
 
     # --- derived ---------------------------------------------------------------------------------
 
@@ -437,7 +462,7 @@ class Manifest:
             codec=codec, inference_dtype=dtype, run_id=run_id, tensors=tuple(tensors),
             objects=tuple(objects), aliases=dict(aliases),
             stats=stats if isinstance(stats, dict) else {},
-            created_at=float(created),
+            created_at=float(created), digest=doc.get("digest"),
         )
 
 

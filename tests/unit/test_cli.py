@@ -406,3 +406,20 @@ def test_demo_byte_counts_are_the_stored_objects(tmp_path, capsys):
     assert main(["ls", str(store.root)]) == 0
     listed = capsys.readouterr().out.splitlines()[1:]  # version, kind, base (blank for 0), bytes, ...
     assert [int(line[23:35].replace(",", "")) for line in listed] == [int(r[4].replace(",", "")) for r in rows]
+
+
+def test_verify_reports_versions_collected_meanwhile_as_deleted(run, capsys, monkeypatch):
+    """Retention collected versions 0-2 between verify's listing and their replay: they were
+    reported FAILED (VersionNotFoundError) and verify exited 1, though nothing was damaged."""
+    import torch_deltasync.keys as keys
+
+    store, _, _ = run
+    listed = keys.list_versions(store)
+    for v in (0, 1, 2):
+        store.delete(f"versions/{v:012d}.json")
+    monkeypatch.setattr(keys, "list_versions", lambda s: listed)  # the listing from before the collection
+    assert main(["verify", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
+    assert all(lines[v].endswith(": deleted meanwhile") for v in (0, 1, 2))
+    assert all(": ok (" in lines[v] for v in (3, 4)) and "2/5 versions verified, 3 deleted meanwhile" in out

@@ -81,6 +81,26 @@ def test_corrupt_version_is_reported_once_and_skipped(tmp_path, capsys):
     assert first_difference(report.model, {n: t.to(torch.bfloat16) for n, t in w.items()}) is None
 
 
+def test_a_damaged_newest_manifest_does_not_stop_a_follower_from_starting(tmp_path):
+    """The newest manifest was a 0-byte file: follow() (and `deltasync follow`) exited at start
+    with its JSON error, although versions 0-2 were fine. It is reported once and the follower
+    applies the newest readable version."""
+    store = LocalStore(tmp_path)
+    w = _weights()
+    sender = DeltaSender(w, store, anchor_every=100)
+    for k in range(4):
+        _step(w, k)
+        sender.publish()
+        if k == 2:
+            at_2 = {n: t.to(torch.bfloat16) for n, t in w.items()}
+    store.put("versions/000000000003.json", b"")
+    out = io.StringIO()
+    report = follow(store, idle_timeout_s=0.3, poll_s=0.01, out=out)
+    assert report.versions == [2] and len(report.failures) == 1 and "version 3: CorruptObjectError" in report.failures[0]
+    assert out.getvalue().count("FAILED") == 1 and "(starting from an older version)" in out.getvalue()
+    assert first_difference(report.model, at_2) is None
+
+
 class _Outages(PassThroughStore):
     """A store that answers HTTP 503 (as a :class:`TransientStoreError`, the store's retries spent)
     to its next ``left`` calls; ``hook(key)`` runs before every ``get`` and may start an outage."""

@@ -17,6 +17,7 @@ from torch_deltasync._ranks import run_ranks
 from torch_deltasync.lease import OWNER_KEY, PrefixLease, read_owner
 from torch_deltasync.keys import list_versions
 from torch_deltasync.manifest import load_manifest
+from torch_deltasync.store.faults import FaultyStore
 
 from remote_helpers import StepModel, bits_of, empty_target
 
@@ -93,6 +94,32 @@ def test_a_deleted_record_is_claimed_again(tmp_path):
     assert publish(sender, a, 1) == 1
     assert read_owner(store).session == sender._lease.session
     sender.close()
+
+
+def test_a_writer_whose_lease_ran_out_does_not_claim_the_prefix_again(tmp_path):
+    """A writer cut off from the store (a paused process, a partition) for longer than its lease:
+    another writer claimed the expired prefix, published and closed (deleting OWNER). The first
+    one, back, must not claim the prefix again: its versions would follow the other run's and
+    receivers would switch back to the stale model."""
+    inner = LocalStore(tmp_path / "b", fsync=False)
+    cut = FaultyStore(inner, error_rate=0.0)  # the first writer's view of the store
+    a, b = StepModel(seed=11), StepModel(seed=12)
+    sa = DeltaSender(a.tensors, cut, lease_s=0.4)
+    assert publish(sa, a, 0) == 0
+    cut.error_rate = 1.0  # its renewals fail from here on: the record expires
+    time.sleep(0.7)
+    sb = DeltaSender(b.tensors, inner)  # an expired record: claimed without takeover
+    assert [publish(sb, b, s) for s in (1, 2)] == [1, 2]
+    sb.close()
+    assert read_owner(inner) is None
+    cut.error_rate = 0.0
+    for step in (3, 4):
+        with pytest.raises(PrefixInUseError, match=r"this writer's lease expired \([0-9.]+ s since its last renewal, "
+                                                   r"lease 0.4 s.*OWNER record is gone.*takeover=True"):
+            publish(sa, a, step)
+    assert read_owner(inner) is None  # not claimed again
+    assert [load_manifest(inner, v).run_id for v in list_versions(inner)] == [sa.run_id] + [sb.run_id] * 2
+    sa.close()
 
 
 @pytest.mark.parametrize("record, reason", [

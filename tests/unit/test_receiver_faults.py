@@ -233,8 +233,9 @@ def test_recovery_avoids_what_failed_and_never_retries_a_damaged_delta_part(stor
     counting.reads.clear()
     with pytest.raises(CorruptObjectError, match=f"version 7: {delta7} is 10 bytes"):
         fresh.update(8)
-    # one attempt (anchor 6, deltas 7 and 8; a bad read is read 3 times): anchors 3 and 0 never read
-    assert set(counting.reads) == {anchor6, delta7, next(o.key for o in receiver.manifest(8).delta_objects)}
+    # one attempt (anchor 6, deltas 7 and 8; a bad read is read 3 times): anchors 3 and 0 never read.
+    # Delta 8 is downloaded in parallel and may be cancelled by delta 7's failure before it is read.
+    assert {anchor6, delta7} <= set(counting.reads) <= {anchor6, delta7, next(o.key for o in receiver.manifest(8).delta_objects)}
     assert counting.reads[anchor6] == 1
 
 
@@ -398,6 +399,61 @@ def test_receiver_recovers_after_the_bucket_is_wiped_and_a_new_run_starts(store)
         sender.publish()
     assert receiver.update() == 4
     assert first_difference(trainer, replica) is None
+
+
+def test_a_new_run_reusing_the_held_version_number_is_not_taken_for_it(store):
+    """The prefix was wiped and a new run published up to exactly the version the receiver holds:
+    update() returned it as held ("noop"), verify() passed against the cached manifest of the old
+    run, and a follower never moved (it compared numbers only), while the replica held the old
+    run's weights under the new run's number."""
+    from torch_deltasync.follow import wait_for_newer
+
+    old_trainer, _, _, _ = publish_steps(store, 4)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.update() == 3 and not receiver.needs_update()
+    for key in store.list():
+        store.delete(key)
+    trainer = make_mlp(5)  # versions 0..3 of another run, other weights
+    sender = DeltaSender(trainer, store, anchor_every=100)
+    for _ in range(4):
+        with torch.no_grad():
+            next(trainer.parameters()).add_(1e-2)
+        sender.publish()
+    assert first_difference(old_trainer, replica) is None and first_difference(trainer, replica) is not None
+    assert receiver.newest_version() == 3 and receiver.needs_update()
+    assert wait_for_newer(receiver, poll_s=0.01, idle_timeout_s=0) == 3
+    with pytest.raises(ChecksumMismatchError, match=r"version 3 was published again after the target received "
+                                                    r"it .*verify_or_forget\(\) then update\(\)"):
+        receiver.verify()
+    plan = receiver.plan()
+    assert plan.path == "anchor" and "published again" in plan.steps[0].reason
+    assert receiver.update() == 3 and receiver.last_stats.path == "anchor"
+    assert first_difference(trainer, replica) is None
+    assert not receiver.needs_update() and receiver.plan().path == "noop"
+    receiver.verify()
+
+
+def test_a_store_that_lost_versions_does_not_move_the_receiver_back(store):
+    """A store restored from a backup taken at version 4 while the receiver held 7 (same run):
+    update() silently went back to 4, and rollouts tagged with 7 were then sampled by 4."""
+    trainer, sender, opt, gen = publish_steps(store, 8)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.update() == 7
+    before = state_bits(replica)
+    for v in (5, 6, 7):
+        store.delete(manifest_key(v))
+    store.put("LATEST", b"4")
+    with pytest.raises(VersionNotFoundError, match=r"newest version is 4, older than the held version 7 of the same "
+                                                   r"run .*the store lost versions.*update\(version=4\) goes back"):
+        receiver.update()
+    assert receiver.version == 7 and same(state_bits(replica), before)
+    assert receiver.update(4) == 4  # on purpose
+    sender._lease.release()
+    sender = DeltaSender(trainer, store, anchor_every=100)  # a writer after the restore goes on from there
+    train_step(trainer, opt, gen)
+    assert sender.publish() == 8 and receiver.update() == 8 and first_difference(trainer, replica) is None
 
 
 def test_a_failed_latest_write_does_not_hide_newer_versions(store):

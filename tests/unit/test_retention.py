@@ -170,6 +170,27 @@ def test_orphan_objects_below_the_cut_go_and_above_stay(store):
     assert folders(store) == [4, 5, 6, 7, 99]
 
 
+def test_a_stray_file_that_is_no_store_key_does_not_stop_collection(store, caplog, capsys):
+    """An editor's backup "...safetensors~" in an object folder: gc raised "invalid store key" after
+    deleting the manifests, and every later gc (and the sender's retention) failed the same way, so
+    the object folders stayed for good. The file is named in a warning and left alone."""
+    publish(store, range(12))
+    stray = "objects/000000000001/delta-r00000-of00001.safetensors~"
+    (store.root / stray).write_bytes(b"backup")
+    with caplog.at_level(logging.WARNING, logger="torch_deltasync"):
+        assert cli_main(["gc", str(store.root), "--grace-s", "0"]) == 0
+    assert list_versions(store) == [10, 11] and folders(store) == [1, 10, 11]
+    assert store.list("objects/000000000001") == [stray] and (store.root / stray).read_bytes() == b"backup"
+    assert any("safetensors~" in r.getMessage() and "remove it by hand" in r.getMessage() for r in caplog.records)
+    assert cli_main(["gc", str(store.root), "--grace-s", "0"]) == 0  # and again
+
+
+def test_gc_of_a_prefix_without_versions_says_so(store, capsys):
+    publish(store, range(3))
+    assert cli_main(["gc", str(store.root), "--prefix", "no-such-run"]) == 1
+    assert "no versions here (check the path and --prefix)" in capsys.readouterr().out
+
+
 def test_manifests_are_deleted_before_objects(store):
     publish(store, range(12))
     rec = Recording(store)

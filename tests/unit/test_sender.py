@@ -276,3 +276,58 @@ def test_a_manifest_write_past_its_deadline_may_still_land(tmp_path):
     replica = {"a": torch.zeros(64, dtype=torch.bfloat16)}
     assert DeltaReceiver(replica, inner).update() == 2
     assert torch.equal(replica["a"].view(torch.int16), weights["a"].to(torch.bfloat16).view(torch.int16))
+
+
+class _Killed(BaseException):
+    """The writer process dies here (nothing after it runs)."""
+
+
+class DiesBeforeLatest(LocalStore):
+    """Fails the objects of version ``fail_objects`` (that publish burns its number); with
+    ``die`` set, the writer dies right after a manifest put, before it points LATEST at it."""
+
+    fail_objects, die = -1, False
+
+    def put_new(self, key, data):
+        if key.startswith(f"objects/{self.fail_objects:012d}/"):
+            raise TransientStoreError(f"injected failure of {key}")
+        super().put_new(key, data)
+
+    def put(self, key, data):
+        if key == "LATEST" and self.die:
+            raise _Killed
+        super().put(key, data)
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["after-a-burned-number", "a-restarted-writer"])
+def test_a_writer_dying_before_latest_never_hides_its_version(tmp_path, first):
+    """Readers confirm LATEST by "its manifest exists and the next one does not". Version numbers
+    have gaps (a failed publish burns one; a restarted writer starts after a crashed one's
+    leftovers), and a writer that died between the manifest and LATEST left LATEST = 3 with 4
+    missing and 5 visible: receivers stopped at 3 for good. The writer now removes LATEST before a
+    manifest that is not LATEST + 1."""
+    store = DiesBeforeLatest(tmp_path / "b", fsync=False)
+    torch.manual_seed(0)
+    weights = {"a": torch.randn(256)}
+    sender = DeltaSender(weights, store, anchor_every=100)
+    for i in range(4):
+        weights["a"][i] += 1
+        sender.publish()
+    if first:  # a new writer after a crashed one that left objects of version 4
+        sender._lease.release()
+        store.put_new("objects/000000000004/delta-r00000-of00001.safetensors", b"leftover")
+        sender = DeltaSender(weights, store, anchor_every=100)
+    else:
+        store.fail_objects = 4
+        weights["a"][10] += 1
+        with pytest.raises(PublishError, match="injected failure"):
+            sender.publish()
+    weights["a"][11] += 1
+    store.die = True
+    with pytest.raises(_Killed):
+        sender.publish()
+    assert list_versions(store) == [0, 1, 2, 3, 5]
+    replica = {"a": torch.zeros(256, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(replica, LocalStore(tmp_path / "b"))
+    assert receiver.newest_version() == 5 and receiver.update() == 5
+    assert torch.equal(replica["a"].view(torch.int16), weights["a"].to(torch.bfloat16).view(torch.int16))

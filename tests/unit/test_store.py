@@ -121,6 +121,11 @@ def test_sweep_removes_only_old_temporaries(tmp_path):
     ("memory://a/../b", r"segment '\.\.' is not allowed"),
     ("memory://a//b", "segment '' is not allowed"),
     ("foo://bucket/run", r"'foo://bucket/run': unknown store scheme 'foo://'"),  # fsspec: "Protocol not known: foo"
+    ("file:relative", r"'file:relative': a file URI names an absolute folder"),  # was the folder ./file:relative
+    ("http://example.com/x", r"http:// is no store: .* endpoint_url='http://host:port'"),  # fsspec reads only
+    ("https://example.com/x", r"https:// is no store"),
+    ("~nosuchuser-of-this-machine/x", r"LocalStore '~nosuchuser-of-this-machine/x': .* give the folder's path "
+                                      "without ~user"),  # was RuntimeError: Could not determine home directory.
 ])
 def test_malformed_uris_are_refused(uri, match):
     with pytest.raises(ValueError, match=match) as e:

@@ -44,17 +44,17 @@ from torch import nn
 
 from .._config import with_options
 from .._metrics import append_metrics
-from .._units import check_seconds
 from ..errors import (
     ChecksumMismatchError, CorruptObjectError, DeltaSyncError, ObjectNotFoundError, StaleUpdateError,
-    SyncTimeoutError, VersionNotFoundError,
+    VersionNotFoundError,
 )
-from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manifest_key
+from ..keys import check_version
 from ..manifest import Manifest
 from ..store import Store, open_store
 from ..targets import ModuleTarget, Target
 from ..targets._base import prepare_commit
 from ._config import ReceiverConfig
+from ._discover import check_not_behind, check_still_published, newest_version, republished, wait_for
 from ._plan import PlanStep, UpdatePlan, walk_chain
 from ._stage import StagedUpdate, UpdateStats, download, failed_part, read_manifest, stage_anchor
 from ._stage import stage_deltas, verify_checksums, write_staged
@@ -128,6 +128,8 @@ class DeltaReceiver:
         self._checksums: dict[str, int] = {}  # full checksums of the held state (holds_all targets)
         self._manifests: dict[int, Manifest] = {}
         self._held_runs: dict[int, str] = {}  # version -> run id of the manifest planned for it
+        self._held: Manifest | None = None  # the manifest of the version the target received
+        self._seen: tuple[int | None, str | None | bool] | None = None  # newest_version()'s last (version, digest)
         self._checked: tuple | None = None  # the manifest layout the target was last checked for
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
@@ -141,6 +143,8 @@ class DeltaReceiver:
     def version(self, value: int | None) -> None:
         # Setting it (e.g. to None to force an anchor rebuild) invalidates every staged update.
         self._version = value
+        if self._held is not None and self._held.version != value:
+            self._held = None  # the manifest of the held version, or None
         self._generation = next(_GENERATIONS)
 
     # --- discovery -------------------------------------------------------------------------------
@@ -161,15 +165,9 @@ class DeltaReceiver:
 
     def newest_version(self) -> int | None:
         """The newest visible version (``LATEST`` if it is current, else a listing), or ``None``."""
-        try:
-            latest = int(self.store.get(LATEST_KEY).decode().strip())
-            if (0 <= latest < MAX_VERSION and self.store.exists(manifest_key(latest))
-                    and not self.store.exists(manifest_key(latest + 1))):
-                return latest
-        except (ObjectNotFoundError, ValueError, UnicodeDecodeError):
-            pass  # LATEST is advisory: missing, stale or garbage -> list
-        versions = list_versions(self.store)
-        return versions[-1] if versions else None
+        newest, digest = newest_version(self.store)
+        self._seen = (newest, digest)
+        return newest
 
     def wait_for(self, version: int | None = None, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> int:
         """Block until a version ``>= version`` (any version when ``None``) is visible; return the newest.
@@ -178,18 +176,24 @@ class DeltaReceiver:
             SyncTimeoutError: (a ``TimeoutError``) nothing new appeared within ``timeout_s`` seconds.
             TypeError, ValueError: ``version``, ``timeout_s`` or ``poll_s`` out of type or range.
         """
-        if version is not None:
-            check_version(version)
-        check_seconds(poll_s, "poll_s", "DeltaReceiver.wait_for", positive=True)
-        check_seconds(timeout_s, "timeout_s", "DeltaReceiver.wait_for", positive=False, finite=False)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            newest = self.newest_version()
-            if newest is not None and (version is None or newest >= version):
-                return newest
-            if time.monotonic() >= deadline:
-                raise SyncTimeoutError(f"{self.store.describe()}: no version >= {version} after {timeout_s} s (newest: {newest})")
-            time.sleep(poll_s)
+        return wait_for(self.newest_version, self.store.describe(), version, timeout_s, poll_s)
+
+    def needs_update(self, version: int | None = None) -> bool:
+        """Whether :meth:`update` of ``version`` (the newest visible one when ``None``) would change
+        the target: it holds another version, or the store's manifest of the held version is no
+        longer the one it received (a new run on a wiped prefix reused the number; the update then
+        rebuilds from an anchor). Cheap to poll: after :meth:`newest_version` confirmed ``LATEST``
+        it costs no request, else at most one ranged read of the manifest's digest.
+
+        Raises:
+            TypeError, ValueError: ``version`` is not an int in ``[0, MAX_VERSION]``.
+            StoreError: the store failed.
+        """
+        target = self.newest_version() if version is None else check_version(version)
+        if target is None or target != self.version:
+            return target is not None
+        seen = self._seen[1] if self._seen is not None and self._seen[0] == target else False
+        return republished(self.store, self._held, target, seen=seen, fresh=self._fresh)
 
     # --- planning --------------------------------------------------------------------------------
 
@@ -242,13 +246,17 @@ class DeltaReceiver:
             why = self.store.absent()  # a mistyped path reads differently from a run not started yet
             raise VersionNotFoundError(f"{self.store.describe()}: no version has been published yet"
                                        + (f": {why}" if why else ""))
-        if target == self.version and not force_anchor:
+        again = target == self.version and not force_anchor and republished(
+            self.store, self._held, target, fresh=self._fresh)
+        if target == self.version and not force_anchor and not again:
             return UpdatePlan(self.version, target, "noop", ())
+        if version is None:
+            check_not_behind(self.store.describe(), target, self._held, self._fresh)
         head = self.manifest(target, fresh=True)  # the head of the walk is never a stale cached copy
         self._held_runs[target] = head.run_id
         while len(self._held_runs) > 64:
             self._held_runs.pop(next(iter(self._held_runs)))
-        held = None if force_anchor else self.version
+        held = None if force_anchor or again else self.version
         chain, start, path, why = walk_chain(
             head, held, held_run=self._held_runs.get(held) if held is not None else None,
             manifest=self.manifest, where=self.store.describe(), exclude_anchors=exclude_anchors)
@@ -259,6 +267,7 @@ class DeltaReceiver:
             else "anchor: nothing held yet" if held is None
             else f"anchor: recovering from an older anchor (not {sorted(exclude_anchors)})" if exclude_anchors
             else "anchor: recovering from the anchor" if force_anchor
+            else f"anchor: version {target} was published again (a new run on a wiped prefix?)" if again
             else why
         )
         held_run = self._held_runs.get(held) if held is not None else None
@@ -328,6 +337,8 @@ class DeltaReceiver:
         for attempt in range(attempts):
             target = version if version is not None else self.newest_version()
             try:
+                if version is None:
+                    check_not_behind(self.store.describe(), target, self._held, self._fresh)
                 return self._prepare(target, ahead)
             except (VersionNotFoundError, ObjectNotFoundError) as e:
                 # planned again only when a newer version has replaced the chain's head meanwhile
@@ -336,6 +347,9 @@ class DeltaReceiver:
                 log.info("%s: the chain being applied is no longer retained (%s); planning again "
                          "from the newest version", self.store.describe(), e)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _fresh(self, version: int) -> Manifest:
+        return self.manifest(version, fresh=True)
 
     def is_current(self, staged: StagedUpdate) -> bool:
         """Whether ``staged`` was prepared on the state the target holds now (so :meth:`commit`
@@ -377,7 +391,7 @@ class DeltaReceiver:
             self.version = None  # unknown until every write landed (and stages nothing else)
             changed = write_staged(self.target, staged, self.receiver_config.threads)
             self._checksums = staged._checksums or {}
-            self.version = staged.version
+            self.version, self._held = staged.version, staged.plan.manifests[-1]
             stats = staged.stats
             assert stats is not None
             stats.changed = changed
@@ -472,7 +486,7 @@ class DeltaReceiver:
                         f"the target does not hold version {version}: {len(bad)} tensors differ, e.g. {bad[:3]}"
                     )
             self._checksums = sums
-            self.version = version
+            self.version, self._held = version, m
             self._held_runs[version] = m.run_id  # as an update records it: never a delta base of another run
 
     def verify(self) -> None:
@@ -489,7 +503,8 @@ class DeltaReceiver:
             raise VersionNotFoundError("nothing is held yet; call update() first")
         if not self.target.holds_all:
             raise NotImplementedError("this target holds part of each tensor; combine partial_checksums() across ranks")
-        m = self.manifest(self.version)
+        check_still_published(self.store, self._held, self.version, self._fresh)
+        m = self._held or self.manifest(self.version)
         bad = [t.name for t in m.tensors if self.target.checksum(t.name, m.inference_dtype) != t.checksum]
         if bad:
             raise ChecksumMismatchError(

@@ -73,7 +73,7 @@ def download(store: Store, plan: UpdatePlan, pool: Executor) -> dict[str, bytes]
         try:
             # at most one byte more than declared: an oversized object is refused unread
             data = store.get(o.key, start=0, end=o.nbytes + 1)
-            verify_bytes(data, o, f"version {m.version}")
+            verify_bytes(data, o, f"{store.describe()}: version {m.version}")
         except (CorruptObjectError, ObjectNotFoundError) as e:
             e.object_key = o.key
             raise

@@ -25,7 +25,7 @@ log = logging.getLogger("torch_deltasync.sender")
 
 
 def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, dtype: torch.dtype,
-                   run_id: str, world: int) -> dict[str, Any]:
+                   run_id: str, world: int, latest_at: int | None) -> dict[str, Any]:
     """Combine the per-rank metadata ``gathered`` of ``job`` and create its manifest (never replacing one).
 
     Args:
@@ -35,6 +35,12 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
             {name: partial checksum}, "counts": {name: changed elements}}`` or ``{"ok": False,
             "error": str, "taken"?: True}``.
         codec, dtype, run_id, world: recorded in the manifest.
+        latest_at: the version this sender last pointed ``LATEST`` at. Unless it is the one before
+            ``job.version``, ``LATEST`` is removed before the manifest is written: readers confirm
+            ``LATEST`` by "its manifest exists and the next one does not", sound only while the
+            writer's next manifest is ``LATEST + 1``; after a burned number or on a sender's first
+            version a crash before ``LATEST`` is written again would leave readers stopping at a
+            stale version instead of listing (docs/format.md §2).
 
     Returns:
         The outcome rank 0 broadcasts: ``{"ok": True, "nbytes", "changed", "anchor_nbytes",
@@ -47,6 +53,12 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
     errors = [r["error"] for r in gathered if not r["ok"]]
     if errors:
         return {"ok": False, "error": "; ".join(errors)}
+    if latest_at != job.version - 1:
+        try:
+            store.delete(LATEST_KEY)
+        except Exception as e:  # noqa: BLE001 - an ordinary failed publish
+            return {"ok": False, "error": f"rank 0 could not remove {LATEST_KEY} before writing the manifest of "
+                                          f"version {job.version}: {type(e).__name__}: {e}"}
     try:
         objects = [ObjectEntry(**o) for r in gathered for o in r["objects"]]
         partials: dict[str, list[int]] = {}

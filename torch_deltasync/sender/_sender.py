@@ -185,6 +185,7 @@ class DeltaSender:
         self._shapes: dict[str, TensorBlock] = {}  # name -> block at the last published version
         self._force_anchor = False  # after another writer took a version number
         self._latest_pending: int | None = None  # rank 0: LATEST could not be written for this version
+        self._latest_at: int | None = None  # rank 0: the version this sender last pointed LATEST at
         self._coalesced = 0
         self.last_stats: PublishStats | None = None
         self.history: deque[PublishStats] = deque(maxlen=100_000)
@@ -237,8 +238,9 @@ class DeltaSender:
         version = self._next_version
         if version > MAX_VERSION:
             raise PublishError(
-                f"{self.store.describe()}: version {version} exceeds the largest version number "
-                f"{MAX_VERSION}; publish this run under a new prefix"
+                f"{self.store.describe()}: version {version} exceeds the largest version number {MAX_VERSION} (the "
+                f"store holds {object_key(version - 1, 'delta', 0, 1).rsplit('/', 1)[0]}/ or its manifest: remove "
+                "them if they are strays); else publish this run under a new prefix"
             )
         self._next_version += 1  # burned whatever happens
         job, error, too_large = None, None, False
@@ -563,14 +565,15 @@ class DeltaSender:
         except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
             return {"ok": False, "error": f"rank 0 owner record: {type(e).__name__}: {e}"}
         outcome = write_manifest(self.store, job, gathered, codec=self.codec.name, dtype=self.dtype,
-                                 run_id=self.run_id, world=self.group.world)
+                                 run_id=self.run_id, world=self.group.world, latest_at=self._latest_at)
         if outcome["ok"]:
             self._write_latest(job.version)
         return outcome
 
     def _write_latest(self, version: int) -> None:
         """Rank 0: point ``LATEST`` at ``version``, or retry at the next publish or ``flush()``."""
-        self._latest_pending = None if write_latest(self.store, version) else version
+        ok = write_latest(self.store, version)
+        self._latest_pending, self._latest_at = (None, version) if ok else (version, None)
 
     def _commit(self, job: Job, outcome: dict[str, Any]) -> None:
         """The version is visible: advance snapshots, checksums and the anchor policy state."""

@@ -124,6 +124,9 @@ def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | o
     if "\x00" in text:
         raise ValueError(f"store {text!r} contains a NUL character")
     protocol, sep, rest = text.partition("://")
+    if not sep and text.startswith("file:"):
+        raise ValueError(f"{text!r}: a file URI names an absolute folder, e.g. file:///data/bucket (or give "
+                         "the folder's path)")
     if not sep or protocol == "file":
         if sep and (not rest.startswith("/") or not rest.strip("/")):
             raise ValueError(f"{text!r}: a file URI names an absolute folder, e.g. file:///data/bucket")

@@ -145,6 +145,11 @@ class FsspecStore(Store):
             raise ValueError(f"expected protocol://path, got {url!r}")
         if protocol in _S3 and not path.strip("/"):
             raise ValueError(f"{url!r} names no bucket; expected s3://bucket/prefix")
+        if protocol in ("http", "https"):
+            raise ValueError(
+                f"{url!r}: {protocol}:// is no store: fsspec's HTTP file system can neither list nor write "
+                "atomically. For an S3-compatible server give s3://bucket/prefix with endpoint_url="
+                f"'{protocol}://host:port' (or AWS_ENDPOINT_URL)")
         check_prefix(path.strip("/"), f"store {url!r}")  # no '..', '.', empty segments or odd characters
         self.protocol = protocol
         self.url = f"{protocol}://{path.strip('/')}"

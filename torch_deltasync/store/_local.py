@@ -56,6 +56,9 @@ class LocalStore(Store):
         fsync: flush file data (and the directory entry) to disk before returning from ``put``.
             Turn off for throw-away runs on slow disks.
 
+    Raises:
+        ValueError: an empty path, or ``~user`` naming no user of this machine.
+
     Example:
         >>> store = LocalStore("runs/x/bucket")
         >>> store.put("a/b.json", b"{}")
@@ -69,7 +72,11 @@ class LocalStore(Store):
         if not os.fspath(root).strip():
             raise ValueError(f"LocalStore needs a folder path, got {os.fspath(root)!r} (an empty path would mean "
                              "the current folder; give '.' for that)")
-        self.root = Path(root).expanduser().resolve()
+        try:
+            self.root = Path(root).expanduser().resolve()
+        except RuntimeError as e:  # Path.expanduser: "Could not determine home directory."
+            raise ValueError(f"LocalStore {os.fspath(root)!r}: {e} (no such user here); give the folder's path "
+                             "without ~user") from None
         self.fsync = fsync
 
     def _inside(self, path: Path) -> bool:

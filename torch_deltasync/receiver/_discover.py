@@ -1,0 +1,122 @@
+"""Discovery for ``DeltaReceiver``: the newest visible version, and whether the version a target
+holds is still the one the store names so (``docs/format.md`` §2: ``LATEST``, digests)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .._units import check_seconds
+from ..errors import ChecksumMismatchError, ObjectNotFoundError, SyncTimeoutError, VersionNotFoundError
+from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manifest_key
+from ..manifest import Manifest, read_digest
+
+
+def newest_version(store) -> tuple[int | None, str | None | bool]:
+    """The newest visible version of ``store`` (``LATEST`` if it is current, else a listing) and
+    the digest of its manifest when ``LATEST`` was confirmed (``False``: not read, after a
+    listing; ``None``: a manifest without one).
+
+    ``LATEST`` is confirmed by its manifest (whose first bytes, read in one ranged request, give
+    the digest) and the absence of the next one; writers remove it before a manifest that does not
+    follow it, so a missing, stale or garbled ``LATEST`` leads to a listing.
+
+    Raises:
+        StoreError: the store failed.
+    """
+    try:
+        latest = int(store.get(LATEST_KEY).decode().strip())
+        if 0 <= latest < MAX_VERSION:
+            digest = read_digest(store, latest)  # as cheap as asking whether it exists
+            if not store.exists(manifest_key(latest + 1)):
+                return latest, digest
+    except (ObjectNotFoundError, VersionNotFoundError, ValueError, UnicodeDecodeError):
+        pass  # LATEST is advisory: missing, stale or garbage -> list
+    versions = list_versions(store)
+    return (versions[-1] if versions else None), False
+
+
+def wait_for(newest: Callable[[], int | None], where: str, version: int | None, timeout_s: float,
+             poll_s: float) -> int:
+    """``DeltaReceiver.wait_for``: poll ``newest()`` until it is at least ``version``."""
+    if version is not None:
+        check_version(version)
+    check_seconds(poll_s, "poll_s", "DeltaReceiver.wait_for", positive=True)
+    check_seconds(timeout_s, "timeout_s", "DeltaReceiver.wait_for", positive=False, finite=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = newest()
+        if v is not None and (version is None or v >= version):
+            return v
+        if time.monotonic() >= deadline:
+            raise SyncTimeoutError(f"{where}: no version >= {version} after {timeout_s} s (newest: {v})")
+        time.sleep(poll_s)
+
+
+def republished(store, held: Manifest | None, version: int, *, seen: str | None | bool = False,
+                fresh: Callable[[int], Manifest]) -> bool:
+    """Whether the store's manifest of ``version``, the held one, is no longer the manifest the
+    target received (``held``): the prefix was wiped and a new run reused the number. Then the
+    target holds another model than the store's ``version`` and only an anchor rebuilds it.
+
+    Args:
+        store: the receiver's store (run prefix).
+        held: the manifest of the held version (``None``: unknown, nothing contradicts it).
+        version: the version asked about.
+        seen: the digest a read moments ago found (``DeltaReceiver.newest_version``); ``False``:
+            none, read it (one ranged request, :func:`~torch_deltasync.manifest.read_digest`).
+        fresh: reads a whole manifest from the store (for manifests written before digests).
+
+    Raises:
+        StoreError, CorruptObjectError: the store failed, or a manifest without a digest is corrupt.
+    """
+    if held is None or held.version != version:
+        return False
+    try:
+        digest = read_digest(store, version) if seen is False else seen
+        if digest is not None or held.digest is not None:
+            return digest != held.digest
+        return fresh(version) != held  # manifests written before digests: compare them whole
+    except VersionNotFoundError:
+        return False  # no longer retained: nothing contradicts the held state
+
+
+def check_still_published(store, held: Manifest | None, version: int, fresh: Callable[[int], Manifest]) -> None:
+    """``DeltaReceiver.verify``'s first check: the store's manifest of the held ``version`` is
+    still the one the target received (:func:`republished`).
+
+    Raises:
+        ChecksumMismatchError: it was published again (a new run on a wiped prefix).
+    """
+    if republished(store, held, version, fresh=fresh):
+        raise ChecksumMismatchError(
+            f"{store.describe()}: version {version} was published again after the target received it (a new "
+            "run on a wiped prefix reused the number): the target holds the earlier one. verify_or_forget() "
+            "then update() rebuilds it from an anchor")
+
+
+def check_not_behind(where: str, newest: int | None, held: Manifest | None, manifest: Callable[[int], Manifest]) -> None:
+    """Refuse to move a target back to an older version of the run it holds when the store's
+    newest version is older than the held one: the store lost versions (restored from a backup,
+    manifests deleted by hand). Versions of a run only grow (docs/design.md), so rollouts tagged
+    with the older number would be mislabelled; a new run (another ``run_id``) is crossed to by an
+    anchor as usual.
+
+    Args:
+        where: the store, for the message.
+        newest: the newest visible version.
+        held: the manifest of the version the target holds (``None``: nothing held).
+        manifest: reads a manifest fresh from the store (only when ``newest`` is the older one).
+
+    Raises:
+        VersionNotFoundError: ``newest`` is older than the held version, of the same run.
+    """
+    if held is None or newest is None or newest >= held.version:
+        return
+    head = manifest(newest)
+    if head.run_id == held.run_id:
+        raise VersionNotFoundError(
+            f"{where}: the newest version is {newest}, older than the held version {held.version} of the "
+            f"same run ({held.run_id!r}): the store lost versions (restored from a backup, or manifests were "
+            f"deleted). The target keeps version {held.version}; update(version={newest}) goes back on "
+            "purpose, and the writer's next version is applied as usual")
