@@ -235,7 +235,8 @@ class AckBook:
                 err = self.errors.get(w)
                 if err is not None and (err[0] is None or err[0] >= version):
                     del self.errors[w]
-                    failures.append((w, f"could not apply version {err[0]}: {err[1]}", WorkerError))
+                    failures.append((w, err[1] if err[0] is None else f"could not apply version {err[0]}: {err[1]}",
+                                     WorkerError))
                     pending.discard(w)
                     continue
                 proc = process_of(w) if process_of is not None else None

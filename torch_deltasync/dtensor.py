@@ -427,6 +427,21 @@ def anchor_parts(blocks: Mapping[str, tuple[torch.Tensor, TensorBlock]]) -> list
     return parts
 
 
+def _world_timeout(dist) -> datetime.timedelta | None:
+    """The default process group's timeout, as ``init_process_group(timeout=...)`` set it
+    (``new_group`` would otherwise take torch's 30-minute default, not the user's); ``None`` where
+    this torch does not expose it (read from a backend's options: not public API)."""
+    pg = dist.group.WORLD
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            timeout = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
 class DistributedGroup:
     """The collectives of a sharded sender, over two dedicated gloo groups spanning every rank.
 
@@ -448,7 +463,9 @@ class DistributedGroup:
     every rank, in the same order relative to other ``new_group`` calls.
 
     Args:
-        timeout: timeout of the sender's collectives (default: the process group default, 30 min).
+        timeout: timeout of the sender's collectives; default: the default process group's
+            (``init_process_group(timeout=...)``), else torch's default (30 min). A rank that does
+            not call ``publish()`` (or dies) makes the others fail after this long.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized (call ``init_process_group`` first,
@@ -474,6 +491,7 @@ class DistributedGroup:
         self._dist = dist
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        timeout = timeout if timeout is not None else _world_timeout(dist)
         self._publish = dist.new_group(backend="gloo", timeout=timeout, group_desc="deltasync_publish")
         self._control = dist.new_group(backend="gloo", timeout=timeout, group_desc="deltasync_control")
 

@@ -38,7 +38,7 @@ from torchrl.envs.custom.pendulum import PendulumEnv
 from torchrl.weight_update import WeightSyncScheme
 
 from torch_deltasync import LocalStore
-from torch_deltasync.errors import SyncTimeoutError, WorkerError
+from torch_deltasync.errors import IncompatibleTargetError, SyncTimeoutError, WorkerError
 from torch_deltasync.integrations.torchrl import DeltaVLLMWeightSender, DeltaWeightSyncScheme
 from torch_deltasync._dtypes import bits
 from torch_deltasync.store import Store
@@ -377,6 +377,31 @@ def test_worker_error_reaches_the_sender(tmp_path):
         assert after["version"] == 1
         for n, b in before["weights"].items():
             assert torch.equal(after["weights"][n], b), n
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_a_worker_that_cannot_connect_tells_the_sender_why(tmp_path):
+    """A worker whose policy cannot hold the weights (float16 for a bf16 run) failed in connect();
+    the trainer's send() waited its whole ack_timeout_s and raised a bare "did not confirm"."""
+    trainer = make_policy(0)
+    opt = torch.optim.Adam(trainer.parameters(), 1e-2)
+    sender = DeltaWeightSyncScheme(str(tmp_path), num_workers=1, anchor_every=100, ack_timeout_s=120)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    receiver = DeltaWeightSyncScheme(str(tmp_path), num_workers=1, receiver_dtype=torch.float16)
+    worker = make_policy(1)  # torchrl keeps models by weak reference
+    receiver.init_on_receiver(model_id="policy", model=worker, worker_idx=0)
+    try:
+        with pytest.raises(IncompatibleTargetError, match="cannot hold every torch.bfloat16 bit pattern"):
+            receiver.connect(worker_idx=0)
+        train_step(trainer, opt)
+        t = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker 0 could not connect \(applying version 0\): "
+                                              r"IncompatibleTargetError: .*cannot hold every torch.bfloat16"):
+            sender.send()
+        assert time.monotonic() - t < 60  # not the ack timeout
     finally:
         sender.shutdown()
         receiver.shutdown()

@@ -303,3 +303,44 @@ def test_anchor_parts_cut_blocks_into_boxes():
     assert (b0.offsets, b0.shape, b1.offsets, b1.shape) == ((1, 0), (1, 4), (3, 0), (1, 4))
     assert torch.equal(d0, full[1:2]) and torch.equal(d1, full[3:4])
     assert parts[0]["p"][1] == TensorSlice.full((3,)) and anchor_parts({}) == []
+
+
+def _gather_with_a_silent_peer(rank: int, world: int, folder: str) -> dict:
+    """Rank 1 builds the sender's group but never gathers (it skipped a publish, or hangs):
+    rank 0's gather must fail after the job's own timeout, not torch's 30-minute default."""
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from torch_deltasync.dtensor import DistributedGroup
+
+    dist.destroy_process_group()  # the job's own group, with its own timeout
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=3))
+    g = DistributedGroup()
+    done = os.path.join(folder, "done")
+    if rank == 1:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {}
+    t = time.monotonic()
+    try:
+        g.gather({"rank": rank})
+        error = None
+    except Exception as e:  # noqa: BLE001 - the outcome is checked by the test
+        error = f"{type(e).__name__}: {e}"
+    open(done, "w").close()
+    return {"error": error, "waited_s": time.monotonic() - t}
+
+
+def test_the_senders_collectives_time_out_with_the_jobs_process_group(tmp_path):
+    """dist.new_group(timeout=None) takes torch's 30-minute default: a rank that skipped a publish
+    left the others waiting half an hour although the job set a 3-second timeout."""
+    from torch_deltasync._ranks import run_ranks
+
+    results = run_ranks(_gather_with_a_silent_peer, 2, str(tmp_path), timeout_s=180)
+    assert results[0]["error"] is not None and "Timed out" in results[0]["error"]
+    assert results[0]["waited_s"] < 60

@@ -183,14 +183,18 @@ def _construct_on_rank(rank: int, world: int, how: str, shared: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
     fully_shard(model)
+    options = {}
     if how == "mkdtemp":
         store, prefix = tempfile.mkdtemp(prefix=f"rank{rank}-"), ""
     elif how == "prefix":
         store, prefix = shared, f"run-{rank}"
     else:
         store, prefix = shared, "run"
+        if how.startswith("option:") and rank == 1:  # e.g. "option:anchor_every=2"
+            name, value = how[len("option:"):].split("=")
+            options[name] = {"2": 2, "raw": "raw", "True": True, "float16": torch.float16}[value]
     try:
-        sender = DeltaSender(model, store, prefix=prefix)
+        sender = DeltaSender(model, store, prefix=prefix, **options)
     except ValueError as e:
         return {"error": str(e), "owner_left": LocalStore(store).sub(prefix).exists(OWNER_KEY)}
     v = sender.publish()
@@ -213,3 +217,32 @@ def test_ranks_on_one_store_publish(tmp_path):
     results = run_ranks(_construct_on_rank, 2, "same", str(tmp_path / "shared"), timeout_s=300)
     assert results == [{"version": 0}, {"version": 0}]
     assert load_manifest(LocalStore(tmp_path / "shared").sub("run"), 0).kind == "anchor"
+
+
+@pytest.mark.parametrize("option, shown", [
+    ("anchor_every=2", "anchor policy AnchorPolicy(every=2"),  # objects no manifest combines
+    ("codec=raw", "codec raw (rank 0: packed)"),  # every version unreadable
+    ("inference_dtype=float16", "inference_dtype torch.float16 (rank 0: torch.bfloat16)"),
+    ("background=True", "background True (rank 0: False)"),  # other collectives: the publish hung
+])
+def test_ranks_built_with_different_options_are_refused_on_every_rank(tmp_path, option, shown):
+    """Rank 1 built its sender with another option than rank 0: every publish "succeeded" and no
+    receiver could apply the versions (or the first publish hung). Now both ranks refuse at once."""
+    results = run_ranks(_construct_on_rank, 2, f"option:{option}", str(tmp_path / "shared"), timeout_s=300)
+    for r, res in enumerate(results):
+        assert "error" in res, (r, res)
+        assert "the ranks were built with different sender options: rank 1 has" in res["error"] and shown in res["error"]
+        assert res["owner_left"] is False
+
+
+def test_a_plain_model_published_by_every_torchrun_rank_is_told_apart(tmp_path, monkeypatch):
+    """Under torchrun a model without DTensors is published by each rank on its own: the second
+    rank's sender was told to take the prefix over, which would set the ranks fighting."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    first = DeltaSender({"w": torch.ones(4)}, store)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(PrefixInUseError, match=r"owned by a live writer.*Note: this process is rank 1 of 2 \(torchrun\) and "
+                                               r"its model holds no DTensor.*publish from one rank"):
+        DeltaSender({"w": torch.ones(4)}, store)
+    first.close()

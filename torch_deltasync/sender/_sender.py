@@ -161,8 +161,7 @@ class DeltaSender:
             self._layout = {s.name: s.slice for s in sources}
         self._lease_s = config.lease_s
         self._lease: PrefixLease | None
-        self._lease, self.run_id = claim_prefix(self.group, self.store, self.run_id, lease_s=config.lease_s,
-                                                takeover=config.takeover)
+        self._lease, self.run_id = claim_prefix(self.group, self.store, self.run_id, config)
         self._in_use: str | None = None  # set on every rank once another writer took the prefix over
         self._warned_unchanged = False  # a mapping published a delta without changes (warn_unchanged)
 

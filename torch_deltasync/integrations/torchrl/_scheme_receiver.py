@@ -68,14 +68,19 @@ class ReceiverSide:
         if self._acks is None and self.sync and self.num_workers:
             self._acks = StoreAcks(self.model_key)
         try:
-            self._receiver.wait_for(None, timeout_s=self.connect_timeout_s, poll_s=self.poll_interval_s)
+            first = self._receiver.wait_for(None, timeout_s=self.connect_timeout_s, poll_s=self.poll_interval_s)
         except TimeoutError:
             raise SyncTimeoutError(
                 f"DeltaWeightSyncScheme worker {self._worker_idx}: no version of {self._model_id!r} appeared in "
                 f"{store.describe()}/{self.run_prefix} within {self.connect_timeout_s:.0f} s; is the sender "
                 "connected, and do both sides use the same store and prefix?"
             ) from None
-        self._update_and_apply()
+        try:
+            self._update_and_apply()
+        except Exception as e:  # e.g. a policy that cannot hold the weights: the waiting sender hears why
+            # no version: the worker holds none, and the error stands for every version the sender waits for
+            self._post_ack(None, f"could not connect (applying version {first}): {type(e).__name__}: {e}")
+            raise
         self._install_hooks(model)
         torchrl_logger.debug(
             f"DeltaWeightSyncScheme worker {self._worker_idx}: holds version {self._applied} of {self._model_id!r}"
