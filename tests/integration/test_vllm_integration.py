@@ -208,6 +208,7 @@ def test_http_server_through_vllm_rl_routes_only(run):
         out = update_server(server.url, mode="wait")
         assert out.version == v1 and out.staged is True
         assert server.requests == [
+            ("GET", "/is_paused", ""),
             ("POST", "/pause", "mode=wait&clear_cache=true"),
             ("POST", "/start_weight_update", ""),
             ("POST", "/update_weights", ""),
@@ -221,9 +222,27 @@ def test_http_server_through_vllm_rl_routes_only(run):
         server.requests.clear()
         with pytest.raises(DeltaSyncError, match=r"/update_weights: HTTP 500: .*version 999 is not visible"):
             update_server(server.url, 999, mode="keep")
-        assert [p for _, p, _ in server.requests] == ["/pause", "/start_weight_update", "/update_weights", "/resume"]
+        assert [p for _, p, _ in server.requests] == ["/is_paused", "/pause", "/start_weight_update", "/update_weights",
+                                                      "/resume"]
         assert not engine.paused and asyncio.run(engine.get_weight_version()) == str(v1)
         run.assert_serves(_bf16(run.hf))
+        # Another driver paused the engine for its update: a second driver used to resume it (its
+        # "always resume" after its own start failed), so the first one committed into a running engine.
+        asyncio.run(engine.pause_generation(mode="wait"))
+        server.requests.clear()
+        with pytest.raises(DeltaSyncError, match=r"the engine is paused already \(another driver is updating it.*"
+                                                 r"nothing was changed"):
+            update_server(server.url, v1, mode="keep")
+        assert [p for _, p, _ in server.requests] == ["/is_paused"] and engine.paused
+        asyncio.run(engine.resume_generation())
+        # A driver that died between start and finish: the next one is told how to end that update.
+        asyncio.run(engine.start_weight_update())
+        with pytest.raises(DeltaSyncError, match=r"/start_weight_update: HTTP .*If no other driver is updating this "
+                                                 r"engine, one died between start_weight_update and finish_weight_update"):
+            update_server(server.url, v1, mode="keep")
+        assert not engine.paused  # its own pause is resumed
+        asyncio.run(engine.finish_weight_update(str(v1)))
+        assert update_server(server.url, mode="keep").version == v1
     finally:
         server.close()
 
@@ -233,7 +252,7 @@ def test_unreachable_server_is_named():
     s.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{s.getsockname()[1]}"
     s.close()  # nothing listens there now
-    with pytest.raises(DeltaSyncError, match=r"POST http://127\.0\.0\.1:\d+/pause\?mode=wait&clear_cache=true: "
+    with pytest.raises(DeltaSyncError, match=r"GET http://127\.0\.0\.1:\d+/is_paused: "
                        r"cannot reach the server \(.*Connection refused"):
         update_server(url, 3, timeout=5)
 

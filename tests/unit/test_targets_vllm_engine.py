@@ -316,3 +316,37 @@ def test_a_parameter_processing_changes_is_copied_whole(ahead_run, monkeypatch):
         assert other.last_reload["copied_mb"] > 0
         assert _differ(vllm_state_bits(other.model), _reference_bits(vc, states[version])) == []
     assert other._patch_ok and not any(other._patch_ok.values())
+
+
+def test_a_run_that_leaves_a_parameter_out_is_refused_unless_not_strict(run):
+    """A sender without model.norm.weight was accepted: the engine kept its checkpoint norm while
+    it reported every new version (the engine target mapped with strict=False)."""
+    _, _, shapes, vc = run
+    partial = {n: s for n, s in shapes.items() if n != "model.norm.weight"}
+    with pytest.raises(IncompatibleTargetError, match=r"vLLM parameters no published tensor loads into: "
+                                                      r"\['model.norm.weight'\] \(1 in all\).*strict=False"):
+        VLLMEngineTarget(_model(vc), vc.model_config).check(partial, {}, BF16)
+    VLLMEngineTarget(_model(vc), vc.model_config, strict=False).check(partial, {}, BF16)
+
+
+def test_tensors_vllm_ties_but_the_sender_publishes_separately_are_refused(tmp_path):
+    """An untied trainer (its own lm_head) into an engine that ties lm_head to embed_tokens: both
+    were reloaded into the one parameter, and after an lm_head-only change the engine served
+    neither the trainer's weights nor the previous ones, reporting success."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.testing_vllm import TINY_VLLM_CONFIGS, build_vllm_model, hf_model, vllm_config
+
+    spec = TINY_VLLM_CONFIGS["qwen3"]  # tie_word_embeddings=True in vLLM
+    hf = hf_model(dict(spec, tie_word_embeddings=False), seed=3)
+    shapes = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    assert "lm_head.weight" in shapes
+    vc = vllm_config(spec, tmp_path / "cfg")
+    for in_place in ("auto", "never"):
+        target = VLLMEngineTarget(build_vllm_model(vc, 0, 1), vc.model_config, in_place=in_place)
+        with pytest.raises(IncompatibleTargetError, match=r"published tensors 'model.embed_tokens.weight' and "
+                                                          r"'lm_head.weight' both load into the vLLM parameter "
+                                                          r"'model.embed_tokens.weight': vLLM ties 'lm_head.weight'"):
+            target.check(shapes, {}, BF16)
+    tied = {n: s for n, s in shapes.items() if n != "lm_head.weight"}  # the sender ties them: one tensor, an alias
+    VLLMEngineTarget(build_vllm_model(vc, 0, 1), vc.model_config).check(
+        tied, {"lm_head.weight": "model.embed_tokens.weight"}, BF16)

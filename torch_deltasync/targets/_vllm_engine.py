@@ -89,6 +89,8 @@ class VLLMEngineTarget(Target):
             processing must touch only the layer); ``"never"``: inside the commit, as vLLM's
             layerwise reload does.
         tp_rank, tp_size: override the TP rank and size read from the model's layers.
+        strict: refuse a run that leaves parameters of the model without a published tensor
+            (``check``); ``False`` leaves them as they are.
 
     Attributes:
         host: HF name -> full tensor (HF shape, inference dtype, CPU): the state the receiver verifies.
@@ -107,7 +109,8 @@ class VLLMEngineTarget(Target):
     concurrent_reads = True  # see Target: reads gather from the host copy
 
     def __init__(self, model: nn.Module, model_config: Any, *, in_place: InPlace = "auto",
-                 reload_ahead: ReloadAhead = "auto", tp_rank: int | None = None, tp_size: int | None = None) -> None:
+                 reload_ahead: ReloadAhead = "auto", tp_rank: int | None = None, tp_size: int | None = None,
+                 strict: bool = True) -> None:
         if in_place not in ("auto", "never"):
             raise ValueError(f"in_place must be 'auto' or 'never', got {in_place!r}")
         if reload_ahead not in ("auto", "always", "never"):
@@ -115,7 +118,7 @@ class VLLMEngineTarget(Target):
         self.model = model
         self.model_config = model_config
         self.in_place = in_place
-        self.reload_ahead = reload_ahead
+        self.reload_ahead, self.strict = reload_ahead, strict
         self._generation = 0  # bumped by every change of the host copy or the engine (prepared commits check it)
         self._retired: list = []  # replaced by the last prepared commit, freed by the next prepare_commit
         self._spare: dict[str, torch.Tensor] = {}  # host tensors it replaced: the next one's buffers
@@ -142,14 +145,17 @@ class VLLMEngineTarget(Target):
         """Classify every published tensor as written in place or reloaded with its module.
 
         Raises:
-            IncompatibleTargetError: a published name the model does not know, or a shape that
+            IncompatibleTargetError: a published name the model does not know, a shape that
                 differs from what its layer expects (checked for in-place tensors by the TP map,
-                for reloaded ones by the layer's own loader at the first reload).
+                for reloaded ones against the layer's full sizes), tensors vLLM ties that the
+                sender publishes separately, or (``strict``) parameters no published tensor loads
+                into (:meth:`~._vllm_layout._VLLMLayout.check_names`).
             UnsupportedLayoutError: a tensor that can be neither written in place nor reloaded.
         """
         key = (tuple(sorted(shapes.items())), tuple(sorted(aliases.items())), dtype)
         if key == self._key:
             return
+        self._tp.check_names(shapes, aliases, strict=self.strict)
         inplace: set[str] = set()
         module_of: dict[str, str] = {}
         for name, shape in list(shapes.items()) + [(a, shapes[c]) for a, c in aliases.items() if c in shapes]:

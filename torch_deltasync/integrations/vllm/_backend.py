@@ -158,7 +158,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
         def build():
             target = VLLMEngineTarget(self.model, self.model_config, in_place=init_info.in_place,  # type: ignore[arg-type]
-                                      reload_ahead=init_info.reload_ahead)  # type: ignore[arg-type]
+                                      reload_ahead=init_info.reload_ahead, strict=init_info.strict)  # type: ignore[arg-type]
             receiver = DeltaReceiver(target, init_info.store, prefix=init_info.prefix,
                                      max_workers=init_info.max_workers, threads=init_info.threads)
             try:
@@ -344,7 +344,12 @@ def _on_every_worker(fn: Any, what: str, *, result: bool = False) -> Any:
     """
     group, rank, size = _world()
     if group is None or size == 1:
-        out = fn()
+        try:
+            out = fn()
+        except DeltaSyncError as e:  # vLLM hands the driver the message only: name the type in it
+            if str(e).startswith(f"{type(e).__name__}: "):
+                raise
+            raise type(e)(f"{type(e).__name__}: {e}") from e
         return True if result and out is None else out
     out, err = None, None
     try:

@@ -181,13 +181,25 @@ def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: 
     v = (yield ("newest",)) if version is None else _version(version)
     staged = yield ("wait", v, stage_timeout_s)
     t1 = time.perf_counter()
+    if pause and (yield ("is_paused",)):  # resuming a pause this driver did not make would end another's
+        raise DeltaSyncError(
+            "the engine is paused already (another driver is updating it, or whoever paused it has not resumed "
+            "it): nothing was changed. Update once it resumes; only one driver should update an engine")
     steps_ms: dict[str, float] = {}
     steps = [("pause", mode)] if pause else []
     steps += [("start",), ("update", v), ("finish", v)]
     try:
         for step in steps:
             ts = time.perf_counter()
-            yield step
+            try:
+                yield step
+            except DeltaSyncError as e:
+                if step[0] != "start":
+                    raise
+                raise DeltaSyncError(
+                    f"{e}. If no other driver is updating this engine, one died between start_weight_update and "
+                    "finish_weight_update: end that update with POST /finish_weight_update (or "
+                    "finish_weight_update()) on the engine, then update again") from e
             steps_ms[step[0]] = (time.perf_counter() - ts) * 1e3
     except BaseException:
         if pause:
@@ -263,8 +275,10 @@ def update_llm(llm: Any, version: int | None = None, *,
 
     Raises:
         VersionNotFoundError, CorruptObjectError, ChecksumMismatchError, StoreError, ...: from the
-            workers; the engine keeps serving the version it had.
-        DeltaSyncError: not attached, or a worker reports another version after the commit.
+            workers (vLLM passes on their message only; the type is taken from it, the original
+            exception is the ``__cause__``); the engine keeps serving the version it had.
+        DeltaSyncError: not attached, or a worker reports another version after the commit (also
+            the type when TP workers fail with different errors).
     """
     att = _attached(llm, "attach_llm")
     return drive(_update_steps(version, stage_timeout_s, pause=False, mode=None), {
@@ -309,6 +323,8 @@ async def update_async_llm(engine: Any, version: int | None = None, *, mode: Pau
 
     Raises:
         ValueError: an unknown ``mode`` (nothing is paused).
+        DeltaSyncError: the engine is paused already (another driver's update, or a pause this
+            driver did not make: nothing is changed, and it is not resumed).
         the workers' errors, as :func:`update_llm`; the engine resumes on the version it had.
     """
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -317,6 +333,7 @@ async def update_async_llm(engine: Any, version: int | None = None, *, mode: Pau
     att = _attached(engine, "attach_async_llm")
     return await drive_async(_update_steps(version, stage_timeout_s, pause=True, mode=mode), {
         **_threaded(_readiness_ops(att)),
+        "is_paused": engine.is_paused,
         "pause": lambda m: engine.pause_generation(mode=m, clear_cache=True),
         "start": engine.start_weight_update,
         "update": lambda v: engine.update_weights(WeightTransferUpdateRequest(update_info={"version": v})),
@@ -413,7 +430,9 @@ def update_server(base_url: str, version: int | None = None, *, mode: PauseMode 
 
     Raises:
         DeltaSyncError: the server refused a step (the message carries its reason: e.g.
-            ``version 7 is not visible``), cannot be reached, or reports another version after.
+            ``version 7 is not visible``; the error is of the type the reason names, e.g.
+            ``VersionNotFoundError``), cannot be reached, reports another version after, or is
+            paused already (``GET /is_paused``: another driver's update; nothing is changed).
         ValueError: an unknown ``mode`` (nothing is paused).
     """
     _check_mode(mode)
@@ -433,6 +452,7 @@ def update_server(base_url: str, version: int | None = None, *, mode: PauseMode 
     return drive(_update_steps(version, stage_timeout_s, pause=True, mode=mode), {
         **(_readiness_ops(att) if att is not None else {"wait": lambda v, t: None}),
         "check": check,
+        "is_paused": lambda: bool((server.call("GET", "/is_paused") or {}).get("is_paused")),
         "pause": lambda m: server.call("POST", "/pause", {"mode": m, "clear_cache": "true"}),
         "start": lambda: server.call("POST", "/start_weight_update"),
         "update": lambda v: server.call("POST", "/update_weights", body={"update_info": {"version": v}}),

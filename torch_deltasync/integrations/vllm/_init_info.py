@@ -29,6 +29,9 @@ class InitInfo:
             staging, on copies, so the commit only swaps them in
             (:class:`~torch_deltasync.targets.VLLMEngineTarget`, "Reloading ahead"; costs about
             the model's bytes twice from staging to commit).
+        strict: refuse a run that publishes no tensor for some of the engine's parameters (they
+            would keep their checkpoint values while the engine reports each new version);
+            ``False`` leaves them as loaded.
         stage_ahead: stage the newest version in the background (``False``: prepare inside
             ``update_weights``).
         poll_s: seconds between looks at the store for a newer version (background stager).
@@ -50,6 +53,7 @@ class InitInfo:
     assume_version: int | None = None
     in_place: str = "auto"
     reload_ahead: str = "auto"
+    strict: bool = True
     stage_ahead: bool = True
     poll_s: float = 0.05
     max_workers: int = 8
@@ -68,6 +72,8 @@ class InitInfo:
             raise ValueError(f"init_info 'in_place' must be 'auto' or 'never', got {self.in_place!r}")
         if self.reload_ahead not in ("auto", "always", "never"):
             raise ValueError(f"init_info 'reload_ahead' must be 'auto', 'always' or 'never', got {self.reload_ahead!r}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"init_info 'strict' must be true or false, got {self.strict!r}")
         if not isinstance(self.stage_ahead, bool):
             raise ValueError(f"init_info 'stage_ahead' must be true or false, got {self.stage_ahead!r}")
         if not isinstance(self.poll_s, (int, float)) or isinstance(self.poll_s, bool) or not 0 < self.poll_s <= 60:
