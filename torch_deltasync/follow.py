@@ -350,9 +350,11 @@ def follow(
     while max_updates is None or len(report.versions) < max_updates:
         if until_version is not None and receiver.version is not None and receiver.version >= until_version:
             break
-        newest, start = start if start is not None else wait_for_newer(
-            receiver, poll_s=poll_s, idle_timeout_s=idle_timeout_s, skip=failed.__contains__,
-            read=lambda: reachable(receiver.newest_version)[1]), None
+        if start is not None:
+            newest, start = start, None
+        else:
+            newest = wait_for_newer(receiver, poll_s=poll_s, idle_timeout_s=idle_timeout_s, skip=failed.__contains__,
+                                    read=lambda: reachable(receiver.newest_version)[1])
         if newest is None:
             break
         try:

@@ -154,4 +154,3 @@ def _no_other_anchor(where: str, head: Manifest, excluded: Collection[int], end:
     ends where ``end`` says."""
     return CorruptObjectError(f"{where}: no other anchor leads to version {head.version}: the chain's anchors "
                               f"{sorted(excluded)} failed to load and {end}")
-
