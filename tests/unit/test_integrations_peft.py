@@ -321,3 +321,93 @@ def test_a_takeover_by_another_adapter_is_refused_before_the_prefix_changes_hand
     assert store.get(OWNER_KEY) == owner  # the running writer still owns its prefix
     assert first.publish() == 1
     first.close()
+
+
+def test_a_merged_adapter_is_not_updated(tmp_path):
+    """merge_adapter() on the receiving model: update() returned the new version while the merged
+    base kept the old adapter's product, so the model served neither version."""
+    trainer = lora_model(0)
+    sender = AdapterSender(trainer, LocalStore(tmp_path), anchor_every=10)
+    sender.publish()
+    worker = lora_model(1)
+    receiver = AdapterReceiver(worker, LocalStore(tmp_path))
+    assert receiver.update() == 0
+    worker.merge_adapter()
+    before = bits(worker.state_dict(), torch.float32)
+    train_step(trainer, torch.optim.Adam(trainer.parameters(), 1e-3), torch.Generator().manual_seed(0))
+    sender.publish()
+    with pytest.raises(IncompatibleTargetError, match=r"adapter is merged into its base weights .*unmerge_adapter\(\)"):
+        receiver.update()
+    assert receiver.version == 0 and same_bits(bits(worker.state_dict(), torch.float32), before)
+    worker.unmerge_adapter()
+    assert receiver.update() == 1
+    assert same_bits(bits(adapter_state_dict(worker)), bits(adapter_state_dict(trainer)))
+
+
+def test_a_new_run_on_a_wiped_prefix_brings_its_own_adapter_config(tmp_path):
+    """Run 1 (alpha 8), the prefix wiped, run 2 (alpha 32, same shapes): the receiver kept run 1's
+    config, saved it next to run 2's weights, and a model built for alpha 8 was not refused."""
+    store = LocalStore(tmp_path)
+    first = AdapterSender(lora_model(0, alpha=8), store, anchor_every=10)
+    first.publish()
+    holder = AdapterReceiver(None, store)
+    worker = lora_model(1, alpha=8)
+    receiver = AdapterReceiver(worker, store)
+    assert holder.update() == 0 and receiver.update() == 0 and holder.config.lora_alpha == 8
+    first.close()
+    for key in store.list():
+        store.delete(key)
+    second_model = lora_model(2, alpha=32)
+    second = AdapterSender(second_model, store, anchor_every=10)
+    second.publish()
+    second.publish()
+    assert holder.update() == 1 and holder.config.lora_alpha == 32
+    out = holder.save(tmp_path / "out" / "v1")
+    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 32
+    before = bits(adapter_state_dict(worker))
+    with pytest.raises(IncompatibleTargetError, match="lora_alpha"):
+        receiver.update()
+    assert receiver.version == 0 and same_bits(bits(adapter_state_dict(worker)), before)
+
+
+def test_an_embedding_in_target_modules_never_ships_the_base_embedding(tmp_path):
+    """PEFT adds the base embedding to the adapter's state dict (save_embedding_layers="auto") when
+    target_modules name an embedding: it was published in every anchor and overwrote the
+    receiving model's base embedding (another base's, or an fp32 one rounded to bf16)."""
+    targets = ["embed_tokens", "q_proj"]
+    trainer = get_peft_model(tiny_qwen3("tiny", seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    assert not any("base_layer" in n for n in adapter_state_dict(trainer))
+    AdapterSender(trainer, LocalStore(tmp_path), anchor_every=10).publish()
+    assert not any("base_layer" in t.name for t in load_manifest(LocalStore(tmp_path), 0).tensors)
+    worker = get_peft_model(tiny_qwen3("tiny", seed=42), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    key = "base_model.model.model.embed_tokens.base_layer.weight"
+    before = worker.state_dict()[key].clone()
+    assert AdapterReceiver(worker, LocalStore(tmp_path)).update() == 0
+    assert torch.equal(worker.state_dict()[key].view(torch.int32), before.view(torch.int32))
+    assert same_bits(bits(adapter_state_dict(worker)), bits(adapter_state_dict(trainer)))
+
+
+def test_materializing_never_deletes_a_folder_that_is_not_an_adapters(tmp_path, monkeypatch):
+    """materialize_adapter(store, ".") removed everything in the working folder before failing,
+    and an existing project folder given as out_dir lost every file."""
+    AdapterSender(lora_model(0), LocalStore(tmp_path / "b"), anchor_every=10).publish()
+    work = tmp_path / "work"
+    (work / "src").mkdir(parents=True)
+    (work / "train.py").write_text("print('hi')")
+    monkeypatch.chdir(work)
+    with pytest.raises(ValueError, match=r"'\.' is the current folder or one above it"):
+        materialize_adapter(str(tmp_path / "b"), ".")
+    with pytest.raises(ValueError, match=r"'src/\.\.' is the current folder"):
+        materialize_adapter(str(tmp_path / "b"), "src/..")
+    project = tmp_path / "project"  # not the current folder
+    (project / "src").mkdir(parents=True)
+    (project / "train.py").write_text("x")
+    with pytest.raises(ValueError, match=r"holds other files than an adapter's \(\['src', 'train.py'\]\)"):
+        materialize_adapter(str(tmp_path / "b"), project)
+    assert sorted(p.name for p in project.iterdir()) == ["src", "train.py"]
+    assert (work / "train.py").read_text() == "print('hi')" and (work / "src").is_dir()
+    out = materialize_adapter(str(tmp_path / "b"), "adapters/v0")
+    (out / "adapter_config.json").write_text("{}")  # an adapter folder written before is replaced
+    assert materialize_adapter(str(tmp_path / "b"), "adapters/v0") == out
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4

@@ -121,7 +121,10 @@ def adapter_state_dict(model: Any, adapter_name: str = "default") -> dict[str, t
         raise TypeError(f"expected a peft.PeftModel, got {type(model).__name__}; wrap the model with peft.get_peft_model")
     if adapter_name not in configs:
         raise ValueError(f"the model has no adapter {adapter_name!r}; it has {sorted(configs)}")
-    sd = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    # Never the base model's embedding layers (PEFT adds them when target_modules name an
+    # embedding, save_embedding_layers="auto"): a run ships adapter tensors only, and a receiver on
+    # another base (or an fp32 one) would have its base embedding replaced.
+    sd = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
     if not sd:
         raise ValueError(f"adapter {adapter_name!r} has no tensors")
     return sd
@@ -444,14 +447,37 @@ class AdapterReceiver(DeltaReceiver):
         if model is not None:
             tensors = adapter_state_dict(model, adapter_name)
             local = _peft_config(model, adapter_name)
-        self._adapter_config = None
+        self._adapter_config, self._config_run = None, None
+        self._model = model
         super().__init__(AdapterTarget(tensors, self._load_config, local), store, prefix=prefix,
                          config=receiver_config)
 
     def _load_config(self):
-        if self._adapter_config is None:  # immutable for a run: read once
+        if self._adapter_config is None:  # immutable for a run: read once per run
             self._adapter_config = read_adapter_config(self.store)
         return self._adapter_config
+
+    def _check_target(self, m) -> None:
+        if m.run_id != self._config_run:  # another run (a wiped prefix) has its own adapter config
+            self._adapter_config, self._config_run = None, m.run_id
+        super()._check_target(m)
+
+    def commit(self, staged):
+        """:meth:`DeltaReceiver.commit`, refused while the model's adapter is merged into its base
+        weights (``merge_adapter()``): the adapter tensors would change while the base kept the
+        merged old ones, and the merged model would serve neither version.
+
+        Raises:
+            IncompatibleTargetError: the adapter is merged (``unmerge_adapter()`` first); nothing is written.
+        """
+        merged = [n for n, mod in (self._model.named_modules() if self._model is not None else ())
+                  if getattr(mod, "merged", False) is True]
+        if merged:
+            raise IncompatibleTargetError(
+                f"the model's adapter is merged into its base weights ({len(merged)} layers, e.g. {merged[0]!r}): "
+                "an update would change the adapter tensors but not the merged base. Call unmerge_adapter() "
+                "before updating (and merge_adapter() again after, if you serve merged)")
+        return super().commit(staged)
 
     @property
     def config(self):
@@ -488,18 +514,46 @@ def _write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config, 
     if base_model_name_or_path is not None:
         config = copy.copy(config)
         config.base_model_name_or_path = base_model_name_or_path
+    _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    old = None
     try:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt", "deltasync_version": str(version)})
         (tmp / ADAPTER_CONFIG_NAME).write_bytes(adapter_config_json(config))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+        if out_dir.exists():  # moved aside, not deleted, until the new folder is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
     except BaseException:
+        if old is not None and not out_dir.exists():
+            os.replace(old, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Refuse an ``out_dir`` that is not an adapter folder: only a new path, an empty folder, or one
+    that holds the two files an adapter folder has, is replaced (never the current folder or
+    one above it, a file, or a folder with anything else in it).
+
+    Raises:
+        ValueError: naming the folder and what is in it.
+    """
+    where = out_dir.resolve()
+    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
+        raise ValueError(f"{str(out_dir)!r} is the current folder or one above it; give the adapter folder's own path "
+                         "(e.g. adapters/v12)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{str(out_dir)!r} is a file; give a folder path for the adapter")
+    other = sorted(p.name for p in out_dir.iterdir() if p.name not in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)) \
+        if out_dir.is_dir() else []
+    if other:
+        raise ValueError(f"{str(out_dir)!r} holds other files than an adapter's ({other[:5]}{' ...' if len(other) > 5 else ''}); "
+                         "it would be replaced whole. Give a new or empty folder, or an adapter folder written before")
 
 
 def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version: int | None = None, *,

@@ -553,8 +553,8 @@ class DeltaReceiver:
 
     def _check_target(self, m: Manifest) -> None:
         # Targets keep per-layout state (e.g. which untied aliases to mirror), so check again
-        # whenever the layout differs from the one checked last, not only when it is new.
-        key = (tuple((t.name, t.shape) for t in m.tensors), tuple(sorted(m.aliases.items())), m.inference_dtype)
+        # whenever the layout (or the run: an adapter's config) differs from the one checked last.
+        key = (m.run_id, tuple((t.name, t.shape) for t in m.tensors), tuple(sorted(m.aliases.items())), m.inference_dtype)
         if key != self._checked:
             self._checked = None
             self.target.check({t.name: t.shape for t in m.tensors}, dict(m.aliases), m.inference_dtype)
