@@ -99,7 +99,8 @@ def test_validation_accepts_the_schema():
 
 
 @pytest.mark.parametrize("kwargs", [dict(capacity=0), dict(max_lag=-1), dict(on_full="drop"), dict(vocab_size=0),
-                                    dict(token="short"), dict(retry_after_s=0)])
+                                    dict(token="short"), dict(retry_after_s=0), dict(retry_after_s=float("inf")),
+                                    dict(max_wait_s=float("nan"))])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         RolloutServiceConfig(**kwargs)
@@ -189,6 +190,24 @@ def test_http_errors_are_clear(service):
     st = httpx.get(f"{url}/stats").json()  # open
     assert st["accepted"] == 1 and st["requests"]["http_401"] == 2 and st["requests"]["http_413"] == 2
     assert st["config"]["token"] == "<set>" and TOKEN not in json.dumps(st)
+
+
+def test_numbers_json_allows_but_no_float_holds_are_refused_and_leave_the_service_working(service):
+    """A 400-digit integer reward and deeply nested arrays were answered with HTTP 500; a trainer
+    version of 10**20 was stored, after which every /episodes, /sample and /version failed (500)."""
+    url, auth = service.url, {"Authorization": f"Bearer {TOKEN}"}
+    body = '{"episodes": [{"prompt": [1], "completion": [2], "logprobs": [-0.1], "reward": 1%s, "policy_version": 0}]}'
+    r = httpx.post(f"{url}/episodes", content=body % ("0" * 400), headers=auth)
+    assert r.status_code == 422 and "episodes[0].reward is" in r.json()["detail"] and len(r.json()["detail"]) < 200
+    r = httpx.post(f"{url}/episodes", content="[" * 20000 + "]" * 20000, headers=auth)
+    assert r.status_code == 422 and r.json()["error"] == "invalid_json" and "RecursionError" in r.json()["detail"]
+    r = httpx.post(f"{url}/version", json={"version": 10**20}, headers=auth)
+    assert r.status_code == 422 and "trainer version must be an integer in [0, 10**12)" in r.json()["detail"]
+    assert httpx.post(f"{url}/episodes", json={"episodes": [GOOD]}, headers=auth).status_code == 200
+    r = httpx.post(f"{url}/sample", json={"batch_size": 1, "trainer_version": 0}, headers=auth)
+    assert r.status_code == 200 and len(r.json()["episodes"]) == 1 and r.json()["trainer_version"] == 0
+    st = httpx.get(f"{url}/stats").json()
+    assert st["requests"]["http_422"] == 3 and st["trainer_version"] == 0
 
 
 def test_client_backpressure_and_close(service):

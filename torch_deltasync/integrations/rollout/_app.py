@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import os
 import socket
@@ -20,6 +21,8 @@ from ...errors import EpisodeError, RolloutServiceError, ServiceClosedError
 from ._buffer import BufferFull, EpisodeBuffer
 from ._config import RolloutServiceConfig
 from ._episodes import is_number, validate_episodes
+
+log = logging.getLogger(__name__)
 
 
 def create_app(config: RolloutServiceConfig, buffer: EpisodeBuffer | None = None):
@@ -75,8 +78,8 @@ def create_app(config: RolloutServiceConfig, buffer: EpisodeBuffer | None = None
             chunks.append(chunk)
         try:
             return json.loads(b"".join(chunks))
-        except ValueError as e:
-            raise _HTTPError(422, "invalid_json", f"the body is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise _HTTPError(422, "invalid_json", f"the body is not JSON we read: {type(e).__name__}: {e}") from None
 
     def guarded(handler):
         async def endpoint(request: Request):
@@ -95,6 +98,9 @@ def create_app(config: RolloutServiceConfig, buffer: EpisodeBuffer | None = None
                              retry_after_s=e.retry_after_s)
             except ServiceClosedError as e:
                 return error(410, "closed", str(e))
+            except Exception as e:  # noqa: BLE001 - a bug: answered (and counted) as such, the service goes on
+                log.exception("%s %s failed", request.method, request.url.path)
+                return error(500, "internal", f"{type(e).__name__}: {e}")
             requests["http_200"] += 1
             return out
 

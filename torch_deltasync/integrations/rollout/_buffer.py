@@ -191,8 +191,8 @@ class EpisodeBuffer:
 
     def set_version(self, version: int) -> int:
         """Record the trainer's version (never goes back) and drop what became stale; returns it."""
-        if not is_int(version) or version < 0:
-            raise EpisodeError(f"trainer version must be an integer >= 0, got {version!r}")
+        if not is_int(version) or not 0 <= version < 10**12:
+            raise EpisodeError(f"trainer version must be an integer in [0, 10**12), got {version!r:.40}")
         with self._lock:
             if self.trainer_version is None or version > self.trainer_version:
                 self.trainer_version = version

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+import math
 from typing import Any, Literal
 
 #: Token ids and counts must stay below this (int32 range).
 INT32_LIMIT = 2**31
+
+
+def _finite(x: Any) -> bool:
+    """A finite int or float (``inf`` seconds made the ``Retry-After`` header raise)."""
+    return type(x) in (int, float) and abs(x) < 2**63 and math.isfinite(x)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,8 +68,10 @@ class RolloutServiceConfig:
             raise ValueError(f"RolloutServiceConfig.on_full must be 'reject' or 'evict', got {self.on_full!r}")
         if self.vocab_size is not None and (type(self.vocab_size) is not int or not 1 <= self.vocab_size <= INT32_LIMIT):
             raise ValueError(f"RolloutServiceConfig.vocab_size must be in [1, 2**31] or None, got {self.vocab_size!r}")
-        if not self.retry_after_s > 0 or not self.max_wait_s >= 0:
-            raise ValueError("RolloutServiceConfig.retry_after_s must be > 0 and max_wait_s >= 0")
+        if not _finite(self.retry_after_s) or not self.retry_after_s > 0 or not _finite(self.max_wait_s) \
+                or not self.max_wait_s >= 0:
+            raise ValueError(f"RolloutServiceConfig.retry_after_s must be a finite number > 0 and max_wait_s one >= 0, "
+                             f"got {self.retry_after_s!r} and {self.max_wait_s!r}")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 8):
             raise ValueError("RolloutServiceConfig.token must be a string of at least 8 characters (or None)")
 

@@ -23,7 +23,11 @@ def is_int(x: Any) -> bool:
 
 
 def is_number(x: Any) -> bool:
-    return (type(x) is int or type(x) is float) and math.isfinite(x)
+    """A finite JSON number that a float holds (an integer of 400 digits is none: ``math.isfinite``
+    raised ``OverflowError`` on it)."""
+    if type(x) is int:
+        return abs(x) < 2**63
+    return type(x) is float and math.isfinite(x)
 
 
 def _check_tokens(v: Any, where: str, lo_len: int, hi_len: int, vocab: int) -> list[int]:
@@ -78,12 +82,12 @@ def validate_episodes(batch: Any, config: RolloutServiceConfig) -> list[dict[str
             if not is_number(x) or x > _LOGPROB_TOLERANCE:
                 raise EpisodeError(f"{w}.logprobs[{j}] is {x!r}; log-probabilities are finite numbers <= 0")
         if not is_number(ep["reward"]):
-            raise EpisodeError(f"{w}.reward is {ep['reward']!r}; a finite number")
+            raise EpisodeError(f"{w}.reward is {ep['reward']!r:.40}; a finite number")
         pv = ep["policy_version"]
         if not is_int(pv) or not 0 <= pv < 10**12:
-            raise EpisodeError(f"{w}.policy_version is {pv!r}; an integer in [0, 10**12)")
+            raise EpisodeError(f"{w}.policy_version is {pv!r:.40}; an integer in [0, 10**12)")
         if "advantage" in ep and not is_number(ep["advantage"]):
-            raise EpisodeError(f"{w}.advantage is {ep['advantage']!r}; a finite number")
+            raise EpisodeError(f"{w}.advantage is {ep['advantage']!r:.40}; a finite number")
         for k in ("group", "worker"):
             if k in ep and not ((is_int(ep[k]) and abs(ep[k]) < 2**63) or (isinstance(ep[k], str) and len(ep[k]) <= 128)):
                 raise EpisodeError(f"{w}.{k} must be an integer or a string of at most 128 characters")
