@@ -235,14 +235,18 @@ def test_http_server_through_vllm_rl_routes_only(run):
             update_server(server.url, v1, mode="keep")
         assert [p for _, p, _ in server.requests] == ["/is_paused"] and engine.paused
         asyncio.run(engine.resume_generation())
-        # A driver that died between start and finish: the next one is told how to end that update.
+        # Another driver's update session is open (it paused after this driver's check, or it died
+        # mid-update): this driver's failed start leaves the pause alone (resuming it would put the other
+        # driver's commit on a generating engine) and says how to recover from a dead driver.
         asyncio.run(engine.start_weight_update())
-        with pytest.raises(DeltaSyncError, match=r"/start_weight_update: HTTP .*If no other driver is updating this "
-                                                 r"engine, one died between start_weight_update and finish_weight_update"):
+        with pytest.raises(DeltaSyncError, match=r"start_weight_update failed: .*/start_weight_update: HTTP 500: .*already "
+                                                 r"active.*this driver leaves the pause to it.*POST /finish_weight_update.*"
+                                                 r"POST /resume"):
             update_server(server.url, v1, mode="keep")
-        assert not engine.paused  # its own pause is resumed
-        asyncio.run(engine.finish_weight_update(str(v1)))
-        assert update_server(server.url, mode="keep").version == v1
+        assert engine.paused and ("POST", "/resume", "") not in server.requests
+        asyncio.run(engine.finish_weight_update(str(v1)))  # the recovery the message gives
+        asyncio.run(engine.resume_generation())
+        assert update_server(server.url, mode="keep").version == v1 and not engine.paused
     finally:
         server.close()
 

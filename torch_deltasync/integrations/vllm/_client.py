@@ -172,6 +172,12 @@ def _attach_steps(store: str | os.PathLike, prefix: str, assume_version: int | N
     return info, att
 
 
+#: What to do about an engine a driver left paused or mid-update (it died).
+_STUCK = ("If no other driver is updating the engine, end the dead driver's update with POST /finish_weight_update "
+          "(finish_weight_update()) if it started one, resume the engine with POST /resume (resume_generation()), "
+          "then update again")
+
+
 def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: bool, mode: str | None) -> Steps:
     """Update: pick the version (``("newest",)`` when ``None``), ``("wait", v, timeout)`` until staged,
     then ``pause`` → ``start`` → ``update`` → ``finish`` → ``resume`` (``resume`` also after a failed
@@ -184,25 +190,29 @@ def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: 
     if pause and (yield ("is_paused",)):  # resuming a pause this driver did not make would end another's
         raise DeltaSyncError(
             "the engine is paused already (another driver is updating it, or whoever paused it has not resumed "
-            "it): nothing was changed. Update once it resumes; only one driver should update an engine")
+            f"it): nothing was changed. Update once it resumes; only one driver should update an engine. {_STUCK}")
     steps_ms: dict[str, float] = {}
     steps = [("pause", mode)] if pause else []
     steps += [("start",), ("update", v), ("finish", v)]
+    other_session = False  # start found another driver's update session: its pause is not ours to end
     try:
         for step in steps:
             ts = time.perf_counter()
             try:
                 yield step
-            except DeltaSyncError as e:
+            except Exception as e:
                 if step[0] != "start":
                     raise
+                # vLLM: "start_weight_update called while a weight update is already active" (another
+                # driver that paused between our check and our pause, or one that died mid-update)
+                other_session = "already active" in str(e)
                 raise DeltaSyncError(
-                    f"{e}. If no other driver is updating this engine, one died between start_weight_update and "
-                    "finish_weight_update: end that update with POST /finish_weight_update (or "
-                    "finish_weight_update()) on the engine, then update again") from e
+                    f"start_weight_update failed: {str(e).rstrip('.')}."
+                    + (" Another driver's update is under way (it resumes the engine when done; this driver "
+                       f"leaves the pause to it), or a driver died mid-update. {_STUCK}" if other_session else "")) from e
             steps_ms[step[0]] = (time.perf_counter() - ts) * 1e3
     except BaseException:
-        if pause:
+        if pause and not other_session:
             try:
                 yield ("resume",)
             except Exception as e:  # noqa: BLE001 (the update's error is the one to raise)
