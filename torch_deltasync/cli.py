@@ -106,6 +106,10 @@ def _open(uri: str, args: argparse.Namespace):
     return open_store(uri, timeout_s=args.timeout)
 
 
+#: After "no versions" at a store's root: runs published under a prefix sit below it.
+_PREFIX_HINT = " (a run published under a prefix: give --prefix PREFIX)"
+
+
 def _open_existing(args: argparse.Namespace, uri: str | None = None):
     """Open ``uri`` (default ``args.store``) for reading, under ``args.prefix``; a store that is not
     there (a missing folder; a missing bucket fails on its first call) is an error, not an empty store."""
@@ -254,7 +258,7 @@ def _ls(args: argparse.Namespace) -> int:
     store = _open_existing(args)
     versions = list_versions(store)
     if not versions:
-        print(f"{store.describe()}: no versions")
+        print(f"{store.describe()}: no versions{_PREFIX_HINT if not args.prefix else ''}")
         return 0
     print(f"{'version':>8} {'kind':<6} {'base':>6} {'bytes':>12} {'changed':>12} {'density':>8}  created")
     unreadable = 0
@@ -303,7 +307,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.from_version is not None:
         versions = [v for v in versions if v >= args.from_version]
     if not versions:
-        print(f"{store.describe()}: no versions to verify")
+        print(f"{store.describe()}: no versions to verify{_PREFIX_HINT if not args.prefix else ''}")
         return 1
     # The target is shaped by the newest manifest that parses; an unreadable one still gets its line.
     shapes, unreadable = None, {}
@@ -489,7 +493,8 @@ def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=None,
                    help="file holding the shared token for write endpoints (else $DELTASYNC_BUFFER_TOKEN; "
                         "unset: open)")
-    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn log level")
 
 
 @command("serve-buffer", "HTTP rollout service: workers POST episodes, the trainer samples (FastAPI)", _serve_buffer_args)

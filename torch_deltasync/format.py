@@ -152,6 +152,10 @@ def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str
                 and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
                 and all(type(o) is int for o in entry["data_offsets"])):
             raise CorruptObjectError(f"{where}: malformed header entry for tensor {name!r}")
+        begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end <= len(data) - 8 - n:
+            raise CorruptObjectError(f"{where}: tensor {name!r} lies at bytes [{begin}, {end}) of the data, which has "
+                                     f"{len(data) - 8 - n} bytes: the object is truncated or corrupt")
     return header, meta
 
 

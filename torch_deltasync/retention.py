@@ -120,7 +120,14 @@ class RetentionPlan:
     def __str__(self) -> str:
         def span(vs: tuple[int, ...], what: str) -> str:
             noun = what if len(vs) == 1 else what + "s"
-            listed = f"{vs[0]}..{vs[-1]}" if len(vs) > 3 else ", ".join(map(str, vs))
+            runs: list[list[int]] = []  # consecutive versions as [first, last]
+            for v in vs:
+                if runs and v == runs[-1][1] + 1:
+                    runs[-1][1] = v
+                else:
+                    runs.append([v, v])
+            parts = [f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}..{b}" for a, b in runs]
+            listed = ", ".join(parts[:4]) + (", ..." if len(parts) > 4 else "")
             return f"{len(vs)} {noun} ({listed})" if vs else f"no {what}s"
 
         head = (f"retention: newest version {self.newest}, cut anchor {self.cut}: {self.reason}"

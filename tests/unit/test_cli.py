@@ -423,3 +423,21 @@ def test_verify_reports_versions_collected_meanwhile_as_deleted(run, capsys, mon
     lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
     assert all(lines[v].endswith(": deleted meanwhile") for v in (0, 1, 2))
     assert all(": ok (" in lines[v] for v in (3, 4)) and "2/5 versions verified, 3 deleted meanwhile" in out
+
+
+def test_small_cli_messages(run, capsys, tmp_path):
+    """ls/verify of a store whose run sits under a prefix said only "no versions"; serve-buffer
+    --log-level bogus ended in a KeyError traceback; gc printed "keep 4 versions (0..6)" for 0, 4, 5, 6."""
+    from torch_deltasync.retention import RetentionPlan
+
+    store, _, _ = run
+    (tmp_path / "outer").mkdir()
+    (tmp_path / "outer" / "x").write_text("")
+    assert main(["ls", str(tmp_path / "outer")]) == 0
+    assert "no versions (a run published under a prefix: give --prefix PREFIX)" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "outer")]) == 1
+    assert "give --prefix PREFIX" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["serve-buffer", "--log-level", "bogus"])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+    assert "keep     4 versions (0, 4..6)" in str(RetentionPlan(6, 4, (0, 4, 5, 6), (1, 2, 3), (), reason="r"))

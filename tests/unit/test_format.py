@@ -132,3 +132,18 @@ def test_handmade_delta_with_a_wrong_member_is_refused(member, value, why):
     m = _manifest(4, "delta")
     with pytest.raises(CorruptObjectError, match=why):
         decode_delta(_handmade({**DELTA_META, member: value}, entries, DELTA_DATA), m, m.objects[0])
+
+
+def test_a_truncated_object_is_named_as_such_from_its_header():
+    """`deltasync inspect` listed every tensor of a truncated local object (its header was whole)
+    and exited 0; the header's offsets are now checked against the bytes there are."""
+    from safetensors.torch import save
+
+    from torch_deltasync.errors import CorruptObjectError
+    from torch_deltasync.format import read_header
+
+    data = save({"a": torch.arange(1000, dtype=torch.int32)})
+    assert set(read_header(data)[0]) == {"a"}
+    with pytest.raises(CorruptObjectError, match=r"x: tensor 'a' lies at bytes \[0, 4000\) of the data, which has "
+                                                 r"\d+ bytes: the object is truncated or corrupt"):
+        read_header(data[:-1], "x")

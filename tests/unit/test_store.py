@@ -124,6 +124,7 @@ def test_sweep_removes_only_old_temporaries(tmp_path):
     ("file:relative", r"'file:relative': a file URI names an absolute folder"),  # was the folder ./file:relative
     ("http://example.com/x", r"http:// is no store: .* endpoint_url='http://host:port'"),  # fsspec reads only
     ("https://example.com/x", r"https:// is no store"),
+    ("s3:///x", r"'s3:///x' names no bucket"),  # was read as the bucket x
     ("~nosuchuser-of-this-machine/x", r"LocalStore '~nosuchuser-of-this-machine/x': .* give the folder's path "
                                       "without ~user"),  # was RuntimeError: Could not determine home directory.
 ])

@@ -143,7 +143,7 @@ class FsspecStore(Store):
         protocol, sep, path = url.partition("://")
         if not sep or not protocol:
             raise ValueError(f"expected protocol://path, got {url!r}")
-        if protocol in _S3 and not path.strip("/"):
+        if protocol in _S3 and (not path.strip("/") or path.startswith("/")):
             raise ValueError(f"{url!r} names no bucket; expected s3://bucket/prefix")
         if protocol in ("http", "https"):
             raise ValueError(
