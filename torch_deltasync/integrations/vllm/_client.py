@@ -68,7 +68,8 @@ class EngineUpdate:
             commit); ``False``: some prepared it inside the pause (the wait timed out or a worker
             reported a staging error); ``None``: no readiness files (workers on another host, or
             ``status_dir=False``).
-        wait_ms: waiting for the workers to stage ``version`` (the engine serves meanwhile).
+        wait_ms: waiting for the workers to stage ``version`` and checking that the engine is not paused
+            already (the engine serves meanwhile).
         stall_ms: pause → resume, i.e. how long the engine did not generate (``AsyncLLM``, server);
             for an offline ``LLM``, which has no pause, ``start_weight_update`` → prefix-cache reset.
         total_ms: the whole call (version lookup, wait, stall, checks).
@@ -186,11 +187,11 @@ def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: 
     t0 = time.perf_counter()
     v = (yield ("newest",)) if version is None else _version(version)
     staged = yield ("wait", v, stage_timeout_s)
-    t1 = time.perf_counter()
     if pause and (yield ("is_paused",)):  # resuming a pause this driver did not make would end another's
         raise DeltaSyncError(
             "the engine is paused already (another driver is updating it, or whoever paused it has not resumed "
             f"it): nothing was changed. Update once it resumes; only one driver should update an engine. {_STUCK}")
+    t1 = time.perf_counter()  # the stall starts here: the engine generated during the wait and the check
     steps_ms: dict[str, float] = {}
     steps = [("pause", mode)] if pause else []
     steps += [("start",), ("update", v), ("finish", v)]
