@@ -343,3 +343,25 @@ def test_wait_staged_reads_every_worker(tmp_path):
     _write(odd, 0, held=164, staged="165", newest=166)
     with pytest.raises(SyncTimeoutError, match=r"rank-0: staged '165', held 164"):
         wait_staged(odd, 165, 0)
+
+
+def test_worker_errors_are_raised_as_their_own_types():
+    """vLLM hands a worker's error to an offline LLM's or AsyncLLM's driver as a plain Exception with
+    its message (the forms below are vLLM 0.32's, seen on live engines): `except VersionNotFoundError`
+    never fired."""
+    from torch_deltasync.errors import ChecksumMismatchError, CorruptObjectError
+    from torch_deltasync.integrations.vllm._steps import typed_error
+
+    one = Exception("Call to collective_rpc method failed: Worker failed with error 'VersionNotFoundError: "
+                    "file:///b: version 999 is not visible', please check the stack trace above for the root cause")
+    got = typed_error(one)
+    assert type(got) is VersionNotFoundError and got.__cause__ is one and "version 999 is not visible" in str(got)
+    tp = DeltaSyncError("update_weights failed on 2 of 2 workers; nothing was changed on any: worker 0: "
+                        "CorruptObjectError: a; worker 1: CorruptObjectError: b")
+    assert type(typed_error(tp)) is CorruptObjectError
+    mixed = Exception("worker 0: CorruptObjectError: a; worker 1: ChecksumMismatchError: b")
+    assert type(typed_error(mixed)) is DeltaSyncError
+    typed = ChecksumMismatchError("x")
+    assert typed_error(typed) is typed
+    for other in (ValueError("KeyError: not ours"), KeyboardInterrupt()):
+        assert typed_error(other) is other

@@ -28,7 +28,8 @@ def typed_error(e: BaseException) -> BaseException:
     'VersionNotFoundError: ...'")``. Every worker's type when they agree (TP: ``worker 0:
     CorruptObjectError: ...; worker 1: ...``), else :class:`~torch_deltasync.errors.DeltaSyncError`;
     ``e`` itself for anything else. The original is the new error's ``__cause__``."""
-    if isinstance(e, errors.DeltaSyncError) and type(e) is not errors.DeltaSyncError or not isinstance(e, Exception):
+    already = isinstance(e, errors.DeltaSyncError) and type(e) is not errors.DeltaSyncError
+    if already or not isinstance(e, Exception):  # typed, or no error to map (KeyboardInterrupt, ...)
         return e
     named = {getattr(errors, n, None) for n in _ERROR_NAME.findall(str(e))}
     kinds = {k for k in named if isinstance(k, type) and issubclass(k, errors.DeltaSyncError)}
