@@ -201,13 +201,16 @@ def test_numbers_json_allows_but_no_float_holds_are_refused_and_leave_the_servic
     assert r.status_code == 422 and "episodes[0].reward is" in r.json()["detail"] and len(r.json()["detail"]) < 200
     r = httpx.post(f"{url}/episodes", content="[" * 20000 + "]" * 20000, headers=auth)
     assert r.status_code == 422 and r.json()["error"] == "invalid_json" and "RecursionError" in r.json()["detail"]
+    for lp in (-1e308, -3.5e38):  # stored as float32 -inf: the next /sample failed and lost the batch
+        r = httpx.post(f"{url}/episodes", json={"episodes": [{**GOOD, "logprobs": [lp, -1.0]}]}, headers=auth)
+        assert r.status_code == 422 and "log-probabilities are finite numbers in [-3.402823e+38, 0]" in r.json()["detail"]
     r = httpx.post(f"{url}/version", json={"version": 10**20}, headers=auth)
     assert r.status_code == 422 and "trainer version must be an integer in [0, 10**12)" in r.json()["detail"]
     assert httpx.post(f"{url}/episodes", json={"episodes": [GOOD]}, headers=auth).status_code == 200
     r = httpx.post(f"{url}/sample", json={"batch_size": 1, "trainer_version": 0}, headers=auth)
     assert r.status_code == 200 and len(r.json()["episodes"]) == 1 and r.json()["trainer_version"] == 0
     st = httpx.get(f"{url}/stats").json()
-    assert st["requests"]["http_422"] == 3 and st["trainer_version"] == 0
+    assert st["requests"]["http_422"] == 5 and st["trainer_version"] == 0
 
 
 def test_client_backpressure_and_close(service):

@@ -173,16 +173,17 @@ def test_async_llm_pauses_commits_and_always_resumes(run):
         engine.calls.clear()
         out = await update_async_llm(engine, mode="keep")
         assert out.version == v1 and out.staged is True and out.mode == "keep"
-        assert list(out.steps_ms) == ["pause", "start", "update", "finish", "resume"]
+        assert list(out.steps_ms) == ["pause", "update", "finish", "resume"]
         assert sum(out.steps_ms.values()) <= out.stall_ms
-        assert engine.calls == [("pause_generation", "keep", True), ("start_weight_update",),
+        # start first, while the engine generates: vLLM's update session is what two drivers contend for
+        assert engine.calls == [("start_weight_update",), ("pause_generation", "keep", True),
                                 ("update_weights", {"version": v1}), ("finish_weight_update", str(v1)),
                                 ("resume_generation",)]
         run.assert_serves(_bf16(run.hf))
         engine.calls.clear()
         with pytest.raises(VersionNotFoundError, match="version 7 is not visible"):
             await update_async_llm(engine, 7, mode="abort")
-        assert engine.calls[0] == ("pause_generation", "abort", True)
+        assert engine.calls[:2] == [("start_weight_update",), ("pause_generation", "abort", True)]
         assert engine.calls[-1] == ("resume_generation",) and not engine.paused
         assert ("finish_weight_update", "7") not in engine.calls
         assert await engine.get_weight_version() == str(v1)
@@ -191,6 +192,21 @@ def test_async_llm_pauses_commits_and_always_resumes(run):
         with pytest.raises(ValueError, match="mode must be one of"):
             await update_async_llm(engine, v1, mode="drain")
         assert engine.calls == []  # nothing paused
+        # a pause that fails after the session started: the session is ended (no version), the engine resumed
+        real_pause = engine.pause_generation
+
+        async def failing_pause(**kw):
+            raise RuntimeError("pause failed")
+
+        engine.pause_generation = failing_pause
+        v2 = run.step()
+        with pytest.raises(RuntimeError, match="pause failed"):
+            await update_async_llm(engine, v2, mode="keep")
+        assert engine.calls[-3:] == [("start_weight_update",), ("finish_weight_update", None), ("resume_generation",)]
+        assert await engine.get_weight_version() == str(v1)
+        engine.pause_generation = real_pause
+        assert (await update_async_llm(engine, v2, mode="keep")).version == v2
+        run.assert_serves(_bf16(run.hf))
 
     asyncio.run(go())
 
@@ -209,8 +225,8 @@ def test_http_server_through_vllm_rl_routes_only(run):
         assert out.version == v1 and out.staged is True
         assert server.requests == [
             ("GET", "/is_paused", ""),
-            ("POST", "/pause", "mode=wait&clear_cache=true"),
             ("POST", "/start_weight_update", ""),
+            ("POST", "/pause", "mode=wait&clear_cache=true"),
             ("POST", "/update_weights", ""),
             ("POST", "/finish_weight_update", ""),
             ("POST", "/resume", ""),
@@ -222,7 +238,7 @@ def test_http_server_through_vllm_rl_routes_only(run):
         server.requests.clear()
         with pytest.raises(DeltaSyncError, match=r"/update_weights: HTTP 500: .*version 999 is not visible"):
             update_server(server.url, 999, mode="keep")
-        assert [p for _, p, _ in server.requests] == ["/is_paused", "/pause", "/start_weight_update", "/update_weights",
+        assert [p for _, p, _ in server.requests] == ["/is_paused", "/start_weight_update", "/pause", "/update_weights",
                                                       "/resume"]
         assert not engine.paused and asyncio.run(engine.get_weight_version()) == str(v1)
         run.assert_serves(_bf16(run.hf))
@@ -235,17 +251,17 @@ def test_http_server_through_vllm_rl_routes_only(run):
             update_server(server.url, v1, mode="keep")
         assert [p for _, p, _ in server.requests] == ["/is_paused"] and engine.paused
         asyncio.run(engine.resume_generation())
-        # Another driver's update session is open (it paused after this driver's check, or it died
-        # mid-update): this driver's failed start leaves the pause alone (resuming it would put the other
-        # driver's commit on a generating engine) and says how to recover from a dead driver.
+        # Another driver's update session is open (it got past the check at the same time, or it died
+        # mid-update): this driver's start fails before it paused anything, so it resumes nothing
+        # (resuming would put the other driver's commit on a generating engine), and says how to
+        # recover from a dead driver.
         asyncio.run(engine.start_weight_update())
+        server.requests.clear()
         with pytest.raises(DeltaSyncError, match=r"start_weight_update failed: .*/start_weight_update: HTTP 500: .*already "
-                                                 r"active.*this driver leaves the pause to it.*POST /finish_weight_update.*"
-                                                 r"POST /resume"):
+                                                 r"active.*nothing was changed.*POST /finish_weight_update.*POST /resume"):
             update_server(server.url, v1, mode="keep")
-        assert engine.paused and ("POST", "/resume", "") not in server.requests
+        assert [p for _, p, _ in server.requests] == ["/is_paused", "/start_weight_update"] and not engine.paused
         asyncio.run(engine.finish_weight_update(str(v1)))  # the recovery the message gives
-        asyncio.run(engine.resume_generation())
         assert update_server(server.url, mode="keep").version == v1 and not engine.paused
     finally:
         server.close()

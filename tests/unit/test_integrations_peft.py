@@ -336,7 +336,8 @@ def test_a_merged_adapter_is_not_updated(tmp_path):
     before = bits(worker.state_dict(), torch.float32)
     train_step(trainer, torch.optim.Adam(trainer.parameters(), 1e-3), torch.Generator().manual_seed(0))
     sender.publish()
-    with pytest.raises(IncompatibleTargetError, match=r"adapter is merged into its base weights .*unmerge_adapter\(\)"):
+    with pytest.raises(IncompatibleTargetError, match=r"adapter 'default' is merged into the model's base weights "
+                                                      r".*unmerge_adapter\(\)"):
         receiver.update()
     assert receiver.version == 0 and same_bits(bits(worker.state_dict(), torch.float32), before)
     worker.unmerge_adapter()
@@ -402,7 +403,7 @@ def test_materializing_never_deletes_a_folder_that_is_not_an_adapters(tmp_path, 
     project = tmp_path / "project"  # not the current folder
     (project / "src").mkdir(parents=True)
     (project / "train.py").write_text("x")
-    with pytest.raises(ValueError, match=r"holds other files than an adapter's \(\['src', 'train.py'\]\)"):
+    with pytest.raises(ValueError, match=r"is no adapter folder \(it holds \['src', 'train.py'\]"):
         materialize_adapter(str(tmp_path / "b"), project)
     assert sorted(p.name for p in project.iterdir()) == ["src", "train.py"]
     assert (work / "train.py").read_text() == "print('hi')" and (work / "src").is_dir()
@@ -411,3 +412,38 @@ def test_materializing_never_deletes_a_folder_that_is_not_an_adapters(tmp_path, 
     assert materialize_adapter(str(tmp_path / "b"), "adapters/v0") == out
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    # the store's own adapter/ folder holds only the config: no adapter folder, never replaced
+    with pytest.raises(ValueError, match=r"is no adapter folder \(it holds \['adapter_config.json'\]"):
+        materialize_adapter(str(tmp_path / "b"), tmp_path / "b" / "adapter")
+    assert AdapterReceiver(None, str(tmp_path / "b")).config.r == 4
+    (tmp_path / "link").symlink_to(out)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        materialize_adapter(str(tmp_path / "b"), tmp_path / "link")
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+def test_an_unloaded_or_other_merged_adapter(tmp_path):
+    """merge_and_unload() removed the LoRA layers: update() returned the new version and changed
+    nothing the model computes with. A merged model was refused even with nothing to apply, and
+    merging another adapter refused updates of this one."""
+    trainer = lora_model(0)
+    sender = AdapterSender(trainer, LocalStore(tmp_path), anchor_every=10)
+    sender.publish()
+    worker = lora_model(1)
+    worker.add_adapter("other", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], lora_dropout=0.0))
+    receiver = AdapterReceiver(worker, LocalStore(tmp_path))
+    assert receiver.update() == 0
+    worker.base_model.merge_adapter(["other"])  # another adapter merged: this one may still be updated
+    train_step(trainer, torch.optim.Adam(trainer.parameters(), 1e-3), torch.Generator().manual_seed(0))
+    sender.publish()
+    assert receiver.update() == 1
+    worker.base_model.unmerge_adapter()
+    worker.merge_adapter()
+    assert receiver.update() == 1  # nothing to apply: no refusal
+    worker.unmerge_adapter()
+    worker.merge_and_unload()
+    sender.publish()
+    with pytest.raises(IncompatibleTargetError, match=r"no longer holds the adapter tensors this receiver writes "
+                                                      r"\(merge_and_unload\(\)"):
+        receiver.update()
+    assert receiver.version == 1

@@ -25,7 +25,7 @@ Pieces:
 * :class:`AdapterSender` (a :class:`~torch_deltasync.DeltaSender`): publishes a ``PeftModel``'s adapter.
 * :class:`AdapterReceiver` (a :class:`~torch_deltasync.DeltaReceiver`): applies versions in place to
   a ``PeftModel`` on any device, bit-exactly, or holds the adapter tensors itself (``model=None``).
-* :func:`materialize_adapter`: writes the PEFT folder of one version (atomically).
+* :func:`materialize_adapter`: writes the PEFT folder of one version (never half-written).
 * :func:`adapter_state_dict`, :func:`read_adapter_config`, :func:`parse_adapter_config`.
 
 ``peft`` is imported lazily (the ``models`` extra). See ``docs/lora.md``.
@@ -448,7 +448,7 @@ class AdapterReceiver(DeltaReceiver):
             tensors = adapter_state_dict(model, adapter_name)
             local = _peft_config(model, adapter_name)
         self._adapter_config, self._config_run = None, None
-        self._model = model
+        self._model, self._adapter_name = model, adapter_name
         super().__init__(AdapterTarget(tensors, self._load_config, local), store, prefix=prefix,
                          config=receiver_config)
 
@@ -464,19 +464,31 @@ class AdapterReceiver(DeltaReceiver):
 
     def commit(self, staged):
         """:meth:`DeltaReceiver.commit`, refused while the model's adapter is merged into its base
-        weights (``merge_adapter()``): the adapter tensors would change while the base kept the
-        merged old ones, and the merged model would serve neither version.
+        weights (``merge_adapter()``: the adapter tensors would change while the base kept the
+        merged old ones, and the merged model would serve neither version) or no longer holds the
+        tensors this receiver writes (``merge_and_unload()``, another adapter loaded in its place).
 
         Raises:
-            IncompatibleTargetError: the adapter is merged (``unmerge_adapter()`` first); nothing is written.
+            IncompatibleTargetError: as above (``unmerge_adapter()`` first, or a new receiver);
+                nothing is written.
         """
-        merged = [n for n, mod in (self._model.named_modules() if self._model is not None else ())
-                  if getattr(mod, "merged", False) is True]
-        if merged:
-            raise IncompatibleTargetError(
-                f"the model's adapter is merged into its base weights ({len(merged)} layers, e.g. {merged[0]!r}): "
-                "an update would change the adapter tensors but not the merged base. Call unmerge_adapter() "
-                "before updating (and merge_adapter() again after, if you serve merged)")
+        if self._model is not None and staged.plan.path != "noop":
+            merged = [n for n, mod in self._model.named_modules() if self._adapter_name in
+                      (getattr(mod, "merged_adapters", None) or ())]
+            if merged:
+                raise IncompatibleTargetError(
+                    f"adapter {self._adapter_name!r} is merged into the model's base weights ({len(merged)} layers, "
+                    f"e.g. {merged[0]!r}): an update would change the adapter tensors but not the merged base. Call "
+                    "unmerge_adapter() before updating (and merge_adapter() again after, if you serve merged)")
+            try:
+                live = adapter_state_dict(self._model, self._adapter_name)
+            except (TypeError, ValueError):
+                live = {}
+            if {n: t.data_ptr() for n, t in live.items()} != {n: t.data_ptr() for n, t in self.tensors.items()}:
+                raise IncompatibleTargetError(
+                    f"the model no longer holds the adapter tensors this receiver writes (merge_and_unload(), or "
+                    f"adapter {self._adapter_name!r} replaced): an update would change nothing the model computes "
+                    "with. Build a new AdapterReceiver for the model as it is now")
         return super().commit(staged)
 
     @property
@@ -507,8 +519,8 @@ class AdapterReceiver(DeltaReceiver):
 def _write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config, *, version: int,
                        base_model_name_or_path: str | None) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into a temporary sibling folder,
-    then rename it to ``out_dir``: readers (vLLM) never see a half-written adapter. An existing
-    ``out_dir`` is replaced."""
+    then rename it to ``out_dir``: readers (vLLM) never see a half-written adapter (while an existing
+    ``out_dir`` is replaced, it is briefly absent: moved aside, then the new folder renamed in)."""
     from safetensors.torch import save_file
 
     if base_model_name_or_path is not None:
@@ -526,9 +538,11 @@ def _write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config, 
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
     except BaseException:
-        if old is not None and not out_dir.exists():
+        if old is not None and not out_dir.exists() and any(old.iterdir()):
             os.replace(old, out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, old):
+            if leftover is not None:
+                shutil.rmtree(leftover, ignore_errors=True)
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -547,13 +561,18 @@ def _check_replaceable(out_dir: Path) -> None:
     if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
         raise ValueError(f"{str(out_dir)!r} is the current folder or one above it; give the adapter folder's own path "
                          "(e.g. adapters/v12)")
+    if out_dir.is_symlink():
+        raise ValueError(f"{str(out_dir)!r} is a symbolic link; give the folder itself (a link would be replaced by a "
+                         "folder)")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{str(out_dir)!r} is a file; give a folder path for the adapter")
-    other = sorted(p.name for p in out_dir.iterdir() if p.name not in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)) \
-        if out_dir.is_dir() else []
-    if other:
-        raise ValueError(f"{str(out_dir)!r} holds other files than an adapter's ({other[:5]}{' ...' if len(other) > 5 else ''}); "
-                         "it would be replaced whole. Give a new or empty folder, or an adapter folder written before")
+    names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    adapter = names == sorted([ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME]) and all(
+        (out_dir / n).is_file() and not (out_dir / n).is_symlink() for n in names)
+    if names and not adapter:
+        raise ValueError(f"{str(out_dir)!r} is no adapter folder (it holds {names[:5]}{' ...' if len(names) > 5 else ''}, "
+                         f"not just the files {ADAPTER_WEIGHTS_NAME} and {ADAPTER_CONFIG_NAME}) and would be replaced "
+                         "whole. Give a new or empty folder, or an adapter folder written before")
 
 
 def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version: int | None = None, *,
@@ -563,7 +582,8 @@ def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version:
     The version is rebuilt from the store (newest anchor at or before it, then its deltas), checked
     against the manifest's per-tensor checksums, and written as ``adapter_model.safetensors`` (the
     tensors in the run's inference dtype, PEFT names, metadata ``format=pt``) and
-    ``adapter_config.json`` (the run's config), atomically (a temporary folder renamed into place).
+    ``adapter_config.json`` (the run's config), never half-written (a temporary folder renamed into
+    place; an existing adapter folder at ``out_dir`` is briefly absent while it is replaced).
 
     Args:
         store: a store or anything :func:`~torch_deltasync.open_store` accepts.

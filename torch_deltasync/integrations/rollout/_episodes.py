@@ -18,6 +18,10 @@ _LOGPROB_TOLERANCE = 1e-4
 
 
 
+#: The largest finite float32 (log-probabilities are stored as float32).
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def is_int(x: Any) -> bool:
     return type(x) is int  # bool is an int subclass: excluded on purpose
 
@@ -78,9 +82,10 @@ def validate_episodes(batch: Any, config: RolloutServiceConfig) -> list[dict[str
         if not isinstance(lp, list) or len(lp) != len(comp):
             n = len(lp) if isinstance(lp, list) else type(lp).__name__
             raise EpisodeError(f"{w}.logprobs has {n} values for {len(comp)} completion tokens; one per token")
-        for j, x in enumerate(lp):
-            if not is_number(x) or x > _LOGPROB_TOLERANCE:
-                raise EpisodeError(f"{w}.logprobs[{j}] is {x!r}; log-probabilities are finite numbers <= 0")
+        for j, x in enumerate(lp):  # stored as float32: a value beyond its range would become -inf
+            if not is_number(x) or x > _LOGPROB_TOLERANCE or x < -_FLOAT32_MAX:
+                raise EpisodeError(f"{w}.logprobs[{j}] is {x!r:.40}; log-probabilities are finite numbers in "
+                                   f"[-{_FLOAT32_MAX:.7g}, 0] (float32)")
         if not is_number(ep["reward"]):
             raise EpisodeError(f"{w}.reward is {ep['reward']!r:.40}; a finite number")
         pv = ep["policy_version"]

@@ -12,7 +12,7 @@ Data path::
 
     trainer ─ DeltaSender.publish() ─▶ store ◀─ each vLLM worker: DeltaReceiver(VLLMEngineTarget)
                                                   background: prepare(newest)  (engine generates)
-    driver: [pause] ─ start_weight_update ─ update_weights({"version": v}) ─ finish_weight_update(str(v)) ─ [resume]
+    driver: start_weight_update ─ [pause] ─ update_weights({"version": v}) ─ finish_weight_update(str(v)) ─ [resume]
                                                   in the RPC: commit(staged v)  (the only stall)
 
 * ``init_weight_transfer_engine({"init_info": {"store": URI, "prefix": "", ...}})`` builds the

@@ -8,7 +8,7 @@ Every helper drives the same calls vLLM's own RL examples use; nothing of ours r
     trainer ─DeltaSender.publish()─▶ store ◀─ every vLLM worker stages the newest version in the
                                                background (download, decode, validate, checksums)
     driver:  [wait_staged: readiness files say every worker staged v]       engine keeps serving
-             pause ─ start_weight_update ─ update_weights({"version": v}) ─ finish_weight_update(str(v)) ─ resume
+             start_weight_update ─ pause ─ update_weights({"version": v}) ─ finish_weight_update(str(v)) ─ resume
                                           └ commit: the only work inside the pause (the stall)
 
 * :func:`attach_llm` / :func:`attach_async_llm` / :func:`attach_server` call
@@ -75,8 +75,10 @@ class EngineUpdate:
         total_ms: the whole call (version lookup, wait, stall, checks).
         mode: the pause mode (``None`` for an offline ``LLM``).
         steps_ms: the stall by step, in order: ``pause`` (until the engine stopped scheduling:
-            vLLM finishes the step it is in, then sleeps 20 ms), ``start``, ``update`` (the commit
-            on every worker), ``finish``, ``resume`` (or ``reset_cache`` for an offline ``LLM``).
+            vLLM finishes the step it is in, then sleeps 20 ms), ``update`` (the commit on every
+            worker), ``finish``, ``resume``; for an offline ``LLM`` ``start``, ``update``,
+            ``finish``, ``reset_cache``. (With a pause, ``start_weight_update`` comes first, while
+            the engine still generates, and counts in ``wait_ms``.)
     """
 
     version: int
@@ -181,9 +183,15 @@ _STUCK = ("If no other driver is updating the engine, end the dead driver's upda
 
 def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: bool, mode: str | None) -> Steps:
     """Update: pick the version (``("newest",)`` when ``None``), ``("wait", v, timeout)`` until staged,
-    then ``pause`` → ``start`` → ``update`` → ``finish`` → ``resume`` (``resume`` also after a failed
-    step), or without a pause ``start`` → ``update`` → ``finish`` → ``reset_cache``; then
-    ``("check", v)``. Returns the :class:`EngineUpdate`."""
+    then ``is_paused`` (refused if so) → ``start`` → ``pause`` → ``update`` → ``finish`` → ``resume``
+    (``resume`` also after a failed step; ``end``, a finish without a version, after a failed
+    pause), or without a pause ``start`` → ``update`` → ``finish`` → ``reset_cache``; then
+    ``("check", v)``. Returns the :class:`EngineUpdate`.
+
+    ``start`` comes before the pause: vLLM's update session admits one driver at a time, so a
+    driver that loses it to another has paused nothing and resumes nothing (resuming would let the
+    other driver's commit land on a generating engine). Our backend's ``start_weight_update`` does
+    nothing on the workers, so the engine generates on meanwhile."""
     t0 = time.perf_counter()
     v = (yield ("newest",)) if version is None else _version(version)
     staged = yield ("wait", v, stage_timeout_s)
@@ -191,33 +199,33 @@ def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: 
         raise DeltaSyncError(
             "the engine is paused already (another driver is updating it, or whoever paused it has not resumed "
             f"it): nothing was changed. Update once it resumes; only one driver should update an engine. {_STUCK}")
-    t1 = time.perf_counter()  # the stall starts here: the engine generated during the wait and the check
     steps_ms: dict[str, float] = {}
-    steps = [("pause", mode)] if pause else []
-    steps += [("start",), ("update", v), ("finish", v)]
-    other_session = False  # start found another driver's update session: its pause is not ours to end
+    ts = time.perf_counter()
+    try:
+        yield ("start",)
+    except Exception as e:
+        # vLLM: "start_weight_update called while a weight update is already active"
+        active = "already active" in str(e)
+        raise DeltaSyncError(
+            f"start_weight_update failed: {str(e).rstrip('.')}; nothing was changed."
+            + (" Another driver's update is under way, or a driver died mid-update. " + _STUCK if active else "")) from e
+    if not pause:
+        steps_ms["start"] = (time.perf_counter() - ts) * 1e3  # an offline LLM's "stall" is its whole commit
+    t1 = ts if not pause else time.perf_counter()  # with a pause, the stall starts at the pause
+    steps = ([("pause", mode)] if pause else []) + [("update", v), ("finish", v)]
+    step = steps[0]
     try:
         for step in steps:
             ts = time.perf_counter()
-            try:
-                yield step
-            except Exception as e:
-                if step[0] != "start":
-                    raise
-                # vLLM: "start_weight_update called while a weight update is already active" (another
-                # driver that paused between our check and our pause, or one that died mid-update)
-                other_session = "already active" in str(e)
-                raise DeltaSyncError(
-                    f"start_weight_update failed: {str(e).rstrip('.')}."
-                    + (" Another driver's update is under way (it resumes the engine when done; this driver "
-                       f"leaves the pause to it), or a driver died mid-update. {_STUCK}" if other_session else "")) from e
+            yield step
             steps_ms[step[0]] = (time.perf_counter() - ts) * 1e3
     except BaseException:
-        if pause and not other_session:
+        cleanup = ([("end",)] if step[0] == "pause" else []) + ([("resume",)] if pause else [])
+        for last in cleanup:  # a failed update ends the session on vLLM's side; a failed pause does not
             try:
-                yield ("resume",)
+                yield last
             except Exception as e:  # noqa: BLE001 (the update's error is the one to raise)
-                log.error("resuming the engine failed after a failed update: %s", e)
+                log.error("%s after a failed update failed: %s", last[0], e)
         raise
     ts = time.perf_counter()
     last = ("resume",) if pause else ("reset_cache",)
@@ -323,10 +331,11 @@ async def update_async_llm(engine: Any, version: int | None = None, *, mode: Pau
                            stage_timeout_s: float | None = DEFAULT_STAGE_TIMEOUT_S) -> EngineUpdate:
     """Commit ``version`` (the newest published when ``None``) on an attached ``AsyncLLM``.
 
-    Steps: wait until every worker staged it (the engine keeps generating) →
-    ``pause_generation(mode=mode, clear_cache=True)`` → ``start_weight_update()`` →
-    ``update_weights(...{"version": v})`` → ``finish_weight_update(weight_version=str(v))`` →
-    ``resume_generation()`` (always, also when a step fails).
+    Steps: wait until every worker staged it (the engine keeps generating) → ``is_paused()`` (an
+    engine paused already is refused) → ``start_weight_update()`` (vLLM's update session: one
+    driver at a time; the engine still generates) → ``pause_generation(mode=mode, clear_cache=True)``
+    → ``update_weights(...{"version": v})`` → ``finish_weight_update(weight_version=str(v))`` →
+    ``resume_generation()`` (always once paused, also when a step fails).
 
     ``mode``: ``"wait"`` drains in-flight requests first (each completion comes from one version);
     ``"keep"`` freezes them, and ``clear_cache=True`` preempts them so that they recompute their KV
@@ -345,6 +354,7 @@ async def update_async_llm(engine: Any, version: int | None = None, *, mode: Pau
     return await drive_async(_update_steps(version, stage_timeout_s, pause=True, mode=mode), {
         **_threaded(_readiness_ops(att)),
         "is_paused": engine.is_paused,
+        "end": engine.finish_weight_update,
         "pause": lambda m: engine.pause_generation(mode=m, clear_cache=True),
         "start": engine.start_weight_update,
         "update": lambda v: engine.update_weights(WeightTransferUpdateRequest(update_info={"version": v})),
@@ -431,8 +441,8 @@ def attach_server(base_url: str, store: str | os.PathLike, prefix: str = "", *, 
 def update_server(base_url: str, version: int | None = None, *, mode: PauseMode = "wait",
                   stage_timeout_s: float | None = DEFAULT_STAGE_TIMEOUT_S, timeout: float = 600.0,
                   headers: dict[str, str] | None = None) -> EngineUpdate:
-    """:func:`update_async_llm` over vLLM's RL routes only: ``POST /pause?mode=...&clear_cache=true``
-    → ``POST /start_weight_update`` → ``POST /update_weights {"update_info": {"version": v}}`` →
+    """:func:`update_async_llm` over vLLM's RL routes only: ``GET /is_paused`` → ``POST
+    /start_weight_update`` → ``POST /pause?mode=...&clear_cache=true`` → ``POST /update_weights {"update_info": {"version": v}}`` →
     ``POST /finish_weight_update {"weight_version": "v"}`` → ``POST /resume`` (always), then
     ``GET /weight_info`` must report ``v``.
 
@@ -464,6 +474,7 @@ def update_server(base_url: str, version: int | None = None, *, mode: PauseMode 
         **(_readiness_ops(att) if att is not None else {"wait": lambda v, t: None}),
         "check": check,
         "is_paused": lambda: bool((server.call("GET", "/is_paused") or {}).get("is_paused")),
+        "end": lambda: server.call("POST", "/finish_weight_update", body={}),
         "pause": lambda m: server.call("POST", "/pause", {"mode": m, "clear_cache": "true"}),
         "start": lambda: server.call("POST", "/start_weight_update"),
         "update": lambda v: server.call("POST", "/update_weights", body={"update_info": {"version": v}}),
