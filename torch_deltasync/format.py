@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Mapping
@@ -53,6 +54,9 @@ __all__ = [
 
 #: Largest safetensors header we accept (bytes). The header lists every tensor (~150 B each).
 MAX_HEADER_BYTES = 64 << 20
+#: Bytes per element of safetensors' dtypes (``safetensors/src/tensor.rs``, ``Dtype::size``).
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 
 
 def sha256_hex(data: bytes) -> str:
@@ -156,6 +160,19 @@ def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str
         if not 0 <= begin <= end <= len(data) - 8 - n:
             raise CorruptObjectError(f"{where}: tensor {name!r} lies at bytes [{begin}, {end}) of the data, which has "
                                      f"{len(data) - 8 - n} bytes: the object is truncated or corrupt")
+        size = _DTYPE_BYTES.get(entry["dtype"])
+        if size is None or any(d < 0 for d in entry["shape"]) or math.prod(entry["shape"]) * size != end - begin:
+            raise CorruptObjectError(f"{where}: tensor {name!r} ({entry['dtype']}, shape {entry['shape']}) does not fill "
+                                     f"its {end - begin} bytes: the object is corrupt")
+    # safetensors' layout: the tensors' byte ranges tile the data exactly, in some order
+    at = 0
+    for begin, end in sorted(tuple(e["data_offsets"]) for e in header.values()):
+        if begin != at:
+            raise CorruptObjectError(f"{where}: the tensors' byte ranges {'overlap' if begin < at else 'leave a gap'} "
+                                     f"at byte {min(begin, at)} of the data: the object is corrupt")
+        at = end
+    if at != len(data) - 8 - n:
+        raise CorruptObjectError(f"{where}: {len(data) - 8 - n - at} bytes after the last tensor: the object is corrupt")
     return header, meta
 
 

@@ -147,3 +147,25 @@ def test_a_truncated_object_is_named_as_such_from_its_header():
     with pytest.raises(CorruptObjectError, match=r"x: tensor 'a' lies at bytes \[0, 4000\) of the data, which has "
                                                  r"\d+ bytes: the object is truncated or corrupt"):
         read_header(data[:-1], "x")
+
+
+@pytest.mark.parametrize("edit, error", [
+    (lambda h: h["b"].update(data_offsets=[3996, 4000]), "overlap"),
+    (lambda h: h["a"].update(shape=[100]), r"does not fill its 4000 bytes"),
+    (lambda h: h["a"].update(dtype="Q99"), r"\(Q99, shape \[1000\]\) does not fill"),
+    (lambda h: h["a"].update(shape=[-2]), "does not fill"),
+    (lambda h: h.pop("b"), "4 bytes after the last tensor"),
+])
+def test_headers_that_safetensors_refuses_are_refused(edit, error):
+    """`deltasync inspect` listed objects with overlapping or ill-sized tensors and exited 0."""
+    from safetensors.torch import save
+
+    from torch_deltasync.format import read_header
+
+    data = save({"a": torch.arange(1000, dtype=torch.int32), "b": torch.zeros(1, dtype=torch.int32)})
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    with pytest.raises(CorruptObjectError, match=error):
+        read_header(struct.pack("<Q", len(raw)) + raw + data[8 + n:], "x")

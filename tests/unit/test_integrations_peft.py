@@ -422,6 +422,7 @@ def test_materializing_never_deletes_a_folder_that_is_not_an_adapters(tmp_path, 
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no leftovers
 
 
+@pytest.mark.filterwarnings("ignore:Already unmerged")  # PEFT, for the layers "other" does not target
 def test_an_unloaded_or_other_merged_adapter(tmp_path):
     """merge_and_unload() removed the LoRA layers: update() returned the new version and changed
     nothing the model computes with. A merged model was refused even with nothing to apply, and
