@@ -205,6 +205,22 @@ def test_async_llm_pauses_commits_and_always_resumes(run):
         assert engine.calls[-3:] == [("start_weight_update",), ("finish_weight_update", None), ("resume_generation",)]
         assert await engine.get_weight_version() == str(v1)
         engine.pause_generation = real_pause
+        # Paused by someone else between the check and the start (a driver that finished its update
+        # and is about to resume): the session is ended again and nothing else touched.
+        real_start = engine.start_weight_update
+
+        async def start_then_paused_elsewhere():
+            await real_start()
+            engine.paused = True
+
+        engine.start_weight_update = start_then_paused_elsewhere
+        engine.calls.clear()
+        with pytest.raises(DeltaSyncError, match=r"paused by someone else while this driver started its update: nothing "
+                                                 r"was changed"):
+            await update_async_llm(engine, v2, mode="keep")
+        assert engine.calls == [("start_weight_update",), ("finish_weight_update", None)] and engine.paused
+        engine.start_weight_update = real_start
+        await engine.resume_generation()
         assert (await update_async_llm(engine, v2, mode="keep")).version == v2
         run.assert_serves(_bf16(run.hf))
 
@@ -226,6 +242,7 @@ def test_http_server_through_vllm_rl_routes_only(run):
         assert server.requests == [
             ("GET", "/is_paused", ""),
             ("POST", "/start_weight_update", ""),
+            ("GET", "/is_paused", ""),
             ("POST", "/pause", "mode=wait&clear_cache=true"),
             ("POST", "/update_weights", ""),
             ("POST", "/finish_weight_update", ""),
@@ -238,8 +255,8 @@ def test_http_server_through_vllm_rl_routes_only(run):
         server.requests.clear()
         with pytest.raises(DeltaSyncError, match=r"/update_weights: HTTP 500: .*version 999 is not visible"):
             update_server(server.url, 999, mode="keep")
-        assert [p for _, p, _ in server.requests] == ["/is_paused", "/start_weight_update", "/pause", "/update_weights",
-                                                      "/resume"]
+        assert [p for _, p, _ in server.requests] == ["/is_paused", "/start_weight_update", "/is_paused", "/pause",
+                                                      "/update_weights", "/resume"]
         assert not engine.paused and asyncio.run(engine.get_weight_version()) == str(v1)
         run.assert_serves(_bf16(run.hf))
         # Another driver paused the engine for its update: a second driver used to resume it (its

@@ -64,9 +64,11 @@ def _check_replaceable(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{str(out_dir)!r} is a file; give a folder path for the adapter")
     names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
-    adapter = names == sorted([ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME]) and all(
-        (out_dir / n).is_file() and not (out_dir / n).is_symlink() for n in names)
-    if names and not adapter:
+    odd = [n for n in names if not (out_dir / n).is_file() or (out_dir / n).is_symlink()]
+    if names and names != sorted([ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME]):
         raise ValueError(f"{str(out_dir)!r} is no adapter folder (it holds {names[:5]}{' ...' if len(names) > 5 else ''}, "
                          f"not just the files {ADAPTER_WEIGHTS_NAME} and {ADAPTER_CONFIG_NAME}) and would be replaced "
                          "whole. Give a new or empty folder, or an adapter folder written before")
+    if odd:
+        raise ValueError(f"{str(out_dir)!r} is no adapter folder: {odd} {'is' if len(odd) == 1 else 'are'} not a plain "
+                         "file (a folder or a link) and would be replaced. Give a new or empty folder")

@@ -183,7 +183,8 @@ _STUCK = ("If no other driver is updating the engine, end the dead driver's upda
 
 def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: bool, mode: str | None) -> Steps:
     """Update: pick the version (``("newest",)`` when ``None``), ``("wait", v, timeout)`` until staged,
-    then ``is_paused`` (refused if so) → ``start`` → ``pause`` → ``update`` → ``finish`` → ``resume``
+    then ``is_paused`` (refused if so) → ``start`` → ``is_paused`` again (refused, ``end``, if so) →
+    ``pause`` → ``update`` → ``finish`` → ``resume``
     (``resume`` also after a failed step; ``end``, a finish without a version, after a failed
     pause), or without a pause ``start`` → ``update`` → ``finish`` → ``reset_cache``; then
     ``("check", v)``. Returns the :class:`EngineUpdate`.
@@ -209,6 +210,12 @@ def _update_steps(version: int | None, stage_timeout_s: float | None, *, pause: 
         raise DeltaSyncError(
             f"start_weight_update failed: {str(e).rstrip('.')}; nothing was changed."
             + (" Another driver's update is under way, or a driver died mid-update. " + _STUCK if active else "")) from e
+    if pause and (yield ("is_paused",)):
+        # Paused between the check and our start: a driver that finished its update but has not
+        # resumed yet (its resume would land in the middle of ours), or someone else's pause.
+        yield ("end",)
+        raise DeltaSyncError("the engine was paused by someone else while this driver started its update: nothing "
+                             f"was changed (the update session is ended again). Update once it resumes. {_STUCK}")
     if not pause:
         steps_ms["start"] = (time.perf_counter() - ts) * 1e3  # an offline LLM's "stall" is its whole commit
     t1 = ts if not pause else time.perf_counter()  # with a pause, the stall starts at the pause
