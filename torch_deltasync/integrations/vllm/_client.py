@@ -340,7 +340,8 @@ async def update_async_llm(engine: Any, version: int | None = None, *, mode: Pau
 
     Steps: wait until every worker staged it (the engine keeps generating) → ``is_paused()`` (an
     engine paused already is refused) → ``start_weight_update()`` (vLLM's update session: one
-    driver at a time; the engine still generates) → ``pause_generation(mode=mode, clear_cache=True)``
+    driver at a time; the engine still generates) → ``is_paused()`` again (paused meanwhile: the
+    session is ended and the update refused) → ``pause_generation(mode=mode, clear_cache=True)``
     → ``update_weights(...{"version": v})`` → ``finish_weight_update(weight_version=str(v))`` →
     ``resume_generation()`` (always once paused, also when a step fails).
 
