@@ -19,8 +19,8 @@ from typing import Any
 
 from ...errors import EpisodeError, RolloutServiceError, ServiceClosedError
 from ._buffer import BufferFull, EpisodeBuffer
-from ._config import RolloutServiceConfig
-from ._episodes import is_number, validate_episodes
+from ._config import RolloutServiceConfig, is_number
+from ._episodes import validate_episodes
 
 log = logging.getLogger(__name__)
 

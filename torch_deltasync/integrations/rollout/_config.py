@@ -10,9 +10,13 @@ from typing import Any, Literal
 INT32_LIMIT = 2**31
 
 
-def _finite(x: Any) -> bool:
-    """A finite int or float (``inf`` seconds made the ``Retry-After`` header raise)."""
-    return type(x) in (int, float) and abs(x) < 2**63 and math.isfinite(x)
+def is_number(x: Any) -> bool:
+    """A finite JSON number that a float holds: an ``int`` (not ``bool``) below ``2**63`` (one of 400
+    digits made ``math.isfinite`` raise ``OverflowError``) or a finite ``float`` (``inf`` seconds made
+    the ``Retry-After`` header raise)."""
+    if type(x) is int:
+        return abs(x) < 2**63
+    return type(x) is float and math.isfinite(x)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +72,7 @@ class RolloutServiceConfig:
             raise ValueError(f"RolloutServiceConfig.on_full must be 'reject' or 'evict', got {self.on_full!r}")
         if self.vocab_size is not None and (type(self.vocab_size) is not int or not 1 <= self.vocab_size <= INT32_LIMIT):
             raise ValueError(f"RolloutServiceConfig.vocab_size must be in [1, 2**31] or None, got {self.vocab_size!r}")
-        if not _finite(self.retry_after_s) or not self.retry_after_s > 0 or not _finite(self.max_wait_s) \
+        if not is_number(self.retry_after_s) or not self.retry_after_s > 0 or not is_number(self.max_wait_s) \
                 or not self.max_wait_s >= 0:
             raise ValueError(f"RolloutServiceConfig.retry_after_s must be a finite number > 0 and max_wait_s one >= 0, "
                              f"got {self.retry_after_s!r} and {self.max_wait_s!r}")

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from ...errors import EpisodeError
-from ._config import INT32_LIMIT, RolloutServiceConfig
+from ._config import INT32_LIMIT, RolloutServiceConfig, is_number
 
 _EPISODE_KEYS = {"prompt", "completion", "logprobs", "reward", "policy_version", "advantage", "group", "worker"}
 _REQUIRED_KEYS = ("prompt", "completion", "logprobs", "reward", "policy_version")
@@ -24,14 +24,6 @@ _FLOAT32_MAX = 3.4028234663852886e38
 
 def is_int(x: Any) -> bool:
     return type(x) is int  # bool is an int subclass: excluded on purpose
-
-
-def is_number(x: Any) -> bool:
-    """A finite JSON number that a float holds (an integer of 400 digits is none: ``math.isfinite``
-    raised ``OverflowError`` on it)."""
-    if type(x) is int:
-        return abs(x) < 2**63
-    return type(x) is float and math.isfinite(x)
 
 
 def _check_tokens(v: Any, where: str, lo_len: int, hi_len: int, vocab: int) -> list[int]:
