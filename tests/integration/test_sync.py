@@ -346,6 +346,10 @@ def test_alias_mirrors_follow_the_layout_of_each_version(tmp_path):
 def test_long_tensor_names_are_refused_before_publishing(store):
     with pytest.raises(ValueError, match="1-1024 characters"):
         DeltaSender({"x" * 1025: torch.zeros(2)}, store)
+    with pytest.raises(ValueError, match=r"tensor '__metadata__': safetensors reserves that name"):
+        DeltaSender({"__metadata__": torch.zeros(2), "w": torch.zeros(2)}, store)
+    with pytest.raises(TypeError, match="the model callable must return a state dict .*got NoneType"):
+        DeltaSender(lambda: None, store)
     assert store.list() == []
 
 
@@ -364,11 +368,31 @@ def test_wait_for_times_out_with_a_library_error(store):
     assert isinstance(info.value, TimeoutError)
 
 
-def test_expanded_receiver_tensors_are_refused(store):
+@pytest.mark.parametrize("overlapping", [
+    lambda: torch.zeros(1, 3, dtype=torch.bfloat16).expand(4, 3),  # stride 0
+    lambda: torch.zeros(12, dtype=torch.bfloat16).as_strided((4, 3), (2, 1)),  # rows overlap by one element
+    lambda: torch.zeros(12, dtype=torch.bfloat16).as_strided((4, 3), (1, 2)),  # strides out of order, overlapping
+], ids=["expand", "as_strided", "as_strided-transposed"])
+def test_receiver_tensors_with_overlapping_elements_are_refused(store, overlapping):
     DeltaSender({"w": torch.randn(4, 3)}, store).publish()
-    held = {"w": torch.zeros(1, 3, dtype=torch.bfloat16).expand(4, 3)}
-    with pytest.raises(IncompatibleTargetError, match="overlapping memory"):
+    held = {"w": overlapping()}
+    before = held["w"].view(torch.int16).clone()
+    with pytest.raises(IncompatibleTargetError, match=r"tensor 'w' has overlapping memory \(shape \(4, 3\)"):
         DeltaReceiver(held, store).update()
+    assert torch.equal(held["w"].view(torch.int16), before)
+
+
+def test_receiver_views_with_interleaved_elements_are_fine(store):
+    """Views of one storage that share no element (here interleaved; also a transposed layout
+    whose strides are out of order) each get their own tensor's values, bit for bit."""
+    published = {"p": torch.randn(4, 3), "q": torch.randn(4, 3), "t": torch.randn(3, 4)}
+    DeltaSender(published, store).publish()
+    flat = torch.zeros(24, dtype=torch.bfloat16)
+    held = {"p": flat[0::2].view(4, 3), "q": flat[1::2].view(4, 3),
+            "t": torch.zeros(12, dtype=torch.bfloat16).as_strided((3, 4), (1, 3))}
+    assert DeltaReceiver(held, store).update() == 0
+    for name, values in published.items():
+        assert torch.equal(held[name].view(torch.int16), values.to(torch.bfloat16).view(torch.int16)), name
 
 
 @pytest.mark.parametrize("link_gbps,expected", [(1.0, "packed"), (3.9, "packed"), (4.0, "raw"), (100, "raw")])

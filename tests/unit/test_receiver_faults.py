@@ -356,6 +356,23 @@ def test_garbage_latest_is_ignored(store):
     assert DeltaReceiver(make_mlp(1, torch.bfloat16), store).update() == 1
 
 
+def test_an_oversized_latest_is_garbage_and_never_read_whole(store):
+    """A ``LATEST`` of 1 MiB (a version number padded with spaces): only its first bytes are read,
+    and it counts as garbage (a listing finds the newest version)."""
+    publish_steps(store, 2)
+    store.put("LATEST", b"0" + b" " * (1 << 20))
+    reads = []
+
+    class Recording(PassThroughStore):
+        def get(self, key, *, start=None, end=None):
+            data = super().get(key, start=start, end=end)
+            reads.append((key, len(data)))
+            return data
+
+    assert DeltaReceiver(make_mlp(1, torch.bfloat16), Recording(store)).update() == 1
+    assert [n for key, n in reads if key == "LATEST"] == [33]
+
+
 def test_missing_chain_link_is_a_clear_error(store):
     publish_steps(store, 4)
     store.delete(manifest_key(0))  # the anchor is gone
@@ -544,3 +561,50 @@ def test_verify_or_forget_drops_a_held_state_that_no_longer_verifies(store):
     receiver.update()
     assert receiver.last_stats.path == "anchor" and receiver.version == 1
     assert first_difference(trainer, replica) is None
+
+
+def test_verify_waits_for_an_update_in_progress(store):
+    """``verify()`` on one thread while ``update()`` runs on another checks one held version: the
+    update waits for the verify holding the receiver (no false mismatch, no "nothing is held")."""
+    import threading
+
+    from torch_deltasync import ModuleTarget
+
+    inside, go = threading.Event(), threading.Event()
+
+    class HeldChecksum(ModuleTarget):  # verify() stops inside its checksums until told to go on
+        def checksum(self, name, dtype):
+            if threading.current_thread() is not threading.main_thread():
+                inside.set()
+                assert go.wait(30)
+            return super().checksum(name, dtype)
+
+    trainer = make_mlp(0)
+    sender = DeltaSender(trainer, store, anchor_every=100)
+    gen = torch.Generator().manual_seed(0)
+    assert sender.publish() == 0
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(HeldChecksum(replica), store)
+    assert receiver.update() == 0
+    train_step(trainer, torch.optim.SGD(trainer.parameters(), lr=1e-2), gen)
+    assert sender.publish() == 1
+    errors: list[BaseException] = []
+
+    def verify():
+        try:
+            receiver.verify()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    checker = threading.Thread(target=verify)
+    checker.start()
+    assert inside.wait(30)
+    updater = threading.Thread(target=receiver.update)
+    updater.start()
+    updater.join(0.3)
+    assert updater.is_alive() and receiver.version == 0, "the update must wait for the verify"
+    go.set()
+    checker.join(30)
+    updater.join(30)
+    assert not errors and receiver.version == 1
+    assert first_difference(replica, trainer) is None

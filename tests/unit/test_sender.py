@@ -90,6 +90,40 @@ def test_foreground_publish_waits_for_background(tmp_path):
     sender.close()
 
 
+def test_publish_from_two_threads_runs_one_after_the_other(tmp_path):
+    """Two threads publishing on one sender: the second waits for the first to finish (it must not
+    read the weights against a publish state the first is still changing), and every version
+    holds exactly the weights as they were when its publish read them."""
+    store = SlowStore(tmp_path)
+    store.release.set()
+    state = _state()
+    sender = DeltaSender(state, store, anchor_every=100)
+    assert sender.publish() == 0
+    store.release.clear()
+    store.entered.clear()
+    _nudge(state, 0)
+    first = threading.Thread(target=sender.publish)
+    first.start()
+    assert store.entered.wait(30)  # version 1 is stuck in its upload
+    expected_v1 = {k: v.clone() for k, v in state.items()}
+    _nudge(state, 5)  # the trainer steps on
+    done = []
+    second = threading.Thread(target=lambda: done.append(sender.publish()))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and not done, "a second publish must wait for the one in progress"
+    store.release.set()
+    first.join(30)
+    second.join(30)
+    assert done == [2] and list_versions(store) == [0, 1, 2]
+    assert (sender.last_stats.kind, sender.last_stats.base_version) == ("delta", 1)
+    for version, weights in ((1, expected_v1), (2, state)):
+        receiver = DeltaReceiver(_state(seed=1), store)
+        assert receiver.update(version) == version
+        assert first_difference(receiver.target.state_dict(), weights) is None
+    sender.close()
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_failure_while_reading_weights(tmp_path, background):
     store = LocalStore(tmp_path)

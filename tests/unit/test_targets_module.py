@@ -129,6 +129,32 @@ def test_a_replacement_that_no_longer_fits_is_refused_before_any_weight_changes(
         receiver.update()
     after = {n: t.detach().view(torch.int16) for n, t in replica.state_dict().items()}
     assert same(before, after)
+    assert receiver.version == 0  # nothing was written: still the version it held
+
+
+def test_after_a_refusal_the_whole_target_is_checked_again(store):
+    """A refused update (a tensor replaced by one of another dtype) leaves the target refusing
+    until it is checked in full again: a second wrong replacement (another shape, which a write
+    would not notice) is refused too, with the version kept; once the tensor is right again, the
+    next update is a delta from the version still held, bit-exact."""
+    run = Run(store, anchor_every=100)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert run.step() == 0 and receiver.update() == 0
+    good = replica[2].bias
+    replica[2].bias = nn.Parameter(good.detach().to(torch.float16))
+    run.step()
+    with pytest.raises(IncompatibleTargetError, match=r"tensor '2\.bias' is torch\.float16"):
+        receiver.update()
+    replica[2].bias = nn.Parameter(torch.zeros(good.numel() + 3, dtype=torch.bfloat16))
+    before = bf16_bits(replica)
+    with pytest.raises(IncompatibleTargetError, match=r"tensor '2\.bias': published shape"):
+        receiver.update()
+    assert same(bf16_bits(replica), before) and receiver.version == 0
+    replica[2].bias = good
+    assert receiver.update() == 1 and receiver.last_stats.path == "delta"
+    assert same(bf16_bits(replica), bf16_bits(run.trainer))
+    receiver.verify()
 
 
 def test_a_removed_tensor_is_named(store):

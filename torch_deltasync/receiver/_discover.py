@@ -12,6 +12,10 @@ from ..keys import LATEST_KEY, MAX_VERSION, check_version, list_versions, manife
 from ..manifest import Manifest, read_digest
 
 
+#: The most bytes a ``LATEST`` is read for: a version number and white space; a longer one is garbage.
+_LATEST_MAX_BYTES = 32
+
+
 def newest_version(store) -> tuple[int | None, str | None | bool]:
     """The newest visible version of ``store`` (``LATEST`` if it is current, else a listing) and
     the digest of its manifest when ``LATEST`` was confirmed (``False``: not read, after a
@@ -19,13 +23,15 @@ def newest_version(store) -> tuple[int | None, str | None | bool]:
 
     ``LATEST`` is confirmed by its manifest (whose first bytes, read in one ranged request, give
     the digest) and the absence of the next one; writers remove it before a manifest that does not
-    follow it, so a missing, stale or garbled ``LATEST`` leads to a listing.
+    follow it, so a missing, stale, garbled or oversized ``LATEST`` (only its first bytes are
+    read) leads to a listing.
 
     Raises:
         StoreError: the store failed.
     """
     try:
-        latest = int(store.get(LATEST_KEY).decode().strip())
+        head = store.get(LATEST_KEY, start=0, end=_LATEST_MAX_BYTES + 1)  # never a whole oversized object
+        latest = int(head.decode().strip()) if len(head) <= _LATEST_MAX_BYTES else -1
         if 0 <= latest < MAX_VERSION:
             digest = read_digest(store, latest)  # as cheap as asking whether it exists
             if not store.exists(manifest_key(latest + 1)):

@@ -31,6 +31,7 @@ device memory), the receiver marks its state unknown and the next update takes t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -45,19 +46,17 @@ from torch import nn
 from .._config import with_options
 from .._metrics import append_metrics
 from ..errors import (
-    ChecksumMismatchError, CorruptObjectError, DeltaSyncError, ObjectNotFoundError, StaleUpdateError,
-    VersionNotFoundError,
+    ChecksumMismatchError, CorruptObjectError, DeltaSyncError, IncompatibleTargetError, ObjectNotFoundError,
+    StaleUpdateError, VersionNotFoundError,
 )
 from ..keys import check_version
 from ..manifest import Manifest
 from ..store import Store, open_store
 from ..targets import ModuleTarget, Target
-from ..targets._base import prepare_commit
 from ._config import ReceiverConfig
 from ._discover import check_not_behind, check_still_published, newest_version, republished, wait_for
 from ._plan import PlanStep, UpdatePlan, walk_chain
-from ._stage import StagedUpdate, UpdateStats, download, failed_part, read_manifest, stage_anchor
-from ._stage import stage_deltas, verify_checksums, write_staged
+from ._stage import StagedUpdate, UpdateStats, failed_part, read_manifest, stage, write_staged
 
 log = logging.getLogger("torch_deltasync.receiver")
 
@@ -68,6 +67,20 @@ _REPLAN_ATTEMPTS = 3
 
 
 _GENERATIONS = itertools.count()  # generations of every receiver's held state (DeltaReceiver._generation)
+
+
+def _checks_again_after_refusal(method):
+    """A method that uses the target: when the target refuses (``IncompatibleTargetError``, e.g. a
+    tensor replaced by one that no longer fits), the next call checks the whole target again
+    (``Target.check``) instead of trusting the layout it was last checked for."""
+    @functools.wraps(method)
+    def wrapper(self: "DeltaReceiver", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except IncompatibleTargetError:
+            self._checked = None
+            raise
+    return wrapper
 
 
 class DeltaReceiver:
@@ -305,6 +318,7 @@ class DeltaReceiver:
         with self._lock:  # nothing may commit between this prepare and its commit
             return self.commit(self.prepare(version, ahead=False))
 
+    @_checks_again_after_refusal
     def prepare(self, version: int | None = None, *, ahead: bool = True) -> StagedUpdate:
         """Download, decode, validate and verify ``version`` (the newest visible when ``None``)
         against the state the target holds now, writing nothing. With ``ahead``, the target also
@@ -358,6 +372,7 @@ class DeltaReceiver:
             raise TypeError(f"expected the StagedUpdate that prepare() returned, got {type(staged).__name__}")
         return staged._generation == self._generation
 
+    @_checks_again_after_refusal
     def commit(self, staged: StagedUpdate) -> int:
         """Write a :meth:`prepare`'d version into the target: ``index_copy_`` of the staged
         positions (delta path; different tensors on ``ReceiverConfig.threads`` threads where the
@@ -388,8 +403,14 @@ class DeltaReceiver:
             if staged.plan.path == "noop":
                 return self.version  # type: ignore[return-value]
             t = time.perf_counter()
+            held = self._held
             self.version = None  # unknown until every write landed (and stages nothing else)
-            changed = write_staged(self.target, staged, self.receiver_config.threads)
+            try:
+                changed = write_staged(self.target, staged, self.receiver_config.threads)
+            except IncompatibleTargetError:
+                if not staged.touched:  # refused before any write: the target still holds its version
+                    self.version, self._held = staged.base_version, held
+                raise
             self._checksums = staged._checksums or {}
             self.version, self._held = staged.version, staged.plan.manifests[-1]
             stats = staged.stats
@@ -417,7 +438,7 @@ class DeltaReceiver:
         recoveries, failed_anchors, damaged_deltas, force, first_error = 0, set(), set(), False, ""
         while True:
             try:
-                staged = self._stage(plan, checksums, ahead)
+                staged = stage(self.store, self.target, plan, checksums, ahead, self._fetch_pool(), self.receiver_config.threads)
                 break
             except (CorruptObjectError, ObjectNotFoundError) as e:
                 if generation != self._generation:
@@ -457,6 +478,7 @@ class DeltaReceiver:
         staged.stats.total_ms = (time.perf_counter() - t0) * 1e3
         return staged
 
+    @_checks_again_after_refusal
     def assume(self, version: int) -> None:
         """Declare that the target already holds ``version`` bit-exactly, so the next update takes
         the delta path from it instead of downloading an anchor.
@@ -489,6 +511,7 @@ class DeltaReceiver:
             self.version, self._held = version, m
             self._held_runs[version] = m.run_id  # as an update records it: never a delta base of another run
 
+    @_checks_again_after_refusal
     def verify(self) -> None:
         """Recompute every tensor's checksum from the target and compare with the held version's
         manifest (``O(model size)``; updates themselves only verify what changed).
@@ -499,17 +522,19 @@ class DeltaReceiver:
             NotImplementedError: the target holds only part of each tensor (combine
                 :meth:`partial_checksums` across ranks instead).
         """
-        if self.version is None:
-            raise VersionNotFoundError("nothing is held yet; call update() first")
-        if not self.target.holds_all:
-            raise NotImplementedError("this target holds part of each tensor; combine partial_checksums() across ranks")
-        check_still_published(self.store, self._held, self.version, self._fresh)
-        m = self._held or self.manifest(self.version)
-        bad = [t.name for t in m.tensors if self.target.checksum(t.name, m.inference_dtype) != t.checksum]
-        if bad:
-            raise ChecksumMismatchError(
-                f"version {self.version}: {len(bad)} tensors differ from the published checksums, e.g. {bad[:3]}"
-            )
+        with self._lock:  # one held version throughout (an update on another thread waits)
+            version = self.version
+            if version is None:
+                raise VersionNotFoundError("nothing is held yet; call update() first")
+            if not self.target.holds_all:
+                raise NotImplementedError("this target holds part of each tensor; combine partial_checksums() across ranks")
+            check_still_published(self.store, self._held, version, self._fresh)
+            m = self._held or self.manifest(version)
+            bad = [t.name for t in m.tensors if self.target.checksum(t.name, m.inference_dtype) != t.checksum]
+            if bad:
+                raise ChecksumMismatchError(
+                    f"version {version}: {len(bad)} tensors differ from the published checksums, e.g. {bad[:3]}"
+                )
 
     def verify_or_forget(self) -> DeltaSyncError | None:
         """:meth:`verify` the held state; if it is not the held version, forget that version
@@ -536,20 +561,28 @@ class DeltaReceiver:
                 return e
             return None
 
+    @_checks_again_after_refusal
     def partial_checksums(self) -> dict[str, int]:
         """This target's partial checksum per tensor (each element it holds counted once); partials
         of targets that partition the elements (TP ranks) add up to the manifest's checksums."""
-        m = self.manifest(self.version) if self.version is not None else None
-        if m is None:
-            raise VersionNotFoundError("nothing is held yet; call update() first")
-        return {t.name: self.target.checksum(t.name, m.inference_dtype) for t in m.tensors}
+        with self._lock:
+            m = self.manifest(self.version) if self.version is not None else None
+            if m is None:
+                raise VersionNotFoundError("nothing is held yet; call update() first")
+            return {t.name: self.target.checksum(t.name, m.inference_dtype) for t in m.tensors}
 
     def close(self) -> None:
+        """Stop the download threads (a later update starts them again). Idempotent."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _fetch_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
+        return self._pool
 
     def _check_target(self, m: Manifest) -> None:
         # Targets keep per-layout state (e.g. which untied aliases to mirror), so check again
@@ -557,44 +590,9 @@ class DeltaReceiver:
         key = (m.run_id, tuple((t.name, t.shape) for t in m.tensors), tuple(sorted(m.aliases.items())), m.inference_dtype)
         if key != self._checked:
             self._checked = None
-            self.target.check({t.name: t.shape for t in m.tensors}, dict(m.aliases), m.inference_dtype)
+            try:
+                self.target.check({t.name: t.shape for t in m.tensors}, dict(m.aliases), m.inference_dtype)
+            except IncompatibleTargetError as e:
+                raise IncompatibleTargetError(f"{self.store.describe()}: version {m.version} does not fit the "
+                                              f"receiving model: {e}") from None
             self._checked = key
-
-    def _stage(self, plan: UpdatePlan, checksums: dict[str, int], ahead: bool) -> StagedUpdate:
-        """Download, decode and verify ``plan`` on top of the held state whose checksums are
-        ``checksums``; the caller has checked the target. Writes nothing."""
-        final = plan.manifests[-1]
-        shapes = {t.name: t.shape for t in final.tensors}
-        for m in plan.manifests:
-            if {t.name: t.shape for t in m.tensors} != shapes or m.inference_dtype != final.inference_dtype:
-                raise CorruptObjectError(
-                    f"version {m.version} lists other tensors or dtype than version {final.version} on the same chain"
-                )
-        dtype = final.inference_dtype
-
-        t = time.perf_counter()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
-        blobs = download(self.store, plan, self._pool)
-        download_ms = (time.perf_counter() - t) * 1e3
-
-        t = time.perf_counter()
-        if plan.path == "anchor":
-            dense = stage_anchor(plan, blobs, shapes, self.receiver_config.threads)
-            sparse = base = None
-        else:
-            sparse, base = stage_deltas(self.target, plan.manifests, blobs, dtype, self.receiver_config.threads)
-            dense = None
-        del blobs
-        decode_ms = (time.perf_counter() - t) * 1e3
-
-        t = time.perf_counter()
-        new_checksums = verify_checksums(self.target, final, dense, sparse, checksums, base, self.receiver_config.threads)
-        verify_ms = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        prepared = prepare_commit(self.target, sparse, dense) if ahead else None
-        stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
-                            download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms,
-                            ahead_ms=(time.perf_counter() - t) * 1e3)
-        return StagedUpdate(plan, plan.from_version, stats, dense, sparse, new_checksums, prepared=prepared)
-

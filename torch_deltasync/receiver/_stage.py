@@ -4,6 +4,7 @@ the result against the published checksums. Reads the target (old values), never
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -16,11 +17,11 @@ from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import TensorDelta
 from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError, ObjectNotFoundError
 from ..errors import VersionNotFoundError
-from ..format import EncodedDelta, decode_anchor, read_delta, verify_bytes
+from ..format import DAMAGED_HINT, EncodedDelta, decode_anchor, read_delta, verify_bytes
 from ..manifest import Manifest, load_manifest
 from ..store import Store
 from ..targets import Target
-from ..targets._base import PreparedCommit, allows_concurrent
+from ..targets._base import PreparedCommit, allows_concurrent, prepare_commit
 from ._plan import UpdatePlan
 
 log = logging.getLogger("torch_deltasync.receiver")
@@ -108,25 +109,46 @@ def read_manifest(store: Store, cache: dict[int, Manifest], version: int, fresh:
 
 @dataclass
 class UpdateStats:
-    """Numbers of one update. Times in milliseconds."""
+    """Numbers of one update (``DeltaReceiver.last_stats``; the ``update`` events of
+    ``ReceiverConfig.metrics_path``).
+
+    Attributes:
+        version: the version now held.
+        from_version: the version held before (``None``: nothing, or unknown after a failed write).
+        path: ``"delta"`` (delta parts from the version held) or ``"anchor"`` (an anchor, then the
+            delta parts after it); see :class:`~torch_deltasync.receiver.UpdatePlan`.
+        versions_applied: the versions whose objects were read (the anchor counts as one).
+        nbytes: bytes of the objects of the path taken (a recovered update also read some of the
+            failed path's).
+        changed: elements written (delta path) or elements of the model (anchor path).
+        plan_ms, download_ms, decode_ms, verify_ms: planning (manifests), reading the objects,
+            decoding and staging them, checking the staged state's checksums, ms.
+        ahead_ms: the target's work ahead of the commit in ``prepare`` (e.g. re-packing vLLM
+            modules), ms.
+        apply_ms: the commit: every write plus the target's ``finish`` (e.g. a vLLM re-pack), ms.
+        total_ms: the whole update, ms.
+        recovered: the planned path failed and another one (avoiding what failed) was taken.
+        recovered_from: when ``recovered``, why the first path failed (``"Type: message"``).
+    """
 
     version: int
     from_version: int | None
     path: str
     versions_applied: int
-    nbytes: int  # the objects of the path taken (a recovered update also read some of the failed path's)
-    changed: int  # elements written (delta path) or elements of the model (anchor path)
+    nbytes: int
+    changed: int
     plan_ms: float = 0.0
     download_ms: float = 0.0
     decode_ms: float = 0.0
     verify_ms: float = 0.0
-    ahead_ms: float = 0.0  # prepare: the target's work ahead of the commit (e.g. re-packing vLLM modules)
-    apply_ms: float = 0.0  # commit: every write, plus the target's finish (e.g. a vLLM re-pack)
+    ahead_ms: float = 0.0
+    apply_ms: float = 0.0
     total_ms: float = 0.0
-    recovered: bool = False  # the planned path failed and another one (avoiding what failed) was used
-    recovered_from: str = ""  # when recovered: why the first path failed (its error, type and message)
+    recovered: bool = False
+    recovered_from: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as one JSON-ready dict (the metrics line)."""
         return asdict(self)
 
 
@@ -144,6 +166,9 @@ class StagedUpdate:
         nbytes_staged: bytes of staged positions and values held in memory (host).
         prepared: what the target built ahead of the commit
             (:class:`~torch_deltasync.targets._base.PreparedCommit`), or ``None``.
+        touched: a commit of it began writing the target (a write or assign returned, or a
+            prepared commit was tried); a refusal (``IncompatibleTargetError``) of a commit that
+            has not touched the target left it as it was.
     """
 
     plan: UpdatePlan
@@ -154,6 +179,7 @@ class StagedUpdate:
     _checksums: dict[str, int] | None = None
     _generation: int = -1
     prepared: PreparedCommit | None = None
+    touched: bool = False
 
     def release_prepared(self) -> None:
         """Free what the target built ahead of this update's commit (a commit of it then writes
@@ -180,24 +206,96 @@ class StagedUpdate:
                    for p, v in (self._sparse or {}).values())
 
 
+@contextmanager
+def _naming(store: Store) -> Iterator[None]:
+    """Errors about the objects read (decoding and checksums name the version, object and tensor)
+    also name the store they came from."""
+    try:
+        yield
+    except CorruptObjectError as e:
+        where = store.describe()
+        if str(e).startswith(where):
+            raise
+        named = type(e)(f"{where}: {e}")
+        named.__dict__.update(e.__dict__)  # e.g. object_key (failed_part)
+        raise named from e
+
+
+def stage(store: Store, target: Target, plan: UpdatePlan, checksums: dict[str, int], ahead: bool,
+          pool: Executor, threads: int) -> StagedUpdate:
+    """One staging pass of :meth:`DeltaReceiver.prepare`: download ``plan``'s objects on ``pool``,
+    decode and validate them, compose what a commit writes and verify it against the published
+    checksums, on top of the held state whose checksums are ``checksums``; with ``ahead``, let the
+    target prepare its commit (``Target.prepare_commit``). The caller has checked the target.
+    Writes nothing.
+
+    Raises:
+        CorruptObjectError: the chain's manifests disagree on tensors or dtype, or an object is
+            damaged (what :func:`download`, :func:`stage_anchor` and :func:`stage_deltas` raise).
+        ChecksumMismatchError: the staged state is not the published one (:func:`verify_checksums`).
+    """
+    final = plan.manifests[-1]
+    shapes = {t.name: t.shape for t in final.tensors}
+    for m in plan.manifests:
+        other = {t.name: t.shape for t in m.tensors}
+        if other != shapes or m.inference_dtype != final.inference_dtype:
+            diff = (f"dtype {m.inference_dtype} vs {final.inference_dtype}" if other == shapes else
+                    next(f"tensor {n!r}: {other.get(n, 'absent')} vs {shapes.get(n, 'absent')}"
+                         for n in [*shapes, *other] if other.get(n) != shapes.get(n)))
+            raise CorruptObjectError(
+                f"{store.describe()}: versions {m.version} and {final.version} are on one chain but their manifests "
+                f"list different tensors ({diff}); a chain keeps its tensors, so one of the manifests is damaged or "
+                "forged (`deltasync verify` lists the damaged versions; the writer's next anchor starts a sound chain)"
+            )
+    t = time.perf_counter()
+    blobs = download(store, plan, pool)
+    download_ms = (time.perf_counter() - t) * 1e3
+
+    with _naming(store):
+        t = time.perf_counter()
+        dense = sparse = base = None
+        if plan.path == "anchor":
+            dense = stage_anchor(plan, blobs, shapes, threads)
+        else:
+            sparse, base = stage_deltas(target, plan.manifests, blobs, final.inference_dtype, threads)
+        del blobs
+        decode_ms = (time.perf_counter() - t) * 1e3
+
+        t = time.perf_counter()
+        new_checksums = verify_checksums(target, final, dense, sparse, checksums, base, threads)
+        verify_ms = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    prepared = prepare_commit(target, sparse, dense) if ahead else None
+    stats = UpdateStats(final.version, plan.from_version, plan.path, len(plan.manifests), plan.nbytes, 0,
+                        download_ms=download_ms, decode_ms=decode_ms, verify_ms=verify_ms,
+                        ahead_ms=(time.perf_counter() - t) * 1e3)
+    return StagedUpdate(plan, plan.from_version, stats, dense, sparse, new_checksums, prepared=prepared)
+
+
 def write_staged(target: Target, staged: StagedUpdate, threads: int) -> int:
     """The writes of :meth:`DeltaReceiver.commit`: what the target prepared ahead if it still
     applies, else ``assign`` of every full tensor (anchor path) or ``write`` of every changed one
     (delta path; different tensors on ``threads`` threads where the target declares
     ``concurrent_writes``, largest first), then ``finish``. Returns the elements written."""
     prepared, staged.prepared = staged.prepared, None
+    staged.touched = prepared is not None
+
+    def touching(call: Callable, *args: Any) -> None:  # a target refuses before it writes anything
+        call(*args)
+        staged.touched = True
+
     if staged._dense is not None:
         changed = sum(full.numel() for full in staged._dense.values())
         if prepared is None or not prepared.commit():
             for name, full in staged._dense.items():
-                target.assign(name, full)
+                touching(target.assign, name, full)
             target.finish(staged.written)
         return changed
     writes = [(name, pos, val) for name, (pos, val) in (staged._sparse or {}).items() if pos.numel()]
     if prepared is None or not prepared.commit():
         # a write costs a cache line per change at RL densities: tensors at once where allowed
         threads = threads if allows_concurrent(target, "writes") else 1
-        map_largest_first(lambda w: target.write(*w), writes, [w[1].numel() for w in writes], threads)
+        map_largest_first(lambda w: touching(target.write, *w), writes, [w[1].numel() for w in writes], threads)
         target.finish(staged.written)
     return sum(w[1].numel() for w in writes)
 
@@ -426,11 +524,12 @@ def stage_anchor(plan: UpdatePlan, blobs: dict[str, bytes], shapes: dict[str, tu
         for s, block in parts:
             idx = tuple(slice(off, off + n) for off, n in zip(s.offsets, s.shape))
             if bool(cover[idx].any()):
-                raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap")
+                raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap ({DAMAGED_HINT})")
             full[idx] = block
             cover[idx] = True
         if not bool(cover.all()):
-            raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap or leave gaps")
+            raise CorruptObjectError(f"version {anchor.version}: anchor blocks of {name!r} overlap or leave gaps "
+                                     f"({DAMAGED_HINT})")
         dense[name] = full
     for m in plan.manifests[1:]:
         changed = read_version(m, blobs)
@@ -477,6 +576,8 @@ def verify_checksums(target: Target, final: Manifest, dense, staged, checksums: 
     if bad:
         raise ChecksumMismatchError(
             f"version {final.version}: the staged state differs from the published checksums for "
-            f"{len(bad)} tensors, e.g. {bad[:3]}; nothing was applied"
+            f"{len(bad)} tensors, e.g. {bad[:3]}; nothing was applied (the objects read, or the held weights "
+            "they apply to, are not what the writer published: an update recovers from an anchor where one "
+            "exists; `deltasync verify` tells damaged versions, `verify()` weights changed behind the receiver)"
         )
     return new

@@ -7,9 +7,31 @@ from typing import Callable
 
 import torch
 
+from ..checksum import tensor_checksum
 from ..codecs import Codec
+from ..detect import ChangeDetector
 from ..format import encode_anchor, encode_delta
 from ._job import Job
+
+
+def cast_anchors(job: Job, detector: ChangeDetector, *, whole: bool = False) -> int:
+    """Cast every block of ``job`` this rank uploads to the inference dtype for an anchor object
+    (``job.anchors``) and fill in the checksums of blocks without a detected delta; returns the
+    elements newly counted as changed: blocks without a detected delta (or all, with ``whole``)
+    count whole (``job.counts``)."""
+    added = 0
+    for src in job.sources:
+        if not src.upload:  # another rank ships this block; no snapshot here either
+            continue
+        block = detector.cast(src.local)
+        job.anchors[src.name] = block
+        if src.name not in job.partials:
+            job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
+        elif not whole:
+            continue
+        job.counts[src.name] = src.slice.numel
+        added += src.slice.numel
+    return added
 
 
 def delta_parts(job: Job, codec: Codec, threads: int | None = None) -> dict[str, dict[str, torch.Tensor]]:

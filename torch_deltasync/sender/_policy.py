@@ -47,6 +47,9 @@ class AnchorPolicy:
                 raise ValueError(f"AnchorPolicy.{name} must be > 0 or None, got {value}")
 
     def wants_anchor(self, version: int, last_anchor: int, chain_nbytes: int, anchor_nbytes: int) -> bool:
+        """Whether ``version`` should be an anchor: ``every`` versions after ``last_anchor``, or once
+        the deltas since it (``chain_nbytes``, bytes) reach ``chain_ratio`` x the anchor's bytes
+        (``anchor_nbytes``)."""
         if self.every and version - last_anchor >= self.every:
             return True
         return bool(self.chain_ratio and anchor_nbytes and chain_nbytes >= self.chain_ratio * anchor_nbytes)

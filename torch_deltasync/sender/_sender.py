@@ -38,7 +38,7 @@ from .._config import with_options
 from .._dtypes import as_dtype
 from .._metrics import append_metrics
 from .._pool import map_largest_first
-from ..checksum import checksum_change, combine, tensor_checksum
+from ..checksum import checksum_change, combine
 from ..codecs import get_codec
 from ..detect import Changes, ChangeDetector
 from ..errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
@@ -52,7 +52,7 @@ from ..store import Store, open_store
 from ._claim import claim_prefix
 from ._config import SenderConfig
 from ._commit import put_once, write_latest, write_manifest
-from ._encode import delta_parts, encode_objects
+from ._encode import cast_anchors, delta_parts, encode_objects
 from ._group import Group, SingleProcess
 from ._job import Job
 from ._sources import check_publishable, collect_sources, warn_unchanged
@@ -191,7 +191,10 @@ class DeltaSender:
 
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _error (the worker thread sets it)
+        # One publish, flush or close at a time: each reads and advances the publish state above,
+        # so two threads publishing at once would base a version on a state the other is changing.
+        self._api_lock = threading.RLock()  # re-entered by flush() -> publish()
         self._error: BaseException | None = None
 
     # --- public API ------------------------------------------------------------------------------
@@ -216,7 +219,14 @@ class DeltaSender:
                 raised on every rank), or the previous background publish failed. Nothing partial
                 is visible; the next publish recovers.
             TypeError: ``background`` is not a bool or ``None``.
+
+        Thread-safe: calls from several threads run one after the other, each reading the weights
+        as they are when its turn comes.
         """
+        with self._api_lock:
+            return self._publish(background)
+
+    def _publish(self, background: bool | None) -> int | None:
         if background is not None and not isinstance(background, bool):
             raise TypeError(f"publish(background=...) must be True, False or None (the default), got {background!r}")
         background = self.background if background is None else background
@@ -283,10 +293,14 @@ class DeltaSender:
         Raises:
             PublishError: the background publish failed.
         """
+        with self._api_lock:
+            return self._flush()
+
+    def _flush(self) -> int | None:
         self._wait_inflight()
         self._raise_background_error()
         if self._coalesced:
-            self.publish(background=False)
+            self._publish(False)
         if self._latest_pending is not None and self.group.rank == 0:
             self._write_latest(self._latest_pending)
         return self.version
@@ -294,15 +308,16 @@ class DeltaSender:
     def close(self) -> None:
         """Flush, stop the worker thread and release the prefix (another sender may then claim it
         at once; a later ``publish`` on this one claims it again). Idempotent."""
-        try:
-            self.flush()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
+        with self._api_lock:
+            try:
+                self._flush()
+            finally:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                    self._executor = None
+                if self._lease is not None:
+                    self._lease.release()
+                    self._lease = None
 
     def __enter__(self) -> "DeltaSender":
         return self
@@ -399,7 +414,7 @@ class DeltaSender:
                 changed += ch.numel
             job.changes[src.name] = ch
         if kind == "anchor":
-            changed += self._cast_anchors(job)
+            changed += cast_anchors(job, self.detector)
         job.stats = PublishStats(
             version=version, kind=kind, base_version=job.base_version, changed=changed, numel=numel,
             nbytes=0, full_nbytes=numel * self.dtype.itemsize,
@@ -436,23 +451,6 @@ class DeltaSender:
         sizes = [s.local.numel() if s.local.device.type == "cpu" else -1 for s in sources]  # -1: here
         return map_largest_first(one, sources, sizes, self.config.threads, min_size=DETECT_MIN_NUMEL)
 
-    def _cast_anchors(self, job: Job, *, whole: bool = False) -> int:
-        """Cast every block of ``job`` for an anchor object; returns the elements newly counted as
-        changed: tensors without a detected delta (or all, with ``whole``) count whole."""
-        added = 0
-        for src in job.sources:
-            if not src.upload:  # another rank ships this block; no snapshot here either
-                continue
-            block = self.detector.cast(src.local)
-            job.anchors[src.name] = block
-            if src.name not in job.partials:
-                job.partials[src.name] = tensor_checksum(block, index_map=None if src.slice.is_full else src.slice.to_global)
-            elif not whole:
-                continue
-            job.counts[src.name] = src.slice.numel
-            added += src.slice.numel
-        return added
-
     def _delta_too_large(self, job: Job) -> bool:
         """Whether this rank's encoded delta of ``job`` (a delta, or an anchor that would carry one)
         reaches ``max_delta_ratio`` x the bytes of its blocks in the inference dtype. Encodes the
@@ -474,7 +472,7 @@ class DeltaSender:
         if job.kind == "delta":
             job.kind, job.anchor_version = "anchor", job.version
             job.stats.kind = "anchor"
-            self._cast_anchors(job, whole=True)  # every uploaded block counts whole
+            cast_anchors(job, self.detector, whole=True)  # every uploaded block counts whole
         else:
             job.counts.update({s.name: s.slice.numel for s in job.sources if s.upload})
         job.base_version, job.changes, job.global_positions, job.delta_parts = None, {}, {}, None

@@ -18,7 +18,10 @@ def _tensors_of(model: Any) -> Mapping[str, torch.Tensor]:
     if isinstance(model, nn.Module):
         return model.state_dict(keep_vars=True)
     if callable(model) and not isinstance(model, Mapping):
-        return model()
+        tensors = model()
+        if not isinstance(tensors, Mapping):
+            raise TypeError(f"the model callable must return a state dict {{name: tensor}}, got {type(tensors).__name__}")
+        return tensors
     if isinstance(model, Mapping):
         return model
     raise TypeError(f"expected an nn.Module, a state dict or a callable returning one, got {type(model).__name__}")
@@ -76,8 +79,9 @@ def check_publishable(sources: list[Source]) -> None:
     """The limits of docs/format.md §3, checked when a sender is built (before anything is written).
 
     Raises:
-        ValueError: no source (no floating-point tensor), or a name outside 1-1024 characters or a
-            tensor of more than 8 dimensions (naming it).
+        ValueError: no source (no floating-point tensor), a name outside 1-1024 characters, the name
+            ``__metadata__`` (safetensors' metadata entry: an anchor object's tensor of that name
+            would replace it), or a tensor of more than 8 dimensions (naming it).
     """
     if not sources:
         raise ValueError("the model has no floating-point tensors to publish")
@@ -85,6 +89,9 @@ def check_publishable(sources: list[Source]) -> None:
         if not s.name or len(s.name) > 1024 or len(s.slice.global_shape) > 8:
             raise ValueError(f"tensor {s.name[:80]!r}: names must be 1-1024 characters and tensors at most 8-D "
                              "to publish")
+        if s.name == "__metadata__":
+            raise ValueError("tensor '__metadata__': safetensors reserves that name for an object's metadata; "
+                             "rename the tensor (e.g. publish a state dict with another key)")
 
 
 def warn_unchanged(model: Any, version: int, base: int | None) -> bool:

@@ -77,11 +77,22 @@ class Target(Protocol):
 
     @abstractmethod
     def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Overwrite the elements at owned ``positions`` with ``values`` (``(k,)``), in place."""
+        """Overwrite the elements at owned ``positions`` (int64 ``(k,)``, global flat indices,
+        strictly increasing) with ``values`` (``(k,)``, the inference dtype), in place.
+
+        Raises:
+            IncompatibleTargetError: the target no longer fits (e.g. a tensor replaced since
+                :meth:`check`), raised before anything is written: the receiver then keeps the
+                version it held.
+        """
 
     @abstractmethod
     def assign(self, name: str, full: torch.Tensor) -> None:
-        """Overwrite the whole tensor with ``full`` (full HF shape, inference dtype), in place."""
+        """Overwrite the whole tensor with ``full`` (full HF shape, inference dtype), in place.
+
+        Raises:
+            IncompatibleTargetError: as :meth:`write`, before anything is written.
+        """
 
     def finish(self, written: frozenset[str]) -> None:
         """Called once after the writes of one commit (``written``: the HF names written), before

@@ -23,11 +23,38 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
+def _byte_offsets(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of ``t``'s elements as an offset into its storage, int64 ``(numel * itemsize,)``
+    (possibly repeated where elements overlap). Costs 8 bytes per byte: only for the rare layouts
+    the stride rules below cannot settle."""
+    itemsize = t.element_size()
+    last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
+    elements = torch.arange(last + 1, dtype=torch.int64).as_strided(t.shape, t.stride()).reshape(-1)
+    first = (elements + t.storage_offset()) * itemsize
+    return (first[:, None] + torch.arange(itemsize, dtype=torch.int64)).reshape(-1)
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (e.g. ``expand`` or ``as_strided`` views). Decided
+    by the strides where they settle it (sorted ascending, each stride beyond the reach of the
+    smaller ones: the rule behind torch's non-overlapping-and-dense layouts), else exactly."""
+    if t.numel() <= 1:
+        return False
+    reach = 0
+    for st, size in sorted((st, size) for size, st in zip(t.shape, t.stride()) if size > 1):
+        if st <= reach:
+            offsets = _byte_offsets(t)
+            return torch.unique(offsets).numel() < offsets.numel()
+        reach += (size - 1) * st
+    return False
+
+
 def _refuse_shared_memory(tensors: Mapping[str, torch.Tensor], written: list[str]) -> None:
-    """Refuse two ``written`` tensors (published tensors and the aliases written beside them) whose
-    memory overlaps: each takes its own version's values, so whichever wrote last would win, and
-    a commit may write them at once (:attr:`ModuleTarget.concurrent_writes`). Views of one storage
-    that do not overlap (a flat parameter buffer cut into tensors) are fine.
+    """Refuse two ``written`` tensors (published tensors and the aliases written beside them) that
+    share an element's memory: each takes its own version's values, so whichever wrote last would
+    win, and a commit may write them at once (:attr:`ModuleTarget.concurrent_writes`). Views of one
+    storage that share no element (a flat parameter buffer cut into tensors, interleaved
+    ``x[0::2]`` and ``x[1::2]``) are fine.
 
     Raises:
         IncompatibleTargetError: naming both tensors.
@@ -39,15 +66,21 @@ def _refuse_shared_memory(tensors: Mapping[str, torch.Tensor], written: list[str
             continue
         start = t.storage_offset() * t.element_size()
         end = start + (1 + sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride()))) * t.element_size()
-        spans.append((t.device, t.untyped_storage().data_ptr(), start, end, n))
-    spans.sort(key=lambda x: (str(x[0]), x[1], x[2]))
-    for (dev_a, ptr_a, _, end_a, a), (dev_b, ptr_b, start_b, _, b) in zip(spans, spans[1:]):
-        if (dev_a, ptr_a) == (dev_b, ptr_b) and start_b < end_a:
-            raise IncompatibleTargetError(
-                f"the receiver's tensors {a!r} and {b!r} share memory, but the sender publishes them as separate "
-                "tensors (or ties one of them to a third): untie them in the receiving model (give each its own "
-                "storage), or tie them in the trainer as well"
-            )
+        spans.append((str(t.device), t.untyped_storage().data_ptr(), start, end, n))
+    spans.sort(key=lambda x: x[:3])
+    open_spans: list[tuple] = []  # spans of the same storage that reach past the current start
+    for span in spans:
+        device, ptr, start, _, b = span
+        open_spans = [o for o in open_spans if (o[0], o[1]) == (device, ptr) and o[3] > start]
+        for o in open_spans:  # the byte ranges overlap: compare the elements' bytes exactly
+            a = o[4]
+            if torch.isin(_byte_offsets(tensors[b]), _byte_offsets(tensors[a])).any():
+                raise IncompatibleTargetError(
+                    f"the receiver's tensors {a!r} and {b!r} share memory, but the sender publishes them as separate "
+                    "tensors (or ties one of them to a third): untie them in the receiving model (give each its own "
+                    "storage), or tie them in the trainer as well"
+                )
+        open_spans.append(span)
 
 
 def holds_exactly(storage: torch.dtype, dtype: torch.dtype) -> bool:
@@ -140,6 +173,7 @@ class ModuleTarget(Target):
         self._codecs: dict[str, _Codec] = {}
         self._checked: tuple | None = None  # the arguments of the last successful check()
         self._keys: dict[str, tuple] = {}  # name -> identity of the tensor that check validated
+        self._refused: str | None = None  # why a re-check failed (every use refuses until check())
         self._writing = False  # the last call wrote (an update's apply is under way)
         self._written: set[str] = set()  # names written since the last scan
 
@@ -222,14 +256,14 @@ class ModuleTarget(Target):
         with self._lookup_lock:
             t = self._get(name)
             key = self._keys.get(name)
-            if key is not None and _identity(t) != key:
+            if self._refused is not None or (key is not None and _identity(t) != key):
                 self._recheck()
                 t = self._get(name)
         return t.detach()
 
     def _scan(self) -> None:
         """Look up every checked tensor; check the whole target again if any was replaced."""
-        if any(_identity(self._get(n)) != key for n, key in list(self._keys.items())):
+        if self._refused is not None or any(_identity(self._get(n)) != key for n, key in list(self._keys.items())):
             self._recheck()
 
     def _start_write(self, name: str) -> None:
@@ -245,21 +279,27 @@ class ModuleTarget(Target):
             self._written.add(name)
 
     def _recheck(self) -> None:
+        """Check the whole target again (a checked tensor was replaced). A target that no longer
+        fits refuses every read and write from then on, until :meth:`check` passes again: other
+        threads of the same commit must not write what this one refused."""
+        if self._refused is not None:
+            raise IncompatibleTargetError(self._refused)
         if self._checked is None:
             return
         try:
             self.check(*self._checked)
         except IncompatibleTargetError as e:
-            raise IncompatibleTargetError(
+            self._refused = (
                 f"the receiving model's tensors were replaced since they were checked (e.g. module.to(dtype) "
                 f"or load_state_dict(..., assign=True)) and no longer fit the published version: {e}"
-            ) from None
+            )
+            raise IncompatibleTargetError(self._refused) from None
 
     # --- Target ------------------------------------------------------------------------------------
 
     def check(self, shapes: dict[str, tuple[int, ...]], aliases: dict[str, str], dtype: torch.dtype) -> None:
         self._writing = False
-        self._checked, self._keys = None, {}
+        self._checked, self._keys, self._refused = None, {}, None
         self._mirrors, self._codecs = {}, {}
         tensors = self.tensors
         missing = [n for n in shapes if n not in tensors]
@@ -278,16 +318,19 @@ class ModuleTarget(Target):
         bad = [(n, s, tuple(tensors[n].shape)) for n, s in shapes.items() if tuple(tensors[n].shape) != s]
         if bad:
             n, s, have = bad[0]
-            raise IncompatibleTargetError(f"tensor {n!r}: published shape {s}, receiver has {have} ({len(bad)} mismatches)")
+            raise IncompatibleTargetError(
+                f"tensor {n!r}: published shape {s}, receiver has {have} ({len(bad)} mismatches); build the receiver "
+                "from the sender's architecture and configuration")
         owners: dict[tuple, str] = {}  # the sender shipped these separately: they must not be tied here
         for n in shapes:
             t = tensors[n]
             if t.device.type == "meta":
                 raise IncompatibleTargetError(f"tensor {n!r} is on the meta device; materialise the model first")
-            if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+            if _overlaps_itself(t):
                 raise IncompatibleTargetError(
-                    f"tensor {n!r} has overlapping memory (stride {t.stride()}, e.g. from expand()); "
-                    "give it storage of its own (.contiguous())"
+                    f"tensor {n!r} has overlapping memory (shape {tuple(t.shape)}, stride {t.stride()}, e.g. from "
+                    "expand() or as_strided()): two of its elements would take one value; give it storage of its "
+                    "own (.contiguous())"
                 )
             if t.numel() == 0:
                 continue
@@ -302,7 +345,9 @@ class ModuleTarget(Target):
             t = tensors.get(alias)
             if t is not None and _storage_key(t) != _storage_key(tensors[canon]):
                 if tuple(t.shape) != shapes[canon]:
-                    raise IncompatibleTargetError(f"alias {alias!r} has shape {tuple(t.shape)}, expected {shapes[canon]}")
+                    raise IncompatibleTargetError(
+                        f"alias {alias!r} has shape {tuple(t.shape)}, but the sender publishes it as a tie to {canon!r} "
+                        f"of shape {shapes[canon]}; build the receiver from the sender's architecture and configuration")
                 mirrors.setdefault(canon, []).append(alias)
         written = [n for n in shapes if tensors[n].numel()] + [a for m in mirrors.values() for a in m]
         _refuse_shared_memory(tensors, written)
