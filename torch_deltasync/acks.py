@@ -27,8 +27,12 @@ import time
 from typing import Any, Callable, Iterable, Literal, Protocol
 
 from ._units import check_seconds
-from .errors import SyncTimeoutError, WorkerError
+from .errors import ObjectNotFoundError, SyncTimeoutError, WorkerError
 from .keys import MAX_VERSION, ack_key, check_ack_model, check_worker
+
+#: The most bytes of an acknowledgement object read from a store (they are ~80 bytes; a larger one is
+#: garbage and never read whole).
+MAX_ACK_BYTES = 4096
 
 __all__ = ["AckBook", "AckChannel", "OnFailure", "StoreAcks", "ack_message", "parse_ack"]
 
@@ -137,16 +141,27 @@ class StoreAcks:
         store.put(self.key(msg["worker"]), json.dumps(msg).encode())
 
     def poll(self, store: Any, workers: set[int], wait_s: float) -> list[dict[str, Any]]:
-        """The current acknowledgement object of each of ``workers`` (one store read each), in
-        worker order; sleeps ``wait_s`` seconds when there is none. Never raises for a missing or
-        malformed object; one whose ``worker`` is not ``w`` (written under another worker's key) is
-        ignored, so no worker can confirm for another."""
+        """The current acknowledgement object of each of ``workers`` (one store read each, of at
+        most :data:`MAX_ACK_BYTES`), in worker order; sleeps ``wait_s`` seconds when there is none.
+        A missing, oversized or malformed object is no acknowledgement; one whose ``worker`` is not
+        ``w`` (written under another worker's key) is ignored, so no worker can confirm for another.
+
+        Raises:
+            StoreError: the store failed (other than a missing object), naming it and the cause.
+        """
         out = []
         for w in sorted(workers):
             key = self.key(w)
             try:
-                raw = json.loads(store.get(key).decode())
-            except Exception:  # noqa: BLE001 - not written yet, or garbage: no acknowledgement
+                data = store.get(key, start=0, end=MAX_ACK_BYTES + 1)
+            except ObjectNotFoundError:  # not written yet
+                continue
+            try:
+                if len(data) > MAX_ACK_BYTES:
+                    raise ValueError(f"more than {MAX_ACK_BYTES} bytes")
+                raw = json.loads(data.decode())
+            except ValueError as e:  # garbage (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+                log.debug("ignoring the acknowledgement at %r: %s", key, e)
                 continue
             if not isinstance(raw, dict):
                 log.debug("ignoring the acknowledgement at %r: not a JSON object", key)
@@ -219,6 +234,7 @@ class AckBook:
                 ``version`` or a newer one.
             SyncTimeoutError: (same) a worker did not confirm within ``timeout_s``; the message
                 names each such worker, ``version`` and the version it holds.
+            StoreError: (:class:`StoreAcks`) the store failed, whatever ``on_failure`` says.
         """
         check_seconds(timeout_s, "timeout_s", "AckBook.wait", positive=False)
         check_seconds(poll_s, "poll_s", "AckBook.wait", positive=True)

@@ -172,20 +172,40 @@ def _inspect(args: argparse.Namespace) -> int:
     from .errors import CorruptObjectError, DeltaSyncError
     from .format import json_meta, read_header, sha256_hex
     from .keys import parse_manifest_key
-    from .manifest import Manifest, load_manifest
+    from .manifest import MAX_MANIFEST_BYTES, Manifest, load_manifest
 
     store, key = _locate(args)
+    manifest = entry = unavailable = None
     if store is None:
         path = Path(key)
         if path.exists() and not path.is_file():  # a folder, or a device or pipe that never ends
             raise ValueError(f"{key} is not a regular file: give an object or a manifest (or STORE KEY)")
+        if key.endswith(".json") and path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise CorruptObjectError(f"{key} is {path.stat().st_size:,} bytes, above the {MAX_MANIFEST_BYTES:,}-byte "
+                                     "limit of a manifest; not read")
         data, where, version = path.read_bytes(), key, None
     else:
-        data, where = store.get(key), f"{store.describe()}/{key}"
-        version = parse_manifest_key(key)
+        where, version = f"{store.describe()}/{key}", parse_manifest_key(key)
+        if version is not None:  # read within the manifest size limit
+            _print_manifest(load_manifest(store, version))
+            return 0
         obj = re.fullmatch(r"objects/([0-9]{12})/[^/]+", key)
-        if obj is not None:
+        if obj is not None:  # the version's manifest: numel, density, size and sha256
             version = int(obj.group(1))
+            try:
+                manifest = load_manifest(store, version)
+            except DeltaSyncError as e:
+                unavailable = f"  manifest of version {version}: unavailable ({type(e).__name__}: {_printable(e)})"
+            entry = next((o for o in manifest.objects if o.key == key), None) if manifest else None
+        size = store.size(key)
+        if entry is not None and size != entry.nbytes:  # not read: it may be of any size
+            print(f"{where} ({format_bytes(size)})\n  size DOES NOT match the manifest of version {version} "
+                  f"({entry.nbytes:,} B, the object {size:,} B): the object is corrupt; not read")
+            return 1
+        if key.endswith(".json") and size > MAX_MANIFEST_BYTES:
+            raise CorruptObjectError(f"{where} is {size:,} bytes, above the {MAX_MANIFEST_BYTES:,}-byte limit of a "
+                                     "manifest; not read")
+        data = store.get(key)
     if key.endswith(".json"):
         _print_manifest(Manifest.from_json(data, expected_version=version, where=where))
         return 0
@@ -193,21 +213,17 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{where} ({format_bytes(len(data))})")
     for k, v in meta.items():
         if k not in ("counts", "slices"):
-            print(f"  {k}: {v}")
-    manifest, ok = None, True
-    if store is not None and version is not None:  # the version's manifest: numel, density, sha256
-        try:
-            manifest = load_manifest(store, version)
-        except DeltaSyncError as e:
-            print(f"  manifest of version {version}: unavailable ({type(e).__name__}: {e})")
-        entry = next((o for o in manifest.objects if o.key == key), None) if manifest else None
-        if manifest is not None and entry is None:
-            ok = False
-            print(f"  NOT listed in the manifest of version {version}")
-        elif entry is not None:
-            ok = len(data) == entry.nbytes and sha256_hex(data) == entry.sha256
-            print(f"  size and sha256 {'match' if ok else 'DO NOT match'} the manifest of version {version}"
-                  + ("" if ok else f" ({entry.nbytes:,} B, sha256 {entry.sha256}): the object is corrupt"))
+            print(f"  {_printable(k)}: {_printable(v)}")
+    ok = True
+    if unavailable:
+        print(unavailable)
+    if manifest is not None and entry is None:
+        ok = False
+        print(f"  NOT listed in the manifest of version {version}")
+    elif entry is not None:
+        ok = len(data) == entry.nbytes and sha256_hex(data) == entry.sha256
+        print(f"  size and sha256 {'match' if ok else 'DO NOT match'} the manifest of version {version}"
+              + ("" if ok else f" ({entry.nbytes:,} B, sha256 {entry.sha256}): the object is corrupt"))
     numel = {t.name: t.numel for t in manifest.tensors} if manifest else {}
     if meta.get("kind") == "delta":
         counts = json_meta(meta, "counts", where)
@@ -216,29 +232,37 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  {len(counts)} changed tensors, {sum(counts.values()):,} changed elements")
         for name, c in counts.items():
             dens = f"{c / numel[name]:8.3%}" if name in numel and numel[name] else "       ?"
-            parts = ", ".join(f"{k.rpartition(':')[2]} {v['dtype']}{v['shape']}" for k, v in header.items()
+            if c < 0 or c > numel.get(name, c):
+                ok, dens = False, "CORRUPT (more changes than elements)" if c > 0 else "CORRUPT (negative)"
+            parts = ", ".join(f"{_printable(k.rpartition(':')[2])} {v['dtype']}{v['shape']}" for k, v in header.items()
                               if k.rpartition(":")[0] == name)
-            print(f"    {name:<60s} {c:>12,} {dens}  [{parts}]")
+            print(f"    {_printable(name):<60s} {c:>12,} {dens}  [{parts}]")
     else:
         slices = json_meta(meta, "slices", where)
         print(f"  {len(header)} tensors")
         for name, v in header.items():
             s = slices.get(name) if isinstance(slices.get(name), dict) else {}
-            print(f"    {name:<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {s.get('offsets')}")
+            print(f"    {_printable(name):<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {_printable(s.get('offsets'))}")
     return 0 if ok else 1
+
+
+def _printable(value: object) -> str:
+    """``str(value)`` with every non-printable character escaped (``\\x1b``): store data is
+    untrusted, and a terminal must not run its control sequences."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(value))
 
 
 def _print_manifest(m) -> None:
     print(f"version {m.version} ({m.kind}, base {m.base_version}, anchor {m.anchor_version}), codec {m.codec}, "
-          f"{m.inference_dtype}, run {m.run_id}")
+          f"{m.inference_dtype}, run {_printable(m.run_id)}")
     print(f"  {len(m.objects)} objects, {format_bytes(m.nbytes)}; {m.changed:,} of {m.numel:,} elements changed "
           f"({m.changed / max(m.numel, 1):.3%})")
     for o in m.objects:
         print(f"    {o.key}  {o.nbytes:,} B  sha256 {o.sha256[:16]}...")
     for t in m.tensors:
-        print(f"    {t.name:<60s} {str(list(t.shape)):<18} changed {t.changed:>12,}  checksum {t.checksum:016x}")
+        print(f"    {_printable(t.name):<60s} {str(list(t.shape)):<18} changed {t.changed:>12,}  checksum {t.checksum:016x}")
     if m.aliases:
-        print(f"  aliases: {m.aliases}")
+        print(f"  aliases: {_printable(m.aliases)}")
 
 
 # --- ls ----------------------------------------------------------------------------------------
@@ -269,7 +293,7 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"{v:>8} {'-':<6} {'':>6} {'':>12} {'':>12} {'':>8}  deleted meanwhile")
             continue
         except Exception as e:  # noqa: BLE001 - one bad manifest should not hide the rest
-            print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {e}")
+            print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {_printable(e)}")
             unreadable += 1
             continue
         base = "" if m.base_version is None else str(m.base_version)
@@ -297,7 +321,7 @@ def _verify(args: argparse.Namespace) -> int:
     of an anchor reached through the anchor has its objects checked (size, sha256, structure). A
     version the replay reaches only by recovering (its planned path failed) is reported FAILED
     with why; the replay goes on from it, as a follower would."""
-    from .errors import DeltaSyncError, VersionNotFoundError
+    from .errors import VersionNotFoundError
     from .keys import list_versions, manifest_key
     from .manifest import load_manifest
     from .receiver import DeltaReceiver
@@ -309,26 +333,23 @@ def _verify(args: argparse.Namespace) -> int:
     if not versions:
         print(f"{store.describe()}: no versions to verify{_PREFIX_HINT if not args.prefix else ''}")
         return 1
-    # The target is shaped by the newest manifest that parses; an unreadable one still gets its line.
-    shapes, unreadable = None, {}
-    for v in reversed(versions):
-        try:
-            shapes = load_manifest(store, v)
-            break
-        except DeltaSyncError as e:
-            unreadable[v] = e
-    target = shapes.zeros() if shapes is not None else None
-    receiver = DeltaReceiver(target, store) if target is not None else None
+    # The target is shaped by each version's manifest: a store may hold runs of different models
+    # (a writer restarted with another model), and a damaged manifest must not fail the others.
+    layout, target, receiver = None, None, None
     failures = deleted = 0
     for v in versions:
         try:
-            if receiver is None:
-                raise unreadable[v]  # no manifest of this store parses
+            m = load_manifest(store, v)
+            if (m.inference_dtype, [(t.name, t.shape) for t in m.tensors]) != layout:
+                if receiver is not None:
+                    receiver.close()
+                layout, target = (m.inference_dtype, [(t.name, t.shape) for t in m.tensors]), m.zeros()
+                receiver = DeltaReceiver(target, store)
             receiver.update(v)
             st = receiver.last_stats
             if st.recovered:  # the replay held a checked version: what its path read is damaged
                 failures += 1  # recovered_from is "Type: message" of what failed
-                print(f"version {v:>8}: FAILED: {st.recovered_from} (a follower gets past it along another path: "
+                print(f"version {v:>8}: FAILED: {_printable(st.recovered_from)} (a follower gets past it along another path: "
                       f"{st.path} path, {st.versions_applied} applied)")
                 continue
             checked = _check_rest(target, store, receiver.manifest(v), st.path)
@@ -336,13 +357,13 @@ def _verify(args: argparse.Namespace) -> int:
         except VersionNotFoundError as e:
             if store.exists(manifest_key(v)):  # still there: what it needs is gone
                 failures += 1
-                print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")
+                print(f"version {v:>8}: FAILED: {type(e).__name__}: {_printable(e)}")
             else:  # collected (retention) since it was listed: nothing to verify
                 deleted += 1
                 print(f"version {v:>8}: deleted meanwhile")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             failures += 1
-            print(f"version {v:>8}: FAILED: {type(e).__name__}: {e}")
+            print(f"version {v:>8}: FAILED: {type(e).__name__}: {_printable(e)}")
     if receiver is not None:
         receiver.close()
     print(f"{len(versions) - failures - deleted}/{len(versions)} versions verified"
@@ -539,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import DeltaSyncError
 
         if isinstance(e, (DeltaSyncError, OSError, ValueError)):
-            print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
+            print(f"deltasync {args.command}: error: {_printable(e)}", file=sys.stderr)
             return 2
         raise
 

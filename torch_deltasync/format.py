@@ -63,8 +63,8 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-#: What to do about an object that fails its check (the end of the messages below).
-_DAMAGED = ("damaged or replaced in the store: receivers take another path where one exists (an anchor), else "
+#: What to do about an object that fails its check (the end of the messages about damaged objects).
+DAMAGED_HINT = ("damaged or replaced in the store: receivers take another path where one exists (an anchor), else "
             "the writer's next anchor rebuilds them; `deltasync verify` lists every damaged version")
 
 
@@ -74,11 +74,12 @@ def verify_bytes(data: bytes, entry: ObjectEntry, where: str) -> None:
     Raises:
         CorruptObjectError: size or digest differ (truncated, corrupted or replaced object).
     """
-    if len(data) != entry.nbytes:
-        raise CorruptObjectError(f"{where}: {entry.key} is {len(data)} bytes, manifest says {entry.nbytes} ({_DAMAGED})")
+    if len(data) != entry.nbytes:  # (readers fetch one byte more than the entry: a longer object shows)
+        size = f"{len(data):,} bytes" if len(data) < entry.nbytes else f"more than {entry.nbytes:,} bytes"
+        raise CorruptObjectError(f"{where}: {entry.key} is {size}, manifest says {entry.nbytes:,} ({DAMAGED_HINT})")
     digest = sha256_hex(data)
     if digest != entry.sha256:
-        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {digest}, manifest says {entry.sha256} ({_DAMAGED})")
+        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {digest}, manifest says {entry.sha256} ({DAMAGED_HINT})")
 
 
 def verify_stored(store, entry: ObjectEntry, where: str, *, part_nbytes: int = 64 << 20) -> None:
@@ -98,7 +99,7 @@ def verify_stored(store, entry: ObjectEntry, where: str, *, part_nbytes: int = 6
     """
     size = store.size(entry.key)
     if size != entry.nbytes:
-        raise CorruptObjectError(f"{where}: {entry.key} is {size} bytes, manifest says {entry.nbytes} ({_DAMAGED})")
+        raise CorruptObjectError(f"{where}: {entry.key} is {size} bytes, manifest says {entry.nbytes} ({DAMAGED_HINT})")
     h = hashlib.sha256()
     for start in range(0, entry.nbytes, part_nbytes):
         end = min(start + part_nbytes, entry.nbytes)
@@ -107,7 +108,7 @@ def verify_stored(store, entry: ObjectEntry, where: str, *, part_nbytes: int = 6
             raise CorruptObjectError(f"{where}: {entry.key} bytes [{start}, {end}) read as {len(data)} bytes")
         h.update(data)
     if h.hexdigest() != entry.sha256:
-        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {h.hexdigest()}, manifest says {entry.sha256} ({_DAMAGED})")
+        raise CorruptObjectError(f"{where}: {entry.key} has sha256 {h.hexdigest()}, manifest says {entry.sha256} ({DAMAGED_HINT})")
 
 
 def _metadata(kind: str, version: int, rank: int, world: int, dtype: torch.dtype, extra: dict) -> dict[str, str]:
@@ -350,7 +351,9 @@ def read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str,
     where = f"version {manifest.version} object {entry.key}"
     tensors, meta = _load(data, manifest, entry, "delta")
     if meta.get("codec") != manifest.codec or meta.get("base_version") != str(manifest.base_version):
-        raise CorruptObjectError(f"{where}: codec/base_version metadata disagree with the manifest")
+        raise CorruptObjectError(
+            f"{where}: its metadata (codec {meta.get('codec')!r}, base_version {meta.get('base_version')!r}) disagrees "
+            f"with the manifest ({manifest.codec!r}, {str(manifest.base_version)!r}) ({DAMAGED_HINT})")
     counts = json_meta(meta, "counts", where)
     specs = manifest.tensor_map()
     grouped: dict[str, dict[str, torch.Tensor]] = {}

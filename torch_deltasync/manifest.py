@@ -235,7 +235,8 @@ class Manifest:
             follows a published version also carries a delta against it (so receivers that hold
             the previous version never download the anchor); ``None`` for a run's first anchor.
         anchor_version: the anchor this version's chain starts from (itself for anchors).
-        codec: name of the codec of the delta objects (``"raw"``; anchors are always dense).
+        codec: name of the codec of the delta objects (``"packed"``, the default, or ``"raw"``;
+            anchors are always dense).
         inference_dtype: dtype of every shipped value.
         run_id: identifies the writer session (a new writer on the same prefix gets a new one).
         tensors: every tensor of the model, in publish order.

@@ -55,8 +55,17 @@ def test_open_store_routes_each_scheme(tmp_path, s3):
     ("hf://buckets/org/b/../escape", r"segment '\.\.' is not allowed", "prefix escapes"),
     ("s3://", "names no bucket", "no bucket"),
     ("nope://bucket/x", r"'nope://bucket/x': unknown store scheme 'nope://'", "unknown scheme, named with the URI"),
+    ("hf://buckets/my-org/../run", r"bucket '\.\.' is no Hub name", "the bucket climbs out"),
+    ("hf://buckets/my-org/rl?x=1/run", r"bucket 'rl\?x=1' is no Hub name", "a query in the bucket"),
+    ("hf://buckets/my org/rl/run", r"namespace 'my org' is no Hub name", "a space in the namespace"),
+    ("s3:/bucket/run", r"'s3:/bucket/run' looks like a URI that lost a slash \(s3://...\)", "pathlib.Path('s3://b')"),
 ])
 def test_open_store_rejects_bad_uris(uri, match, reason):
+    from pathlib import Path
+
+    if uri.startswith("s3:/") and not uri.startswith("s3://"):
+        with pytest.raises(ValueError, match=match):
+            open_store(Path("s3://bucket/run"))
     with pytest.raises(ValueError, match=match):
         open_store(uri, api=object()) if uri.startswith("hf://") else open_store(uri)
 
@@ -202,6 +211,21 @@ def test_listing_sees_writes_of_another_client_at_once(s3):
     client.delete_object(Bucket=bucket, Key="run/versions/000000000002.json")
     assert reader.list("versions")[-1] == "versions/000000000001.json"
     assert not reader.exists("versions/000000000002.json")
+
+
+def test_folder_markers_are_not_listed(s3):
+    """Keys ending in ``/`` (the S3 console's and ``s3fs.mkdir``'s "folders") are no objects: a
+    marker named like a manifest must not read as a version."""
+    import boto3
+
+    bucket = make_bucket(s3)
+    store = open_store(f"s3://{bucket}/run", endpoint_url=s3, retry=FAST)
+    store.put("versions/000000000001.json", b"{}")
+    client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1")
+    for key in ("run/", "run/versions/", "run/versions/000000000007.json/"):
+        client.put_object(Bucket=bucket, Key=key, Body=b"")
+    assert store.list() == ["versions/000000000001.json"]
+    assert store.list("versions") == ["versions/000000000001.json"]
 
 
 def test_unreachable_endpoint_is_transient_and_named():

@@ -48,6 +48,33 @@ def test_post_then_poll_returns_the_newest_ack_of_each_worker(store):
     assert acks.poll(store, {1}, 0.0)[0]["worker"] == 1  # only the workers asked for
 
 
+def test_an_oversized_ack_is_garbage_and_never_read_whole(store):
+    from torch_deltasync.acks import MAX_ACK_BYTES
+
+    acks = StoreAcks("m")
+    store.put(acks.key(0), json.dumps(ack_message(0, 3, None)).encode() + b" " * (1 << 20))
+    acks.post(store, ack_message(1, 3, None))
+    reads = []
+    get = store.get
+    store.get = lambda key, start=None, end=None: reads.append((start, end)) or get(key, start=start, end=end)
+    assert [m["worker"] for m in acks.poll(store, {0, 1}, 0.0)] == [1]
+    assert reads == [(0, MAX_ACK_BYTES + 1)] * 2
+
+
+def test_a_failing_store_is_raised_not_waited_out(tmp_path):
+    """A store that fails (here its bucket is gone) is no missing acknowledgement: the wait raises
+    the store's error, naming it, instead of timing out."""
+    from torch_deltasync.errors import StoreNotFoundError
+
+    class Gone(LocalStore):
+        def get(self, key, *, start=None, end=None):
+            raise StoreNotFoundError(f"{self.describe()}: the bucket does not exist")
+
+    gone = Gone(tmp_path / "b")
+    with pytest.raises(StoreNotFoundError, match=f"{gone.describe()}: the bucket does not exist"):
+        _book(StoreAcks("m")).wait(3, gone, timeout_s=30, poll_s=0.01)
+
+
 def test_wait_returns_once_every_worker_acknowledged(store):
     acks = StoreAcks("m")
     book = _book(acks)

@@ -126,9 +126,33 @@ def test_untrusted_shapes_are_checked_before_allocating(run, capsys, command):
     m = json.loads(store.get(key))
     m["tensors"][0]["shape"] = [2**24, 2**24]  # 2**48 elements: far beyond any machine's memory
     store.put(key, seal_manifest(m))
+    if command[0] == "verify":  # the one version fails; the others are verified
+        assert main([command[0], str(store.root), *command[1:]]) == 1
+        out = capsys.readouterr().out
+        assert "version        4: FAILED: IncompatibleTargetError" in out and "bytes of memory" in out
+        assert "version        3: ok" in out and "4/5 versions verified" in out
+        return
     assert main([command[0], str(store.root), *command[1:]]) == 2
     err = capsys.readouterr().err
     assert "declares" in err and "bytes of memory" in err and "Traceback" not in err
+
+
+def test_verify_checks_each_version_against_its_own_tensors(run, capsys):
+    """A store whose versions list different tensors (a writer restarted with another model, or a
+    forged manifest): each version is replayed on a target of its own tensors, so a bad newest
+    manifest fails only itself, naming the store and the tensor that differs."""
+    store, _, _ = run
+    key = f"versions/{4:012d}.json"
+    m = json.loads(store.get(key))
+    m.pop("digest", None)
+    name = m["tensors"][0]["name"]
+    m["tensors"][0]["shape"] = m["tensors"][0]["shape"][::-1]
+    store.put(key, seal_manifest(m))
+    assert main(["verify", str(store.root)]) == 1
+    out = capsys.readouterr().out
+    assert all(f"version {v:>8}: ok" in out for v in range(4)) and "4/5 versions verified" in out
+    assert f"version        4: FAILED: CorruptObjectError: {store.describe()}: versions " in out
+    assert f"list different tensors (tensor {name!r}: " in out
 
 
 def test_errors_are_one_line(tmp_path, capsys):
@@ -284,7 +308,7 @@ def test_verify_fails_a_version_the_replay_reaches_only_by_recovering(tmp_path, 
     assert main(["verify", str(store.root)]) == 1
     out = capsys.readouterr().out
     lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
-    assert ("FAILED: ChecksumMismatchError: version 10: the staged state differs" in lines[10]
+    assert (f"FAILED: ChecksumMismatchError: {store.describe()}: version 10: the staged state differs" in lines[10]
             and "(a follower gets past it along another path: anchor path, 1 applied)" in lines[10])
     assert all(": ok (" in lines[v] for v in range(12) if v != 10) and "11/12 versions verified" in out
 

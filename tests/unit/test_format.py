@@ -122,7 +122,7 @@ def test_a_codec_that_decodes_another_count_than_declared_is_refused(monkeypatch
 
 @pytest.mark.parametrize("member, value, why", [
     ("version", "5", "metadata version='5', expected '4'"),
-    ("codec", "packed", "codec/base_version metadata disagree"),
+    ("codec", "packed", r"its metadata \(codec 'packed', base_version '3'\) disagrees with the manifest \('raw', '3'\)"),
     ("counts", '{"w":3}', "declared 3 changes"),
     ("format_version", "2", "metadata format_version='2'"),
 ])

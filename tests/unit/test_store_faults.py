@@ -19,7 +19,7 @@ from remote_helpers import StepModel, bits_of, same_bits, empty_target
 
 #: What a read truncated on every attempt looks like: an object shorter than its manifest entry,
 #: or a manifest cut short (not JSON).
-TRUNCATED = re.compile(r"is \d+ bytes, manifest says \d+|manifest of version \d+ is not valid JSON")
+TRUNCATED = re.compile(r"is (more than )?[\d,]+ bytes, manifest says [\d,]+|manifest of version \d+ is not valid JSON")
 
 
 def tolerated(e: DeltaSyncError) -> bool:

@@ -8,6 +8,7 @@ are imported lazily, on first use of the name or when :func:`open_store` meets t
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 from .._moved import alias_moved as _alias_moved
@@ -124,6 +125,10 @@ def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | o
     if "\x00" in text:
         raise ValueError(f"store {text!r} contains a NUL character")
     protocol, sep, rest = text.partition("://")
+    lost = re.match(r"([a-z][a-z0-9+.-]*):/(?!/)", text)
+    if not sep and lost and lost.group(1) != "file":  # pathlib.Path("s3://b/run") is s3:/b/run
+        raise ValueError(f"{text!r} looks like a URI that lost a slash ({lost.group(1)}://...), e.g. through "
+                         "pathlib.Path, which joins '//' into '/'; pass the URI as a str")
     if not sep and text.startswith("file:"):
         raise ValueError(f"{text!r}: a file URI names an absolute folder, e.g. file:///data/bucket (or give "
                          "the folder's path)")

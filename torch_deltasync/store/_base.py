@@ -134,7 +134,11 @@ class Store(Protocol):
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:
-        """Write ``data`` under ``key`` atomically: a reader sees the old object, or all of the new one."""
+        """Write ``data`` under ``key`` atomically: a reader sees the old object, or all of the new one.
+
+        Raises:
+            StoreError: the write failed (naming the store, key and cause).
+        """
 
     def put_new(self, key: str, data: bytes) -> None:
         """Like :meth:`put`, but only if ``key`` does not exist yet (manifests are immutable).
@@ -158,19 +162,35 @@ class Store(Protocol):
 
         Raises:
             ObjectNotFoundError: the key does not exist.
+            StoreError: the read failed (naming the store, key and cause).
         """
 
     @abstractmethod
     def exists(self, key: str) -> bool:
-        """Whether ``key`` exists."""
+        """Whether ``key`` exists.
+
+        Raises:
+            StoreError: the store could not tell (naming the store, key and cause).
+        """
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
-        """All keys under ``prefix`` (recursive), relative to the store root, sorted."""
+        """All keys under ``prefix`` (recursive), relative to the store root, sorted; objects only
+        (no folders or folder markers).
+
+        Raises:
+            StoreError: the listing failed (naming the store, prefix and cause); a remote bucket
+                that does not exist: its subclass ``StoreNotFoundError`` (a missing local folder
+                lists as empty).
+        """
 
     @abstractmethod
     def delete(self, key: str) -> None:
-        """Remove ``key``; a missing key is not an error."""
+        """Remove ``key``; a missing key is not an error.
+
+        Raises:
+            StoreError: the delete failed (naming the store, key and cause).
+        """
 
     def size(self, key: str) -> int:
         """Size of the object in bytes (default: reads it)."""

@@ -316,6 +316,8 @@ class FsspecStore(Store):
 
         out = []
         for p in self._call("list", prefix or "/", find):
+            if p.endswith("/"):  # a "folder" marker (S3 console, s3fs.mkdir): no object of ours
+                continue
             p = self.fs._strip_protocol(p)
             if root:
                 if not p.startswith(root + "/"):

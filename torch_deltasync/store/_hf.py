@@ -26,6 +26,7 @@ turned off, so a call may take a few more tries than :class:`RetryPolicy` says.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -42,6 +43,10 @@ T = TypeVar("T")
 _SCHEME = "hf://buckets/"
 
 
+#: A Hub namespace or repository name, as ``huggingface_hub.utils.validate_repo_id`` accepts them.
+_HUB_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+
+
 def parse_bucket_uri(uri: str) -> tuple[str, str]:
     """Split ``hf://buckets/<namespace>/<bucket>[/<prefix>]`` into ``("namespace/bucket", prefix)``.
 
@@ -53,6 +58,10 @@ def parse_bucket_uri(uri: str) -> tuple[str, str]:
     parts = uri[len(_SCHEME):].strip("/").split("/", 2)
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"expected hf://buckets/<namespace>/<bucket>[/<prefix>], got {uri!r}")
+    for what, name in (("namespace", parts[0]), ("bucket", parts[1])):
+        if not _HUB_NAME.fullmatch(name) or ".." in name or "--" in name:
+            raise ValueError(f"{uri!r}: {what} {name!r} is no Hub name (letters, digits, '-', '_' and '.', at most "
+                             "96, starting and ending with a letter, digit or '_', no '--' or '..')")
     prefix = parts[2].strip("/") if len(parts) == 3 else ""
     check_prefix(prefix, f"store {uri!r}")
     return f"{parts[0]}/{parts[1]}", prefix

@@ -14,7 +14,7 @@ fault               what the caller sees
                     was lost; the retry repeats an operation that already happened)
 ``latency_s``       every call first sleeps a uniform random time in ``[lo, hi]`` seconds
 ``stall_rate``      the call sleeps ``stall_s`` seconds first (longer than a deadline: a hung socket)
-``truncate_rate``   a whole-object ``get`` silently returns a random strict prefix of the bytes (a
+``truncate_rate``   a ``get`` (whole or ranged) silently returns a random strict prefix of its bytes (a
                     transfer cut short that the driver did not notice; only size/sha256 checks catch it)
 ==================  =====================================================================================
 """
@@ -45,7 +45,7 @@ class FaultyStore(Store):
         latency_s: ``(lo, hi)`` seconds of uniform random latency added to every call.
         stall_rate: probability that a call first stalls for ``stall_s`` seconds.
         stall_s: length of a stall, in seconds.
-        truncate_rate: probability that a whole-object ``get`` returns a strict prefix.
+        truncate_rate: probability that a ``get`` (whole or ranged) returns a strict prefix.
         ops: the operations faults apply to (default all of ``put``, ``get``, ``exists``, ``size``,
             ``list``, ``delete``).
         seed: seed of the fault generator.
@@ -117,7 +117,7 @@ class FaultyStore(Store):
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         self._before("get", key)
         data = self.inner.get(key, start=start, end=end)
-        if (self.enabled and "get" in self.ops and start is None and end is None and len(data) > 1
+        if (self.enabled and "get" in self.ops and len(data) > 1
                 and self.truncate_rate and self._draw() < self.truncate_rate):
             self._count("truncate")
             with self._lock:
