@@ -1,7 +1,7 @@
 """Asynchronous GRPO with LoRA: adapter versions through an object store, episodes through HTTP.
 
-The setup of "asynchronous LoRA-GRPO over HF Jobs" (``../shared/seeds/004``): a trainer and rollout
-workers that never talk NCCL and need not share a network. The trainer publishes every adapter
+The setup of "asynchronous LoRA-GRPO over HF Jobs" (the project's fourth problem statement): a
+trainer and rollout workers that never talk NCCL and need not share a network. The trainer publishes every adapter
 version to a store (a local folder here; ``s3://`` or ``hf://buckets/`` in production); the workers
 follow the store and generate with the newest adapter they hold; finished episodes reach the trainer
 through a small HTTP ring buffer that drops stale ones. GRPO clips the importance ratio of the
@@ -444,7 +444,9 @@ def run_all(args) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from torch_deltasync.cli import HelpFormatter  # the deltasync command's: defaults shown
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("role", nargs="?", default="run", choices=("run", "trainer", "worker"),
                    help="run: everything here (default); trainer / worker: one role against --service-url")
     p.add_argument("--run-dir", default="runs/async-grpo-lora", help="metrics, logs, summary (and the default store)")
@@ -459,7 +461,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
     p.add_argument("--task", choices=("sort", "copy"), default="sort")
-    p.add_argument("--digits", type=int, default=3, help="digits per prompt (= completion tokens)")
+    p.add_argument("--digits", type=int, default=3, help="digits per prompt (a completion is these digits + <eos>)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollout and loss)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--alpha", type=int, default=16, help="LoRA alpha")

@@ -84,7 +84,9 @@ def make_actor():
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from torch_deltasync.cli import HelpFormatter  # the deltasync command's: defaults shown
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/torchrl_collector", help="folder for metrics (and the store by default)")
     p.add_argument("--store", default=None, help="store URI (default: <out>/bucket)")
     p.add_argument("--iters", type=int, default=30, help="training iterations (one weight update each)")

@@ -47,7 +47,9 @@ import torch.distributed as dist
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from torch_deltasync.cli import HelpFormatter  # the deltasync command's: defaults shown
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--bucket", required=True, help="store to publish to (folder, s3://, hf://buckets/...)")
     p.add_argument("--prefix", default="", help="run prefix inside the bucket")
     p.add_argument("--size", default="tiny", help="Qwen3 config from torch_deltasync.testing.QWEN3_SIZES")

@@ -32,6 +32,15 @@ from .config import GRPOConfig
 from .policy import build_policy, sample
 from .task import Tokenizer
 
+
+def _save_quietly(model, folder: str) -> None:
+    """``save_pretrained`` in a generator process, without transformers' "Writing model shards"
+    progress bar (the run's console shows the controller's progress only)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(folder, safe_serialization=True)
+
 __all__ = ["GeneratorBackend", "HFGenerator", "VLLMServerGenerator", "VLLMGenerator", "register_backend", "make_backend", "backend_names"]
 
 
@@ -143,7 +152,7 @@ class VLLMServerGenerator:
         self.cfg, self.tok = cfg, tok
         self.workdir = tempfile.mkdtemp(prefix="grpo-vllm-")
         model = build_policy(cfg, tok, dtype=torch.bfloat16, seed=seed, load_weights=False)
-        model.save_pretrained(self.workdir, safe_serialization=True)
+        _save_quietly(model, self.workdir)
         del model
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -324,7 +333,7 @@ def fresh_engine_probe(cfg: GRPOConfig, weights: str | Path, log_path: str | Pat
     digest = state_digest(model)
     folder = tempfile.mkdtemp(prefix="grpo-vllm-fresh-")
     try:
-        model.save_pretrained(folder, safe_serialization=True)
+        _save_quietly(model, folder)
         server = VLLMServer(folder, log_path, python=cfg.vllm_python, seed=cfg.seed, deltasync=False)
         try:
             return {"probe": probe(server), "digest": digest}
