@@ -49,6 +49,41 @@ def test_inspect_delta_and_manifest(run, capsys):
     assert "version 4 (delta, base 3, anchor 3)" in capsys.readouterr().out
 
 
+def test_inspect_reads_no_object_larger_than_its_manifest_says(run, capsys):
+    """An object whose size differs from its manifest entry is reported without being read (a
+    hostile one may be of any size); a manifest is read within its size limit."""
+    store, _, _ = run
+    key = f"objects/{4:012d}/delta-r00000-of00001.safetensors"
+    store.put(key, store.get(key) + b"\0" * (1 << 20))
+    reads = []
+    get = store.get
+    store.get = lambda k, start=None, end=None: reads.append((k, start, end)) or get(k, start=start, end=end)
+    try:
+        assert main(["inspect", str(store.root), key]) == 1
+    finally:
+        del store.get
+    assert "size DOES NOT match the manifest of version 4" in capsys.readouterr().out
+    assert all(k != key for k, _, _ in reads)  # only its manifest was read
+    assert all(end is not None for _, _, end in reads)  # in ranges
+
+
+def test_inspect_escapes_control_characters_of_store_data(run, capsys):
+    """Names and metadata come from the store: a terminal escape sequence in them is printed
+    escaped, never run."""
+    from torch_deltasync.manifest import seal_manifest
+
+    store, _, _ = run
+    key = f"versions/{4:012d}.json"
+    m = json.loads(store.get(key))
+    m.pop("digest", None)
+    m["run_id"] = "abc\x1b]0;title\x07\x1b[2K\rFAKE"
+    store.put(key, seal_manifest(m))
+    assert main(["inspect", str(store.root), "--version", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "\x07" not in out
+    assert "run abc\\x1b]0;title\\x07\\x1b[2K\\rFAKE" in out
+
+
 def _forge_value(store, version):
     """Flip a value of ``version``'s delta object and fix its sha256, so only checksums can tell."""
     from safetensors.torch import load, save
