@@ -59,6 +59,8 @@ def test_open_store_routes_each_scheme(tmp_path, s3):
     ("hf://buckets/my-org/rl?x=1/run", r"bucket 'rl\?x=1' is no Hub name", "a query in the bucket"),
     ("hf://buckets/my org/rl/run", r"namespace 'my org' is no Hub name", "a space in the namespace"),
     ("s3:/bucket/run", r"'s3:/bucket/run' looks like a URI that lost a slash \(s3://...\)", "pathlib.Path('s3://b')"),
+    ("S3:/bucket/run", r"'S3:/bucket/run' looks like a URI that lost a slash \(S3://...\)", "in capitals"),
+    ("hf://buckets/my-org/rl.git/run", r"bucket 'rl\.git' is no Hub name", "the Hub refuses '.git' names"),
 ])
 def test_open_store_rejects_bad_uris(uri, match, reason):
     from pathlib import Path
@@ -68,6 +70,12 @@ def test_open_store_rejects_bad_uris(uri, match, reason):
             open_store(Path("s3://bucket/run"))
     with pytest.raises(ValueError, match=match):
         open_store(uri, api=object()) if uri.startswith("hf://") else open_store(uri)
+
+
+def test_a_relative_folder_with_a_colon_is_a_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = open_store("ckpt:/run")  # no object store scheme: a folder "ckpt:" under the current one
+    assert isinstance(store, LocalStore) and store.root == tmp_path / "ckpt:" / "run"
 
 
 def test_open_store_refuses_options_for_an_opened_store(tmp_path):

@@ -382,6 +382,32 @@ def test_receiver_tensors_with_overlapping_elements_are_refused(store, overlappi
     assert torch.equal(held["w"].view(torch.int16), before)
 
 
+def test_receiver_tensors_sharing_memory_through_other_storages_are_refused(store):
+    """Two tensors over one numpy buffer (two storage objects, 20 shared elements): addresses are
+    compared, not storages."""
+    import numpy as np
+
+    DeltaSender({"a": torch.randn(60), "b": torch.randn(60)}, store).publish()
+    buf = np.zeros(100, dtype=np.float32)
+    held = {"a": torch.from_numpy(buf[0:60]), "b": torch.from_numpy(buf[40:100])}
+    assert held["a"].untyped_storage().data_ptr() != held["b"].untyped_storage().data_ptr()
+    with pytest.raises(IncompatibleTargetError, match=r"tensors 'a' and 'b' share memory"):
+        DeltaReceiver(held, store).update()
+    assert not buf.any()
+
+
+def test_receiver_column_slices_of_one_weight_are_fine(store):
+    """Column slices of one row-major weight (their byte ranges overlap, their elements do not):
+    accepted, each slice bit-exact; compared row by row (one run per row), not byte by byte."""
+    published = {f"c{i}": torch.randn(512, 64) for i in range(8)}
+    DeltaSender(published, store).publish()
+    weight = torch.zeros(512, 8 * 64, dtype=torch.bfloat16)
+    held = {f"c{i}": weight[:, i * 64:(i + 1) * 64] for i in range(8)}
+    assert DeltaReceiver(held, store).update() == 0
+    for name, values in published.items():
+        assert torch.equal(held[name].view(torch.int16), values.to(torch.bfloat16).view(torch.int16)), name
+
+
 def test_receiver_views_with_interleaved_elements_are_fine(store):
     """Views of one storage that share no element (here interleaved; also a transposed layout
     whose strides are out of order) each get their own tensor's values, bit for bit."""

@@ -608,3 +608,36 @@ def test_verify_waits_for_an_update_in_progress(store):
     updater.join(30)
     assert not errors and receiver.version == 1
     assert first_difference(replica, trainer) is None
+
+
+def test_a_targets_own_corrupt_object_error_keeps_its_type_and_the_recovery(store):
+    """A Target raising a CorruptObjectError subclass with a constructor of its own (the store's
+    name cannot be put in front of it by rebuilding it): raised as it is, and the update still
+    recovers from the anchor."""
+    from torch_deltasync import ModuleTarget
+
+    class PositionsError(CorruptObjectError):
+        def __init__(self, name, lo, hi):
+            super().__init__(f"{name!r}: positions [{lo}, {hi}] outside the shard")
+
+    class Failing(ModuleTarget):
+        fail = False
+
+        def read(self, name, positions, dtype):
+            if self.fail:
+                raise PositionsError(name, 0, 9)
+            return super().read(name, positions, dtype)
+
+    trainer = make_mlp(0)
+    sender = DeltaSender(trainer, store, anchor_every=100)
+    assert sender.publish() == 0
+    target = Failing(make_mlp(1, torch.bfloat16))
+    receiver = DeltaReceiver(target, store)
+    assert receiver.update() == 0
+    train_step(trainer, torch.optim.SGD(trainer.parameters(), lr=1e-2), torch.Generator().manual_seed(0))
+    assert sender.publish() == 1
+    target.fail = True
+    assert receiver.update() == 1
+    st = receiver.last_stats
+    assert st.recovered and st.path == "anchor" and st.recovered_from.startswith("PositionsError: ")
+    assert first_difference(receiver.target.tensors, trainer) is None

@@ -157,6 +157,24 @@ def test_after_a_refusal_the_whole_target_is_checked_again(store):
     receiver.verify()
 
 
+def test_verify_after_a_refusal_sees_the_model_put_right(store):
+    """A refusal is not remembered once the model is right again: verify() checks the target
+    again, keeps the version, and the next update is a delta."""
+    run = Run(store, anchor_every=100)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    assert run.step() == 0 and receiver.update() == 0
+    good = replica[2].bias
+    replica[2].bias = nn.Parameter(good.detach().to(torch.float16))
+    with pytest.raises(IncompatibleTargetError, match=r"tensor '2\.bias' is torch\.float16"):
+        receiver.verify()
+    replica[2].bias = good
+    receiver.verify()
+    assert receiver.verify_or_forget() is None and receiver.version == 0
+    assert run.step() == 1 and receiver.update() == 1 and receiver.last_stats.path == "delta"
+    assert same(bf16_bits(replica), bf16_bits(run.trainer))
+
+
 def test_a_removed_tensor_is_named(store):
     run = Run(store, anchor_every=100)
     replica = make_mlp(1, torch.bfloat16)

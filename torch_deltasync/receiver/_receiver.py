@@ -530,6 +530,7 @@ class DeltaReceiver:
                 raise NotImplementedError("this target holds part of each tensor; combine partial_checksums() across ranks")
             check_still_published(self.store, self._held, version, self._fresh)
             m = self._held or self.manifest(version)
+            self._check_target(m)  # again after a refusal: the model may have been put right
             bad = [t.name for t in m.tensors if self.target.checksum(t.name, m.inference_dtype) != t.checksum]
             if bad:
                 raise ChecksumMismatchError(
@@ -569,6 +570,7 @@ class DeltaReceiver:
             m = self.manifest(self.version) if self.version is not None else None
             if m is None:
                 raise VersionNotFoundError("nothing is held yet; call update() first")
+            self._check_target(m)
             return {t.name: self.target.checksum(t.name, m.inference_dtype) for t in m.tensors}
 
     def close(self) -> None:

@@ -216,8 +216,11 @@ def _naming(store: Store) -> Iterator[None]:
         where = store.describe()
         if str(e).startswith(where):
             raise
-        named = type(e)(f"{where}: {e}")
-        named.__dict__.update(e.__dict__)  # e.g. object_key (failed_part)
+        try:  # the same type and attributes (e.g. object_key, for failed_part), the store in front
+            named = type(e)(f"{where}: {e}")
+            named.__dict__.update(e.__dict__)
+        except Exception:  # noqa: BLE001 - a subclass built otherwise (a Target's own): as it is
+            raise e from None
         raise named from e
 
 

@@ -55,6 +55,12 @@ def __getattr__(name: str) -> Any:
 _DEFAULT = object()
 
 
+#: Schemes of object stores: ``<scheme>:/...`` without ``//`` is such a URI that lost a slash, not a
+#: relative folder (``open_store`` refuses it).
+_URI_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "hdfs", "webhdfs", "hf",
+                          "memory", "http", "https"})
+
+
 def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | object" = _DEFAULT,
                **options: Any) -> Store:
     """Open a store from a path or URI.
@@ -125,8 +131,8 @@ def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | o
     if "\x00" in text:
         raise ValueError(f"store {text!r} contains a NUL character")
     protocol, sep, rest = text.partition("://")
-    lost = re.match(r"([a-z][a-z0-9+.-]*):/(?!/)", text)
-    if not sep and lost and lost.group(1) != "file":  # pathlib.Path("s3://b/run") is s3:/b/run
+    lost = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", text)
+    if not sep and lost and lost.group(1).lower() in _URI_SCHEMES:  # pathlib.Path("s3://b/run") is s3:/b/run
         raise ValueError(f"{text!r} looks like a URI that lost a slash ({lost.group(1)}://...), e.g. through "
                          "pathlib.Path, which joins '//' into '/'; pass the URI as a str")
     if not sep and text.startswith("file:"):

@@ -59,9 +59,9 @@ def parse_bucket_uri(uri: str) -> tuple[str, str]:
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"expected hf://buckets/<namespace>/<bucket>[/<prefix>], got {uri!r}")
     for what, name in (("namespace", parts[0]), ("bucket", parts[1])):
-        if not _HUB_NAME.fullmatch(name) or ".." in name or "--" in name:
+        if not _HUB_NAME.fullmatch(name) or ".." in name or "--" in name or name.endswith(".git"):
             raise ValueError(f"{uri!r}: {what} {name!r} is no Hub name (letters, digits, '-', '_' and '.', at most "
-                             "96, starting and ending with a letter, digit or '_', no '--' or '..')")
+                             "96, starting and ending with a letter, digit or '_', no '--' or '..', not ending in '.git')")
     prefix = parts[2].strip("/") if len(parts) == 3 else ""
     check_prefix(prefix, f"store {uri!r}")
     return f"{parts[0]}/{parts[1]}", prefix

@@ -15,72 +15,13 @@ from .._dtypes import bits, int_view_dtype
 from ..checksum import tensor_checksum
 from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError
 from ._base import TARGET_MEMBERS, Target
+from ._overlap import overlaps_itself, refuse_shared_memory
 
 __all__ = ["ModuleTarget"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-
-
-def _byte_offsets(t: torch.Tensor) -> torch.Tensor:
-    """Every byte of ``t``'s elements as an offset into its storage, int64 ``(numel * itemsize,)``
-    (possibly repeated where elements overlap). Costs 8 bytes per byte: only for the rare layouts
-    the stride rules below cannot settle."""
-    itemsize = t.element_size()
-    last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
-    elements = torch.arange(last + 1, dtype=torch.int64).as_strided(t.shape, t.stride()).reshape(-1)
-    first = (elements + t.storage_offset()) * itemsize
-    return (first[:, None] + torch.arange(itemsize, dtype=torch.int64)).reshape(-1)
-
-
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` share memory (e.g. ``expand`` or ``as_strided`` views). Decided
-    by the strides where they settle it (sorted ascending, each stride beyond the reach of the
-    smaller ones: the rule behind torch's non-overlapping-and-dense layouts), else exactly."""
-    if t.numel() <= 1:
-        return False
-    reach = 0
-    for st, size in sorted((st, size) for size, st in zip(t.shape, t.stride()) if size > 1):
-        if st <= reach:
-            offsets = _byte_offsets(t)
-            return torch.unique(offsets).numel() < offsets.numel()
-        reach += (size - 1) * st
-    return False
-
-
-def _refuse_shared_memory(tensors: Mapping[str, torch.Tensor], written: list[str]) -> None:
-    """Refuse two ``written`` tensors (published tensors and the aliases written beside them) that
-    share an element's memory: each takes its own version's values, so whichever wrote last would
-    win, and a commit may write them at once (:attr:`ModuleTarget.concurrent_writes`). Views of one
-    storage that share no element (a flat parameter buffer cut into tensors, interleaved
-    ``x[0::2]`` and ``x[1::2]``) are fine.
-
-    Raises:
-        IncompatibleTargetError: naming both tensors.
-    """
-    spans = []
-    for n in written:
-        t = tensors[n]
-        if t.numel() == 0:
-            continue
-        start = t.storage_offset() * t.element_size()
-        end = start + (1 + sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride()))) * t.element_size()
-        spans.append((str(t.device), t.untyped_storage().data_ptr(), start, end, n))
-    spans.sort(key=lambda x: x[:3])
-    open_spans: list[tuple] = []  # spans of the same storage that reach past the current start
-    for span in spans:
-        device, ptr, start, _, b = span
-        open_spans = [o for o in open_spans if (o[0], o[1]) == (device, ptr) and o[3] > start]
-        for o in open_spans:  # the byte ranges overlap: compare the elements' bytes exactly
-            a = o[4]
-            if torch.isin(_byte_offsets(tensors[b]), _byte_offsets(tensors[a])).any():
-                raise IncompatibleTargetError(
-                    f"the receiver's tensors {a!r} and {b!r} share memory, but the sender publishes them as separate "
-                    "tensors (or ties one of them to a third): untie them in the receiving model (give each its own "
-                    "storage), or tie them in the trainer as well"
-                )
-        open_spans.append(span)
 
 
 def holds_exactly(storage: torch.dtype, dtype: torch.dtype) -> bool:
@@ -326,7 +267,7 @@ class ModuleTarget(Target):
             t = tensors[n]
             if t.device.type == "meta":
                 raise IncompatibleTargetError(f"tensor {n!r} is on the meta device; materialise the model first")
-            if _overlaps_itself(t):
+            if overlaps_itself(t):
                 raise IncompatibleTargetError(
                     f"tensor {n!r} has overlapping memory (shape {tuple(t.shape)}, stride {t.stride()}, e.g. from "
                     "expand() or as_strided()): two of its elements would take one value; give it storage of its "
@@ -350,7 +291,7 @@ class ModuleTarget(Target):
                         f"of shape {shapes[canon]}; build the receiver from the sender's architecture and configuration")
                 mirrors.setdefault(canon, []).append(alias)
         written = [n for n in shapes if tensors[n].numel()] + [a for m in mirrors.values() for a in m]
-        _refuse_shared_memory(tensors, written)
+        refuse_shared_memory(tensors, written)
         self._refuse_copies([n for n in written if n in self._fixed])
         if self.strict:
             covered = set(shapes) | set(aliases)
