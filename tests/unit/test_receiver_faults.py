@@ -641,3 +641,33 @@ def test_a_targets_own_corrupt_object_error_keeps_its_type_and_the_recovery(stor
     st = receiver.last_stats
     assert st.recovered and st.path == "anchor" and st.recovered_from.startswith("PositionsError: ")
     assert first_difference(receiver.target.tensors, trainer) is None
+
+
+def test_a_digest_read_cut_short_is_no_new_run(store):
+    """The first bytes of the held version's manifest (its digest) come back short: the receiver
+    reads the whole manifest to decide instead of taking the held version for republished (which
+    would rebuild it from an anchor, or fail verify())."""
+    from torch_deltasync.manifest import _DIGEST_NBYTES
+
+    publish_steps(store, 2)
+    cut, objects_read = [], []
+
+    class CutShort(PassThroughStore):
+        def get(self, key, *, start=None, end=None):
+            data = super().get(key, start=start, end=end)
+            objects_read.append(key.startswith("objects/"))
+            if cut and key.startswith("versions/") and end == _DIGEST_NBYTES:
+                cut.pop()
+                return data[:40]
+            return data
+
+    receiver = DeltaReceiver(make_mlp(1, torch.bfloat16), CutShort(store))
+    assert receiver.update() == 1
+    objects_read.clear()
+    cut.append(1)
+    assert not receiver.needs_update() and not cut
+    cut.append(1)
+    assert receiver.update(1) == 1 and not cut
+    cut.append(1)
+    receiver.verify()
+    assert not cut and not any(objects_read)  # nothing downloaded: the held version stands

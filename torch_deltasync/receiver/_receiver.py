@@ -436,9 +436,10 @@ class DeltaReceiver:
         # on every path: check it here, outside the anchor recovery below.
         self._check_target(plan.manifests[-1])
         recoveries, failed_anchors, damaged_deltas, force, first_error = 0, set(), set(), False, ""
+        self._pool = self._pool or ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
         while True:
             try:
-                staged = stage(self.store, self.target, plan, checksums, ahead, self._fetch_pool(), self.receiver_config.threads)
+                staged = stage(self.store, self.target, plan, checksums, ahead, self._pool, self.receiver_config.threads)
                 break
             except (CorruptObjectError, ObjectNotFoundError) as e:
                 if generation != self._generation:
@@ -465,6 +466,8 @@ class DeltaReceiver:
                     plan = self.plan(plan.to_version, force_anchor=force, exclude_anchors=failed_anchors)
                 except (CorruptObjectError, VersionNotFoundError) as no_other:
                     raise e from no_other  # what failed first is what to fix
+                if plan.path == "noop":  # what failed was the doubt (a digest read cut short): it holds it
+                    return StagedUpdate(plan, plan.from_version, None, _generation=generation)
                 if any(s.kind == "delta" and s.version in damaged_deltas for s in plan.steps):
                     raise e  # every way to the version needs the damaged delta part
                 log.warning("%s path to version %d failed (%s); recovering from %s", failed.path, failed.to_version, e,
@@ -580,11 +583,6 @@ class DeltaReceiver:
             self._pool = None
 
     # --- internals -------------------------------------------------------------------------------
-
-    def _fetch_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="deltasync-fetch")
-        return self._pool
 
     def _check_target(self, m: Manifest) -> None:
         # Targets keep per-layout state (e.g. which untied aliases to mirror), so check again
