@@ -18,9 +18,9 @@ from torch_deltasync.store.faults import FaultyStore
 from remote_helpers import StepModel, bits_of, same_bits, empty_target
 
 #: What a read truncated on every attempt looks like: an object shorter than its manifest entry,
-#: or a manifest cut short (not JSON, or JSON without its last bytes).
+#: or a manifest cut short (its digest no longer matches, or it is no JSON).
 TRUNCATED = re.compile(r"is (more than )?[\d,]+ bytes, manifest says [\d,]+|manifest of version \d+ is not valid JSON"
-                       r"|digest mismatch: the content hashes to")  # (a manifest cut short after its closing brace)
+                       r"|digest mismatch: the content hashes to")  # (a manifest cut short: its digest is checked first)
 
 
 def tolerated(e: DeltaSyncError) -> bool:
