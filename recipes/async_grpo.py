@@ -423,7 +423,12 @@ class Controller:
 
         torch.set_num_threads(1)  # several busy processes share few cores; extra threads only spin
         tok = build_tokenizer(cfg)
-        _, ws = warm_start(cfg, tok, progress=self.progress)
+        task = asyncio.current_task()  # a first Ctrl-C cancels it: the warm start (synchronous here) stops then
+        try:
+            _, ws = warm_start(cfg, tok, progress=self.progress,
+                               should_stop=lambda: task is not None and task.cancelling() > 0)
+        except KeyboardInterrupt:
+            raise asyncio.CancelledError from None  # run() shuts the meshes down
         # The replay buffer lives in this process, its actor on a Monarch thread. Spawn it only once
         # this thread's imports are done: transformers imported from two threads at once can hand
         # one of them a half-initialised module ("cannot import name ... from transformers...").

@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="multiprocessing start method of the workers (default: torchrl's, spawn)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not 0 < args.lr < float("inf"):
+        p.error(f"--lr must be a positive number, got {args.lr}")
+    for name in ("iters", "workers", "frames_per_batch", "anchor_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.start_method:
         mp.set_start_method(args.start_method, force=True)
 
@@ -126,15 +131,17 @@ def main(argv: list[str] | None = None) -> dict:
     scheme = DeltaWeightSyncScheme(args.store or str(out / "bucket"), prefix=f"actor-{int(time.time())}",
                                    inference_dtype=serve, receiver_dtype=serve, anchor_every=args.anchor_every,
                                    ack_timeout_s=300)
-    collector = MultiAsyncCollector([make_env] * args.workers, actor, frames_per_batch=args.frames_per_batch,
-                                    total_frames=args.frames_per_batch * args.iters, max_frames_per_traj=200,
-                                    track_policy_version=True, weight_sync_schemes={"policy": scheme})
     sampler = StalenessAwareSampler(max_staleness=args.max_staleness)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(args.frames_per_batch * 8), sampler=sampler,
                                 batch_size=min(64, args.frames_per_batch))
     gae = GAE(gamma=0.99, lmbda=0.95, value_network=critic, average_gae=True)
     loss = ClipPPOLoss(actor, critic, clip_epsilon=0.2, entropy_coeff=1e-3)
     opt = torch.optim.Adam(loss.parameters(), args.lr)
+    # Built last, right before the try: a collector not shut down keeps its worker processes (and
+    # this process) alive forever.
+    collector = MultiAsyncCollector([make_env] * args.workers, actor, frames_per_batch=args.frames_per_batch,
+                                    total_frames=args.frames_per_batch * args.iters, max_frames_per_traj=200,
+                                    track_policy_version=True, weight_sync_schemes={"policy": scheme})
 
     t0 = time.perf_counter()
     summary: dict = {}

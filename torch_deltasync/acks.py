@@ -176,6 +176,22 @@ class StoreAcks:
         return out
 
 
+#: Failed workers a message names one by one (the rest are counted).
+_NAMED_FAILURES = 8
+
+
+def _ended(proc: Any) -> str | None:
+    """How a worker's process ended, for messages (``None``: it runs, or there is none). A process
+    its owner already closed (``multiprocessing.Process.close()``: torchrl does after a collector
+    failed) has ended too."""
+    if proc is None:
+        return None
+    try:
+        return None if proc.is_alive() else f"(pid {proc.pid}) exited with code {proc.exitcode}"
+    except ValueError:  # "process object is closed"
+        return "(its process was closed by the collector after a failure)"
+
+
 class AckBook:
     """The sender's record of its workers' acknowledgements, and the wait for a version.
 
@@ -255,10 +271,9 @@ class AckBook:
                                      WorkerError))
                     pending.discard(w)
                     continue
-                proc = process_of(w) if process_of is not None else None
-                if proc is not None and not proc.is_alive():
-                    failures.append((w, f"(pid {proc.pid}) exited with code {proc.exitcode} before applying "
-                                        f"version {version}", WorkerError))
+                ended = _ended(process_of(w)) if process_of is not None else None
+                if ended is not None:
+                    failures.append((w, f"{ended} before applying version {version}", WorkerError))
                     pending.discard(w)
             if not pending or (failures and self.on_failure == "raise"):
                 break  # "raise" fails fast: no waiting for the other workers first
@@ -293,11 +308,15 @@ class AckBook:
                     self.lost.discard(w)
 
     def _fail(self, failures: list[tuple[int, str, type]]) -> None:
-        text = "; ".join(f"worker {w} {msg}" for w, msg, _ in failures)
+        text = "; ".join(f"worker {w} {msg}" for w, msg, _ in failures[:_NAMED_FAILURES])
+        if len(failures) > _NAMED_FAILURES:  # a message names a few; the count says how many
+            more = [w for w, _, _ in failures[_NAMED_FAILURES:]]
+            text += f"; and {len(more)} more workers ({more[0]} ... {more[-1]}) failed the same way or otherwise"
         if self.on_failure == "raise":
             cls = WorkerError if any(c is WorkerError for _, _, c in failures) else SyncTimeoutError
             raise cls(f"{self.who}: {text}. {self.skip_hint}")
         for w, _, _ in failures:
             self.lost.add(w)
-        self.log.warning(f"{self.who}: {text}; carrying on without worker(s) "
-                         f"{sorted(w for w, _, _ in failures)} until they acknowledge again")
+        lost = sorted(w for w, _, _ in failures)
+        named = f"{lost}" if len(lost) <= _NAMED_FAILURES else f"{lost[:_NAMED_FAILURES]} and {len(lost) - _NAMED_FAILURES} more"
+        self.log.warning(f"{self.who}: {text}; carrying on without worker(s) {named} until they acknowledge again")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -141,12 +142,34 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.lr must be in (0, 1), got {self.lr}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"clip range [1 - {self.clip_low}, 1 + {self.clip_high}] is empty or negative")
-        if self.tis_cap is not None and self.tis_cap <= 0:
+        if self.tis_cap is not None and not 0 < self.tis_cap < float("inf"):
             raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
         if not 0 <= self.warmstart_noise <= 1:
             raise ValueError(f"GRPOConfig.warmstart_noise must be in [0, 1], got {self.warmstart_noise}")
-        if self.temperature <= 0:
+        if not 0 < self.temperature < float("inf"):
             raise ValueError(f"GRPOConfig.temperature must be > 0, got {self.temperature}")
+        if self.digits > 32:
+            raise ValueError(f"GRPOConfig.digits must be in [1, 32] (the sorting task's range), got {self.digits}")
+        if (self.hidden_size // max(1, self.hidden_size // 32)) % 2:
+            raise ValueError(f"GRPOConfig.hidden_size {self.hidden_size} gives an odd attention head size "
+                             f"({self.hidden_size // max(1, self.hidden_size // 32)}; heads of 32, rotary embeddings "
+                             "need an even one): use a multiple of 32, or an even number below 64")
+        if not re.fullmatch(r"[A-Za-z0-9._=+@,-]+", self.run_name) or self.run_name in (".", ".."):
+            raise ValueError(f"--run-name {self.run_name!r} must be a plain name (letters, digits, '._=+@,-'; it names "
+                             "a folder under --runs-dir and the store prefix)")
+        if self.bucket is not None and not str(self.bucket).strip():
+            raise ValueError("--bucket '' is empty: give a folder, file://, s3:// or hf://buckets/... (or leave it out "
+                             "for runs/<name>/bucket)")
+        if self.bucket is not None and "://" in str(self.bucket):
+            scheme = str(self.bucket).partition("://")[0]
+            if scheme not in ("file", "s3", "hf", "memory"):
+                raise ValueError(f"--bucket {self.bucket!r}: use a folder, file://, s3:// or hf://buckets/...")
+            if scheme in ("s3", "hf"):
+                from torch_deltasync import open_store
+
+                open_store(str(self.bucket))  # the URI's form (nothing is read)
+        elif self.bucket is not None and Path(self.bucket).exists() and not Path(self.bucket).is_dir():
+            raise ValueError(f"--bucket {self.bucket!r} is a file, not a folder")
         if self.buffer_capacity < 2 * self.train_batch:
             raise ValueError(f"GRPOConfig.buffer_capacity must be >= 2 * train_batch, got {self.buffer_capacity}")
         if not self.call_timeout_s > 0:

@@ -13,7 +13,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -224,13 +224,19 @@ def warm_start_path(cfg: GRPOConfig) -> Path:
     return cfg.run_dir / "warmstart" / "model.safetensors"
 
 
-def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True) -> tuple[Path, dict]:
+def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True,
+               should_stop: Callable[[], bool] | None = None) -> tuple[Path, dict]:
     """Supervised warm start on a noisy demonstrator, cached under ``<run>/warmstart``.
 
     Trains the fp32 policy for ``cfg.warmstart_steps`` Adam steps (one-cycle schedule up to
     ``cfg.warmstart_lr``) on prompts whose answers have each digit replaced at random with
     probability ``cfg.warmstart_noise``; the loss covers the answer and end-of-sequence tokens.
     A second run with the same :func:`policy_key` loads the cached weights instead.
+
+    Args:
+        should_stop: asked before every step; ``True`` stops the warm start at once (nothing is
+            cached) with ``KeyboardInterrupt`` (e.g. an asyncio run whose Ctrl-C cancels the task
+            this runs in, which it cannot notice before it returns).
 
     Returns:
         ``(path, info)``: the safetensors file (``safetensors.torch.save_model`` layout, tied
@@ -258,6 +264,8 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True) -> tup
                                                     pct_start=0.1)
         bar = _bar(cfg.warmstart_steps, "warm start", progress)
         for _ in range(cfg.warmstart_steps):
+            if should_stop is not None and should_stop():
+                raise KeyboardInterrupt("the warm start was stopped")
             pids, pmask, rids, rmask = sft_batch(task, tok, rng, cfg.warmstart_batch, cfg.warmstart_noise)
             loss = sft_loss(model, pids, pmask, rids, rmask)
             opt.zero_grad(set_to_none=True)

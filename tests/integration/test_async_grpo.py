@@ -133,6 +133,15 @@ def test_losing_every_generator_stops_with_a_message(tmp_path):
      "--kill-target server needs --engine vllm"),
     (["--engine", "vllm", "--sync-poll-ms", "0"], "sync_poll_ms must be > 0"),
     (["--engine", "vllm", "--sync-lag", "3", "--max-staleness", "2"], "sync_lag must be in [1, max(1, max_staleness) = 2]"),
+    (["--tis-cap", "nan"], "tis_cap must be > 0 or None, got nan"),
+    (["--temperature", "nan"], "temperature must be > 0, got nan"),
+    (["--digits", "100"], "digits must be in [1, 32]"),
+    (["--hidden-size", "3"], "gives an odd attention head size"),
+    (["--run-name", "../escaped"], "must be a plain name"),
+    (["--bucket", ""], "--bucket '' is empty"),
+    (["--bucket", "/etc/hostname"], "is a file, not a folder"),
+    (["--bucket", "s3://"], "names no bucket"),
+    (["--bucket", "ftp://x/y"], "use a folder, file://, s3:// or hf://buckets/"),
 ])
 def test_bad_options_are_usage_errors(argv, match, capsys):
     from recipes.async_grpo import build_parser, config_from_args

@@ -117,6 +117,30 @@ def test_a_dead_worker_process_is_noticed_within_one_poll(store):
         book.wait(1, store, timeout_s=3600, poll_s=0.01, process_of=lambda w: dead)
 
 
+def test_a_worker_process_its_collector_closed_counts_as_dead(store):
+    """torchrl closes its worker processes after a collector failed; a closed
+    ``multiprocessing.Process`` raises ValueError on every question: a dead worker, not a crash."""
+    import multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=int)
+    proc.start()
+    proc.join()
+    proc.close()
+    book = _book(StoreAcks("m"), 1)
+    with pytest.raises(WorkerError, match=r"worker 0 \(its process was closed by the collector after a failure\) "
+                                          r"before applying version 1"):
+        book.wait(1, store, timeout_s=3600, poll_s=0.01, process_of=lambda w: proc)
+
+
+def test_many_silent_workers_are_counted_not_listed(store):
+    book = _book(StoreAcks("m"), 1000)
+    with pytest.raises(SyncTimeoutError) as err:
+        book.wait(1, store, timeout_s=0.0, poll_s=0.01)
+    text = str(err.value)
+    assert "worker 7 did not confirm version 1" in text and "worker 8 did not" not in text
+    assert "and 992 more workers (8 ... 999)" in text and len(text) < 2000
+
+
 def test_skip_carries_on_and_waits_again_once_the_worker_is_back(store, caplog):
     acks = StoreAcks("m")
     book = _book(acks, on_failure="skip")

@@ -84,7 +84,10 @@ def test_scheme_refuses_a_bad_store_device_or_receiver_dtype_when_built(tmp_path
         with pytest.raises(error, match=message):
             DeltaWeightSyncScheme(str(tmp_path), **kwargs)
     for store, error, message in [(None, TypeError, r"store must be a store URI or path .*got NoneType None"),
-                                  (5, TypeError, r"store must be .*got int 5")]:
+                                  (5, TypeError, r"store must be .*got int 5"),
+                                  ("", ValueError, r"DeltaWeightSyncScheme: store '' is empty"),
+                                  ("s3://", ValueError, r"DeltaWeightSyncScheme: 's3://' names no bucket"),
+                                  ("hf://buckets/", ValueError, r"DeltaWeightSyncScheme: expected hf://buckets/")]:
         with pytest.raises(error, match=message):
             DeltaWeightSyncScheme(store)
     with pytest.raises(ValueError, match=r"store_options \['endpoint'\] apply to a store URI, and the store given is "

@@ -104,6 +104,14 @@ def _check_store_and_device(store: Any, store_options: Any, device: Any) -> None
     if isinstance(store, Store) and store_options:
         raise ValueError(f"{_OWNER}: store_options {sorted(store_options)} apply to a store URI, and the store given "
                          f"is already open ({store.describe()}); pass the URI, or open the store with those options")
+    text = "" if isinstance(store, Store) else os.fsdecode(store)
+    if not isinstance(store, Store) and not text.strip():
+        raise ValueError(f"{_OWNER}: store {text!r} is empty; give a folder path or a URI such as s3://bucket/run")
+    if text.partition("://")[0] in ("s3", "hf"):  # opening them reads nothing: check the URI now, not in a worker
+        try:
+            open_store(text, **(store_options or {}))
+        except ValueError as e:
+            raise ValueError(f"{_OWNER}: {e}") from None
     if device is not None:
         if not isinstance(device, (str, torch.device)):
             raise TypeError(f"{_OWNER}: device must be a torch.device, a device string such as 'cpu' or 'cuda:0', "
