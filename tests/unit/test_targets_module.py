@@ -132,17 +132,24 @@ def test_a_replacement_that_no_longer_fits_is_refused_before_any_weight_changes(
     assert receiver.version == 0  # nothing was written: still the version it held
 
 
-def test_after_a_refusal_the_whole_target_is_checked_again(store):
-    """A refused update (a tensor replaced by one of another dtype) leaves the target refusing
-    until it is checked in full again: a second wrong replacement (another shape, which a write
-    would not notice) is refused too, with the version kept; once the tensor is right again, the
-    next update is a delta from the version still held, bit-exact."""
+def _fp16_bias_after_version_0(store):
+    """A run at version 0, a receiver holding it, whose replica's ``2.bias`` was then replaced by
+    an fp16 copy (no fp16 tensor holds bf16 values exactly); returns the original bias too."""
     run = Run(store, anchor_every=100)
     replica = make_mlp(1, torch.bfloat16)
     receiver = DeltaReceiver(replica, store)
     assert run.step() == 0 and receiver.update() == 0
     good = replica[2].bias
     replica[2].bias = nn.Parameter(good.detach().to(torch.float16))
+    return run, replica, receiver, good
+
+
+def test_after_a_refusal_the_whole_target_is_checked_again(store):
+    """A refused update (a tensor replaced by one of another dtype) leaves the target refusing
+    until it is checked in full again: a second wrong replacement (another shape, which a write
+    would not notice) is refused too, with the version kept; once the tensor is right again, the
+    next update is a delta from the version still held, bit-exact."""
+    run, replica, receiver, good = _fp16_bias_after_version_0(store)
     run.step()
     with pytest.raises(IncompatibleTargetError, match=r"tensor '2\.bias' is torch\.float16"):
         receiver.update()
@@ -160,12 +167,7 @@ def test_after_a_refusal_the_whole_target_is_checked_again(store):
 def test_verify_after_a_refusal_sees_the_model_put_right(store):
     """A refusal is not remembered once the model is right again: verify() checks the target
     again, keeps the version, and the next update is a delta."""
-    run = Run(store, anchor_every=100)
-    replica = make_mlp(1, torch.bfloat16)
-    receiver = DeltaReceiver(replica, store)
-    assert run.step() == 0 and receiver.update() == 0
-    good = replica[2].bias
-    replica[2].bias = nn.Parameter(good.detach().to(torch.float16))
+    run, replica, receiver, good = _fp16_bias_after_version_0(store)
     with pytest.raises(IncompatibleTargetError, match=r"tensor '2\.bias' is torch\.float16"):
         receiver.verify()
     replica[2].bias = good
