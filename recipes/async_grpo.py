@@ -427,8 +427,9 @@ class Controller:
         try:
             _, ws = warm_start(cfg, tok, progress=self.progress,
                                should_stop=lambda: task is not None and task.cancelling() > 0)
-        except KeyboardInterrupt:
-            raise asyncio.CancelledError from None  # run() shuts the meshes down
+        except KeyboardInterrupt:  # the task's cancellation is pending: take it at an await, so that
+            await asyncio.sleep(0)  # run()'s shutdown awaits are not cancelled in turn
+            raise asyncio.CancelledError from None
         # The replay buffer lives in this process, its actor on a Monarch thread. Spawn it only once
         # this thread's imports are done: transformers imported from two threads at once can hand
         # one of them a half-initialised module ("cannot import name ... from transformers...").

@@ -308,10 +308,13 @@ class AckBook:
                     self.lost.discard(w)
 
     def _fail(self, failures: list[tuple[int, str, type]]) -> None:
+        failures = sorted(failures, key=lambda f: f[0])
         text = "; ".join(f"worker {w} {msg}" for w, msg, _ in failures[:_NAMED_FAILURES])
         if len(failures) > _NAMED_FAILURES:  # a message names a few; the count says how many
-            more = [w for w, _, _ in failures[_NAMED_FAILURES:]]
-            text += f"; and {len(more)} more workers ({more[0]} ... {more[-1]}) failed the same way or otherwise"
+            more = failures[_NAMED_FAILURES:]
+            timed_out = sum(c is SyncTimeoutError for _, _, c in more)
+            text += (f"; and {len(more)} more workers, {more[0][0]} to {more[-1][0]} ({timed_out} did not confirm in "
+                     f"time, {len(more) - timed_out} failed)")
         if self.on_failure == "raise":
             cls = WorkerError if any(c is WorkerError for _, _, c in failures) else SyncTimeoutError
             raise cls(f"{self.who}: {text}. {self.skip_hint}")

@@ -10,6 +10,13 @@ from typing import Any
 __all__ = ["GRPOConfig"]
 
 
+def attention_shape(hidden_size: int) -> tuple[int, int, int]:
+    """``(heads, key/value heads, head size)`` of the policy for ``hidden_size`` (heads of about 32,
+    half as many key/value heads): :func:`recipes.grpo.policy.build_policy` builds it so."""
+    heads = max(1, hidden_size // 32)
+    return heads, max(1, heads // 2), hidden_size // heads
+
+
 @dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
     """Everything a run needs. Runtime objects (meshes, models, stores) are never fields.
@@ -150,10 +157,11 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.temperature must be > 0, got {self.temperature}")
         if self.digits > 32:
             raise ValueError(f"GRPOConfig.digits must be in [1, 32] (the sorting task's range), got {self.digits}")
-        if (self.hidden_size // max(1, self.hidden_size // 32)) % 2:
-            raise ValueError(f"GRPOConfig.hidden_size {self.hidden_size} gives an odd attention head size "
-                             f"({self.hidden_size // max(1, self.hidden_size // 32)}; heads of 32, rotary embeddings "
-                             "need an even one): use a multiple of 32, or an even number below 64")
+        heads, kv_heads, head_dim = attention_shape(self.hidden_size)
+        if head_dim % 2 or heads % kv_heads:
+            raise ValueError(f"GRPOConfig.hidden_size {self.hidden_size} gives {heads} attention heads of {head_dim} "
+                             f"and {kv_heads} key/value heads: rotary embeddings need an even head size and the key/"
+                             "value heads must divide the heads; use a multiple of 64, or an even number below 64")
         if not re.fullmatch(r"[A-Za-z0-9._=+@,-]+", self.run_name) or self.run_name in (".", ".."):
             raise ValueError(f"--run-name {self.run_name!r} must be a plain name (letters, digits, '._=+@,-'; it names "
                              "a folder under --runs-dir and the store prefix)")
@@ -161,14 +169,17 @@ class GRPOConfig:
             raise ValueError("--bucket '' is empty: give a folder, file://, s3:// or hf://buckets/... (or leave it out "
                              "for runs/<name>/bucket)")
         if self.bucket is not None and "://" in str(self.bucket):
-            scheme = str(self.bucket).partition("://")[0]
-            if scheme not in ("file", "s3", "hf", "memory"):
-                raise ValueError(f"--bucket {self.bucket!r}: use a folder, file://, s3:// or hf://buckets/...")
-            if scheme in ("s3", "hf"):
-                from torch_deltasync import open_store
+            from torch_deltasync import open_store
+            from torch_deltasync.store import _URI_SCHEMES
 
+            scheme = str(self.bucket).partition("://")[0]
+            if scheme not in _URI_SCHEMES | {"file"} or scheme in ("http", "https"):
+                raise ValueError(f"--bucket {self.bucket!r}: use a folder, file://, s3://, gs://, az:// or "
+                                 "hf://buckets/...")
+            if scheme in ("s3", "hf"):
                 open_store(str(self.bucket))  # the URI's form (nothing is read)
-        elif self.bucket is not None and Path(self.bucket).exists() and not Path(self.bucket).is_dir():
+        elif self.bucket is not None and Path(self.bucket).expanduser().exists() \
+                and not Path(self.bucket).expanduser().is_dir():
             raise ValueError(f"--bucket {self.bucket!r} is a file, not a folder")
         if self.buffer_capacity < 2 * self.train_batch:
             raise ValueError(f"GRPOConfig.buffer_capacity must be >= 2 * train_batch, got {self.buffer_capacity}")

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .config import GRPOConfig
+from .config import GRPOConfig, attention_shape
 from .task import CharTokenizer, HFTokenizer, SortTask, Tokenizer
 
 __all__ = [
@@ -59,11 +59,11 @@ def build_policy(cfg: GRPOConfig, tok: Tokenizer, *, dtype: torch.dtype = torch.
         return model.eval()
     from torch_deltasync.testing import tiny_qwen3
 
-    heads = max(1, cfg.hidden_size // 32)
+    heads, kv_heads, head_dim = attention_shape(cfg.hidden_size)
     model = tiny_qwen3(
         "tiny", seed=seed, dtype=dtype, vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=3 * cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2), head_dim=cfg.hidden_size // heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=max(64, 4 * cfg.digits + 8), pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
         eos_token_id=tok.eos_id,
     )

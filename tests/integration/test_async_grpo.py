@@ -121,6 +121,16 @@ def test_losing_every_generator_stops_with_a_message(tmp_path):
     assert s["status"] == "aborted" and s["bit_exact"] is False and s["steps"] < 200
 
 
+def test_stores_open_store_accepts_are_buckets(tmp_path):
+    """What the recipe's --bucket check lets through: other object stores (their driver is needed
+    only when the run opens them), a folder under ~, and a relative one."""
+    from recipes.async_grpo import build_parser, config_from_args
+
+    parser = build_parser()
+    for bucket in ("gs://b/run", "az://c/run", "s3a://b/run", "~/runs/b", "runs/b", f"file://{tmp_path}"):
+        assert config_from_args(parser.parse_args(["--bucket", bucket]), parser).bucket == bucket
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--steps", "0"], "steps must be >= 1"),
     (["--tis-cap", "-1"], "--tis-cap must be >= 0"),
@@ -136,12 +146,13 @@ def test_losing_every_generator_stops_with_a_message(tmp_path):
     (["--tis-cap", "nan"], "tis_cap must be > 0 or None, got nan"),
     (["--temperature", "nan"], "temperature must be > 0, got nan"),
     (["--digits", "100"], "digits must be in [1, 32]"),
-    (["--hidden-size", "3"], "gives an odd attention head size"),
+    (["--hidden-size", "3"], "gives 1 attention heads of 3 and 1 key/value heads"),
+    (["--hidden-size", "160"], "gives 5 attention heads of 32 and 2 key/value heads"),
     (["--run-name", "../escaped"], "must be a plain name"),
     (["--bucket", ""], "--bucket '' is empty"),
     (["--bucket", "/etc/hostname"], "is a file, not a folder"),
     (["--bucket", "s3://"], "names no bucket"),
-    (["--bucket", "ftp://x/y"], "use a folder, file://, s3:// or hf://buckets/"),
+    (["--bucket", "ftp://x/y"], "use a folder, file://, s3://, gs://, az:// or hf://buckets/"),
 ])
 def test_bad_options_are_usage_errors(argv, match, capsys):
     from recipes.async_grpo import build_parser, config_from_args

@@ -87,7 +87,9 @@ def test_scheme_refuses_a_bad_store_device_or_receiver_dtype_when_built(tmp_path
                                   (5, TypeError, r"store must be .*got int 5"),
                                   ("", ValueError, r"DeltaWeightSyncScheme: store '' is empty"),
                                   ("s3://", ValueError, r"DeltaWeightSyncScheme: 's3://' names no bucket"),
-                                  ("hf://buckets/", ValueError, r"DeltaWeightSyncScheme: expected hf://buckets/")]:
+                                  ("hf://buckets/", ValueError, r"DeltaWeightSyncScheme: expected hf://buckets/"),
+                                  (Path("s3://b/run"), ValueError, r"'s3:/b/run' looks like a URI that lost a slash"),
+                                  ("S3://b/run", ValueError, r"unknown store scheme 'S3://'")]:
         with pytest.raises(error, match=message):
             DeltaWeightSyncScheme(store)
     with pytest.raises(ValueError, match=r"store_options \['endpoint'\] apply to a store URI, and the store given is "

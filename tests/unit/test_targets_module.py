@@ -177,6 +177,54 @@ def test_verify_after_a_refusal_sees_the_model_put_right(store):
     assert same(bf16_bits(replica), bf16_bits(run.trainer))
 
 
+def test_a_verify_between_prepare_and_commit_does_not_change_what_the_commit_writes(store):
+    """The prefix is wiped and a new run ties ``e`` to ``w`` (the receiver holds them untied): a
+    version staged for the new run, then a verify() of the held (old run's) version, then the
+    commit: the commit still writes ``e`` as the mirror of ``w``."""
+    import shutil
+
+    class M(nn.Module):
+        def __init__(self, tied):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 4))
+            self.e = self.w if tied else nn.Parameter(torch.randn(8, 4))
+
+    torch.manual_seed(0)
+    old, replica = M(tied=False), M(tied=False).to(torch.bfloat16)
+    with DeltaSender(old, store) as sender:
+        for _ in range(4):
+            sender.publish()
+    receiver = DeltaReceiver(replica, store)
+    assert receiver.update() == 3
+    shutil.rmtree(store.root)
+    new = M(tied=True)
+    with DeltaSender(new, store) as sender:
+        sender.publish()
+        with torch.no_grad():
+            new.w.add_(0.5)
+        assert sender.publish() == 1
+    staged = receiver.prepare(1)
+    receiver.verify()  # the held version 3 of the old run: checks the target for its layout
+    assert receiver.commit(staged) == 1
+    assert same(bf16_bits({"w": replica.w, "e": replica.e}), bf16_bits({"w": new.w, "e": new.w}))
+    receiver.verify()
+
+
+@pytest.mark.parametrize("alias", [
+    lambda: torch.empty(8, 4, dtype=torch.bfloat16, device="meta"),
+    lambda: torch.zeros(1, 4, dtype=torch.bfloat16).expand(8, 4),
+], ids=["meta", "expand"])
+def test_an_untied_alias_that_cannot_be_written_is_refused(store, alias):
+    """The sender ties ``e`` to ``w``; the receiver's own ``e`` (written as a copy of ``w``) has no
+    data or overlapping elements: refused when checked, before anything is written."""
+    w = torch.randn(8, 4)
+    DeltaSender({"w": w, "e": w}, store).publish()
+    held = {"w": torch.zeros(8, 4, dtype=torch.bfloat16), "e": alias()}
+    with pytest.raises(IncompatibleTargetError, match=r"tensor 'e' (is on the meta device|has overlapping memory)"):
+        DeltaReceiver(held, store).update()
+    assert not held["w"].view(torch.int16).any()
+
+
 def test_a_removed_tensor_is_named(store):
     run = Run(store, anchor_every=100)
     replica = make_mlp(1, torch.bfloat16)

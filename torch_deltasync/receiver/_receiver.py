@@ -402,8 +402,8 @@ class DeltaReceiver:
                 )
             if staged.plan.path == "noop":
                 return self.version  # type: ignore[return-value]
-            t = time.perf_counter()
-            held = self._held
+            self._check_target(staged.plan.manifests[-1])  # its layout again (a verify() may have checked the held one)
+            t, held = time.perf_counter(), self._held
             self.version = None  # unknown until every write landed (and stages nothing else)
             try:
                 changed = write_staged(self.target, staged, self.receiver_config.threads)
@@ -521,6 +521,7 @@ class DeltaReceiver:
 
         Raises:
             VersionNotFoundError: nothing is held.
+            IncompatibleTargetError: the target no longer fits the held version (a tensor replaced).
             ChecksumMismatchError: the target's weights differ from the published version.
             NotImplementedError: the target holds only part of each tensor (combine
                 :meth:`partial_checksums` across ranks instead).

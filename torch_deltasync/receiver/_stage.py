@@ -220,7 +220,9 @@ def _naming(store: Store) -> Iterator[None]:
             named = type(e)(f"{where}: {e}")
             named.__dict__.update(e.__dict__)
         except Exception:  # noqa: BLE001 - a subclass built otherwise (a Target's own): as it is
-            raise e from None
+            named = None
+        if named is None:
+            raise
         raise named from e
 
 

@@ -24,6 +24,22 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
+def _refuse_unwritable(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor a commit would write that holds no data (meta) or whose elements overlap.
+
+    Raises:
+        IncompatibleTargetError: naming it and what to do.
+    """
+    if t.device.type == "meta":
+        raise IncompatibleTargetError(f"tensor {name!r} is on the meta device; materialise the model first")
+    if overlaps_itself(t):
+        raise IncompatibleTargetError(
+            f"tensor {name!r} has overlapping memory (shape {tuple(t.shape)}, stride {t.stride()}, e.g. from "
+            "expand() or as_strided()), or a layout too fine-grained to prove it has none: two of its elements "
+            "would take one value; give it storage of its own (.contiguous())"
+        )
+
+
 def holds_exactly(storage: torch.dtype, dtype: torch.dtype) -> bool:
     """Whether a tensor of ``storage`` dtype holds every ``dtype`` value bit-exactly, as
     :class:`ModuleTarget` stores them: the same dtype, or bf16 in fp32 (see :class:`_Codec`)."""
@@ -265,14 +281,7 @@ class ModuleTarget(Target):
         owners: dict[tuple, str] = {}  # the sender shipped these separately: they must not be tied here
         for n in shapes:
             t = tensors[n]
-            if t.device.type == "meta":
-                raise IncompatibleTargetError(f"tensor {n!r} is on the meta device; materialise the model first")
-            if overlaps_itself(t):
-                raise IncompatibleTargetError(
-                    f"tensor {n!r} has overlapping memory (shape {tuple(t.shape)}, stride {t.stride()}, e.g. from "
-                    "expand() or as_strided()): two of its elements would take one value; give it storage of its "
-                    "own (.contiguous())"
-                )
+            _refuse_unwritable(n, t)
             if t.numel() == 0:
                 continue
             key = _storage_key(t)
@@ -289,6 +298,7 @@ class ModuleTarget(Target):
                     raise IncompatibleTargetError(
                         f"alias {alias!r} has shape {tuple(t.shape)}, but the sender publishes it as a tie to {canon!r} "
                         f"of shape {shapes[canon]}; build the receiver from the sender's architecture and configuration")
+                _refuse_unwritable(alias, t)
                 mirrors.setdefault(canon, []).append(alias)
         written = [n for n in shapes if tensors[n].numel()] + [a for m in mirrors.values() for a in m]
         refuse_shared_memory(tensors, written)

@@ -16,8 +16,8 @@ import torch
 
 from ..errors import IncompatibleTargetError
 
-#: The most runs compared at once (16M: 256 MiB of int64 starts and ends). Layouts that interleave
-#: more finely (e.g. two transposed views of one large matrix) are refused as unprovable.
+#: The most runs one tensor is seen as (16M: 128 MiB of int64 starts). Layouts that interleave more
+#: finely (e.g. a transposed view sharing a large matrix with another view) are refused as unprovable.
 MAX_RUNS = 1 << 24
 
 

@@ -107,7 +107,8 @@ def _check_store_and_device(store: Any, store_options: Any, device: Any) -> None
     text = "" if isinstance(store, Store) else os.fsdecode(store)
     if not isinstance(store, Store) and not text.strip():
         raise ValueError(f"{_OWNER}: store {text!r} is empty; give a folder path or a URI such as s3://bucket/run")
-    if text.partition("://")[0] in ("s3", "hf"):  # opening them reads nothing: check the URI now, not in a worker
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):/", text)  # (also s3:/b, a pathlib.Path("s3://b"))
+    if scheme and scheme.group(1).lower() in ("s3", "hf"):  # opening them reads nothing: check now, not in a worker
         try:
             open_store(text, **(store_options or {}))
         except ValueError as e:
