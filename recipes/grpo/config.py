@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = ["GRPOConfig"]
+
+
+def _is_store_path(name: str) -> bool:
+    """Whether ``name`` is a valid path inside a store (:func:`torch_deltasync.store.check_prefix`)."""
+    from torch_deltasync.store import check_prefix
+
+    try:
+        check_prefix(name, "--run-name")
+    except ValueError:
+        return False
+    return bool(name)
 
 
 def attention_shape(hidden_size: int) -> tuple[int, int, int]:
@@ -162,7 +172,7 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.hidden_size {self.hidden_size} gives {heads} attention heads of {head_dim} "
                              f"and {kv_heads} key/value heads: rotary embeddings need an even head size and the key/"
                              "value heads must divide the heads; use a multiple of 64, or an even number below 64")
-        if not re.fullmatch(r"[A-Za-z0-9._=+@,-]+", self.run_name) or self.run_name in (".", ".."):
+        if "/" in self.run_name or not _is_store_path(self.run_name):  # one key segment (the store's rule)
             raise ValueError(f"--run-name {self.run_name!r} must be a plain name (letters, digits, '._=+@,-'; it names "
                              "a folder under --runs-dir and the store prefix)")
         if self.bucket is not None and not str(self.bucket).strip():

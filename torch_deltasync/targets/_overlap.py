@@ -10,6 +10,7 @@ overlap iff, sorted by start, some run begins before its predecessor ends. Views
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -19,6 +20,10 @@ from ..errors import IncompatibleTargetError
 #: The most runs one tensor is seen as (16M: 128 MiB of int64 starts). Layouts that interleave more
 #: finely (e.g. a transposed view sharing a large matrix with another view) are refused as unprovable.
 MAX_RUNS = 1 << 24
+
+
+class _Unprovable(Exception):
+    """More runs than :data:`MAX_RUNS`."""
 
 
 def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -31,19 +36,13 @@ def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         run *= dims[i][1]
         i += 1
     rest = dims[i:]
-    count = 1
-    for _, size in rest:
-        count *= size
+    count = math.prod(size for _, size in rest)
     if count > MAX_RUNS:
         raise _Unprovable(count)
     starts = torch.full((1,), t.data_ptr(), dtype=torch.int64)
     for st, size in rest:
         starts = (starts[:, None] + torch.arange(size, dtype=torch.int64) * (st * item)).reshape(-1)
     return starts, run
-
-
-class _Unprovable(Exception):
-    """More runs than :data:`MAX_RUNS`."""
 
 
 def _first_overlap(runs: list[tuple[torch.Tensor, int]]) -> tuple[int, int] | None:
