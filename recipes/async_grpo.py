@@ -189,6 +189,9 @@ class Controller:
         self.samples_generated = 0
         self.server_pids: list[int] = []
         self.bar = None
+        self.metrics = None
+        self.t_start = time.perf_counter()
+        self.store_info: dict[str, str] = {}
 
     # -- output helpers -------------------------------------------------------------------------
 
@@ -374,18 +377,22 @@ class Controller:
 
     async def run(self) -> dict[str, Any]:
         """The whole run; returns the summary. On Ctrl-C (the task is cancelled) the meshes are shut
-        down first (the generators stop their engine servers), then the cancellation goes on."""
+        down first (the generators stop their engine servers), a summary of the steps done so far
+        is written (``status`` "interrupted", no bit-exactness check), then the cancellation goes on."""
         try:
             return await self._run()
         except asyncio.CancelledError:
             self.stopping = True
             self.say("!! interrupted: stopping the generators' engines and the meshes")
             await self.shutdown()
+            if self.metrics is not None:
+                self.write_summary({"status": "interrupted", "message": "interrupted (Ctrl-C) at step "
+                                    f"{self.step}", "bit_exact": None, **self.progress_so_far()})
             raise
 
     async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
-        t_start = time.perf_counter()
+        self.t_start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         from recipes.grpo.report import MetricsLog
 
@@ -403,6 +410,7 @@ class Controller:
             bucket = cfg.bucket if "://" in str(cfg.bucket) else str(Path(cfg.bucket).resolve())
         prefix = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.bucket, self.prefix = bucket, prefix
+        self.store_info = {"bucket": bucket, "prefix": prefix}
 
         import torch
         import monarch.actor as ma
@@ -504,28 +512,39 @@ class Controller:
             pass
         await self.shutdown()
 
-        from recipes.grpo.report import plot_lag, plot_reward, plot_sync, summarize
-
-        summary = summarize(self.metrics, cfg=cfg.to_dict(), extra={
+        return self.write_summary({
             "dropped_stale": rb_stats.get("dropped_stale"),
             "bit_exact": bit_exact,
             "status": status,
             "message": message,
-            "samples_generated": self.samples_generated,
             "samples_trained": rb_stats.get("sampled"),
             "buffer_overflow": rb_stats.get("overflow"),
-            "generators": cfg.generators,
-            "generators_alive": sum(self.alive),
-            "generators_lost": self.lost,
-            "trainer_procs": cfg.trainer_procs,
             "params": t0_info["params"],
-            "lr": cfg.lr,
             "warm_start": ws,
             "digests": digests,
-            "store": {"bucket": bucket, "prefix": prefix},
             "train_s": train_s,
-            "wall_s": time.perf_counter() - t_start,
+            **self.progress_so_far(),
         })
+
+    def progress_so_far(self) -> dict[str, Any]:
+        """The summary fields the controller itself knows at any time (also after a Ctrl-C)."""
+        return {
+            "samples_generated": self.samples_generated,
+            "generators": self.cfg.generators,
+            "generators_alive": sum(self.alive),
+            "generators_lost": self.lost,
+            "trainer_procs": self.cfg.trainer_procs,
+            "lr": self.cfg.lr,
+            "store": self.store_info,
+            "wall_s": time.perf_counter() - self.t_start,
+        }
+
+    def write_summary(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """Write ``summary.json`` (:func:`recipes.grpo.report.summarize` of the metrics so far and
+        ``extra``) and the plots; returns the summary."""
+        from recipes.grpo.report import plot_lag, plot_reward, plot_sync, summarize
+
+        summary = summarize(self.metrics, cfg=self.cfg.to_dict(), extra=extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         try:
             plot_reward(self.metrics, self.run_dir / "reward.png")
@@ -650,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        done = cfg.run_dir / "summary.json"
+        print(f"interrupted{f'; summary of the steps done: {done}' if done.exists() else ''}", file=sys.stderr)
         return 130
     _print_summary(summary)
     print(f"outputs: {cfg.run_dir}/metrics.jsonl, summary.json, reward.png, sync.png, lag.png")

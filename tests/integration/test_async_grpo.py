@@ -161,3 +161,27 @@ def test_bad_options_are_usage_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         config_from_args(parser.parse_args(argv), parser)
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL,
+         "--steps", "500", "--generators", "1", "--log-every", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # a few rows of the step table: steps were trained
+        seen.append(line)
+        if line.lstrip().startswith("2 "):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, "".join(seen)[-2000:] + out[-3000:]
+    assert "summary of the steps done" in out
+    s = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["bit_exact"] is None
+    trained = events(tmp_path, "step")
+    assert s["steps"] == len(trained) >= 3 and s["steps"] < 500
+    assert s["versions_published"] == len(events(tmp_path, "publish")) >= 3
