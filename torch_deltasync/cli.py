@@ -183,7 +183,12 @@ def _inspect(args: argparse.Namespace) -> int:
         if key.endswith(".json") and path.stat().st_size > MAX_MANIFEST_BYTES:
             raise CorruptObjectError(f"{key} is {path.stat().st_size:,} bytes, above the {MAX_MANIFEST_BYTES:,}-byte "
                                      "limit of a manifest; not read")
-        data, where, version = path.read_bytes(), key, None
+        where, version, size = key, None, path.stat().st_size
+
+        def read(start: int, end: int) -> bytes:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
     else:
         where, version = f"{store.describe()}/{key}", parse_manifest_key(key)
         if version is not None:  # read within the manifest size limit
@@ -205,12 +210,17 @@ def _inspect(args: argparse.Namespace) -> int:
         if key.endswith(".json") and size > MAX_MANIFEST_BYTES:
             raise CorruptObjectError(f"{where} is {size:,} bytes, above the {MAX_MANIFEST_BYTES:,}-byte limit of a "
                                      "manifest; not read")
-        data = store.get(key)
+
+        def read(start: int, end: int) -> bytes:
+            return store.get(key, start=start, end=end)
+    # The whole object when the manifest lists it (its sha256 is checked) or it is a manifest; else
+    # its safetensors header only, so an object of any size costs one bounded read.
+    data = read(0, size) if entry is not None or key.endswith(".json") else _header_bytes(read, size)
     if key.endswith(".json"):
         _print_manifest(Manifest.from_json(data, expected_version=version, where=where))
         return 0
-    header, meta = read_header(data, where)
-    print(f"{where} ({format_bytes(len(data))})")
+    header, meta = read_header(data, where, size=size)
+    print(f"{where} ({format_bytes(size)})")
     for k, v in meta.items():
         if k not in ("counts", "slices"):
             print(f"  {_printable(k)}: {_printable(v)}")
@@ -244,6 +254,22 @@ def _inspect(args: argparse.Namespace) -> int:
             s = slices.get(name) if isinstance(slices.get(name), dict) else {}
             print(f"    {_printable(name):<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {_printable(s.get('offsets'))}")
     return 0 if ok else 1
+
+
+def _header_bytes(read, size: int) -> bytes:
+    """The first bytes of a safetensors object of ``size`` bytes through the end of its header
+    (``read(start, end)`` reads a range): the header too when its 8-byte length is within
+    :data:`~torch_deltasync.format.MAX_HEADER_BYTES` and the object, else only those 8 bytes
+    (:func:`~torch_deltasync.format.read_header` then says why the object is corrupt)."""
+    import struct
+
+    from .format import MAX_HEADER_BYTES
+
+    head = read(0, min(size, 8))
+    if len(head) < 8:
+        return head
+    (n,) = struct.unpack("<Q", head)
+    return head if n > MAX_HEADER_BYTES or 8 + n > size else read(0, 8 + n)
 
 
 def _printable(value: object) -> str:

@@ -125,8 +125,14 @@ def _metadata(kind: str, version: int, rank: int, world: int, dtype: torch.dtype
     return meta
 
 
-def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str]]:
+def read_header(data: bytes, where: str = "object", *, size: int | None = None) -> tuple[dict, dict[str, str]]:
     """Parse and bound-check a safetensors header without touching tensor data.
+
+    Args:
+        data: the object, or its first bytes through the end of its header.
+        where: what ``data`` is, for messages (store and key).
+        size: the whole object's length in bytes when ``data`` is only its beginning (default:
+            ``len(data)``).
 
     Returns:
         ``(tensor_index, metadata)``: the header's tensor entries and its ``__metadata__``.
@@ -134,14 +140,17 @@ def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str
     Raises:
         CorruptObjectError: truncated object, oversized or non-JSON header, non-string metadata.
     """
-    if len(data) < 8:
-        raise CorruptObjectError(f"{where}: {len(data)} bytes is too short for a safetensors file")
+    total = len(data) if size is None else size
+    if total < 8:
+        raise CorruptObjectError(f"{where}: {total} bytes is too short for a safetensors file")
     (n,) = struct.unpack("<Q", data[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+    if n > MAX_HEADER_BYTES or 8 + n > total:
         raise CorruptObjectError(
             f"{where}: not a safetensors file, or a corrupt one: its header length field says {n} bytes, "
-            f"the object has {len(data)} bytes and headers may have at most {MAX_HEADER_BYTES}"
+            f"the object has {total} bytes and headers may have at most {MAX_HEADER_BYTES}"
         )
+    if 8 + n > len(data):
+        raise ValueError(f"{where}: read_header got {len(data)} bytes, the header ends at byte {8 + n}")
     try:
         header = json.loads(data[8 : 8 + n])
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -158,9 +167,9 @@ def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str
                 and all(type(o) is int for o in entry["data_offsets"])):
             raise CorruptObjectError(f"{where}: malformed header entry for tensor {name!r}")
         begin, end = entry["data_offsets"]
-        if not 0 <= begin <= end <= len(data) - 8 - n:
+        if not 0 <= begin <= end <= total - 8 - n:
             raise CorruptObjectError(f"{where}: tensor {name!r} lies at bytes [{begin}, {end}) of the data, which has "
-                                     f"{len(data) - 8 - n} bytes: the object is truncated or corrupt")
+                                     f"{total - 8 - n} bytes: the object is truncated or corrupt")
         size = _DTYPE_BYTES.get(entry["dtype"])
         if size is None or any(d < 0 for d in entry["shape"]) or math.prod(entry["shape"]) * size != end - begin:
             raise CorruptObjectError(f"{where}: tensor {name!r} ({entry['dtype']}, shape {entry['shape']}) does not fill "
@@ -172,8 +181,8 @@ def read_header(data: bytes, where: str = "object") -> tuple[dict, dict[str, str
             raise CorruptObjectError(f"{where}: the tensors' byte ranges {'overlap' if begin < at else 'leave a gap'} "
                                      f"at byte {min(begin, at)} of the data: the object is corrupt")
         at = end
-    if at != len(data) - 8 - n:
-        raise CorruptObjectError(f"{where}: {len(data) - 8 - n - at} bytes after the last tensor: the object is corrupt")
+    if at != total - 8 - n:
+        raise CorruptObjectError(f"{where}: {total - 8 - n - at} bytes after the last tensor: the object is corrupt")
     return header, meta
 
 

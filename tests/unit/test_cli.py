@@ -49,22 +49,58 @@ def test_inspect_delta_and_manifest(run, capsys):
     assert "version 4 (delta, base 3, anchor 3)" in capsys.readouterr().out
 
 
-def test_inspect_reads_no_object_larger_than_its_manifest_says(run, capsys):
+def _record_reads(monkeypatch, store) -> list[tuple[str, int | None, int | None]]:
+    """Every ``get`` of the store's class from now on, as ``(key, start, end)`` (the command opens
+    its own store object)."""
+    reads = []
+    get = type(store).get
+
+    def recording(self, key, *, start=None, end=None):
+        reads.append((key, start, end))
+        return get(self, key, start=start, end=end)
+
+    monkeypatch.setattr(type(store), "get", recording)
+    return reads
+
+
+def test_inspect_reads_no_object_larger_than_its_manifest_says(run, capsys, monkeypatch):
     """An object whose size differs from its manifest entry is reported without being read (a
     hostile one may be of any size); a manifest is read within its size limit."""
     store, _, _ = run
     key = f"objects/{4:012d}/delta-r00000-of00001.safetensors"
     store.put(key, store.get(key) + b"\0" * (1 << 20))
-    reads = []
-    get = store.get
-    store.get = lambda k, start=None, end=None: reads.append((k, start, end)) or get(k, start=start, end=end)
-    try:
-        assert main(["inspect", str(store.root), key]) == 1
-    finally:
-        del store.get
+    reads = _record_reads(monkeypatch, store)
+    assert main(["inspect", str(store.root), key]) == 1
     assert "size DOES NOT match the manifest of version 4" in capsys.readouterr().out
-    assert all(k != key for k, _, _ in reads)  # only its manifest was read
+    assert reads and all(k != key for k, _, _ in reads)  # only its manifest was read
     assert all(end is not None for _, _, end in reads)  # in ranges
+
+
+def test_inspect_reads_only_the_header_of_an_object_no_manifest_lists(run, capsys, tmp_path, monkeypatch):
+    """Without a manifest entry there is nothing to check the bytes against: one ranged read of the
+    safetensors header, whatever the object's size (in a store or a plain local file)."""
+    import struct
+
+    from safetensors.torch import save
+
+    store, _, _ = run
+    padded = save({"w": torch.zeros(8 << 20, dtype=torch.uint8)}, metadata={"kind": "anchor", "slices": "{}"})
+    (n,) = struct.unpack("<Q", padded[:8])  # 8 MiB of tensor data nobody needs to read
+    orphan = f"objects/{4:012d}/orphan.safetensors"
+    store.put(orphan, padded)
+    reads = _record_reads(monkeypatch, store)
+    assert main(["inspect", str(store.root), orphan]) == 1  # not listed: reported as such
+    out = capsys.readouterr().out
+    assert "NOT listed in the manifest of version 4" in out and "kind: anchor" in out and "8.0 MiB" in out
+    assert [(start, end) for k, start, end in reads if k == orphan] == [(0, 8), (0, 8 + n)]
+
+    plain = tmp_path / "copy.safetensors"  # outside any store layout: no manifest at all
+    plain.write_bytes(padded)
+    assert main(["inspect", str(plain)]) == 0
+    assert "w                " in capsys.readouterr().out
+    plain.write_bytes(padded[:8 + n - 1])  # a header cut short: the object's own size in the message
+    assert main(["inspect", str(plain)]) == 2
+    assert f"says {n} bytes, the object has {8 + n - 1} bytes" in capsys.readouterr().err
 
 
 def test_inspect_escapes_control_characters_of_store_data(run, capsys):
