@@ -180,10 +180,10 @@ class GRPOConfig:
                              "for runs/<name>/bucket)")
         if self.bucket is not None and "://" in str(self.bucket):
             from torch_deltasync import open_store
-            from torch_deltasync.store import _URI_SCHEMES
+            from torch_deltasync.store import STORE_SCHEMES
 
             scheme = str(self.bucket).partition("://")[0]
-            if scheme not in _URI_SCHEMES | {"file"} or scheme in ("http", "https"):
+            if scheme not in STORE_SCHEMES:
                 raise ValueError(f"--bucket {self.bucket!r}: use a folder, file://, s3://, gs://, az:// or "
                                  "hf://buckets/...")
             if scheme in ("s3", "hf"):

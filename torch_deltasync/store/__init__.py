@@ -32,6 +32,7 @@ __all__ = [
     "open_store",
     "check_key",
     "check_prefix",
+    "STORE_SCHEMES",
 ]
 
 _LAZY = {"FsspecStore": "._fsspec", "HFBucketStore": "._hf"}
@@ -59,6 +60,10 @@ _DEFAULT = object()
 #: relative folder (``open_store`` refuses it).
 _URI_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "hdfs", "webhdfs", "hf",
                           "memory", "http", "https"})
+#: URI schemes of the stores :func:`open_store` opens without naming fsspec's other protocols:
+#: ``file``, S3, Google Cloud Storage, Azure, Alibaba OSS, HDFS, Hugging Face Buckets and ``memory``
+#: (http and https are no stores: fsspec's HTTP file system can neither list nor write).
+STORE_SCHEMES = (_URI_SCHEMES - {"http", "https"}) | {"file"}
 
 
 def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | object" = _DEFAULT,
