@@ -504,6 +504,26 @@ def main() -> int:
     ap.add_argument("--jsonl", default=None, help="append one JSON line per change set")
     ap.add_argument("--plot", default=None, help="write a PNG bar chart of B/nnz per encoding")
     args = ap.parse_args()
+    if min(args.repeat, args.scaling_trials, args.threads, args.qwen_steps, args.minilm_steps) < 1:
+        ap.error("--repeat, --scaling-trials, --threads, --qwen-steps and --minilm-steps must be >= 1")
+    if args.synthetic_numel < 1000 or args.model_params <= 0:
+        ap.error("--synthetic-numel must be >= 1000 and --model-params > 0")
+    for flag, value in (("--qwen-lrs", args.qwen_lrs), ("--minilm-lrs", args.minilm_lrs)):
+        try:
+            if any(float(x) <= 0 for x in value.split(",") if x):
+                raise ValueError
+        except ValueError:
+            ap.error(f"{flag} takes comma-separated learning rates > 0 ('' for none), got {value!r}")
+    if not (args.qwen_lrs or args.minilm_lrs or args.synthetic):
+        ap.error("no change sets: give --qwen-lrs, --minilm-lrs or --synthetic")
+    for flag, out in (("--jsonl", args.jsonl), ("--plot", args.plot)):
+        if out:  # fail now, not after the whole run
+            try:
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                ap.error(f"{flag}: cannot create the folder of {out}: {e}")
+            if Path(out).is_dir() or not os.access(Path(out).parent, os.W_OK):
+                ap.error(f"{flag}: cannot write {out}")
     torch.set_num_threads(args.threads)
 
     def log(msg: str) -> None:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--versions", type=int, default=20)
-    p.add_argument("--density", type=float, default=0.1, help="changed fraction per version (the default run: ~11%)")
+    p.add_argument("--density", type=float, default=0.1, help="changed fraction per version (the default run: ~11%%)")
     p.add_argument("--out", default=None, help="write the raw timings as JSON here")
     ns = p.parse_args()
 

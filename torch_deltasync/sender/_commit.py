@@ -1,4 +1,5 @@
-"""Rank 0's half of a publish: the manifest, written last, then the advisory ``LATEST`` pointer.
+"""Writing a version: each rank's objects (and their removal when the publish fails), then rank
+0's half, the manifest, written last, and the advisory ``LATEST`` pointer.
 
 Objects and manifests are immutable (:func:`put_once`); the manifest names every object with its
 size and sha256, so a version is visible exactly when its manifest is (``docs/design.md``,
@@ -16,12 +17,52 @@ import torch
 
 from ..checksum import combine
 from ..errors import ObjectExistsError, ObjectNotFoundError, TransientStoreError
-from ..keys import LATEST_KEY, manifest_key, next_free_version
+from ..format import sha256_hex
+from ..keys import LATEST_KEY, manifest_key, next_free_version, object_key
 from ..manifest import Manifest, ObjectEntry, TensorEntry
 from ..store import Store
 from ._job import Job
 
 log = logging.getLogger("torch_deltasync.sender")
+
+
+def upload_objects(store: Store, job: Job, blobs: list[tuple[str, int, int, bytes]], rank: int,
+                   written: list[str]) -> dict[str, Any]:
+    """Write this rank's objects of ``job`` (``blobs``: ``(kind, slot, slots, bytes)`` from
+    :func:`~._encode.encode_objects`), appending each key to ``written`` before its put (a failed
+    write may have landed in part).
+
+    Returns:
+        This rank's record for :func:`write_manifest`: ``{"ok": True, "objects", "partials",
+        "counts"}``, or ``{"ok": False, "taken": True, "error"}`` when another writer's object holds
+        a key (that key is then not in ``written``: it is not ours).
+
+    Raises:
+        Exception: what the store raised for a failed put (the caller reports it to every rank).
+    """
+    objects = []
+    for kind, slot, slots, data in blobs:
+        key = object_key(job.version, kind, slot, slots)
+        written.append(key)
+        try:
+            put_once(store, key, data)
+        except ObjectExistsError as e:  # another writer uses this version number
+            written.pop()
+            return {"ok": False, "taken": True, "error": f"rank {rank}: {e}"}
+        objects.append(ObjectEntry(key, len(data), sha256_hex(data), slot, slots).to_json())
+    return {"ok": True, "objects": objects, "partials": job.partials, "counts": job.counts}
+
+
+def remove_objects(store: Store, version: int, keys: list[str]) -> None:
+    """After a failed publish that left nothing visible: delete this rank's objects ``keys`` of
+    ``version`` (no manifest names them and the number is never used again), so that a full disk
+    gets its space back now, not at a later garbage collection. Best effort: what stays is
+    garbage that :func:`~torch_deltasync.retention.collect_garbage` removes."""
+    try:
+        store.delete_many(keys)
+    except Exception as e:  # noqa: BLE001 - never hides the publish's own error
+        log.warning("could not remove the objects of the failed version %d (%s: %s); garbage collection will",
+                    version, type(e).__name__, e)
 
 
 def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, dtype: torch.dtype,

@@ -41,17 +41,15 @@ from .._pool import map_largest_first
 from ..checksum import checksum_change, combine
 from ..codecs import get_codec
 from ..detect import Changes, ChangeDetector
-from ..errors import ObjectExistsError, PrefixInUseError, PublishError, UnsupportedLayoutError
-from ..format import sha256_hex
+from ..errors import PrefixInUseError, PublishError, UnsupportedLayoutError
 from ..layout import Source, TensorBlock
 from ..lease import PrefixLease
 from ..keys import MAX_VERSION, next_free_version, object_key
-from ..manifest import ObjectEntry
 from ..retention import collect_garbage
 from ..store import Store, open_store
 from ._claim import claim_prefix
 from ._config import SenderConfig
-from ._commit import put_once, write_latest, write_manifest
+from ._commit import remove_objects, upload_objects, write_latest, write_manifest
 from ._encode import cast_anchors, delta_parts, encode_objects
 from ._group import Group, SingleProcess
 from ._job import Job
@@ -494,22 +492,14 @@ class DeltaSender:
         """Encode, upload this rank's object, let rank 0 write the manifest, then commit."""
         g = self.group
         stats = job.stats
-        local: dict[str, Any] = {"ok": True}
+        written: list[str] = []  # this rank's objects of the version (removed if the publish fails)
         try:
             t = time.perf_counter()
             blobs = encode_objects(job, self.codec, self.dtype, self._slot, self.config.threads)
             stats.encode_ms = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            local["objects"] = []
-            for kind, rank, world, data in blobs:
-                key = object_key(job.version, kind, rank, world)
-                put_once(self.store, key, data)
-                local["objects"].append(ObjectEntry(key, len(data), sha256_hex(data), rank, world).to_json())
+            local = upload_objects(self.store, job, blobs, g.rank, written)
             stats.upload_ms = (time.perf_counter() - t) * 1e3
-            local["partials"] = job.partials
-            local["counts"] = job.counts
-        except ObjectExistsError as e:  # another writer uses this version number
-            local = {"ok": False, "taken": True, "error": f"rank {g.rank}: {e}"}
         except Exception as e:  # noqa: BLE001 - every failure is reported through the gather
             local = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
             log.warning("publish of version %d failed on rank %d: %s", job.version, g.rank, e)
@@ -529,6 +519,7 @@ class DeltaSender:
                 raise PublishError(f"version {job.version} was not published: {outcome['error']}")
             if outcome.get("unknown"):  # version numbers are never reused: receivers are right either way
                 raise PublishError(outcome["error"])
+            remove_objects(self.store, job.version, written)
             raise PublishError(
                 f"version {job.version} was not published ({outcome['error']}); no partial version is "
                 f"visible and the next publish is based on version {self.version}"
