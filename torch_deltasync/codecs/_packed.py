@@ -95,6 +95,15 @@ def _streams_of(blob: np.ndarray) -> list[tuple[int, np.ndarray, int]]:
     return [(method, blob[off : off + stored_len], raw_len) for method, raw_len, off, stored_len in h.streams]
 
 
+def _pack_streams(raw: list[np.ndarray], cctx) -> list[tuple[int, bytes | np.ndarray, int]]:
+    """The six streams as :func:`~._bits.pack_stream` gives them, zstd where its frame is shorter,
+    except the gaps' low bits (stream 2), which are stored: below the gap shift a gap's bits are
+    close to uniform, zstd never made them shorter on the change sets of ``tools/bench_codec.py``
+    (none of the 65 tensors with low bits), and trying cost 0.1 ns per change at 1% density (``docs/benchmarks.md``,
+    issue 14, thirteenth session)."""
+    return [pack_stream(x, cctx) if i != 2 else (METHOD_STORED, x, x.size) for i, x in enumerate(raw)]
+
+
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:
     """The bit patterns of a contiguous 1-D CPU tensor as unsigned integers of its width (a view)."""
     return t.view(int_view_dtype(t.dtype)).numpy().view(_UNSIGNED[t.element_size()])
@@ -178,7 +187,7 @@ class PackedCodec(Codec):
         else:
             r, b, base, raw_streams = self._encode_reference(pos, new_u, old_u, old, width, numel,
                                                              self._force_gap_shift, self._force_code_bits)
-            streams = [pack_stream(x, cctx) for x in raw_streams]
+            streams = _pack_streams(raw_streams, cctx)
 
         # The dense fallback for positions: a bitmap, when the gaps are not clearly smaller.
         gap_nbytes = sum(len(x[1]) for x in streams[:3])
@@ -228,7 +237,7 @@ class PackedCodec(Codec):
         if planned and not ctx:  # zstd from Python
             raw = _kernels.encode_streams(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc)
             if raw is not None:
-                return None, [pack_stream(x, cctx) for x in raw], r, b, int(base)
+                return None, _pack_streams(raw, cctx), r, b, int(base)
             out = None
         elif planned:  # the blob in a second call
             out = _kernels.encode_compressed(pos, new_u, old_u, width, r, n_gap_esc, b, n_val_esc,

@@ -481,9 +481,10 @@ def encode_tensor(pos, new, old, width, numel, max_shift, force_r, force_b, raw_
 
 @jit
 def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, base, cctx):
-    """The blob of one tensor in gap mode: :func:`encode_streams`, each stream compressed with
-    zstd when its frame is shorter (what :func:`~._bits.pack_stream` does in Python; the same
-    frames, :mod:`torch_deltasync._native_zstd`), and the header (what
+    """The blob of one tensor in gap mode: :func:`encode_streams`, each stream but the gaps' low
+    bits (stored, :func:`~._packed._pack_streams`) compressed with zstd when its frame is shorter
+    (what :func:`~._bits.pack_stream` does in Python; the same frames,
+    :mod:`torch_deltasync._native_zstd`), and the header (what
     :func:`~._packed_header.write_header` writes), in one call: one release of the GIL per tensor
     instead of one per stream.
 
@@ -510,7 +511,7 @@ def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, base, cc
     for i in range(6):
         x = streams[i]
         n = x.size
-        m = compress(cctx, x, payload[at : at + compress_bound(n)]) if n >= MIN_ZSTD_BYTES else -1
+        m = compress(cctx, x, payload[at : at + compress_bound(n)]) if n >= MIN_ZSTD_BYTES and i != 2 else -1
         if m < 0 or m >= n:  # stored: no frame shorter than the stream
             payload[at : at + n] = x
             m = n
