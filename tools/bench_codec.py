@@ -65,6 +65,7 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools._cli import check_writable  # noqa: E402
 
 from torch_deltasync import _native  # noqa: E402
 from torch_deltasync._dtypes import bits  # noqa: E402
@@ -517,13 +518,8 @@ def main() -> int:
     if not (args.qwen_lrs or args.minilm_lrs or args.synthetic):
         ap.error("no change sets: give --qwen-lrs, --minilm-lrs or --synthetic")
     for flag, out in (("--jsonl", args.jsonl), ("--plot", args.plot)):
-        if out:  # fail now, not after the whole run
-            try:
-                Path(out).parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                ap.error(f"{flag}: cannot create the folder of {out}: {e}")
-            if Path(out).is_dir() or not os.access(Path(out).parent, os.W_OK):
-                ap.error(f"{flag}: cannot write {out}")
+        if out:
+            check_writable(ap, flag, out)
     torch.set_num_threads(args.threads)
 
     def log(msg: str) -> None:

@@ -124,6 +124,18 @@ def main() -> int:
                     help="threads of encode_many and of decode+resolve (above 1: wall time, not CPU time)")
     ap.add_argument("--jsonl", default=None, help="append one JSON line per change set")
     args = ap.parse_args()
+    if args.rounds < 1 or args.threads < 1 or args.qwen_steps < 1 or args.synthetic_numel < 1000 or args.qwen_lr < 0:
+        ap.error("--rounds, --threads and --qwen-steps must be >= 1, --synthetic-numel >= 1000, --qwen-lr >= 0")
+    try:
+        if any(not 0 < float(x) <= 1 for x in args.synthetic.split(",") if x):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--synthetic takes comma-separated densities in (0, 1], got {args.synthetic!r}")
+    if not args.qwen_lr and not args.synthetic:
+        ap.error("no change sets: give --qwen-lr > 0 or --synthetic densities")
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
+                      capture_output=True).returncode:
+        ap.error(f"--base: {args.base!r} is not a git revision of {REPO}")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         base = load_base(args.base, Path(tmp))

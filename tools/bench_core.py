@@ -52,13 +52,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools._cli import check_writable  # noqa: E402
 
 from safetensors.torch import load as st_load  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore  # noqa: E402
 from torch_deltasync.checksum import checksum_change  # noqa: E402
-from torch_deltasync.testing import adam_step, first_difference, tiny_qwen3  # noqa: E402
+from torch_deltasync.testing import QWEN3_SIZES, adam_step, first_difference, tiny_qwen3  # noqa: E402
 
 
 def _rss_kib(field: str) -> int:
@@ -334,7 +335,7 @@ def bench_size(size: str, steps: int, lr: float, workdir: Path, device: str = "c
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", default=["100m", "500m"])
+    ap.add_argument("--sizes", nargs="+", default=["100m", "500m"], choices=list(QWEN3_SIZES))
     ap.add_argument("--steps", type=int, default=3, help="Adam steps (delta versions) per size")
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -346,6 +347,11 @@ def main() -> None:
                          "alternating which goes first, and report the default receiver's speedup over it")
     ap.add_argument("--out", default="runs/bench/core.json")
     args = ap.parse_args()
+    if args.steps < 1 or (args.threads is not None and args.threads < 1):
+        ap.error("--steps and --threads must be >= 1")
+    if not args.device.startswith(("cpu", "cuda")) or (args.device.startswith("cuda") and not torch.cuda.is_available()):
+        ap.error(f"--device {args.device}: cpu, or cuda on a machine with a GPU")
+    check_writable(ap, "--out", args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"host": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

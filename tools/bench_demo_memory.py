@@ -20,11 +20,14 @@ import tempfile
 
 def main() -> None:
     from torch_deltasync.demo import estimate_memory, run_demo
+    from torch_deltasync.testing import QWEN3_SIZES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="tiny", help="a key of torch_deltasync.testing.QWEN3_SIZES")
+    p.add_argument("--size", default="tiny", choices=list(QWEN3_SIZES), help="a key of torch_deltasync.testing.QWEN3_SIZES")
     p.add_argument("--steps", type=int, default=3, help="versions to publish (anchor every 2)")
     args = p.parse_args()
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
     with tempfile.TemporaryDirectory() as run_dir:
         ok = run_demo(steps=args.steps, size=args.size, run_dir=run_dir, anchor_every=2)
     trainer = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

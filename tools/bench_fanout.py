@@ -236,6 +236,14 @@ def main() -> int:
                    help="emulated per-client link speeds in Mbit/s, comma-separated (0: loopback only)")
     p.add_argument("--metrics", default="runs/bench_fanout.jsonl")
     args = p.parse_args()
+    if args.numel < 1 or args.versions < 1 or args.anchor_every < 1 or not 0 < args.density <= 1 or args.poll_s < 0:
+        p.error("--numel, --versions and --anchor-every must be >= 1, 0 < --density <= 1, --poll-s >= 0")
+    try:
+        if min(int(x) for x in args.fanout.split(",")) < 1 or min(float(x) for x in args.link_mbit.split(",")) < 0:
+            raise ValueError
+    except ValueError:
+        p.error(f"--fanout takes comma-separated counts >= 1 and --link-mbit speeds >= 0 "
+                f"(got {args.fanout!r}, {args.link_mbit!r})")
 
     os.environ.update(S3_ENV)
     server, endpoint = start_server()

@@ -221,6 +221,24 @@ def main() -> None:
     p.add_argument("--layout-world", type=int, default=4, help="ranks for --layouts (a multiple of 2)")
     p.add_argument("--codec", default="packed", help="delta codec for --layouts (raw: 6 bytes per change)")
     args = p.parse_args()
+    from torch_deltasync.codecs import get_codec
+    from torch_deltasync.testing import QWEN3_SIZES
+
+    if args.size not in QWEN3_SIZES:
+        p.error(f"--size must be one of {list(QWEN3_SIZES)}, got {args.size!r}")
+    if args.steps < 1 or (args.threads is not None and args.threads < 1) or args.layout_world < 2:
+        p.error("--steps and --threads must be >= 1, --layout-world >= 2")
+    if not args.layouts and args.codec != "packed":
+        p.error("--codec applies to --layouts only")
+    try:
+        get_codec(args.codec)
+    except (KeyError, ValueError) as e:
+        p.error(f"--codec: {e}")
+    try:
+        if not args.layouts and min(int(w) for w in args.worlds.split(",")) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--worlds takes comma-separated world sizes >= 1, got {args.worlds!r}")
     if args.layouts:
         layouts = args.layouts.split(",")
         bad = [x for x in layouts if x not in ("fsdp", "fsdp_tp", "hsdp")]

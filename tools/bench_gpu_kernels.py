@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--density", type=float, nargs="+", default=[0.01, 0.05])
     ap.add_argument("--out", default="runs/gpu/kernels.json")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False); on a lent machine run tools/gpu_check.sh")
     dev = torch.device("cuda")
     n = args.numel
     buf = torch.empty(1 << 30, dtype=torch.int16, device=dev)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tools._cli import check_writable  # noqa: E402
 
 
 def main() -> None:
@@ -45,6 +46,10 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.1, help="changed fraction per version (the default run: ~11%%)")
     p.add_argument("--out", default=None, help="write the raw timings as JSON here")
     ns = p.parse_args()
+    if ns.versions < 1 or not 0 < ns.density <= 1:
+        p.error("--versions must be >= 1 and 0 < --density <= 1")
+    if ns.out:  # before the server starts
+        check_writable(p, "--out", ns.out)
 
     import torch
 

@@ -103,6 +103,25 @@ def main() -> None:
     p.add_argument("--chain-ratio", type=float, default=None, help="override the by-size policy's chain_ratio")
     p.add_argument("--metrics", default="runs/bench/lora.jsonl")
     args = p.parse_args()
+    from torch_deltasync.codecs import get_codec
+    from torch_deltasync.testing import QWEN3_SIZES
+
+    if args.size not in QWEN3_SIZES:
+        p.error(f"--size must be one of {list(QWEN3_SIZES)}, got {args.size!r}")
+    if args.rank < 1 or args.steps < 1:
+        p.error("--rank and --steps must be >= 1")
+    try:
+        if not args.lrs or any(float(x) <= 0 for x in args.lrs.split(",")):
+            raise ValueError
+    except ValueError:
+        p.error(f"--lrs takes comma-separated learning rates > 0, got {args.lrs!r}")
+    try:
+        for codec in args.codecs.split(","):
+            get_codec(codec)
+    except (KeyError, ValueError) as e:
+        p.error(f"--codecs: {e}")
+    if args.chain_ratio is not None and args.chain_ratio <= 0:
+        p.error(f"--chain-ratio must be > 0, got {args.chain_ratio}")
     torch.set_num_threads(1)
     Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
     out = []

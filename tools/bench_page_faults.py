@@ -75,6 +75,10 @@ def main() -> int:
     p.add_argument("--jsonl", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.rounds < 2 and not a.child:
+        p.error(f"--rounds must be >= 2 (the first round of each child is not reported), got {a.rounds}")
+    if a.trials < 1 or a.qwen_steps < 1 or a.synthetic_numel < 1000:
+        p.error("--trials and --qwen-steps must be >= 1, --synthetic-numel >= 1000")
     torch.set_num_threads(1)
     if a.child:
         print(json.dumps(measure(a.child, a.rounds)))

@@ -14,6 +14,7 @@ Run (a few seconds)::
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 
 import torch
@@ -47,4 +48,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
     main()

@@ -48,6 +48,10 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--completion", type=int, default=256)
     args = p.parse_args()
+    if min(args.clients, args.post_batch, args.sample_batch, args.prompt, args.completion) < 1:
+        p.error("--clients, --post-batch, --sample-batch, --prompt and --completion must be >= 1")
+    if args.episodes < args.clients:
+        p.error(f"--episodes must be >= --clients ({args.clients}), got {args.episodes}")
     cfg = RolloutServiceConfig(capacity=args.episodes, max_lag=10, vocab_size=32000)
     per = args.episodes // args.clients
     data = [_episodes(per, args.prompt, args.completion, k) for k in range(args.clients)]

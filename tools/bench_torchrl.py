@@ -129,6 +129,12 @@ def main() -> None:
     p.add_argument("--schemes", default="delta-bf16,delta-fp32,torchrl-mp,torchrl-shared")
     p.add_argument("--metrics", default="runs/bench_torchrl.jsonl")
     args = p.parse_args()
+    schemes = ("delta-bf16", "delta-fp32", "torchrl-mp", "torchrl-shared")
+    bad = [s for s in args.schemes.split(",") if s not in schemes]
+    if bad:
+        p.error(f"--schemes takes a comma list of {', '.join(schemes)} (got {bad})")
+    if min(args.hidden, args.layers, args.workers, args.updates, args.anchor_every) < 1:
+        p.error("--hidden, --layers, --workers, --updates and --anchor-every must be >= 1")
     mp.set_start_method("fork", force=True)
     torch.set_num_threads(1)
     rows = [run(name, args) for name in args.schemes.split(",")]

@@ -139,7 +139,7 @@ def hf_module_commit(args, densities: list[float]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default="runs/bench_vllm_stall")
     ap.add_argument("--densities", default="0.01,0.05")
@@ -151,8 +151,17 @@ def main() -> None:
                     help="reload_ahead modes to alternate (copy: auto, kernel tensors copied whole)")
     ap.add_argument("--only-hf", action="store_true", help="only the HF-module commit measurement")
     args = ap.parse_args()
-    densities = [float(x) for x in args.densities.split(",")]
+    try:
+        densities = [float(x) for x in args.densities.split(",")]
+        if not all(0 < d <= 1 for d in densities):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--densities takes comma-separated fractions in (0, 1], got {args.densities!r}")
     modes = args.modes.split(",")
+    if any(m not in ("auto", "copy", "never") for m in modes):
+        ap.error(f"--modes takes a comma list of auto, copy, never, got {args.modes!r}")
+    if min(args.reps, args.hidden, args.layers, args.vocab) < 1:
+        ap.error("--reps, --hidden, --layers and --vocab must be >= 1")
     if args.only_hf:
         print(json.dumps(hf_module_commit(args, densities), indent=2))
         return

@@ -8,6 +8,7 @@ that joins late (an anchor and the deltas after it), then compiles the targets' 
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 import time
 
@@ -50,4 +51,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help; no options
     main()
