@@ -3,7 +3,8 @@ of a version (change detection) and the receiver's staging of it.
 
 A Qwen3 model (``--size``) takes ``--steps`` real Adam steps at ``--lr`` (which sets the density).
 Each setting of ``--threads`` is measured ``--rounds`` times, alternating the settings in every
-round (the order flips each round), so the VM's drift between minutes falls on all alike:
+round (the order flips each round; an untimed warm-up round first), so the VM's drift between
+minutes falls on all alike:
 
 * **sender** (``--side sender``): one :class:`~torch_deltasync.DeltaSender` per setting
   (``SenderConfig.threads``), each on its own store (``LocalStore(fsync=False)``), all on the
@@ -67,16 +68,18 @@ def _trained(args) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
 def _alternate(settings: list[int], rounds: int, run: Callable[[int], dict],
                start: Callable[[int], None] = lambda r: None) -> dict[int, list[dict]]:
     """``start(round)``, then ``run(setting)`` for every setting, in every round, the order flipped
-    each round; returns each setting's results with the process's CPU seconds per wall second."""
+    each round; returns each setting's results with the process's CPU seconds per wall second.
+    Round 0 is an untimed warm-up (first calls load the compiled kernels and fault in buffers)."""
     out: dict[int, list[dict]] = {t: [] for t in settings}
-    for r in range(rounds):
+    for r in range(rounds + 1):
         start(r)
         for t in (settings if r % 2 == 0 else settings[::-1]):
             wall, cpu = time.perf_counter(), time.process_time()
             row = run(t)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            out[t].append({**row, "cpu_per_wall": cpu / wall})
-        print(f"round {r + 1}/{rounds}", flush=True)
+            if r:
+                out[t].append({**row, "cpu_per_wall": cpu / wall})
+        print(f"round {r}/{rounds}" if r else "warm-up round", flush=True)
     return out
 
 
