@@ -183,8 +183,9 @@ def taken(store: Store, version: int) -> dict[str, Any]:
     """The outcome when another writer uses ``version``: skip past everything it wrote."""
     return {"ok": False, "next_version": next_free_version(store),
             "error": f"another writer already uses version {version} on {store.describe()}; "
-                     "two writers must not share a prefix. This sender continues after the newest "
-                     "version, with an anchor"}
+                     "two writers must not share a prefix. This sender's next publish goes after the "
+                     "newest version, with an anchor (and is refused if the other writer took the "
+                     "prefix over: then publish under another prefix)"}
 
 
 def write_latest(store: Store, version: int) -> bool:
