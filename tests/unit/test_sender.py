@@ -401,3 +401,59 @@ def test_a_failed_publish_removes_the_objects_it_wrote(tmp_path, background):
     assert receiver.update() == 3
     assert first_difference(receiver.target.state_dict(), state) is None
     sender.close()
+
+
+class Flaky(LocalStore):
+    """Fails the put (or the read) of chosen keys once, with the given error; counts deletes."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.put_errors, self.get_errors, self.deleted = {}, {}, []  # deleted: every key, LATEST too
+
+    def put_new(self, key, data):
+        if key in self.put_errors:
+            raise self.put_errors.pop(key)
+        return super().put_new(key, data)
+
+    def get(self, key, *, start=None, end=None):
+        if key in self.get_errors:
+            raise self.get_errors.pop(key)
+        return super().get(key, start=start, end=end)
+
+    def delete(self, key):
+        self.deleted.append(key)
+        return super().delete(key)
+
+
+def test_a_failed_publish_never_deletes_an_object_it_cannot_call_its_own(tmp_path):
+    # Another writer's object holds the key of our anchor (a takeover), and reading it back to
+    # compare fails: it may be theirs, so it stays, and so does the rest of the store.
+    store = Flaky(tmp_path)
+    state = _state()
+    sender = DeltaSender(state, store, anchor_every=1)
+    assert sender.publish() == 0
+    key = "objects/000000000001/anchor-r00000-of00001.safetensors"
+    store.put(key, b"another writer's anchor")
+    store.get_errors[key] = TransientStoreError("injected: GET failed")
+    _nudge(state, 1)
+    with pytest.raises(PublishError, match="version 1 was not published .*TransientStoreError: injected: GET failed"):
+        sender.publish()
+    assert store.get(key) == b"another writer's anchor"
+    assert [k for k in store.deleted if k.startswith("objects/")] == []
+    sender.close()
+
+
+def test_no_clean_up_while_the_store_is_unreachable(tmp_path):
+    # The second object's put times out: the clean-up would only wait out the same outage, so the
+    # error comes at once and garbage collection removes the first object later.
+    store = Flaky(tmp_path)
+    state = _state()
+    sender = DeltaSender(state, store, anchor_every=2)
+    assert [sender.publish(), _nudge(state, 1) or sender.publish()] == [0, 1]
+    store.put_errors["objects/000000000002/delta-r00000-of00001.safetensors"] = TransientStoreError("injected: timed out")
+    _nudge(state, 2)
+    with pytest.raises(PublishError, match="version 2 was not published .*TransientStoreError: injected: timed out"):
+        sender.publish()
+    assert [k for k in store.deleted if k.startswith("objects/")] == []
+    assert store.list("objects/000000000002") == ["objects/000000000002/anchor-r00000-of00001.safetensors"]
+    sender.close()

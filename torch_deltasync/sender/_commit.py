@@ -29,35 +29,38 @@ log = logging.getLogger("torch_deltasync.sender")
 def upload_objects(store: Store, job: Job, blobs: list[tuple[str, int, int, bytes]], rank: int,
                    written: list[str]) -> dict[str, Any]:
     """Write this rank's objects of ``job`` (``blobs``: ``(kind, slot, slots, bytes)`` from
-    :func:`~._encode.encode_objects`), appending each key to ``written`` before its put (a failed
-    write may have landed in part).
+    :func:`~._encode.encode_objects`), appending to ``written`` each key known to hold this
+    rank's bytes: its put returned, or the key already held exactly them (a retried put whose
+    first reply was lost). A put that failed leaves its key out: nothing landed, or it is unknown
+    whose object is there (another writer's, after a takeover).
 
     Returns:
         This rank's record for :func:`write_manifest`: ``{"ok": True, "objects", "partials",
         "counts"}``, or ``{"ok": False, "taken": True, "error"}`` when another writer's object holds
-        a key (that key is then not in ``written``: it is not ours).
+        a key.
 
     Raises:
-        Exception: what the store raised for a failed put (the caller reports it to every rank).
+        Exception: what the store raised for a failed put, or for reading back a key that already
+            held an object (the caller reports it to every rank).
     """
     objects = []
     for kind, slot, slots, data in blobs:
         key = object_key(job.version, kind, slot, slots)
-        written.append(key)
         try:
             put_once(store, key, data)
         except ObjectExistsError as e:  # another writer uses this version number
-            written.pop()
             return {"ok": False, "taken": True, "error": f"rank {rank}: {e}"}
+        written.append(key)
         objects.append(ObjectEntry(key, len(data), sha256_hex(data), slot, slots).to_json())
     return {"ok": True, "objects": objects, "partials": job.partials, "counts": job.counts}
 
 
 def remove_objects(store: Store, version: int, keys: list[str]) -> None:
     """After a failed publish that left nothing visible: delete this rank's objects ``keys`` of
-    ``version`` (no manifest names them and the number is never used again), so that a full disk
-    gets its space back now, not at a later garbage collection. Best effort: what stays is
-    garbage that :func:`~torch_deltasync.retention.collect_garbage` removes."""
+    ``version`` (no manifest names them; a later publish numbers past them or, from a new
+    sender, may write the same keys afresh), so that a full disk gets its space back now, not at
+    a later garbage collection. Best effort: what stays is garbage that
+    :func:`~torch_deltasync.retention.collect_garbage` removes."""
     try:
         store.delete_many(keys)
     except Exception as e:  # noqa: BLE001 - never hides the publish's own error

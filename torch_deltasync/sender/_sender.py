@@ -41,7 +41,7 @@ from .._pool import map_largest_first
 from ..checksum import checksum_change, combine
 from ..codecs import get_codec
 from ..detect import Changes, ChangeDetector
-from ..errors import PrefixInUseError, PublishError, UnsupportedLayoutError
+from ..errors import PrefixInUseError, PublishError, TransientStoreError, UnsupportedLayoutError
 from ..layout import Source, TensorBlock
 from ..lease import PrefixLease
 from ..keys import MAX_VERSION, next_free_version, object_key
@@ -493,6 +493,7 @@ class DeltaSender:
         g = self.group
         stats = job.stats
         written: list[str] = []  # this rank's objects of the version (removed if the publish fails)
+        reachable = True  # False when this rank's own upload failed on the store's transport
         try:
             t = time.perf_counter()
             blobs = encode_objects(job, self.codec, self.dtype, self._slot, self.config.threads)
@@ -502,6 +503,7 @@ class DeltaSender:
             stats.upload_ms = (time.perf_counter() - t) * 1e3
         except Exception as e:  # noqa: BLE001 - every failure is reported through the gather
             local = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
+            reachable = not isinstance(e, TransientStoreError)
             log.warning("publish of version %d failed on rank %d: %s", job.version, g.rank, e)
 
         gathered = g.gather(local)
@@ -519,7 +521,8 @@ class DeltaSender:
                 raise PublishError(f"version {job.version} was not published: {outcome['error']}")
             if outcome.get("unknown"):  # version numbers are never reused: receivers are right either way
                 raise PublishError(outcome["error"])
-            remove_objects(self.store, job.version, written)
+            if reachable:  # (an unreachable store would only make the error wait for the deletes)
+                remove_objects(self.store, job.version, written)
             raise PublishError(
                 f"version {job.version} was not published ({outcome['error']}); no partial version is "
                 f"visible and the next publish is based on version {self.version}"
