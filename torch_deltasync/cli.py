@@ -214,7 +214,7 @@ def _inspect(args: argparse.Namespace) -> int:
         def read(start: int, end: int) -> bytes:
             return store.get(key, start=start, end=end)
     # The whole object when the manifest lists it (its sha256 is checked) or it is a manifest; else
-    # its safetensors header only, so an object of any size costs one bounded read.
+    # its safetensors header only (two small ranged reads), whatever the object's size.
     data = read(0, size) if entry is not None or key.endswith(".json") else _header_bytes(read, size)
     if key.endswith(".json"):
         _print_manifest(Manifest.from_json(data, expected_version=version, where=where))

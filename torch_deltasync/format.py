@@ -141,16 +141,17 @@ def read_header(data: bytes, where: str = "object", *, size: int | None = None) 
         CorruptObjectError: truncated object, oversized or non-JSON header, non-string metadata.
     """
     total = len(data) if size is None else size
-    if total < 8:
-        raise CorruptObjectError(f"{where}: {total} bytes is too short for a safetensors file")
+    if total < 8 or len(data) < 8:
+        raise CorruptObjectError(f"{where}: {min(total, len(data))} bytes is too short for a safetensors file")
     (n,) = struct.unpack("<Q", data[:8])
     if n > MAX_HEADER_BYTES or 8 + n > total:
         raise CorruptObjectError(
             f"{where}: not a safetensors file, or a corrupt one: its header length field says {n} bytes, "
             f"the object has {total} bytes and headers may have at most {MAX_HEADER_BYTES}"
         )
-    if 8 + n > len(data):
-        raise ValueError(f"{where}: read_header got {len(data)} bytes, the header ends at byte {8 + n}")
+    if 8 + n > len(data):  # fewer bytes came than the object's size promised: it changed while read
+        raise CorruptObjectError(f"{where}: {len(data)} bytes read of a header that ends at byte {8 + n}: the "
+                                 "object changed or was cut short while it was read; read it again")
     try:
         header = json.loads(data[8 : 8 + n])
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

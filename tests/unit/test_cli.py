@@ -103,6 +103,23 @@ def test_inspect_reads_only_the_header_of_an_object_no_manifest_lists(run, capsy
     assert f"says {n} bytes, the object has {8 + n - 1} bytes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("keep", [4, 64])
+def test_inspect_of_an_object_cut_short_while_read_says_so(run, capsys, monkeypatch, keep):
+    """The object shrinks between the size the store reported and the reads (cut to 4 bytes, or
+    in its header): a one-line error naming it, not a struct.error or ValueError traceback."""
+    from safetensors.torch import save
+
+    store, _, _ = run
+    whole = save({"w": torch.zeros(64, dtype=torch.uint8)}, metadata={"kind": "anchor", "slices": "{}"})
+    key = f"objects/{4:012d}/shrinking.safetensors"
+    store.put(key, whole[:keep])
+    size = type(store).size
+    monkeypatch.setattr(type(store), "size", lambda self, k: len(whole) if k == key else size(self, k))
+    assert main(["inspect", str(store.root), key]) == 2
+    err = capsys.readouterr().err
+    assert key in err and ("4 bytes is too short" in err if keep == 4 else "changed or was cut short while it was read" in err)
+
+
 def test_inspect_escapes_control_characters_of_store_data(run, capsys):
     """Names and metadata come from the store: a terminal escape sequence in them is printed
     escaped, never run."""
