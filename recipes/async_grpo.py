@@ -73,6 +73,7 @@ from torch_deltasync.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_S = 900.0  # generator setup with --engine vllm: the server's start timeout plus its setup
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "reward.png", "sync.png", "lag.png")  # under runs/<name>/
 
 log = logging.getLogger("recipes.async_grpo")
 
@@ -386,8 +387,9 @@ class Controller:
             self.say("!! interrupted: stopping the generators' engines and the meshes")
             await self.shutdown()
             if self.metrics is not None:
-                self.write_summary({"status": "interrupted", "message": "interrupted (Ctrl-C) at step "
-                                    f"{self.step}", "bit_exact": None, **self.progress_so_far()})
+                done = len(self.metrics.of("step"))
+                self.write_summary({"status": "interrupted", "message": f"interrupted (Ctrl-C) after {done} GRPO "
+                                    "steps", "bit_exact": None, **self.progress_so_far()})
             raise
 
     async def _run(self) -> dict[str, Any]:
@@ -396,6 +398,8 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         from recipes.grpo.report import MetricsLog
 
+        for old in RUN_OUTPUTS:  # a previous run's in this folder would pass for this one's
+            (self.run_dir / old).unlink(missing_ok=True)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.metrics.write("config", **cfg.to_dict())
         self.sample_event = asyncio.Event()
@@ -546,6 +550,8 @@ class Controller:
 
         summary = summarize(self.metrics, cfg=self.cfg.to_dict(), extra=extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        if not summary["steps"]:  # nothing to plot (a Ctrl-C before the first step)
+            return summary
         try:
             plot_reward(self.metrics, self.run_dir / "reward.png")
             plot_sync(self.metrics, self.run_dir / "sync.png")
@@ -673,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted{f'; summary of the steps done: {done}' if done.exists() else ''}", file=sys.stderr)
         return 130
     _print_summary(summary)
-    print(f"outputs: {cfg.run_dir}/metrics.jsonl, summary.json, reward.png, sync.png, lag.png")
+    print(f"outputs: {cfg.run_dir}/{', '.join(RUN_OUTPUTS)}")
     return 0 if summary["status"] == "ok" and summary["bit_exact"] else 1
 
 

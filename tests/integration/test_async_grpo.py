@@ -166,6 +166,8 @@ def test_bad_options_are_usage_errors(argv, match, capsys):
 def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
     import signal
 
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "summary.json").write_text('{"status": "ok", "steps": 999}')  # a previous run's
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL,
@@ -185,3 +187,4 @@ def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
     trained = events(tmp_path, "step")
     assert s["steps"] == len(trained) >= 3 and s["steps"] < 500
     assert s["versions_published"] == len(events(tmp_path, "publish")) >= 3
+    assert s["message"] == f"interrupted (Ctrl-C) after {s['steps']} GRPO steps"
