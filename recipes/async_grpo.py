@@ -206,8 +206,8 @@ class Controller:
         """Await a Monarch future; after ``timeout`` seconds raise ``TimeoutError`` naming the call (no hang)."""
         timeout = self.cfg.call_timeout_s if timeout is None else timeout
         try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+            return await _within(fut, timeout)
+        except (TimeoutError, asyncio.TimeoutError):
             raise TimeoutError(f"{what} did not answer within {timeout:.0f} s") from None
 
     # -- faults ---------------------------------------------------------------------------------
@@ -248,10 +248,7 @@ class Controller:
         while not self.stopping and self.abort is None:
             while self.fresh >= cfg.buffered_limit and not self.stopping and self.abort is None:
                 self.space_event.clear()  # back-pressure: the trainer has enough fresh samples
-                try:
-                    await asyncio.wait_for(self.space_event.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
+                await _wait(self.space_event, 0.5)
             if self.stopping or self.abort is not None:
                 return
             try:
@@ -309,10 +306,7 @@ class Controller:
                 raise RunAborted(f"no batch of {cfg.train_batch} fresh samples within {cfg.sample_timeout_s:.0f} s "
                                  f"(generators alive: {sum(self.alive)})")
             self.sample_event.clear()
-            try:
-                await asyncio.wait_for(self.sample_event.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
+            await _wait(self.sample_event, 0.5)
 
     def inject_fault(self) -> None:
         cfg = self.cfg
@@ -337,7 +331,10 @@ class Controller:
         cfg = self.cfg
         rewards: list[float] = []
         self.say(STEP_HEADER)
+        task = asyncio.current_task()
         for step in range(cfg.steps):
+            if task is not None and getattr(task, "cancelling", lambda: 0)():
+                raise asyncio.CancelledError  # a Ctrl-C whose cancellation an await dropped (see _within)
             self.step = step
             self.inject_fault()
             t0 = time.perf_counter()
@@ -656,6 +653,25 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"bit-exact (every live generator vs trainer bf16): {'YES' if s['bit_exact'] else 'NO'}")
     if s.get("message"):
         print(f"message: {s['message']}")
+
+
+async def _within(aw, seconds: float):
+    """``await aw``, raising ``TimeoutError`` after ``seconds``. ``asyncio.timeout``, not
+    ``asyncio.wait_for``: on Python 3.11, ``wait_for`` returns the result of an inner wait that
+    finishes just as the task is cancelled and drops the cancellation, so a Ctrl-C could be lost
+    (a CI run went on to its last step). Python 3.10 has only ``wait_for``."""
+    if sys.version_info < (3, 11):
+        return await asyncio.wait_for(aw, seconds)
+    async with asyncio.timeout(seconds):
+        return await aw
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait for ``event`` at most ``seconds`` (:func:`_within`)."""
+    try:
+        await _within(event.wait(), seconds)
+    except (TimeoutError, asyncio.TimeoutError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
