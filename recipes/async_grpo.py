@@ -333,7 +333,7 @@ class Controller:
         self.say(STEP_HEADER)
         task = asyncio.current_task()
         for step in range(cfg.steps):
-            if task is not None and getattr(task, "cancelling", lambda: 0)():
+            if _cancelling(task):
                 raise asyncio.CancelledError  # a Ctrl-C whose cancellation an await dropped (see _within)
             self.step = step
             self.inject_fault()
@@ -435,7 +435,7 @@ class Controller:
         task = asyncio.current_task()  # a first Ctrl-C cancels it: the warm start (synchronous here) stops then
         try:
             _, ws = warm_start(cfg, tok, progress=self.progress,
-                               should_stop=lambda: task is not None and task.cancelling() > 0)
+                               should_stop=lambda: _cancelling(task))
         except KeyboardInterrupt:  # the task's cancellation is pending: take it at an await, so that
             await asyncio.sleep(0)  # run()'s shutdown awaits are not cancelled in turn
             raise asyncio.CancelledError from None
@@ -655,6 +655,11 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"message: {s['message']}")
 
 
+def _cancelling(task: "asyncio.Task | None") -> bool:
+    """Whether ``task`` has a cancellation pending (a Ctrl-C; ``Task.cancelling``, Python 3.11+)."""
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
+
+
 async def _within(aw, seconds: float):
     """``await aw``, raising ``TimeoutError`` after ``seconds``. ``asyncio.timeout``, not
     ``asyncio.wait_for``: on Python 3.11, ``wait_for`` returns the result of an inner wait that
@@ -690,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunAborted as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # (Python 3.10: a Ctrl-C in the warm start)
         done = cfg.run_dir / "summary.json"
         print(f"interrupted{f'; summary of the steps done: {done}' if done.exists() else ''}", file=sys.stderr)
         return 130

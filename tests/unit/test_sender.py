@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
-from torch_deltasync.errors import PublishError, TransientStoreError
+from torch_deltasync.errors import PublishError, StoreError, TransientStoreError
 from torch_deltasync.keys import list_versions
 from torch_deltasync.testing import first_difference
 
@@ -434,9 +434,9 @@ def test_a_failed_publish_never_deletes_an_object_it_cannot_call_its_own(tmp_pat
     assert sender.publish() == 0
     key = "objects/000000000001/anchor-r00000-of00001.safetensors"
     store.put(key, b"another writer's anchor")
-    store.get_errors[key] = TransientStoreError("injected: GET failed")
+    store.get_errors[key] = StoreError("injected: GET failed")  # (not transient: the clean-up runs)
     _nudge(state, 1)
-    with pytest.raises(PublishError, match="version 1 was not published .*TransientStoreError: injected: GET failed"):
+    with pytest.raises(PublishError, match="version 1 was not published .*StoreError: injected: GET failed"):
         sender.publish()
     assert store.get(key) == b"another writer's anchor"
     assert [k for k in store.deleted if k.startswith("objects/")] == []

@@ -138,6 +138,27 @@ def test_deadline_abandons_a_hung_call_and_retries():
         release.set()
 
 
+def test_a_failure_after_an_abandoned_attempt_is_transient():
+    """An attempt left running past its deadline may still land (a manifest written late): a later
+    attempt's permanent error must not tell the caller that nothing was written."""
+    release = threading.Event()
+    calls = []
+
+    def hangs_then_denied():
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait()
+        raise PermissionError("AccessDenied")
+
+    try:
+        with pytest.raises(TransientStoreError, match=r"AccessDenied, after an attempt that ran past its deadline"):
+            call_with_retry(hangs_then_denied, policy=RetryPolicy(attempts=3, base_delay_s=0, timeout_s=0.1),
+                            store="s", op="write", key="versions/000000000002.json")
+        assert len(calls) == 2
+    finally:
+        release.set()
+
+
 def test_deadline_grows_with_known_bytes():
     p = RetryPolicy(timeout_s=10.0, min_bytes_per_s=1e6)
     assert p.deadline_s() == 10.0 and p.deadline_s(5_000_000) == 15.0

@@ -77,7 +77,7 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
         job: the publish, as rank 0 sees it (sources, version, kind, stats).
         gathered: one record per rank: ``{"ok": True, "objects": [ObjectEntry json], "partials":
             {name: partial checksum}, "counts": {name: changed elements}}`` or ``{"ok": False,
-            "error": str, "taken"?: True}``.
+            "error": str, "taken"?: True, "transient"?: bool}``.
         codec, dtype, run_id, world: recorded in the manifest.
         latest_at: the version this sender last pointed ``LATEST`` at. Unless it is the one before
             ``job.version``, ``LATEST`` is removed before the manifest is written: readers confirm
@@ -95,8 +95,8 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
     if any(r.get("taken") for r in gathered):
         return taken(store, job.version)
     errors = [r["error"] for r in gathered if not r["ok"]]
-    if errors:
-        return {"ok": False, "error": "; ".join(errors)}
+    if errors:  # ("transient": some rank's store call failed on the transport: no clean-up then)
+        return {"ok": False, "error": "; ".join(errors), "transient": any(r.get("transient") for r in gathered)}
     if latest_at != job.version - 1:
         try:
             store.delete(LATEST_KEY)

@@ -493,7 +493,6 @@ class DeltaSender:
         g = self.group
         stats = job.stats
         written: list[str] = []  # this rank's objects of the version (removed if the publish fails)
-        reachable = True  # False when this rank's own upload failed on the store's transport
         try:
             t = time.perf_counter()
             blobs = encode_objects(job, self.codec, self.dtype, self._slot, self.config.threads)
@@ -502,8 +501,8 @@ class DeltaSender:
             local = upload_objects(self.store, job, blobs, g.rank, written)
             stats.upload_ms = (time.perf_counter() - t) * 1e3
         except Exception as e:  # noqa: BLE001 - every failure is reported through the gather
-            local = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
-            reachable = not isinstance(e, TransientStoreError)
+            local = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}",
+                     "transient": isinstance(e, TransientStoreError)}
             log.warning("publish of version %d failed on rank %d: %s", job.version, g.rank, e)
 
         gathered = g.gather(local)
@@ -521,7 +520,7 @@ class DeltaSender:
                 raise PublishError(f"version {job.version} was not published: {outcome['error']}")
             if outcome.get("unknown"):  # version numbers are never reused: receivers are right either way
                 raise PublishError(outcome["error"])
-            if reachable:  # (an unreachable store would only make the error wait for the deletes)
+            if not outcome.get("transient"):  # (deletes on an unreachable store only delay the error)
                 remove_objects(self.store, job.version, written)
             raise PublishError(
                 f"version {job.version} was not published ({outcome['error']}); no partial version is "

@@ -262,10 +262,13 @@ def call_with_retry(
     Raises:
         ObjectNotFoundError: the key does not exist (never retried).
         StoreNotFoundError: the bucket does not exist (never retried).
-        TransientStoreError: every attempt failed transiently or ran past its deadline.
+        TransientStoreError: every attempt failed transiently or ran past its deadline, or one ran
+            past its deadline and a later one failed for good: the abandoned attempt may still land,
+            so the call's outcome is unknown (a caller must not assume a write did not happen).
         StoreError: a non-transient failure.
     """
     deadline = policy.deadline_s(nbytes)
+    abandoned = False  # an attempt ran past its deadline and may still be under way
     for attempt in range(policy.attempts):
         try:
             return _with_deadline(fn, deadline)
@@ -273,6 +276,7 @@ def call_with_retry(
             verdict: Verdict = "transient"
             cause = f"timed out after {deadline:.1f} s"
             err: BaseException | None = None
+            abandoned = True
         except Exception as e:  # noqa: BLE001 - drivers raise many types; classify decides
             verdict, cause, err = classify(e), _cause(e), e
         if verdict == "reraise":
@@ -293,6 +297,9 @@ def call_with_retry(
             tries = f" (gave up after {attempt + 1} attempts)" if verdict == "transient" and attempt else ""
             if isinstance(err, StoreError) and not tries:
                 raise err  # already names store, key and cause
+            if verdict == "fatal" and abandoned:
+                raise TransientStoreError(f"{store}: cannot {op} {key!r}: {cause}, after an attempt that ran past "
+                                          f"its deadline and may still land") from err
             cls = TransientStoreError if verdict == "transient" else StoreError
             raise cls(f"{store}: cannot {op} {key!r}: {cause}{tries}") from err
         delay = policy.delay_s(attempt)
