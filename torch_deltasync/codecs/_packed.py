@@ -98,9 +98,9 @@ def _streams_of(blob: np.ndarray) -> list[tuple[int, np.ndarray, int]]:
 def _pack_streams(raw: list[np.ndarray], cctx) -> list[tuple[int, bytes | np.ndarray, int]]:
     """The six streams as :func:`~._bits.pack_stream` gives them, zstd where its frame is shorter,
     except the gaps' low bits (stream 2), which are stored: below the gap shift a gap's bits are
-    close to uniform, zstd never made them shorter on the change sets of ``tools/bench_codec.py``
-    (none of the 65 tensors with low bits), and trying cost 0.1 ns per change at 1% density (``docs/benchmarks.md``,
-    issue 14, thirteenth session)."""
+    close to uniform, zstd shortened none of the 65 such streams of ``tools/bench_codec.py``'s
+    change sets, and trying cost 0.1 ns per change at 1% density (``docs/benchmarks.md``, issue
+    14, "Rice codes and nibble pairs")."""
     return [pack_stream(x, cctx) if i != 2 else (METHOD_STORED, x, x.size) for i, x in enumerate(raw)]
 
 

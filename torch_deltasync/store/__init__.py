@@ -60,9 +60,9 @@ _DEFAULT = object()
 #: relative folder (``open_store`` refuses it).
 _URI_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "hdfs", "webhdfs", "hf",
                           "memory", "http", "https"})
-#: URI schemes of the stores :func:`open_store` opens without naming fsspec's other protocols:
-#: ``file``, S3, Google Cloud Storage, Azure, Alibaba OSS, HDFS, Hugging Face Buckets and ``memory``
-#: (http and https are no stores: fsspec's HTTP file system can neither list nor write).
+#: URI schemes of the object stores :func:`open_store` knows by name: ``file``, S3, Google Cloud
+#: Storage, Azure, Alibaba OSS, HDFS, Hugging Face Buckets and ``memory`` (not http or https:
+#: fsspec's HTTP file system can neither list nor write). Other fsspec protocols open too.
 STORE_SCHEMES = (_URI_SCHEMES - {"http", "https"}) | {"file"}
 
 
