@@ -47,6 +47,18 @@ def assert_generators_hold_the_trainers_bits(tmp_path: Path, generators: list[in
         assert not bad, f"generator {i}: {bad[:5]}"
 
 
+def ctrl_c_enabled() -> None:
+    """In the child, before exec: SIGINT unblocked and back to its default disposition, as in a
+    terminal. A shell without job control starts background commands (a CI script started with
+    ``&``) with SIGINT ignored, the children inherit that, and a Python started so never sees the
+    Ctrl-C the test sends: in the clean-clone CI run the recipe trained on to its last step (run
+    under ``timeout``, which resets it, the test passed)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def events(tmp_path: Path, kind: str) -> list[dict]:
     lines = (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == kind]
@@ -172,7 +184,7 @@ def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL,
          "--steps", "500", "--generators", "1", "--log-every", "1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
     seen = []
     for line in proc.stdout:  # a few rows of the step table: steps were trained
         seen.append(line)

@@ -22,7 +22,7 @@ import pytest
 
 from recipes.grpo.vllm_server import default_vllm_python
 from helpers import group_members
-from test_async_grpo import REPO, SMALL, events, run_recipe
+from test_async_grpo import REPO, SMALL, ctrl_c_enabled, events, run_recipe
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -135,7 +135,7 @@ def test_ctrl_c_leaves_no_server(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL,
          "--engine", "vllm", "--steps", "200", "--generators", "1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
     for line in proc.stdout:  # the step table starts once the servers serve
         if line.lstrip().startswith("0 "):
             break
