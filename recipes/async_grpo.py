@@ -663,8 +663,8 @@ def _cancelling(task: "asyncio.Task | None") -> bool:
 async def _within(aw, seconds: float):
     """``await aw``, raising ``TimeoutError`` after ``seconds``. ``asyncio.timeout``, not
     ``asyncio.wait_for``: on Python 3.11, ``wait_for`` returns the result of an inner wait that
-    finishes just as the task is cancelled and drops the cancellation, so a Ctrl-C could be lost
-    (a CI run went on to its last step). Python 3.10 has only ``wait_for``."""
+    finishes just as the task is cancelled and drops the cancellation, so a Ctrl-C could be lost.
+    Python 3.10 has only ``wait_for``."""
     if sys.version_info < (3, 11):
         return await asyncio.wait_for(aw, seconds)
     async with asyncio.timeout(seconds):
