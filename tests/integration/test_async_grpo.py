@@ -20,12 +20,16 @@ SMALL = ["--hidden-size", "64", "--digits", "3", "--warmstart-steps", "60", "--t
          "--prompts-per-batch", "3", "--group-size", "8", "--no-progress", "--call-timeout", "120"]
 
 
-def run_recipe(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict | None]:
+def recipe(tmp_path: Path, *args: str) -> dict:
+    """``subprocess`` keywords that run the recipe on the small configuration, run name ``t`` under
+    ``tmp_path``: ``args`` (the command), ``cwd`` and ``env``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL, *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL, *args]
+    return {"args": cmd, "cwd": REPO, "env": env}
+
+
+def run_recipe(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict | None]:
+    proc = subprocess.run(**recipe(tmp_path, *args), capture_output=True, text=True, timeout=timeout)
     summary_path = tmp_path / "t" / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return proc, summary
@@ -180,11 +184,8 @@ def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
 
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "summary.json").write_text('{"status": "ok", "steps": 999}')  # a previous run's
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL,
-         "--steps", "500", "--generators", "1", "--log-every", "1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
+    proc = subprocess.Popen(**recipe(tmp_path, "--steps", "500", "--generators", "1", "--log-every", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
     seen = []
     for line in proc.stdout:  # a few rows of the step table: steps were trained
         seen.append(line)

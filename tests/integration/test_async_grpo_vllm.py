@@ -12,17 +12,15 @@ the outputs comparison, and counts token versions from the metrics.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from recipes.grpo.vllm_server import default_vllm_python
 from helpers import group_members
-from test_async_grpo import REPO, SMALL, ctrl_c_enabled, events, run_recipe
+from test_async_grpo import ctrl_c_enabled, events, recipe, run_recipe
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -131,11 +129,8 @@ def test_vllm_engine_drain_and_abort(tmp_path, mode):
 
 @pytest.mark.slow
 def test_ctrl_c_leaves_no_server(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recipes.async_grpo", "--runs-dir", str(tmp_path), "--run-name", "t", *SMALL,
-         "--engine", "vllm", "--steps", "200", "--generators", "1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
+    proc = subprocess.Popen(**recipe(tmp_path, "--engine", "vllm", "--steps", "200", "--generators", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
     for line in proc.stdout:  # the step table starts once the servers serve
         if line.lstrip().startswith("0 "):
             break

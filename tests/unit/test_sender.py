@@ -367,42 +367,6 @@ def test_a_writer_dying_before_latest_never_hides_its_version(tmp_path, first):
     assert torch.equal(replica["a"].view(torch.int16), weights["a"].to(torch.bfloat16).view(torch.int16))
 
 
-class FullDisk(LocalStore):
-    """Fails the put of every object of version ``full_at`` after its first: the disk filled up
-    while the version was being written."""
-
-    full_at: int | None = None
-
-    def put_new(self, key, data):
-        folder = f"objects/{self.full_at:012d}" if self.full_at is not None else None
-        if folder and key.startswith(folder) and self.list(folder):
-            raise OSError(28, "No space left on device", key)
-        return super().put_new(key, data)
-
-
-@pytest.mark.parametrize("background", [False, True])
-def test_a_failed_publish_removes_the_objects_it_wrote(tmp_path, background):
-    # A version with two objects (an anchor and the delta it carries) whose second write fails: the
-    # first must not stay behind taking space, and the run goes on with an anchor that applies exactly.
-    store = FullDisk(tmp_path)
-    state = _state()
-    sender = DeltaSender(state, store, anchor_every=2)
-    assert [sender.publish(), _nudge(state, 1) or sender.publish()] == [0, 1]
-    _nudge(state, 2)
-    store.full_at = 2
-    with pytest.raises(PublishError, match=r"version 2 was not published \(rank 0: OSError: \[Errno 28\] No space"):
-        if sender.publish(background=background) is not None and background:
-            sender.flush()
-    assert store.list("objects/000000000002") == [] and list_versions(store) == [0, 1]
-    store.full_at = None
-    _nudge(state, 3)
-    assert sender.publish() == 3 and sender.last_stats.kind == "anchor"
-    receiver = DeltaReceiver(_state(seed=1), store)
-    assert receiver.update() == 3
-    assert first_difference(receiver.target.state_dict(), state) is None
-    sender.close()
-
-
 class Flaky(LocalStore):
     """Fails the put (or the read) of chosen keys once, with the given error; counts deletes."""
 
@@ -423,6 +387,29 @@ class Flaky(LocalStore):
     def delete(self, key):
         self.deleted.append(key)
         return super().delete(key)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failed_publish_removes_the_objects_it_wrote(tmp_path, background):
+    # A version with two objects (an anchor and the delta it carries) whose second write fails: the
+    # first must not stay behind taking space, and the run goes on with an anchor that applies exactly.
+    store = Flaky(tmp_path)
+    state = _state()
+    sender = DeltaSender(state, store, anchor_every=2)
+    assert [sender.publish(), _nudge(state, 1) or sender.publish()] == [0, 1]
+    _nudge(state, 2)
+    key = "objects/000000000002/delta-r00000-of00001.safetensors"  # written after the anchor
+    store.put_errors[key] = OSError(28, "No space left on device", key)  # the disk filled up
+    with pytest.raises(PublishError, match=r"version 2 was not published \(rank 0: OSError: \[Errno 28\] No space"):
+        if sender.publish(background=background) is not None and background:
+            sender.flush()
+    assert store.list("objects/000000000002") == [] and list_versions(store) == [0, 1]
+    _nudge(state, 3)
+    assert sender.publish() == 3 and sender.last_stats.kind == "anchor"
+    receiver = DeltaReceiver(_state(seed=1), store)
+    assert receiver.update() == 3
+    assert first_difference(receiver.target.state_dict(), state) is None
+    sender.close()
 
 
 def test_a_failed_publish_never_deletes_an_object_it_cannot_call_its_own(tmp_path):

@@ -63,7 +63,7 @@ from ._packed_estimates import (
     wide_steps,
 )
 from ._packed_header import (
-    CODE_BITS, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, STREAMS, VAL_RAW, VAL_STEPS, read_header, write_header,
+    CODE_BITS, MAX_GAP_SHIFT, POS_BITMAP, POS_GAPS, POS_LOW, STREAMS, VAL_RAW, VAL_STEPS, read_header, write_header,
 )
 from ._bits import METHOD_STORED, compressor, pack_stream, to_planes, unpack_stream, zigzag
 # (called through this module's names: tests record the reference readers' calls by patching them here)
@@ -97,11 +97,11 @@ def _streams_of(blob: np.ndarray) -> list[tuple[int, np.ndarray, int]]:
 
 def _pack_streams(raw: list[np.ndarray], cctx) -> list[tuple[int, bytes | np.ndarray, int]]:
     """The six streams as :func:`~._bits.pack_stream` gives them, zstd where its frame is shorter,
-    except the gaps' low bits (stream 2), which are stored: below the gap shift a gap's bits are
+    except the gaps' low bits (``POS_LOW``), which are stored: below the gap shift a gap's bits are
     close to uniform, zstd shortened none of the 65 such streams of ``tools/bench_codec.py``'s
     change sets, and trying cost 0.1 ns per change at 1% density (``docs/benchmarks.md``, issue
     14, "Rice codes and nibble pairs")."""
-    return [pack_stream(x, cctx) if i != 2 else (METHOD_STORED, x, x.size) for i, x in enumerate(raw)]
+    return [pack_stream(x, cctx) if i != POS_LOW else (METHOD_STORED, x, x.size) for i, x in enumerate(raw)]
 
 
 def _bit_pattern(t: torch.Tensor) -> np.ndarray:

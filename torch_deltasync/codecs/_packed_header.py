@@ -17,6 +17,8 @@ CODE_BITS = (2, 4, 8, 16)
 POS_GAPS, POS_BITMAP = 0, 1
 VAL_RAW, VAL_STEPS = 0, 1
 STREAMS = ("positions", "pos_ext", "pos_low", "codes", "ext", "raw")
+#: The stream of the gaps' low bits, which the reference encoder stores without trying zstd.
+POS_LOW = STREAMS.index("pos_low")
 #: Largest gap shift ``r``: an ``r``-bit field plus its bit offset within a byte fits 64 bits.
 MAX_GAP_SHIFT = 56
 

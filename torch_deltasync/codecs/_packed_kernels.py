@@ -13,7 +13,7 @@ import numpy as np
 from .._native import _BLOCK, _U0, _U1, _U7, _U7F, _U8, _U80, _u64, checksum_at, jit, trailing_zeros
 from .._native_zstd import compress, compress_bound
 from ._bits import METHOD_STORED, METHOD_ZSTD, MIN_ZSTD_BYTES
-from ._packed_header import HEADER_FIXED, LAYOUT_VERSION, POS_GAPS, VAL_RAW, VAL_STEPS
+from ._packed_header import HEADER_FIXED, LAYOUT_VERSION, POS_GAPS, POS_LOW, VAL_RAW, VAL_STEPS
 from ._packed_estimates import (
     STEP_CAP, SAMPLE_EVERY, SAMPLE_FROM, best_gap_shift, best_step_code, gap_shift_window, wide_steps,
 )
@@ -511,7 +511,7 @@ def encode_compressed(pos, new, old, width, r, n_gap_esc, b, n_val_esc, base, cc
     for i in range(6):
         x = streams[i]
         n = x.size
-        m = compress(cctx, x, payload[at : at + compress_bound(n)]) if n >= MIN_ZSTD_BYTES and i != 2 else -1
+        m = compress(cctx, x, payload[at : at + compress_bound(n)]) if n >= MIN_ZSTD_BYTES and i != POS_LOW else -1
         if m < 0 or m >= n:  # stored: no frame shorter than the stream
             payload[at : at + n] = x
             m = n
