@@ -25,7 +25,7 @@ Run (about two minutes on 2 cores)::
 
     PYTHONPATH=. python tools/bench_lora.py --size small --rank 16 --steps 24
 
-Writes every record to ``--metrics`` (JSONL).
+Appends every record to ``--metrics`` (JSONL), as the other tools do.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> None:
     torch.set_num_threads(1)
     Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
     out = []
-    with open(args.metrics, "w") as f:
+    with open(args.metrics, "a") as f:
         for codec in args.codecs.split(","):
             for start in ("fresh", "trained"):
                 for lr in (float(x) for x in args.lrs.split(",")):
