@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
-from torch_deltasync.errors import PublishError, StoreError, TransientStoreError
-from torch_deltasync.keys import list_versions
+from torch_deltasync.errors import ObjectExistsError, PublishError, StoreError, TransientStoreError
+from torch_deltasync.keys import list_versions, manifest_key
 from torch_deltasync.testing import first_difference
 
 
@@ -279,7 +279,7 @@ def test_a_manifest_write_past_its_deadline_may_still_land(tmp_path):
     "not published, no partial version is visible" while receivers then applied it."""
     import time
 
-    from torch_deltasync.keys import list_versions
+    from torch_deltasync.keys import list_versions, manifest_key
     from torch_deltasync.store import DeadlineStore
 
     class SlowManifests(LocalStore):
@@ -427,6 +427,37 @@ def test_a_failed_publish_never_deletes_an_object_it_cannot_call_its_own(tmp_pat
         sender.publish()
     assert store.get(key) == b"another writer's anchor"
     assert [k for k in store.deleted if k.startswith("objects/")] == []
+    sender.close()
+
+
+class LostReplies(Flaky):
+    """Every object's put lands, then fails as if its reply were lost: the retry finds the bytes."""
+
+    def put_new(self, key, data):
+        if key.startswith("objects/") and not self.exists(key):
+            super().put_new(key, data)
+            raise ObjectExistsError(f"{key} exists")
+        return super().put_new(key, data)
+
+
+def test_a_failed_publish_keeps_identical_objects_it_did_not_create(tmp_path):
+    # Each object key already holds exactly our bytes when we create it: a retry of our own put
+    # whose reply was lost, or another writer's identical object (which its manifest may name): the
+    # sender cannot tell, so when the publish then fails these objects stay, for garbage collection.
+    store = LostReplies(tmp_path)
+    state = _state()
+    sender = DeltaSender(state, store, anchor_every=1)
+    assert sender.publish() == 0
+    store.put_errors[manifest_key(1)] = StoreError("injected: PUT failed")  # (not transient: the clean-up runs)
+    _nudge(state, 1)
+    with pytest.raises(PublishError, match=r"version 1 was not published \(rank 0 manifest: StoreError: injected"):
+        sender.publish()
+    assert len(store.list("objects/000000000001")) == 2  # the anchor and the delta it carries
+    assert [k for k in store.deleted if k.startswith("objects/")] == []
+    assert sender.publish() == 2  # and the run goes on
+    receiver = DeltaReceiver(_state(seed=1), store)
+    assert receiver.update() == 2
+    assert first_difference(receiver.target.state_dict(), state) is None
     sender.close()
 
 

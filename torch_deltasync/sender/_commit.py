@@ -29,10 +29,13 @@ log = logging.getLogger("torch_deltasync.sender")
 def upload_objects(store: Store, job: Job, blobs: list[tuple[str, int, int, bytes]], rank: int,
                    written: list[str]) -> dict[str, Any]:
     """Write this rank's objects of ``job`` (``blobs``: ``(kind, slot, slots, bytes)`` from
-    :func:`~._encode.encode_objects`), appending to ``written`` each key known to hold this
-    rank's bytes: its put returned, or the key already held exactly them (a retried put whose
-    first reply was lost). A put that failed leaves its key out: nothing landed, or it is unknown
-    whose object is there (another writer's, after a takeover).
+    :func:`~._encode.encode_objects`), appending to ``written`` each key this rank created (its
+    put returned). A key that already held exactly these bytes stays out, as does one whose put
+    failed: it may be a retry of our own put whose first reply was lost, or another writer's
+    identical object that its manifest names; only the clean-up of a failed publish reads
+    ``written``, and an object left behind is garbage that
+    :func:`~torch_deltasync.retention.collect_garbage` removes, where one deleted could break a
+    visible version.
 
     Returns:
         This rank's record for :func:`write_manifest`: ``{"ok": True, "objects", "partials",
@@ -47,10 +50,11 @@ def upload_objects(store: Store, job: Job, blobs: list[tuple[str, int, int, byte
     for kind, slot, slots, data in blobs:
         key = object_key(job.version, kind, slot, slots)
         try:
-            put_once(store, key, data)
+            created = put_once(store, key, data)
         except ObjectExistsError as e:  # another writer uses this version number
             return {"ok": False, "taken": True, "error": f"rank {rank}: {e}"}
-        written.append(key)
+        if created:
+            written.append(key)
         objects.append(ObjectEntry(key, len(data), sha256_hex(data), slot, slots).to_json())
     return {"ok": True, "objects": objects, "partials": job.partials, "counts": job.counts}
 
@@ -139,18 +143,24 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
             "anchor_nbytes": manifest.anchor_nbytes, "delta_nbytes": manifest.delta_nbytes}
 
 
-def put_once(store: Store, key: str, data: bytes) -> None:
+def put_once(store: Store, key: str, data: bytes) -> bool:
     """Create ``key``; never replace an existing object (a retry of our own put that succeeded
     before its reply was lost finds our own bytes there, which is fine).
 
+    Returns:
+        ``True`` when this call created ``key``; ``False`` when it already held exactly ``data``
+        (our own earlier put, or another writer's identical object: the caller cannot tell).
+
     Raises:
-        ObjectExistsError: another writer's object holds the key.
+        ObjectExistsError: another writer's object, with other bytes, holds the key.
     """
     try:
         store.put_new(key, data)
+        return True
     except ObjectExistsError:
         if store.get(key) != data:
             raise
+        return False
 
 
 def landed(store: Store, key: str, data: bytes, put_error: Exception, version: int,
