@@ -448,3 +448,22 @@ def test_a_state_dict_hook_that_returns_copies_is_refused(store):
             p.zero_()
     assert DeltaReceiver(renamed, store).update() == 0
     assert same(bf16_bits(renamed.inner), bf16_bits(trainer))
+
+
+def test_an_alias_that_names_another_tensor_is_published_as_an_anchor(store):
+    """``b`` was tied to ``a`` and is now tied to ``c`` (same shape): a delta of ``c``'s changes
+    would leave the replica's untied copy of ``b`` holding ``a``'s values, reported as updated."""
+    a, c = torch.full((6,), 1.0), torch.full((6,), 2.0)
+    state = {"a": a, "c": c, "b": a}
+    sender = DeltaSender(state, store, anchor_every=0)
+    replica = {k: torch.zeros(6, dtype=torch.bfloat16) for k in "abc"}  # untied copies
+    receiver = DeltaReceiver(replica, store)
+    assert sender.publish() == 0 and receiver.update() == 0
+    state["b"] = c
+    c[0] = 3.0
+    assert sender.publish() == 1
+    m = receiver.manifest(1)
+    assert (m.kind, m.base_version, m.aliases) == ("anchor", None, {"b": "c"})
+    assert receiver.update() == 1
+    assert same(bf16_bits(replica), bf16_bits(state))
+    receiver.verify()

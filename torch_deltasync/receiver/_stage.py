@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
+from .._dtypes import bits
 from .._pool import map_largest_first
 from ..checksum import checksum_change, combine, tensor_checksum
 from ..codecs import TensorDelta
@@ -477,10 +478,11 @@ def _lookup(target: Target, name: str, staged: tuple[torch.Tensor, torch.Tensor]
     else:
         i = torch.zeros_like(pos)
         hit = torch.zeros_like(pos, dtype=torch.bool)
-    out[hit] = sval[i[hit]]
+    # (masks on the integer views: torch's masked writes do not take every float dtype, e.g. fp8)
+    bits(out)[hit] = bits(sval)[i[hit]]
     miss = ~hit
     if bool(miss.any()):
-        out[miss] = _read(target, name, pos[miss], dtype)
+        bits(out)[miss] = bits(_read(target, name, pos[miss], dtype))
     return out
 
 

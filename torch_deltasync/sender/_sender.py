@@ -180,6 +180,7 @@ class DeltaSender:
         self._chain_nbytes = 0
         self._partials: dict[str, int] = {}  # name -> local partial checksum of the published state
         self._shapes: dict[str, TensorBlock] = {}  # name -> block at the last published version
+        self._aliases: dict[str, str] = {}  # alias -> tensor at the last published version
         self._force_anchor = False  # after another writer took a version number
         self._latest_pending: int | None = None  # rank 0: LATEST could not be written for this version
         self._latest_at: int | None = None  # rank 0: the version this sender last pointed LATEST at
@@ -390,9 +391,10 @@ class DeltaSender:
                     )
                 src.upload = self._uploads[src.name]
         det = self.detector
-        # Tensors appeared, vanished or changed shape or block: start over with an anchor that
-        # carries no delta (a delta cannot describe a tensor of another shape).
-        reshaped = self._shapes != {src.name: src.slice for src in sources}
+        # Tensors appeared, vanished or changed shape or block, or an alias names another tensor:
+        # start over with an anchor that carries no delta (a delta cannot describe a tensor of
+        # another shape, nor a receiver's untied copy of an alias that now mirrors another tensor).
+        reshaped = self._shapes != {src.name: src.slice for src in sources} or self._aliases != aliases
         if reshaped:
             for name in det.names():
                 det.drop(name)
@@ -568,6 +570,7 @@ class DeltaSender:
     def _commit(self, job: Job, outcome: dict[str, Any]) -> None:
         """The version is visible: advance snapshots, checksums and the anchor policy state."""
         self._shapes = {s.name: s.slice for s in job.sources}
+        self._aliases = dict(job.aliases)
         det = self.detector
         for s in job.sources:
             if not s.upload:
