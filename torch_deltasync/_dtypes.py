@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _native
 from .errors import CorruptObjectError
 
 # Inference dtypes we can ship, by their wire name (the name safetensors uses, lower-cased torch name).
@@ -88,3 +89,57 @@ def unsigned_bits64(t: torch.Tensor) -> torch.Tensor:
     if width == 64:
         return b.clone()
     return b.to(torch.int64).bitwise_and_((1 << width) - 1)
+
+
+# --- the published cast ------------------------------------------------------------------------
+
+#: The one NaN each inference dtype publishes after a cast, as its signed integer view: the
+#: positive quiet NaN that torch's scalar cast writes. torch's casts give a NaN other bits
+#: depending on the code path that meets it, so the same weights would publish different bits in
+#: an anchor and in a delta: fp32 -> bf16 writes 0x7FC0 in scalar code but 0xFFFF in its AVX-512
+#: lanes (``aten/src/ATen/cpu/vec/vec512/vec512_bfloat16.h``), fp16 -> fp32 keeps a payload in
+#: vector lanes (0xFFFFE000) and writes 0x7FFFFFFF in the scalar tail; which path an element takes
+#: depends on its place in the tensor, the tensor's strides, and where a chunk starts.
+CANONICAL_NAN: dict[torch.dtype, int] = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000,
+                                         torch.float64: 0x7FF8000000000000}
+# (a NaN is a pattern whose magnitude bits exceed the dtype's infinity; e4m3fn has no infinity:
+# above its largest finite magnitude 0x7E)
+_MAGNITUDE = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00),
+              torch.float32: (0x7FFFFFFF, 0x7F800000), torch.float64: (0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000)}
+for _name, _nan, _limit in (("float8_e4m3fn", 0x7F, 0x7E), ("float8_e5m2", 0x7F, 0x7C)):
+    if (_dt := getattr(torch, _name, None)) is not None:
+        CANONICAL_NAN[_dt], _MAGNITUDE[_dt] = _nan, (0x7F, _limit)
+
+
+def canonical_nans_(t: torch.Tensor) -> torch.Tensor:
+    """Overwrite every NaN of ``t`` (a contiguous tensor of an inference dtype, any device) with
+    :data:`CANONICAL_NAN` of its dtype, in place; returns ``t``. Other values keep their bits.
+
+    On the CPU (with the compiled kernels) one pass reads ``t`` and writes only its NaNs; elsewhere
+    it takes three torch ops on the integer view (mask, compare, masked fill)."""
+    mask, limit = _MAGNITUDE[t.dtype]
+    b = bits(t).view(-1)
+    if t.device.type == "cpu" and _native.enabled():
+        u = b.numpy().view(f"u{t.element_size()}")
+        _native.canonical_nans(u, u.dtype.type(mask), u.dtype.type(limit), u.dtype.type(CANONICAL_NAN[t.dtype]))
+    else:
+        b.masked_fill_((b & mask) > limit, CANONICAL_NAN[t.dtype])
+    return t
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` as a new tensor: torch's cast (round to nearest even), with each NaN it
+    made written as :data:`CANONICAL_NAN` (the bits of NaNs in ``t`` are kept when ``t`` is already
+    in ``dtype``). Every cast to the inference dtype the sender publishes goes through here or
+    through kernels that write the same bits (the compiled change detection), so anchors, deltas
+    and checksums agree for any layout of the source.
+
+    Args:
+        t: any floating tensor, any layout and device.
+        dtype: an inference dtype (:data:`CANONICAL_NAN` has it).
+
+    Returns:
+        A new contiguous tensor of ``t``'s shape in ``dtype``.
+    """
+    out = t.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
+    return out if t.dtype == dtype else canonical_nans_(out)

@@ -308,14 +308,22 @@ def _extract(bits, groups, base, vals, ref, pos_out, new_out, old_out, k):
     return k
 
 
+@_jit(inline=True)
+def _f32_to_bf16(u):
+    """The bf16 pattern (uint16) of the fp32 pattern ``u`` (uint32): round to nearest even, and
+    0x7FC0 for every NaN (a select, no branch)."""
+    c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return np.uint16(0x7FC0) if u & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000) else c
+
+
 @_jit
 def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, bits):
     """Changed elements of ``src`` (fp32 bit patterns, uint32 ``(n,)``) cast to bf16 against
     ``snap`` (bf16 bit patterns, uint16 ``(n,)``).
 
     The cast is round-to-nearest-even on the bit pattern, which is torch's fp32 -> bf16 cast for
-    every value but NaN (whose result differs between torch's scalar and vector code); a NaN in
-    ``src`` makes the kernel stop and return -1, and the caller uses torch's cast instead.
+    every value but NaN, and a NaN becomes 0x7FC0: the published cast,
+    :func:`torch_deltasync._dtypes.cast` (torch's own result for a NaN depends on its code path).
 
     Writes the ``k`` changed positions (``base + i``), new and old bf16 patterns to the first ``k``
     entries of ``pos_out`` (int64), ``new_out`` and ``old_out`` (uint16), block by block of
@@ -324,7 +332,7 @@ def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, bits):
 
     Returns:
         ``(k, done)``: the changes written and the elements of ``src`` examined (``n`` when all;
-        call again on the rest with larger outputs), or ``(-1, 0)`` when ``src`` holds a NaN.
+        call again on the rest with larger outputs).
     """
     n = src.size
     k = 0
@@ -334,26 +342,19 @@ def detect_f32_bf16(src, snap, base, pos_out, new_out, old_out, cast_tmp, bits):
         s = src[a : a + _BLOCK]  # slices, not offsets: numba vectorises loops over views
         ref = snap[a : a + _BLOCK]
         m = s.size
-        top = np.uint32(0)
         for g in range((m + 63) // 64):  # cast, compare, and one bit per element
             w = _U0
             if 64 * g + 64 <= m:
                 for q in range(64):  # vectorises
-                    u = s[64 * g + q]
-                    top = max(top, u & np.uint32(0x7FFFFFFF))
-                    c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    c = _f32_to_bf16(s[64 * g + q])
                     cast_tmp[64 * g + q] = c
                     w |= _u64(c != ref[64 * g + q]) << _u64(q)
             else:
                 for q in range(m - 64 * g):
-                    u = s[64 * g + q]
-                    top = max(top, u & np.uint32(0x7FFFFFFF))
-                    c = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    c = _f32_to_bf16(s[64 * g + q])
                     cast_tmp[64 * g + q] = c
                     w |= _u64(c != ref[64 * g + q]) << _u64(q)
             bits[g] = w
-        if top > np.uint32(0x7F800000):
-            return -1, 0
         k = _extract(bits, (m + 63) // 64, base + a, cast_tmp, ref, pos_out, new_out, old_out, k)
     return k, n
 
@@ -381,6 +382,22 @@ def detect_same(src, snap, base, pos_out, new_out, old_out, bits):
             bits[g] = w
         k = _extract(bits, (m + 63) // 64, base + a, s, ref, pos_out, new_out, old_out, k)
     return k, n
+
+
+@_jit
+def canonical_nans(u, mask, limit, nan):
+    """Write ``nan`` over every entry of ``u`` (unsigned bit patterns, ``(n,)``) whose magnitude
+    ``u & mask`` exceeds ``limit`` (a NaN of its float dtype), in place
+    (:func:`torch_deltasync._dtypes.canonical_nans_`)."""
+    for a in range(0, u.size, _BLOCK):
+        s = u[a : a + _BLOCK]
+        top = s[0] & mask
+        for j in range(s.size):  # vectorises: NaNs are rare, so a block is read once, written never
+            top = max(top, s[j] & mask)
+        if top > limit:
+            for j in range(s.size):
+                if s[j] & mask > limit:
+                    s[j] = nan
 
 
 # --- applying steps (codecs/_base.py, TensorDelta.resolve) -------------------------------------

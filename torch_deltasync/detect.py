@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import _gpu, _native
-from ._dtypes import as_dtype, bits, int_view_dtype
+from ._dtypes import as_dtype, bits, canonical_nans_, cast, int_view_dtype
 
 __all__ = ["Changes", "ChangeDetector"]
 
@@ -126,8 +126,10 @@ class ChangeDetector:
         return sum(s.numel() * s.element_size() for s in self._snap.values())
 
     def cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A new flat copy of ``tensor`` in the inference dtype (used for anchors)."""
-        return tensor.detach().reshape(-1).to(self.dtype, copy=True)
+        """A new flat copy of ``tensor`` in the inference dtype (used for anchors): the published
+        cast, :func:`~torch_deltasync._dtypes.cast` (NaNs made canonical), the bits that
+        :meth:`detect` compares for any layout of ``tensor``."""
+        return cast(tensor.reshape(-1), self.dtype)
 
     def reset(self, name: str, tensor: torch.Tensor | None = None, *, cast: torch.Tensor | None = None) -> None:
         """Make the snapshot of ``name`` equal to ``tensor`` cast to the inference dtype.
@@ -219,8 +221,7 @@ class ChangeDetector:
             if same_dtype:
                 cur = flat[a : a + m]
             else:
-                cur = cast_buf[:m]
-                cur.copy_(flat[a : a + m])
+                cur = canonical_nans_(cast_buf[:m].copy_(flat[a : a + m]))  # the bits of cast()
             ref = snap[a : a + m]
             if ref.device != device:
                 ref = ref.to(device, non_blocking=True)
@@ -241,22 +242,21 @@ class ChangeDetector:
 
     def _detect_native(self, name: str, flat: torch.Tensor, snap: torch.Tensor) -> Changes | None:
         """:meth:`detect` on the CPU in one compiled pass (cast, compare, extract), writing
-        straight into the result arrays, for an fp32 tensor with a bf16 inference dtype or
-        a tensor already in the inference dtype; ``None`` for other dtypes or when the tensor
-        holds a NaN (whose fp32 -> bf16 cast differs between torch's code paths: the torch path
-        then casts exactly as ``reset``).
+        straight into the result arrays, for an fp32 tensor with a bf16 inference dtype (cast
+        as :meth:`cast` does, NaNs included) or a tensor already in the inference dtype; ``None``
+        for other dtypes.
 
         The result arrays start at 1.125x the changes this tensor had last time (1/16 of its
         elements the first time) and grow by doubling when the kernel stops before a block that
         might not fit; their sizes barely change between versions, so the allocator can reuse the
         memory of the last ones (glibc keeps it per thread arena: with several reading threads a
         tensor read by another thread than last time may take fresh memory)."""
-        cast = flat.dtype == torch.float32 and self.dtype == torch.bfloat16
-        if not cast and flat.dtype != self.dtype:
+        to_bf16 = flat.dtype == torch.float32 and self.dtype == torch.bfloat16
+        if not to_bf16 and flat.dtype != self.dtype:
             return None
         n = flat.numel()
         w = self.dtype.itemsize
-        src = flat.view(torch.int32 if cast else self.int_dtype).numpy().view(f"u{flat.element_size()}")
+        src = flat.view(torch.int32 if to_bf16 else self.int_dtype).numpy().view(f"u{flat.element_size()}")
         ref = snap.numpy().view(f"u{w}")
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:  # this thread's
@@ -270,11 +270,9 @@ class ChangeDetector:
             if cap - k < _native.BLOCK:  # grow, keeping the k entries found so far (the rest untouched)
                 cap = max(2 * cap, k + _native.BLOCK)
                 pos, new, old = (_grown(x, k, cap) for x in (pos, new, old))
-            if cast:
+            if to_bf16:
                 found, seen = _native.detect_f32_bf16(src[done:], ref[done:], done, pos[k:], new[k:], old[k:],
                                                       cast_tmp, bits_tmp)
-                if found < 0:
-                    return None
             else:
                 found, seen = _native.detect_same(src[done:], ref[done:], done, pos[k:], new[k:], old[k:], bits_tmp)
             k += found

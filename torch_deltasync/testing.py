@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._dtypes import bits
+from ._dtypes import bits, cast
 
 __all__ = ["QWEN3_SIZES", "tiny_qwen3", "adam_step", "bitwise_equal", "state_bits", "state_digest", "first_difference",
            "synthetic_step", "set_full_weights"]
@@ -71,10 +71,10 @@ def adam_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, batch: int 
 
 
 def state_bits(model: nn.Module | dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Every floating tensor cast to ``dtype`` and viewed as integers (for bitwise comparison)."""
+    """Every floating tensor cast to ``dtype`` as the sender publishes it (:func:`~torch_deltasync.
+    _dtypes.cast`: torch's cast, NaNs as one pattern) and viewed as integers (for bitwise comparison)."""
     sd = model.state_dict() if isinstance(model, nn.Module) else model
-    return {n: bits(t.detach().to(dtype).contiguous()).clone() for n, t in sd.items()
-            if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return {n: bits(cast(t, dtype)) for n, t in sd.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
 
 
 def first_difference(a: nn.Module | dict, b: nn.Module | dict, dtype: torch.dtype = torch.bfloat16) -> str | None:

@@ -132,3 +132,37 @@ def test_different_tensors_detected_on_several_threads_at_once_are_exact(native,
             assert torch.equal(got.positions, want.positions), name
             assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16)), name
             assert torch.equal(got.old_values.view(torch.int16), want.old_values.view(torch.int16)), name
+
+
+_NAN = {torch.float16: -1, torch.float32: -1, torch.float64: -1}  # all ones: a negative NaN with a payload
+_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@pytest.mark.parametrize("src,dtype,want", [
+    (torch.float32, torch.bfloat16, 0x7FC0), (torch.float64, torch.bfloat16, 0x7FC0),
+    (torch.float16, torch.float32, 0x7FC00000), (torch.float32, torch.float16, 0x7E00),
+    (torch.float32, torch.float8_e4m3fn, 0x7F), (torch.float32, torch.float8_e5m2, 0x7F),
+])
+def test_the_published_cast_writes_one_nan_whatever_the_layout(src, dtype, want):
+    # torch's cast gives a NaN other bits in vector lanes, in a loop's scalar tail and for strided
+    # input; anchors (cast) and change detection (chunks of any size) must publish the same bits.
+    n = (1 << 12) + 3
+    base = torch.randn(2 * n).to(src)
+    nans = [0, 5, n - 1]  # in the vector body, and the last element (a tail)
+    base.view(_VIEW[src.itemsize])[[2 * p for p in nans]] = _NAN[src]
+    strided = base[::2]
+    contiguous = strided.contiguous()
+    view = _VIEW[dtype.itemsize]
+    finite = torch.ones(n, dtype=torch.bool)
+    finite[nans] = False
+    for chunk in (None, 7, n - 1):
+        det = ChangeDetector(inference_dtype=dtype, chunk_numel=chunk)
+        for t in (strided, contiguous):
+            out = det.cast(t).view(view)
+            assert out[nans].tolist() == [want] * 3
+            assert torch.equal(out[finite], contiguous.to(dtype).view(view)[finite])
+        det.reset("w", torch.zeros(n, dtype=src))
+        ch = det.detect("w", strided)
+        assert ch.values.view(view)[torch.isin(ch.positions, torch.tensor(nans))].tolist() == [want] * 3
+        det.reset("w", strided)
+        assert det.detect("w", contiguous).numel == 0  # the anchor's bits are what detection sees

@@ -470,24 +470,32 @@ def test_detection_matches(src_dtype, dtype, n, chunk):
     assert torch.equal(fast[0], expected)
 
 
-def test_detection_with_nan_uses_torchs_cast():
+def test_detection_casts_every_nan_to_one_pattern():
+    # torch's fp32 -> bf16 cast writes a NaN as 0xFFFF in its vector lanes and as 0x7FC0 in scalar
+    # code; the published cast (anchors, and detection on either path) writes 0x7FC0 wherever it is.
     w = torch.randn(10_000)
     w[17] = float("nan")
     w2 = w.clone()
     w2[3] += 1.0
-    w2[17] = -float("nan")
+    w2.view(torch.int32)[17] = -1  # another NaN (sign and payload): the same published bits
     w2[18] = float("nan")
+    w2.view(torch.int32)[9_999] = 0x7F800001  # a signalling NaN, in the vector loop's tail
 
     def run():
         det = ChangeDetector()
         det.reset("w", w)
         ch = det.detect("w", w2)
-        return ch.positions, bits(ch.values)
+        return ch.positions, bits(ch.values), bits(det.cast(w2))
 
     fast, ref = both(run)
-    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
-    expected = (bits(w.to(torch.bfloat16)) != bits(w2.to(torch.bfloat16))).nonzero().squeeze(1)
-    assert torch.equal(fast[0], expected) and {3, 18} <= set(expected.tolist())
+    for a, b in zip(fast, ref):
+        assert torch.equal(a, b)
+    positions, values, cast = fast
+    assert positions.tolist() == [3, 18, 9_999] and values[1:].tolist() == [0x7FC0, 0x7FC0]
+    assert cast[[17, 18, 9_999]].tolist() == [0x7FC0] * 3
+    others = torch.ones(10_000, dtype=torch.bool)
+    others[[17, 18, 9_999]] = False
+    assert torch.equal(cast[others], bits(w2.to(torch.bfloat16))[others])  # torch's cast elsewhere
 
 
 def test_kernels_imported_by_name_get_their_dispatchers():

@@ -279,7 +279,6 @@ def test_a_manifest_write_past_its_deadline_may_still_land(tmp_path):
     "not published, no partial version is visible" while receivers then applied it."""
     import time
 
-    from torch_deltasync.keys import list_versions, manifest_key
     from torch_deltasync.store import DeadlineStore
 
     class SlowManifests(LocalStore):
@@ -474,4 +473,28 @@ def test_no_clean_up_while_the_store_is_unreachable(tmp_path):
         sender.publish()
     assert [k for k in store.deleted if k.startswith("objects/")] == []
     assert store.list("objects/000000000002") == ["objects/000000000002/anchor-r00000-of00001.safetensors"]
+    sender.close()
+
+
+def test_a_nan_in_a_strided_weight_keeps_every_version_reachable(tmp_path):
+    # The anchor used to cast the strided view (torch's scalar code: NaN -> 0x7FC0) while detection
+    # and the checksums cast a contiguous copy (vector lanes: 0xFFFF): from the next delta on no
+    # receiver, not even a new one, could reach any version.
+    base = torch.randn(16)
+    w = base[::2]
+    store = LocalStore(tmp_path)
+    sender = DeltaSender({"w": w}, store, anchor_every=2, codec="raw")
+    held = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    follower = DeltaReceiver(held, store)
+    for v in range(5):
+        if v == 1:
+            w.view(torch.int32)[3] = -1  # a NaN appears
+        w[0] += 1
+        assert sender.publish() == v
+        assert follower.update() == v
+        fresh = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+        assert DeltaReceiver(fresh, store).update() == v
+        for got in (held, fresh):
+            assert got["w"].view(torch.int16)[3].item() == (0x7FC0 if v else w[3].to(torch.bfloat16).view(torch.int16).item())
+            assert torch.equal(got["w"].view(torch.int16)[:3], w[:3].to(torch.bfloat16).view(torch.int16))
     sender.close()
