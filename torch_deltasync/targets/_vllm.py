@@ -79,6 +79,7 @@ import torch
 from torch import nn
 
 from .. import _native, _native_apply
+from .._dtypes import cast
 from ..checksum import checksum as _checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from ._base import Target, narrow_exactly
@@ -216,7 +217,7 @@ class VLLMTarget(_VLLMLayout, Target):
         if out is not None:
             return out
         local = self._owned_local(e, p, positions)
-        return _flat(p.param)[local].to(dtype).to(positions.device)
+        return cast(_flat(p.param)[local], dtype).to(positions.device)  # (a NaN as published, from fp32 too)
 
     def _read_native(self, e: _Entry, p: _Place, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """:meth:`read` with the compiled kernels (the map fused with the gather, as in

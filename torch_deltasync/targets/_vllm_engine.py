@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._dtypes import bits
+from .._dtypes import bits, cast
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from . import _vllm_ahead as ahead
@@ -214,7 +214,7 @@ class VLLMEngineTarget(Target):
         log.info("vLLM engine target: %d tensors in place, %d modules reloaded", len(inplace), len(loads))
 
     def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._host(name).view(-1)[positions].to(dtype)
+        return cast(self._host(name).view(-1)[positions], dtype)  # (a NaN as published, from fp32 storage too)
 
     @torch.no_grad()
     def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
