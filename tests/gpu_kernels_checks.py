@@ -60,9 +60,14 @@ def main(device: str) -> None:
         print(f"detect {src_dtype} -> {dtype}: ok")
     w = torch.randn(3000)
     w[100] = float("nan")
-    assert _gpu.detect(w.to(device), bits(w.to(torch.bfloat16)).to(device), torch.bfloat16) is None
+    w.view(torch.int32)[2_999] = -1  # a NaN with a payload, in the last block
+    snap = torch.zeros(3000, dtype=torch.int16)
+    got = _gpu.detect(w.to(device), snap.to(device), torch.bfloat16)
+    want = cpu_detect(torch.zeros(3000), w, torch.bfloat16)  # the CPU kernel: NaN -> 0x7FC0
+    assert all(torch.equal(g.cpu() if i == 0 else bits(g).cpu(), x) for i, (g, x) in enumerate(zip(got, want)))
+    assert bits(got[1])[got[0] == 100].tolist() == bits(got[1])[got[0] == 2_999].tolist() == [0x7FC0]
     assert _gpu.detect(w.half().to(device), bits(w.to(torch.bfloat16)).to(device), torch.bfloat16) is None
-    print("detect falls back on NaN and other dtype pairs: ok")
+    print("detect casts NaN as the CPU does, and leaves other dtype pairs to torch: ok")
 
     rng = np.random.default_rng(0)
     for dtype in (torch.bfloat16, torch.float32):

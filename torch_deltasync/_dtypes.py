@@ -94,12 +94,13 @@ def unsigned_bits64(t: torch.Tensor) -> torch.Tensor:
 # --- the published cast ------------------------------------------------------------------------
 
 #: The one NaN each inference dtype publishes after a cast, as its signed integer view: the
-#: positive quiet NaN that torch's scalar cast writes. torch's casts give a NaN other bits
-#: depending on the code path that meets it, so the same weights would publish different bits in
-#: an anchor and in a delta: fp32 -> bf16 writes 0x7FC0 in scalar code but 0xFFFF in its AVX-512
-#: lanes (``aten/src/ATen/cpu/vec/vec512/vec512_bfloat16.h``), fp16 -> fp32 keeps a payload in
-#: vector lanes (0xFFFFE000) and writes 0x7FFFFFFF in the scalar tail; which path an element takes
-#: depends on its place in the tensor, the tensor's strides, and where a chunk starts.
+#: positive quiet NaN without payload (for bf16, fp16 and fp8 also what torch's scalar cast
+#: writes). torch's casts give a NaN other bits depending on the code path that meets it, so the
+#: same weights would publish different bits in an anchor and in a delta: fp32 -> bf16 writes
+#: 0x7FC0 in scalar code but 0xFFFF in its AVX-512 lanes
+#: (``aten/src/ATen/cpu/vec/vec512/vec512_bfloat16.h``), fp16 -> fp32 keeps a payload in vector
+#: lanes (0xFFFFE000) and writes 0x7FFFFFFF in the scalar tail; which path an element takes depends
+#: on its place in the tensor, the tensor's strides, and where a chunk starts.
 CANONICAL_NAN: dict[torch.dtype, int] = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000,
                                          torch.float64: 0x7FF8000000000000}
 # (a NaN is a pattern whose magnitude bits exceed the dtype's infinity; e4m3fn has no infinity:
@@ -116,14 +117,17 @@ def canonical_nans_(t: torch.Tensor) -> torch.Tensor:
     :data:`CANONICAL_NAN` of its dtype, in place; returns ``t``. Other values keep their bits.
 
     On the CPU (with the compiled kernels) one pass reads ``t`` and writes only its NaNs; elsewhere
-    it takes three torch ops on the integer view (mask, compare, masked fill)."""
+    three torch ops on the integer view (mask, compare, masked fill), in chunks of ``2**24``
+    elements (their temporaries take 3-9 bytes per element)."""
     mask, limit = _MAGNITUDE[t.dtype]
     b = bits(t).view(-1)
     if t.device.type == "cpu" and _native.enabled():
         u = b.numpy().view(f"u{t.element_size()}")
         _native.canonical_nans(u, u.dtype.type(mask), u.dtype.type(limit), u.dtype.type(CANONICAL_NAN[t.dtype]))
     else:
-        b.masked_fill_((b & mask) > limit, CANONICAL_NAN[t.dtype])
+        for a in range(0, b.numel(), 1 << 24):
+            c = b[a : a + (1 << 24)]
+            c.masked_fill_((c & mask) > limit, CANONICAL_NAN[t.dtype])
     return t
 
 
@@ -131,8 +135,8 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype`` as a new tensor: torch's cast (round to nearest even), with each NaN it
     made written as :data:`CANONICAL_NAN` (the bits of NaNs in ``t`` are kept when ``t`` is already
     in ``dtype``). Every cast to the inference dtype the sender publishes goes through here or
-    through kernels that write the same bits (the compiled change detection), so anchors, deltas
-    and checksums agree for any layout of the source.
+    through kernels that write the same bits (change detection on the CPU and with Triton), so
+    anchors, deltas and checksums agree for any layout of the source.
 
     Args:
         t: any floating tensor, any layout and device.
@@ -143,3 +147,44 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     out = t.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
     return out if t.dtype == dtype else canonical_nans_(out)
+
+
+def narrow(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype`` values that a receiver holds in a wider floating dtype (``values``), back in
+    ``dtype``: for bf16 held in fp32 (CPU engines) the high 16 bits of each pattern, exact for
+    every bf16 pattern NaNs included (a published NaN keeps its bits, even one a bf16 sender
+    published without a cast); for other pairs :func:`cast`. A value that is no ``dtype`` value is
+    not detected here (:func:`~torch_deltasync.targets._base.narrow_exactly` checks).
+
+    Args:
+        values: any floating tensor.
+        dtype: the inference dtype.
+
+    Returns:
+        ``values`` when already in ``dtype``, else a new contiguous tensor of its shape.
+    """
+    if values.dtype == dtype:
+        return values
+    if dtype == torch.bfloat16 and values.dtype == torch.float32:
+        return (bits(values.contiguous()) >> 16).to(torch.int16).view(torch.bfloat16)
+    return cast(values, dtype)
+
+
+def index_copy_(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``flat[positions] = values`` in place; returns ``flat``.
+
+    Values of ``flat``'s own dtype are copied through the integer views: every bit pattern as it
+    is, and for dtypes without torch's float kernels too (fp8 has no ``index_copy_`` on the CPU).
+    Values of another dtype (bf16 into fp32 storage) are widened by torch's cast first.
+
+    Args:
+        flat: 1-D, contiguous, any floating dtype and device.
+        positions: int64 ``(k,)`` in ``[0, flat.numel())`` on ``flat``'s device (torch checks them).
+        values: ``(k,)`` floating, any device.
+    """
+    values = values.to(flat.device)
+    if values.dtype == flat.dtype:
+        bits(flat).index_copy_(0, positions, bits(values))
+    else:
+        flat.index_copy_(0, positions, values.to(flat.dtype))
+    return flat

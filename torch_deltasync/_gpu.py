@@ -13,9 +13,8 @@ bf16 by round-to-nearest-even on the bit pattern, or no cast when the tensor is 
 inference dtype), compares bit patterns with the snapshot and writes the block's count of
 changes; an exclusive prefix sum of the counts gives each block its output offset; pass 2 casts
 and compares again and writes positions, new and old values in order. Both passes read the
-tensor and the snapshot (12 bytes per fp32 element in all), never a mask or a cast copy. A block
-holding a NaN reports it, and the caller falls back to torch's cast (its NaN bit pattern differs
-between torch's code paths; the CPU kernels do the same).
+tensor and the snapshot (12 bytes per fp32 element in all), never a mask or a cast copy. A NaN
+becomes 0x7FC0, as in the published cast (:func:`torch_deltasync._dtypes.cast`) and the CPU kernel.
 """
 
 from __future__ import annotations
@@ -49,33 +48,31 @@ if triton is not None:
 
     @triton.jit
     def _changed(src_ptr, snap_ptr, offs, n, CAST: tl.constexpr):
-        """Mask of changed elements at ``offs``, their new and old bit patterns (the snapshot's
-        integer type), and whether an fp32 source holds a NaN there."""
+        """Mask of changed elements at ``offs`` and their new and old bit patterns (the snapshot's
+        integer type)."""
         inside = offs < n
         old = tl.load(snap_ptr + offs, mask=inside, other=0)
-        if CAST:  # fp32 bits -> bf16 bits, round to nearest even (torch's cast except for NaN)
+        if CAST:  # fp32 bits -> bf16 bits: round to nearest even, a NaN as 0x7FC0 (the published cast)
             u = tl.load(src_ptr + offs, mask=inside, other=0)
-            nan = ((u & 0x7FFFFFFF) > 0x7F800000) & inside
-            new = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF).to(tl.int16)  # wraps to signed
+            rne = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            new = (tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rne) & 0xFFFF).to(tl.int16)  # wraps to signed
         else:
             new = tl.load(src_ptr + offs, mask=inside, other=0)
-            nan = offs < 0
-        return (new != old) & inside, new, old, nan
+        return (new != old) & inside, new, old
 
     @triton.jit
-    def _count_kernel(src_ptr, snap_ptr, counts_ptr, nans_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
+    def _count_kernel(src_ptr, snap_ptr, counts_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        changed, _, _, nan = _changed(src_ptr, snap_ptr, offs, n, CAST)
+        changed, _, _ = _changed(src_ptr, snap_ptr, offs, n, CAST)
         tl.store(counts_ptr + pid, tl.sum(changed.to(tl.int32), axis=0))
-        tl.store(nans_ptr + pid, tl.sum(nan.to(tl.int32), axis=0))
 
     @triton.jit
     def _write_kernel(src_ptr, snap_ptr, starts_ptr, pos_ptr, new_ptr, old_ptr, n, base,
                       CAST: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        changed, new, old, _ = _changed(src_ptr, snap_ptr, offs, n, CAST)
+        changed, new, old = _changed(src_ptr, snap_ptr, offs, n, CAST)
         c = changed.to(tl.int32)
         at = tl.load(starts_ptr + pid) + tl.cumsum(c, axis=0) - c  # exclusive prefix within the block
         tl.store(pos_ptr + at, offs.to(tl.int64) + base, mask=changed)
@@ -118,7 +115,7 @@ def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base
 
     Returns:
         ``(positions int64, new values, old values)`` in ``dtype`` on ``flat``'s device, or ``None``
-        for other dtype pairs and when a NaN needs torch's cast.
+        for other dtype pairs.
     """
     cast = flat.dtype == torch.float32 and dtype == torch.bfloat16
     if not cast and flat.dtype != dtype:
@@ -128,12 +125,9 @@ def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base
     src = flat.view(torch.int32) if cast else _int_view(flat)
     blocks = max(1, triton.cdiv(n, BLOCK))
     counts = torch.empty(blocks, dtype=torch.int32, device=dev)
-    nans = torch.empty(blocks, dtype=torch.int32, device=dev)
-    _count_kernel[(blocks,)](src, snap_bits, counts, nans, n, CAST=cast, BLOCK=BLOCK)
+    _count_kernel[(blocks,)](src, snap_bits, counts, n, CAST=cast, BLOCK=BLOCK)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    k, n_nan = (int(x) for x in torch.stack([ends[-1], nans.sum(dtype=torch.int64)]).tolist())  # one sync
-    if n_nan:
-        return None
+    k = int(ends[-1])  # (the one sync)
     pos = torch.empty(k, dtype=torch.int64, device=dev)
     new = torch.empty(k, dtype=snap_bits.dtype, device=dev)
     old = torch.empty(k, dtype=snap_bits.dtype, device=dev)

@@ -84,7 +84,7 @@ class ChangeDetector:
     Example:
         >>> det = ChangeDetector()
         >>> w = torch.randn(1000)
-        >>> det.reset("w", w)                  # snapshot = w.to(bf16)
+        >>> det.reset("w", w)                  # snapshot = det.cast(w): w in bf16
         >>> w[3] += 1.0
         >>> ch = det.detect("w", w)
         >>> ch.positions

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_mlp, train_step
 
-from torch_deltasync import DeltaReceiver, DeltaSender, _pool
+from torch_deltasync import DeltaReceiver, DeltaSender, _native, _pool
 from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, StaleUpdateError
 from torch_deltasync.targets import ModuleTarget
 from torch_deltasync.testing import first_difference, state_bits
@@ -349,10 +349,14 @@ def test_drift_found_after_earlier_versions_of_a_chain_says_what_the_base_is(sto
     assert receiver.last_stats.recovered and first_difference(trainer, replica) is None
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_a_chain_of_fp8_deltas_that_step_one_element_twice_applies(store, dtype):
+def test_a_chain_of_fp8_deltas_that_step_one_element_twice_applies(store, dtype, native, request):
     # The second delta steps an element the first one changed: its old value comes from the
-    # staged state, through masks that torch's fp8 tensors do not take (masked_fill).
+    # staged state, through masks that torch's fp8 tensors do not take (masked_fill); without the
+    # compiled kernels the write is torch's, which has no index_copy_ for fp8 on the CPU.
+    prev = _native.set_enabled(native)
+    request.addfinalizer(lambda: _native.set_enabled(prev))
     w = {"w": torch.linspace(-2, 2, 4096)}
     sender = DeltaSender(w, store, inference_dtype=dtype, codec="packed", anchor_every=0)
     held = {"w": torch.zeros(4096, dtype=dtype)}
@@ -370,3 +374,6 @@ def test_a_chain_of_fp8_deltas_that_step_one_element_twice_applies(store, dtype)
     assert sender.publish() == 2
     assert receiver.update() == 2 and receiver.last_stats.path == "delta"
     assert torch.equal(held["w"].view(torch.int8), w["w"].to(dtype).view(torch.int8))
+    fresh = {"w": torch.zeros(4096, dtype=dtype)}  # the anchor, then both deltas
+    assert DeltaReceiver(fresh, store).update() == 2
+    assert torch.equal(fresh["w"].view(torch.int8), held["w"].view(torch.int8))

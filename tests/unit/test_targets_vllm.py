@@ -514,3 +514,30 @@ def test_fp32_parameters_holding_values_that_are_no_bf16_values_fail_the_checksu
     with pytest.raises(ChecksumMismatchError, match=r"is held in torch\.float32 and 1 of these \d+ elements are no "
                                                     r"torch\.bfloat16 values"):
         rec.partial_checksums()
+
+
+@pytest.mark.parametrize("nan", [-1, 0x7F81])  # 0xFFFF (what torch's vector cast writes) and a payload
+def test_fp32_parameters_hold_a_bf16_senders_nan_with_its_bits(tmp_path, nan):
+    """A bf16 trainer publishes its NaN as it is (no cast). A vLLM parameter in fp32 holds it exactly
+    (high half); reading it back through a float cast rewrote its bits, so the checksums failed."""
+    spec = TINY_VLLM_CONFIGS["qwen3"]
+    hf = hf_model(spec, seed=2, dtype=BF16)
+    name, p = next((n, p) for n, p in hf.named_parameters() if p.dim() == 2 and "embed" not in n)
+    with torch.no_grad():
+        p.view(torch.int16).view(-1)[5] = nan
+    store = LocalStore(tmp_path / "bucket")
+    sender = DeltaSender(hf, store, anchor_every=1000)
+    v0 = sender.publish()
+    with torch.no_grad():
+        p.view(-1)[0] += 1
+    v1 = sender.publish()
+    m = build_vllm_model(vllm_config(spec, tmp_path / "cfg"), 0, 1).to(torch.float32)
+    rec = DeltaReceiver(VLLMTarget(m, moe_backends=CPU_MOE), store)
+    for v in (v0, v1):
+        assert rec.update(v) == v
+        m_v = load_manifest(store, v)
+        check_partials({t.name: t.checksum for t in m_v.tensors}, [rec.partial_checksums()])
+    assert name == "model.layers.0.self_attn.q_proj.weight"  # the first rows of vLLM's fused qkv_proj
+    held = dict(m.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].detach().view(torch.int32)
+    assert held.view(-1)[5].item() >> 16 == nan  # the sender's pattern in the high half
+    sender.close()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import _native, _native_apply
-from .._dtypes import bits, int_view_dtype
+from .._dtypes import bits, index_copy_, int_view_dtype
 from .._pool import map_largest_first
 from ..errors import ChecksumMismatchError, CorruptObjectError
 
@@ -146,7 +146,7 @@ class TensorDelta:
         self._check_lengths()
         if not (_native.enabled() and flat.device.type == "cpu" and self.positions.device.type == "cpu"):
             new = self.resolve(flat[self.positions]) if self.needs_base else self.values
-            flat.index_copy_(0, self.positions, new.to(flat.device))
+            index_copy_(flat, self.positions.to(flat.device), new)
             return
         u = _UNSIGNED[flat.element_size()]
         no_values = self.relative is None and self.steps is not None  # placeholders

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .._dtypes import cast
+from .._dtypes import narrow
 from ..errors import ChecksumMismatchError
 
 __all__ = ["Target", "TARGET_MEMBERS", "PreparedCommit", "allows_concurrent", "prepare_commit", "narrow_exactly"]
@@ -152,8 +152,8 @@ def allows_concurrent(target: object, calls: str) -> bool:
 
 def narrow_exactly(values: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     """``values``, held in a wider floating dtype (vLLM parameters in fp32 for a bf16 run), cast to
-    ``dtype`` for a checksum (:func:`~torch_deltasync._dtypes.cast`: a NaN as the sender publishes
-    it), after checking that each one is a ``dtype`` value: the cast back gives it again (NaNs
+    ``dtype`` for a checksum (:func:`~torch_deltasync._dtypes.narrow`: exact, NaN payloads
+    included), after checking that each one is a ``dtype`` value: the cast back gives it again (NaNs
     aside). A wider value that merely rounds to the published one would pass the checksum while the
     engine computes with another number.
 
@@ -163,7 +163,7 @@ def narrow_exactly(values: torch.Tensor, dtype: torch.dtype, name: str) -> torch
     """
     if values.dtype == dtype:
         return values
-    out = cast(values, dtype)
+    out = narrow(values, dtype)
     off = int(((out.to(values.dtype) != values) & ~torch.isnan(values)).sum())
     if off:
         raise ChecksumMismatchError(

@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from .. import _native, _native_apply
-from .._dtypes import cast
+from .._dtypes import index_copy_, narrow
 from ..checksum import checksum as _checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from ._base import Target, narrow_exactly
@@ -217,7 +217,7 @@ class VLLMTarget(_VLLMLayout, Target):
         if out is not None:
             return out
         local = self._owned_local(e, p, positions)
-        return cast(_flat(p.param)[local], dtype).to(positions.device)  # (a NaN as published, from fp32 too)
+        return narrow(_flat(p.param)[local], dtype).to(positions.device)
 
     def _read_native(self, e: _Entry, p: _Place, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """:meth:`read` with the compiled kernels (the map fused with the gather, as in
@@ -263,7 +263,7 @@ class VLLMTarget(_VLLMLayout, Target):
             for p, local in zip(e.places, locals_):
                 # index_copy_ into the live storage: cost per changed element, whatever the parameter
                 # size; never `.data = ...` (CUDA graphs and torch.compile keep the storage pointers).
-                _flat(p.param).index_copy_(0, local, values.to(device=p.param.device, dtype=p.param.dtype))
+                index_copy_(_flat(p.param), local, values)
 
     def _write_native(self, e: _Entry, positions: torch.Tensor, values: torch.Tensor) -> bool:
         """:meth:`write` with the compiled kernels: the map and the scatter fused in one pass per
@@ -313,7 +313,7 @@ class VLLMTarget(_VLLMLayout, Target):
             flat = _flat(p.param)
             for gidx, local in self._walk(e, p):
                 src = full.reshape(-1)[gidx.to(full.device)]
-                flat.index_copy_(0, local, src.to(device=p.param.device, dtype=p.param.dtype))
+                index_copy_(flat, local, src)
             if p.pad_rows is not None:
                 p.param.detach()[p.pad_rows[0]:p.pad_rows[1]].zero_()
 

@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._dtypes import bits, cast
+from .._dtypes import bits, index_copy_, narrow
 from ..checksum import tensor_checksum
 from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
 from . import _vllm_ahead as ahead
@@ -214,13 +214,13 @@ class VLLMEngineTarget(Target):
         log.info("vLLM engine target: %d tensors in place, %d modules reloaded", len(inplace), len(loads))
 
     def read(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return cast(self._host(name).view(-1)[positions], dtype)  # (a NaN as published, from fp32 storage too)
+        return narrow(self._host(name).view(-1)[positions], dtype)
 
     @torch.no_grad()
     def write(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._generation += 1
         host = self._host(name)
-        host.view(-1).index_copy_(0, positions, values.to(host.dtype))
+        index_copy_(host.view(-1), positions, values)
         if not self.engine_writes:
             return
         if name in self._inplace:
@@ -327,7 +327,7 @@ class VLLMEngineTarget(Target):
                         new = old.clone()
                     else:
                         new.copy_(old)
-                    new.view(-1).index_copy_(0, pos, val.to(new.dtype))
+                    index_copy_(new.view(-1), pos, val)
                     new_host[name] = new
         spare.clear()
         host_ms = (time.perf_counter() - t) * 1e3
