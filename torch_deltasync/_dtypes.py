@@ -7,6 +7,8 @@ same width (``view(torch.int16)`` for bf16), which compares bit patterns exactly
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import _native
@@ -149,25 +151,67 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out if t.dtype == dtype else canonical_nans_(out)
 
 
-def narrow(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``dtype`` values that a receiver holds in a wider floating dtype (``values``), back in
-    ``dtype``: for bf16 held in fp32 (CPU engines) the high 16 bits of each pattern, exact for
-    every bf16 pattern NaNs included (a published NaN keeps its bits, even one a bf16 sender
-    published without a cast); for other pairs :func:`cast`. A value that is no ``dtype`` value is
-    not detected here (:func:`~torch_deltasync.targets._base.narrow_exactly` checks).
+# --- a receiver's wider storage ------------------------------------------------------------------
+
+#: Mantissa bits of the IEEE binary formats a receiver may hold in a wider one (bf16 or fp16 in
+#: fp32 or fp64, fp32 in fp64): the pairs ``targets._vllm_layout._holds_exactly`` admits.
+_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
+
+
+def _moved_nans(src: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``src`` holds a NaN (bool) and, for every element, the bits of the ``dtype`` NaN with
+    the same sign and the payload moved to ``dtype``'s mantissa (its top bits kept; signed integer
+    view of ``dtype``). IEEE 754 (2019) §6.2.3: widening a NaN keeps its payload, and a NaN the
+    narrower format holds exactly is the one whose dropped low bits are zero."""
+    b = bits(src)
+    mask, limit = _MAGNITUDE[src.dtype]
+    nan = (b & mask) > limit
+    shift = _MANTISSA[dtype] - _MANTISSA[src.dtype]
+    payload = (b & ((1 << _MANTISSA[src.dtype]) - 1)).to(torch.int64)
+    payload = payload << shift if shift > 0 else payload >> -shift
+    sign = (b < 0).to(torch.int64) << (8 * dtype.itemsize - 1)  # (1 << 63 wraps to int64's sign bit)
+    return nan, (sign | _MAGNITUDE[dtype][1] | payload).to(int_view_dtype(dtype))
+
+
+def widen(values: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """``values`` held in the wider floating dtype ``storage`` exactly: torch's cast for numbers
+    (exact when widening) and, for a NaN, the ``storage`` NaN with its sign and payload (torch
+    quiets or drops them, differently in vector and scalar code). :func:`narrow` gives the values
+    back, bit for bit.
 
     Args:
-        values: any floating tensor.
-        dtype: the inference dtype.
+        values: ``(k,)`` in bf16, fp16 or fp32 (or already ``storage``).
+        storage: fp32 or fp64, wider than ``values``.
+    """
+    out = values.to(storage)
+    if values.dtype != storage:
+        nan, moved = _moved_nans(values, storage)
+        bits(out).copy_(torch.where(nan, moved, bits(out)))
+    return out
+
+
+def narrow(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype`` values that a receiver holds in a wider floating dtype (``values``, as
+    :func:`widen` writes them), back in ``dtype``, bit for bit, NaNs included (a NaN keeps its
+    sign and the top bits of its payload). bf16 held in fp32 is the high half of each pattern (a
+    view and one copy). A value that is no ``dtype`` value is not detected here
+    (:func:`~torch_deltasync.targets._base.narrow_exactly` checks).
+
+    Args:
+        values: any of the wider dtypes of :func:`widen`.
+        dtype: the inference dtype (bf16, fp16 or fp32).
 
     Returns:
         ``values`` when already in ``dtype``, else a new contiguous tensor of its shape.
     """
     if values.dtype == dtype:
         return values
-    if dtype == torch.bfloat16 and values.dtype == torch.float32:
-        return (bits(values.contiguous()) >> 16).to(torch.int16).view(torch.bfloat16)
-    return cast(values, dtype)
+    if dtype == torch.bfloat16 and values.dtype == torch.float32 and sys.byteorder == "little":
+        return bits(values.contiguous()).view(torch.int16)[..., 1::2].contiguous().view(torch.bfloat16)
+    out = values.to(dtype)
+    nan, moved = _moved_nans(values, dtype)
+    bits(out).copy_(torch.where(nan, moved, bits(out)))
+    return out
 
 
 def index_copy_(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -175,7 +219,7 @@ def index_copy_(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tenso
 
     Values of ``flat``'s own dtype are copied through the integer views: every bit pattern as it
     is, and for dtypes without torch's float kernels too (fp8 has no ``index_copy_`` on the CPU).
-    Values of another dtype (bf16 into fp32 storage) are widened by torch's cast first.
+    Values of a narrower dtype (bf16 into fp32 storage) are widened exactly first (:func:`widen`).
 
     Args:
         flat: 1-D, contiguous, any floating dtype and device.
@@ -186,5 +230,5 @@ def index_copy_(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tenso
     if values.dtype == flat.dtype:
         bits(flat).index_copy_(0, positions, bits(values))
     else:
-        flat.index_copy_(0, positions, values.to(flat.dtype))
+        flat.index_copy_(0, positions, widen(values, flat.dtype))
     return flat

@@ -23,6 +23,7 @@ from safetensors.torch import load as st_load, save as st_save  # noqa: E402
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
 from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLayoutError
+from torch_deltasync._dtypes import bits, narrow
 from torch_deltasync.checksum import check_partials, tensor_checksum  # noqa: E402
 from torch_deltasync.format import read_header, sha256_hex  # noqa: E402
 from torch_deltasync.keys import manifest_key
@@ -516,28 +517,32 @@ def test_fp32_parameters_holding_values_that_are_no_bf16_values_fail_the_checksu
         rec.partial_checksums()
 
 
-@pytest.mark.parametrize("nan", [-1, 0x7F81])  # 0xFFFF (what torch's vector cast writes) and a payload
-def test_fp32_parameters_hold_a_bf16_senders_nan_with_its_bits(tmp_path, nan):
-    """A bf16 trainer publishes its NaN as it is (no cast). A vLLM parameter in fp32 holds it exactly
-    (high half); reading it back through a float cast rewrote its bits, so the checksums failed."""
+@pytest.mark.parametrize("dtype,storage,nan", [
+    (BF16, torch.float32, -1), (BF16, torch.float32, 0x7F81), (BF16, torch.float64, -1),
+    (torch.float16, torch.float32, -512), (torch.float32, torch.float64, -(1 << 22)),
+])  # 0xFFFF (what torch's vector cast writes), a payload, fp16 0xFE00, x86's default NaN 0xFFC00000
+def test_wider_parameters_hold_a_senders_nan_with_its_bits(tmp_path, dtype, storage, nan):
+    """A trainer already in the inference dtype publishes its NaN as it is (no cast). A vLLM
+    parameter in a wider dtype must hold it exactly: torch's widening cast quiets or drops a NaN's
+    payload, and reading it back through a float cast rewrote its bits, so the checksums failed."""
     spec = TINY_VLLM_CONFIGS["qwen3"]
-    hf = hf_model(spec, seed=2, dtype=BF16)
-    name, p = next((n, p) for n, p in hf.named_parameters() if p.dim() == 2 and "embed" not in n)
+    hf = hf_model(spec, seed=2, dtype=dtype)
+    p = dict(hf.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    view = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
     with torch.no_grad():
-        p.view(torch.int16).view(-1)[5] = nan
+        p.view(view).view(-1)[5] = nan
     store = LocalStore(tmp_path / "bucket")
-    sender = DeltaSender(hf, store, anchor_every=1000)
+    sender = DeltaSender(hf, store, inference_dtype=dtype, anchor_every=1000)
     v0 = sender.publish()
     with torch.no_grad():
         p.view(-1)[0] += 1
     v1 = sender.publish()
-    m = build_vllm_model(vllm_config(spec, tmp_path / "cfg"), 0, 1).to(torch.float32)
+    m = build_vllm_model(vllm_config(spec, tmp_path / "cfg"), 0, 1).to(storage)
     rec = DeltaReceiver(VLLMTarget(m, moe_backends=CPU_MOE), store)
     for v in (v0, v1):
         assert rec.update(v) == v
         m_v = load_manifest(store, v)
         check_partials({t.name: t.checksum for t in m_v.tensors}, [rec.partial_checksums()])
-    assert name == "model.layers.0.self_attn.q_proj.weight"  # the first rows of vLLM's fused qkv_proj
-    held = dict(m.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].detach().view(torch.int32)
-    assert held.view(-1)[5].item() >> 16 == nan  # the sender's pattern in the high half
+    held = dict(m.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].detach()  # q: its first rows
+    assert bits(narrow(held.view(-1)[5:6], dtype)).item() == nan
     sender.close()

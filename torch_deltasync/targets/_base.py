@@ -12,7 +12,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .._dtypes import narrow
+from .._dtypes import bits, narrow, widen
 from ..errors import ChecksumMismatchError
 
 __all__ = ["Target", "TARGET_MEMBERS", "PreparedCommit", "allows_concurrent", "prepare_commit", "narrow_exactly"]
@@ -151,11 +151,12 @@ def allows_concurrent(target: object, calls: str) -> bool:
 
 
 def narrow_exactly(values: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """``values``, held in a wider floating dtype (vLLM parameters in fp32 for a bf16 run), cast to
-    ``dtype`` for a checksum (:func:`~torch_deltasync._dtypes.narrow`: exact, NaN payloads
-    included), after checking that each one is a ``dtype`` value: the cast back gives it again (NaNs
-    aside). A wider value that merely rounds to the published one would pass the checksum while the
-    engine computes with another number.
+    """``values``, held in a wider floating dtype (vLLM parameters in fp32 for a bf16 run), back in
+    ``dtype`` for a checksum (:func:`~torch_deltasync._dtypes.narrow`), after checking bit for bit
+    that each one is a ``dtype`` value: widening it again (:func:`~torch_deltasync._dtypes.widen`,
+    what the target's writes do) gives the same bits, NaNs included. A wider value that merely
+    rounds to the published one (or a NaN whose dropped payload bits are not zero) would pass the
+    checksum while the engine computes with another number.
 
     Raises:
         ChecksumMismatchError: naming tensor ``name`` and how many of its elements are no ``dtype``
@@ -163,8 +164,12 @@ def narrow_exactly(values: torch.Tensor, dtype: torch.dtype, name: str) -> torch
     """
     if values.dtype == dtype:
         return values
+    values = values.contiguous()
     out = narrow(values, dtype)
-    off = int(((out.to(values.dtype) != values) & ~torch.isnan(values)).sum())
+    if dtype == torch.bfloat16 and values.dtype == torch.float32:  # a bf16 value's low half is zero
+        off = int((bits(values) & 0xFFFF).count_nonzero())
+    else:
+        off = int((bits(widen(out, values.dtype)) != bits(values)).sum())
     if off:
         raise ChecksumMismatchError(
             f"tensor {name!r} is held in {values.dtype} and {off} of these {values.numel()} elements are no {dtype} "
