@@ -195,7 +195,8 @@ def narrow(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     :func:`widen` writes them), back in ``dtype``, bit for bit, NaNs included (a NaN keeps its
     sign and the top bits of its payload). bf16 held in fp32 is the high half of each pattern (a
     view and one copy). A value that is no ``dtype`` value is not detected here
-    (:func:`~torch_deltasync.targets._base.narrow_exactly` checks).
+    (:func:`~torch_deltasync.targets._base.narrow_exactly` checks): a number comes back rounded,
+    and a NaN whose payload lies only in the dropped bits as an infinity.
 
     Args:
         values: any of the wider dtypes of :func:`widen`.
@@ -206,9 +207,12 @@ def narrow(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if values.dtype == dtype:
         return values
+    if not values.numel():
+        return torch.empty(values.shape, dtype=dtype, device=values.device)
     if dtype == torch.bfloat16 and values.dtype == torch.float32 and sys.byteorder == "little":
-        return bits(values.contiguous()).view(torch.int16)[..., 1::2].contiguous().view(torch.bfloat16)
-    out = values.to(dtype)
+        halves = bits(values.contiguous().reshape(-1)).view(torch.int16)  # (low, high) per element
+        return halves[1::2].contiguous().view(torch.bfloat16).reshape(values.shape)
+    out = values.to(dtype, memory_format=torch.contiguous_format)
     nan, moved = _moved_nans(values, dtype)
     bits(out).copy_(torch.where(nan, moved, bits(out)))
     return out

@@ -65,3 +65,13 @@ def test_narrow_exactly_refuses_fp32_values_that_are_no_bf16_values(pattern):
     with pytest.raises(ChecksumMismatchError, match=r"'w' is held in torch\.float32 and 1 of these 3 elements are no "
                                                     r"torch\.bfloat16 values"):
         narrow_exactly(held, torch.bfloat16, "w")
+
+
+@pytest.mark.parametrize("dtype,storage", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                           (torch.float32, torch.float64)])
+def test_narrow_takes_any_layout(dtype, storage):
+    wide = widen(torch.randn(4, 3).to(dtype), storage)
+    for v in (wide[:, 1], wide.t(), wide[:0, 1], wide[1, 1], wide[2:, :]):  # a column, a transpose, empty, 0-d
+        out = narrow(v, dtype)
+        assert out.shape == v.shape and out.is_contiguous()
+        assert torch.equal(out, v.to(dtype))  # numbers: torch's exact narrowing
