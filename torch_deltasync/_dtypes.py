@@ -177,12 +177,14 @@ def widen(values: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """``values`` held in the wider floating dtype ``storage`` exactly: torch's cast for numbers
     (exact when widening) and, for a NaN, the ``storage`` NaN with its sign and payload (torch
     quiets or drops them, differently in vector and scalar code). :func:`narrow` gives the values
-    back, bit for bit.
+    back, bit for bit. bf16 in fp32 is each pattern shifted into the high half (one op).
 
     Args:
         values: ``(k,)`` in bf16, fp16 or fp32 (or already ``storage``).
         storage: fp32 or fp64, wider than ``values``.
     """
+    if values.dtype == torch.bfloat16 and storage == torch.float32:
+        return (bits(values.contiguous()).to(torch.int32) << 16).view(torch.float32)
     out = values.to(storage)
     if values.dtype != storage:
         nan, moved = _moved_nans(values, storage)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import _native, _native_apply
-from .._dtypes import bits, int_view_dtype
+from .._dtypes import bits, int_view_dtype, narrow, widen
 from ..checksum import tensor_checksum
 from ..errors import ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError
 from ._base import TARGET_MEMBERS, Target
@@ -51,10 +51,10 @@ class _Codec:
 
     * same dtype: the storage holds the values; reads and writes go through the integer view of
       the width, so every bit pattern (NaN payloads, fp8) is copied as is;
-    * bf16 values in fp32 storage: a bf16 number is the high half of the fp32 with the same value,
-      so writing shifts the bf16 pattern left by 16 and reading shifts it back (as
-      :func:`~torch_deltasync._dtypes.narrow` does). Float casts would not do: torch's fp32 -> bf16
-      cast rewrites a NaN's bits (0xFFFF in vector lanes, 0x7FC0 in scalar code).
+    * bf16 values in fp32 storage: a bf16 number is the high half of the fp32 with the same value
+      (:func:`~torch_deltasync._dtypes.widen` / :func:`~torch_deltasync._dtypes.narrow`, exact for
+      every pattern). Float casts would not do: torch's fp32 -> bf16 cast rewrites a NaN's bits
+      (0xFFFF in vector lanes, 0x7FC0 in scalar code).
     """
 
     def __init__(self, storage: torch.dtype, dtype: torch.dtype) -> None:
@@ -62,11 +62,11 @@ class _Codec:
         self.widened = storage != dtype
 
     def to_storage_bits(self, values: torch.Tensor) -> torch.Tensor:
-        b = bits(values.to(self.dtype))
-        return (b.to(torch.int32) << 16) if self.widened else b
+        v = values.to(self.dtype)
+        return bits(widen(v, self.storage) if self.widened else v)
 
     def from_storage_bits(self, stored: torch.Tensor) -> torch.Tensor:
-        return ((stored >> 16).to(torch.int16) if self.widened else stored).view(self.dtype)
+        return narrow(stored.view(self.storage), self.dtype) if self.widened else stored.view(self.dtype)
 
 
 class ModuleTarget(Target):
