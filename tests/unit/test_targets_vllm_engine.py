@@ -10,6 +10,8 @@ the backend's ``assume_version``) and the host copy's refusals. Reloading a modu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -350,3 +352,118 @@ def test_tensors_vllm_ties_but_the_sender_publishes_separately_are_refused(tmp_p
     tied = {n: s for n, s in shapes.items() if n != "lm_head.weight"}  # the sender ties them: one tensor, an alias
     VLLMEngineTarget(build_vllm_model(vc, 0, 1), vc.model_config).check(
         tied, {"lm_head.weight": "model.embed_tokens.weight"}, BF16)
+
+
+def _qwen3_spec(**over):
+    return dict(arch="Qwen3ForCausalLM", model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                tie_word_embeddings=False, **over)
+
+
+@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.down_proj.weight_scale",
+                                   "model.norm.bias", "lm_head.bias"])
+def test_published_tensors_the_engine_has_no_parameter_for_are_refused(tmp_path, extra):
+    """A trainer with q/k/v biases (attention_bias=True) into an engine without: every module it
+    reloads accepted them (in_place="never", and every linear on the CPU build), and vLLM's
+    load_weights dropped them without a word; an unknown leaf failed the commit inside the pause."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.testing_vllm import hf_model, vllm_config
+
+    spec = _qwen3_spec()
+    vc = vllm_config(spec, tmp_path / "cfg")
+    shapes = {n: tuple(t.shape) for n, t in hf_model(spec).state_dict().items()}
+    shapes[extra] = (32,)
+    vname = extra.replace("q_proj", "qkv_proj")
+    for in_place in ("auto", "never"):
+        for strict in (True, False):
+            target = VLLMEngineTarget(_model(vc), vc.model_config, in_place=in_place, strict=strict)
+            with pytest.raises(IncompatibleTargetError, match=rf"published tensor '{extra}' \(vLLM name '{vname}'\) is "
+                                                              r"unknown to the vLLM model: its layer .* has no parameter"):
+                target.check(shapes, {}, BF16)
+
+
+@pytest.mark.parametrize("left_out", ["model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight"])
+def test_a_fused_layer_published_in_part_is_refused_where_it_would_be_reloaded(tmp_path, left_out):
+    """A run without v_proj (or up_proj) was accepted with strict on; the live engine then reloaded
+    qkv_proj with its v rows never filled and generated token 0 over and over."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.testing_vllm import hf_model, vllm_config
+
+    spec = _qwen3_spec()
+    vc = vllm_config(spec, tmp_path / "cfg")
+    shapes = {n: tuple(t.shape) for n, t in hf_model(spec).state_dict().items() if n != left_out}
+    fused, part = ("qkv_proj", 2) if "v_proj" in left_out else ("gate_up_proj", 1)
+    for in_place in ("auto", "never"):
+        with pytest.raises(IncompatibleTargetError, match=rf"fill only in part: \['model\.layers\.0\.\w+\.{fused}\.weight "
+                                                          rf"\(parts \[{part}\] of"):
+            VLLMEngineTarget(_model(vc), vc.model_config, in_place=in_place).check(shapes, {}, BF16)
+    # Not strict: a layer written in place keeps the part no tensor covers; one reloaded cannot.
+    VLLMEngineTarget(_model(vc), vc.model_config, strict=False).check(shapes, {}, BF16)
+    with pytest.raises(IncompatibleTargetError, match=rf"the vLLM layer 'model\.layers\.0\.\w+\.{fused}' .* is reloaded "
+                                                      rf"whole, .* leave out weight \(parts \[{part}\]\)"):
+        VLLMEngineTarget(_model(vc), vc.model_config, in_place="never", strict=False).check(shapes, {}, BF16)
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's fused expert tensors as per-expert checkpoint names."""
+    out = {}
+    for n, t in state.items():
+        if n.endswith("mlp.experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[n.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.contiguous()
+                out[n.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.contiguous()
+        elif n.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[n.replace("down_proj", f"{e}.down_proj.weight")] = t[e].contiguous()
+        else:
+            out[n] = t
+    return out
+
+
+@pytest.mark.parametrize("names", ["fused", "per_expert"])
+def test_moe_experts_are_written_in_place_or_refused_by_name(tmp_path, names):
+    """Qwen3-MoE through the backend's target was refused with "no published tensor loads into
+    w13_weight" (fused names) or "no module ...experts.0.gate_proj" (per-expert names), though the TP
+    map writes both. Now: in place, bit-exact on every TP rank, where the MoE backend keeps the
+    loader's layout; refused by name, as a reload it cannot do, where the backend does not."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.errors import UnsupportedLayoutError
+    from torch_deltasync.testing_vllm import TINY_VLLM_CONFIGS, build_vllm_model, hf_model, load_hf_weights, \
+        vllm_config, vllm_state_bits
+
+    spec = TINY_VLLM_CONFIGS["qwen3_moe"]
+    vc = vllm_config(spec, tmp_path / "cfg")
+    hf = hf_model(spec, seed=2)
+    convert = _per_expert if names == "per_expert" else dict
+    weights = convert({n: t.detach().to(BF16) for n, t in hf.state_dict().items()})
+    store = LocalStore(tmp_path / "bucket", fsync=False)
+    sender = DeltaSender(weights, store, anchor_every=1000)
+    states = [{n: t.clone() for n, t in weights.items()}]
+    sender.publish()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(2):  # ~2% of every tensor (experts included) moves by a few bf16 steps
+            for t in weights.values():
+                flat = t.view(-1)
+                pos = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 50)]
+                flat[pos] = (flat[pos].float() * 1.03 + 1e-3).to(BF16)
+            states.append({n: t.clone() for n, t in weights.items()})
+            sender.publish()
+    sender.close()
+    expert = next(n for n in weights if ".experts." in n)
+    with pytest.raises(UnsupportedLayoutError, match=rf"published tensor '{re.escape(expert)}': the fused-MoE experts "
+                                                     r"'model\.layers\.0\.mlp\.experts' would have to be reloaded"):
+        DeltaReceiver(VLLMEngineTarget(build_vllm_model(vc, 0, 1), vc.model_config), store).update(0)
+    tp = 2
+    for r in range(tp):
+        model = build_vllm_model(vc, r, tp)
+        target = VLLMEngineTarget(model, vc.model_config, moe_backends=("TRITON", "BATCHED_TRITON", "CPU"))
+        rec = DeltaReceiver(target, store)
+        for v in (0, 1, 2):
+            assert rec.update(v) == v
+            ref = build_vllm_model(vc, r, tp)
+            load_hf_weights(ref, states[v])
+            assert _differ(vllm_state_bits(model), vllm_state_bits(ref)) == [], f"rank {r}, version {v}"
+        assert target.last_reload["modules"] == 0  # every tensor, experts included, written in place
+        assert any(".experts." in n for n in target._inplace)

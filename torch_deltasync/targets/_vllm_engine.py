@@ -63,6 +63,8 @@ from ..errors import CorruptObjectError, IncompatibleTargetError, UnsupportedLay
 from . import _vllm_ahead as ahead
 from ._base import Target, narrow_exactly
 from ._vllm import VLLMTarget
+from ._vllm_layout import DEFAULT_MOE_BACKENDS
+from ._vllm_reload import check_names, check_reloaded, full_shape, module_path
 
 __all__ = ["VLLMEngineTarget"]
 
@@ -89,8 +91,11 @@ class VLLMEngineTarget(Target):
             processing must touch only the layer); ``"never"``: inside the commit, as vLLM's
             layerwise reload does.
         tp_rank, tp_size: override the TP rank and size read from the model's layers.
-        strict: refuse a run that leaves parameters of the model without a published tensor
-            (``check``); ``False`` leaves them as they are.
+        strict: refuse a run that leaves parameters of the model, or parts of fused ones, without
+            a published tensor (``check``); ``False`` leaves them as they are (a module to reload
+            must get all of its tensors either way: :func:`~._vllm_reload.check_reloaded`).
+        moe_backends: fused-MoE backends whose experts are written in place (as
+            :class:`~torch_deltasync.targets.VLLMTarget`'s); experts are never reloaded.
 
     Attributes:
         host: HF name -> full tensor (HF shape, inference dtype, CPU): the state the receiver verifies.
@@ -110,7 +115,7 @@ class VLLMEngineTarget(Target):
 
     def __init__(self, model: nn.Module, model_config: Any, *, in_place: InPlace = "auto",
                  reload_ahead: ReloadAhead = "auto", tp_rank: int | None = None, tp_size: int | None = None,
-                 strict: bool = True) -> None:
+                 strict: bool = True, moe_backends: tuple[str, ...] | list[str] = DEFAULT_MOE_BACKENDS) -> None:
         if in_place not in ("auto", "never"):
             raise ValueError(f"in_place must be 'auto' or 'never', got {in_place!r}")
         if reload_ahead not in ("auto", "always", "never"):
@@ -125,9 +130,10 @@ class VLLMEngineTarget(Target):
         self.host: dict[str, torch.Tensor] = {}
         self.engine_writes = True
         self.last_reload: dict[str, Any] = {"modules": 0, "tensors": 0, "ms": 0.0}
-        self._tp = VLLMTarget(model, strict=False, tp_rank=tp_rank, tp_size=tp_size)
+        self._tp = VLLMTarget(model, strict=False, tp_rank=tp_rank, tp_size=tp_size, moe_backends=moe_backends)
         # the same map, also onto parameters with a derived copy: patched by prepared commits
-        self._patch = VLLMTarget(model, strict=False, tp_rank=tp_rank, tp_size=tp_size, allow_derived=True)
+        self._patch = VLLMTarget(model, strict=False, tp_rank=tp_rank, tp_size=tp_size, allow_derived=True,
+                                 moe_backends=moe_backends)
         self._patch_groups: dict[str, tuple[str, ...]] = {}  # reloaded vLLM parameter -> HF names _patch maps into it
         self._patch_ok: dict[str, bool] = {}  # vLLM parameter -> processing leaves it as loaded (checked once)
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -145,17 +151,20 @@ class VLLMEngineTarget(Target):
         """Classify every published tensor as written in place or reloaded with its module.
 
         Raises:
-            IncompatibleTargetError: a published name the model does not know, a shape that
+            IncompatibleTargetError: a published name the model has no parameter for, a shape that
                 differs from what its layer expects (checked for in-place tensors by the TP map,
                 for reloaded ones against the layer's full sizes), tensors vLLM ties that the
-                sender publishes separately, or (``strict``) parameters no published tensor loads
-                into (:meth:`~._vllm_layout._VLLMLayout.check_names`).
-            UnsupportedLayoutError: a tensor that can be neither written in place nor reloaded.
+                sender publishes separately, (``strict``) parameters or parts of fused ones no
+                published tensor loads into (:func:`~._vllm_reload.check_names`), or a module to
+                reload that the published tensors leave partly empty
+                (:func:`~._vllm_reload.check_reloaded`).
+            UnsupportedLayoutError: a tensor that can be neither written in place nor reloaded
+                (fused-MoE experts whose backend re-lays them out, among others).
         """
         key = (tuple(sorted(shapes.items())), tuple(sorted(aliases.items())), dtype)
         if key == self._key:
             return
-        self._tp.check_names(shapes, aliases, strict=self.strict)
+        check_names(self._tp, shapes, aliases, strict=self.strict)
         inplace: set[str] = set()
         module_of: dict[str, str] = {}
         for name, shape in list(shapes.items()) + [(a, shapes[c]) for a, c in aliases.items() if c in shapes]:
@@ -165,8 +174,7 @@ class VLLMEngineTarget(Target):
             if self.in_place == "auto" and name in shapes and self._in_place_ok(name, tuple(shape)):
                 inplace.add(name)
                 continue
-            vname = mapped[0]
-            path = vname.rpartition(".")[0]
+            path = module_path(self._tp, mapped[0])
             if self._tp._module(path) is None:
                 continue  # another pipeline stage holds it
             module_of[name] = path
@@ -176,20 +184,21 @@ class VLLMEngineTarget(Target):
                 raise IncompatibleTargetError(f"alias {alias!r} names {canon!r}, which is not published")
             if (alias in module_of) or (canon in module_of):
                 inplace.discard(canon)
-                if canon not in module_of and self._tp._map_name(canon) is not None:
-                    module_of[canon] = self._tp._map_name(canon)[0].rpartition(".")[0]
+                if canon not in module_of and (mapped := self._tp._map_name(canon)) is not None:
+                    module_of[canon] = module_path(self._tp, mapped[0])
         if inplace:
             self._tp.check({n: shapes[n] for n in inplace},
                            {a: c for a, c in aliases.items() if c in inplace and a not in module_of}, dtype)
         for name, path in module_of.items():
             # The layer's own loader checks a reloaded tensor's shape only inside a reload, after
             # the commit has begun: check it here, against the layer's full (unsharded) sizes.
-            expected = _full_shape(self._tp._module(path), self._tp._map_name(name))
+            expected = full_shape(self._tp._module(path), self._tp._map_name(name))
             got = tuple(shapes[aliases.get(name, name)])
             if expected is not None and expected != got:
                 raise IncompatibleTargetError(
                     f"published tensor {name!r} has shape {got}, the vLLM layer {path!r} expects {expected}: "
                     "the run publishes another model than the engine serves (check the store and prefix)")
+        check_reloaded(self._tp, module_of)
         try:  # an optimisation of prepared commits: whatever fails here, they copy instead
             patch_groups = self._find_patchable(module_of, shapes, aliases, dtype) if self.in_place == "auto" else {}
         except Exception as err:  # noqa: BLE001
@@ -206,7 +215,7 @@ class VLLMEngineTarget(Target):
         self._shapes = {n: tuple(s) for n, s in shapes.items()}
         self._inplace, self._module_of, self._loads = inplace, module_of, loads
         # modules with a tensor written in place: never re-packed ahead (placing would undo the write)
-        self._inplace_paths = {m[0].rpartition(".")[0] for n in inplace if (m := self._tp._map_name(n)) is not None}
+        self._inplace_paths = {module_path(self._tp, m[0]) for n in inplace if (m := self._tp._map_name(n)) is not None}
         self._patch_groups, self._patch_ok = patch_groups, {}
         self._dirty = set()
         self._key = key
@@ -553,40 +562,3 @@ class _PreparedReload:
                 retired.append(shadow.module.__dict__["_parameters"])
             shadow.module.__dict__["_parameters"] = {}
         self.new_host, self.dense, self.shadows, self.writes = {}, None, {}, []
-
-
-def _full_shape(module: nn.Module | None, mapped: tuple[str, int | None] | None) -> tuple[int, ...] | None:
-    """The full HF shape a reloaded tensor must have, from its vLLM layer's unsharded sizes
-    (``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py``; the same attributes
-    the TP map of :mod:`torch_deltasync.targets._vllm` reads); ``None`` for layers not known here (the
-    layer's loader checks those at the reload)."""
-    from ._vllm_layout import _classes
-
-    if module is None or mapped is None:
-        return None
-    vname, shard = mapped
-    leaf = vname.rpartition(".")[2]
-    C = _classes()
-    cls = type(module)
-    if cls in (C.Vocab, C.LMHead):
-        return (int(module.org_vocab_size), int(module.embedding_dim)) if leaf == "weight" else None
-    if cls is C.QKV:
-        if shard not in (0, 1, 2):
-            return None
-        d = int(module.head_size)
-        heads = int(module.total_num_heads) if shard == 0 else int(module.total_num_kv_heads)
-        rows = heads * (int(getattr(module, "v_head_size", d)) if shard == 2 else d)
-    elif cls is C.Merged:
-        out = [int(o) for o in module.output_sizes]
-        if shard is None or not 0 <= shard < len(out):
-            return None
-        rows = out[shard]
-    elif cls in (C.Column, C.Row, C.Replicated):
-        if shard is not None:
-            return None
-        rows = int(module.output_size)
-    else:
-        return None
-    if leaf == "weight":
-        return (rows, int(module.input_size))
-    return (rows,) if leaf == "bias" else None

@@ -158,44 +158,6 @@ class _VLLMLayout:
                     return hf_name.replace(f".{part}.", f".{fused}.", 1), i
         return hf_name, None
 
-    def check_names(self, names, aliases: dict[str, str], *, strict: bool) -> None:
-        """Check published names against the parameters they load into, by name alone (for a
-        target that reloads modules through vLLM's loaders instead of mapping every element).
-
-        Args:
-            names: the published tensors' names; ``aliases``: their tied names, ``{alias: canonical}``.
-            strict: also require every parameter of this rank's model to receive a published tensor.
-
-        Raises:
-            IncompatibleTargetError: two published tensors (not tied by the sender) load into one
-                parameter under different vLLM names: vLLM ties them (e.g. ``lm_head`` to
-                ``embed_tokens``, ``tie_word_embeddings``) and a reload would keep only one; or
-                (``strict``) parameters no published tensor loads into (they would keep their old
-                values while the engine reports the new version).
-        """
-        loaded: dict[int, tuple[str, str]] = {}  # id(parameter) -> (published name, vLLM name)
-        for name in [*names, *aliases]:
-            mapped = self._map_name(name)
-            path, _, attr = mapped[0].rpartition(".") if mapped is not None else ("", "", "")
-            module = self._module(path) if mapped is not None else None
-            param = getattr(module, attr, None) if module is not None else None
-            if not isinstance(param, nn.Parameter):
-                continue  # dropped by vLLM's name mapper, or held by another pipeline stage
-            other = loaded.setdefault(id(param), (name, mapped[0]))
-            if other[1] != mapped[0] and aliases.get(name, name) != aliases.get(other[0], other[0]):
-                raise IncompatibleTargetError(
-                    f"published tensors {other[0]!r} and {name!r} both load into the vLLM parameter {other[1]!r}: "
-                    f"vLLM ties {mapped[0]!r} to it (e.g. tie_word_embeddings) but the sender publishes them "
-                    "separately, so the engine would serve only one of them. Tie them in the trainer, or serve a "
-                    "model that does not tie them")
-        if strict:
-            missing = sorted({n for n, p in self.model.named_parameters() if id(p) not in loaded})
-            if missing:
-                raise IncompatibleTargetError(
-                    f"vLLM parameters no published tensor loads into: {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                    f"({len(missing)} in all); they would keep their values while the engine reports each new "
-                    "version. Publish them, or pass strict=False to leave them alone")
-
     def _module(self, path: str) -> nn.Module | None:
         """The submodule at ``path``; ``None`` when a pipeline stage other than this one holds it.
 
