@@ -397,6 +397,7 @@ class Controller:
 
         for old in RUN_OUTPUTS:  # a previous run's in this folder would pass for this one's
             (self.run_dir / old).unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir / "weights", ignore_errors=True)  # so would its weights (another engine's too)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.metrics.write("config", **cfg.to_dict())
         self.sample_event = asyncio.Event()

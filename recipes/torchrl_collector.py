@@ -91,15 +91,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--store", default=None, help="store URI (default: <out>/bucket)")
     p.add_argument("--iters", type=int, default=30, help="training iterations (one weight update each)")
     p.add_argument("--workers", type=int, default=2, help="collector worker processes")
-    p.add_argument("--frames-per-batch", type=int, default=256)
+    p.add_argument("--frames-per-batch", type=int, default=256, help="frames per collected batch")
     p.add_argument("--serve-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype the workers hold the actor's weights in (bit-identical to the trainer's cast)")
-    p.add_argument("--anchor-every", type=int, default=10)
+    p.add_argument("--anchor-every", type=int, default=10, help="publish a full anchor every N versions")
     p.add_argument("--max-staleness", type=int, default=2, help="versions a sampled frame may lag the trainer")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate")
     p.add_argument("--start-method", default=None, choices=["fork", "spawn", "forkserver"],
                    help="multiprocessing start method of the workers (default: torchrl's, spawn)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="policy and environment seed")
     args = p.parse_args(argv)
     if not 0 < args.lr < float("inf"):
         p.error(f"--lr must be a positive number, got {args.lr}")

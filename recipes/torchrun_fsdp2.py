@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix", default="", help="run prefix inside the bucket")
     p.add_argument("--size", default="tiny", help="Qwen3 config from torch_deltasync.testing.QWEN3_SIZES")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (one version each)")
-    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     p.add_argument("--anchor-every", type=int, default=10, help="a full anchor every N versions")
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HSDP replicas (a divisor of world / tp); the rest of the ranks shard (dp_shard)")
     p.add_argument("--takeover", action="store_true",
                    help="claim the run prefix even if a crashed earlier job's writer lease is still live (< 60 s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model and data seed")
     p.add_argument("--metrics", default=None, help="JSONL of PublishStats (rank 0)")
     p.add_argument("--save-final", default=None,
                    help="after training, gather the full bf16 weights once and save them (safetensors) "

@@ -102,12 +102,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _open(uri: str, args: argparse.Namespace):
     """Open ``uri`` with the command's ``--timeout`` (the deadline of one store call)."""
     from .store import open_store
-
     return open_store(uri, timeout_s=args.timeout)
 
 
-#: After "no versions" at a store's root: runs published under a prefix sit below it.
-_PREFIX_HINT = " (a run published under a prefix: give --prefix PREFIX)"
+def _where_runs_are(args: argparse.Namespace) -> str:
+    """After "no versions": the runs the store holds under other prefixes, else a hint."""
+    from .keys import runs_in
+
+    try:
+        runs = [r for r in runs_in(_open(args.store, args)) if r != args.prefix.strip("/")]
+    except Exception:  # noqa: BLE001 - only a hint
+        runs = []
+    named = ", ".join("the store's root (no --prefix)" if r == "" else repr(r) for r in runs[:10])
+    return f"; this store holds runs under {named}: give one as --prefix" if runs else " (check the path and --prefix)"
 
 
 def _open_existing(args: argparse.Namespace, uri: str | None = None):
@@ -308,7 +315,7 @@ def _ls(args: argparse.Namespace) -> int:
     store = _open_existing(args)
     versions = list_versions(store)
     if not versions:
-        print(f"{store.describe()}: no versions{_PREFIX_HINT if not args.prefix else ''}")
+        print(f"{store.describe()}: no versions{_where_runs_are(args)}")
         return 0
     print(f"{'version':>8} {'kind':<6} {'base':>6} {'bytes':>12} {'changed':>12} {'density':>8}  created")
     unreadable = 0
@@ -357,7 +364,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.from_version is not None:
         versions = [v for v in versions if v >= args.from_version]
     if not versions:
-        print(f"{store.describe()}: no versions to verify{_PREFIX_HINT if not args.prefix else ''}")
+        print(f"{store.describe()}: no versions to verify{_where_runs_are(args)}")
         return 1
     # The target is shaped by each version's manifest: a store may hold runs of different models
     # (a writer restarted with another model), and a damaged manifest must not fail the others.
@@ -449,7 +456,7 @@ def _gc(args: argparse.Namespace) -> int:
     policy = RetentionPolicy(keep_anchors=args.keep_anchors, grace_s=args.grace_s, verify_cut=not args.no_verify)
     plan = collect_garbage(store, policy, dry_run=args.dry_run)
     if plan.newest is None:
-        print(f"{store.describe()}: no versions here (check the path and --prefix); nothing to delete")
+        print(f"{store.describe()}: no versions here{_where_runs_are(args)}; nothing to delete")
         return 1
     print(plan)
     if plan.empty:
@@ -537,9 +544,8 @@ def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-episodes-per-post", type=int, default=512, help="episodes one POST may carry")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body, in bytes")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a 429 asks producers to wait")
-    p.add_argument("--token-file", default=None,
-                   help="file holding the shared token for write endpoints (else $DELTASYNC_BUFFER_TOKEN; "
-                        "unset: open)")
+    p.add_argument("--token-file", default=None, help="file holding the shared token for write endpoints "
+                   "(else $DELTASYNC_BUFFER_TOKEN; unset: open)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn log level")
 
@@ -552,8 +558,7 @@ def _serve_buffer(args: argparse.Namespace) -> int:
         capacity=args.capacity, max_lag=args.max_lag, on_full=args.on_full, vocab_size=args.vocab_size,
         max_prompt_tokens=args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens,
         max_episodes_per_post=args.max_episodes_per_post, max_body_bytes=args.max_body_bytes,
-        retry_after_s=args.retry_after, token=read_token(args.token_file),
-    )
+        retry_after_s=args.retry_after, token=read_token(args.token_file))
     serve(config, host=args.host, port=args.port, log_level=args.log_level, port_file=args.port_file)
     return 0
 

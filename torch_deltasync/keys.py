@@ -92,6 +92,17 @@ def list_versions(store) -> list[int]:
     return sorted(v for v in (parse_manifest_key(k) for k in store.list(VERSIONS_DIR)) if v is not None)
 
 
+def runs_in(store) -> list[str]:
+    """The prefixes of ``store`` under which manifests sit (the runs it holds; ``""`` for its root),
+    sorted. Lists every key of the store: meant for messages, not for every update."""
+    found = set()
+    for key in store.list():
+        head, sep, tail = key.rpartition(f"/{VERSIONS_DIR}/")
+        if _MANIFEST_RE.fullmatch(f"{VERSIONS_DIR}/{tail}" if sep else key):
+            found.add(head if sep else "")
+    return sorted(found)
+
+
 def next_free_version(store) -> int:
     """The first version number nothing in ``store`` uses yet: after the newest manifest and after
     any objects a crashed or concurrent writer left without a manifest."""

@@ -287,15 +287,16 @@ def apply_retention(store: Store, plan: RetentionPlan) -> RetentionPlan:
     return plan
 
 
-def collect_garbage(store: "Store | str | os.PathLike", policy: RetentionPolicy | None = None, *, dry_run: bool = False,
-                    now: float | None = None) -> RetentionPlan:
+def collect_garbage(store: "Store | str | os.PathLike", policy: RetentionPolicy | None = None, *, prefix: str = "",
+                    dry_run: bool = False, now: float | None = None) -> RetentionPlan:
     """:func:`plan_retention`, then :func:`apply_retention` unless ``dry_run``.
 
     Safe to run while a writer publishes and receivers read, and from several processes at once.
 
     Args:
-        store: a :class:`Store` (the run's prefix applied) or anything :func:`open_store` accepts.
+        store: a :class:`Store` or anything :func:`open_store` accepts.
         policy: ``None``: ``RetentionPolicy()``.
+        prefix: the run's prefix in ``store`` (as given to the sender and the receivers).
 
     Returns:
         The plan that was (or, with ``dry_run``, would be) carried out.
@@ -308,6 +309,7 @@ def collect_garbage(store: "Store | str | os.PathLike", policy: RetentionPolicy 
                         f"{policy!r}; e.g. RetentionPolicy(keep_anchors=1)")
     if not isinstance(store, Store):
         store = open_store(store)
+    store = store.sub(prefix)
     plan = plan_retention(store, policy, now=now)
     if not dry_run:
         apply_retention(store, plan)

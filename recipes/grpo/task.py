@@ -87,6 +87,12 @@ class HFTokenizer:
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = int(self._tok.bos_token_id) if self._tok.bos_token_id is not None else None
         self.vocab_size = len(self._tok)
+        unknown = [c for c in "0123456789" if not self.encode(c)]
+        if unknown:  # transformers builds an empty tokenizer from a folder without tokenizer files
+            raise ValueError(
+                f"the tokenizer in {path} encodes the task's digits {unknown} as nothing (vocabulary of "
+                f"{self.vocab_size}): the folder has no usable tokenizer files (tokenizer.json, or a vocabulary "
+                "and merges). Save the tokenizer next to the model (tokenizer.save_pretrained(path))")
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

@@ -71,6 +71,9 @@ def events(tmp_path: Path, kind: str) -> list[dict]:
 def test_short_run_syncs_bit_exactly_and_reports(tmp_path):
     # Two trainer procs: the policy is FSDP2-sharded and every rank publishes its own shard.
     steps = 12
+    stale = tmp_path / "t" / "weights" / "generator2.safetensors"  # an earlier run's (it had 3 generators)
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"not this run's")
     proc, s = run_recipe(tmp_path, "--steps", str(steps), "--max-staleness", "1", "--generators", "2",
                          "--trainer-procs", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -90,6 +93,7 @@ def test_short_run_syncs_bit_exactly_and_reports(tmp_path):
     d = s["digests"]
     assert d["generator0"] == d["trainer"] == d["generator1"]
     assert_generators_hold_the_trainers_bits(tmp_path, [0, 1])
+    assert not stale.exists()  # an earlier run's weights cannot pass for this one's
 
     steps_ev = events(tmp_path, "step")
     assert [e["step"] for e in steps_ev] == list(range(steps))

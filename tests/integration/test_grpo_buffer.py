@@ -234,3 +234,15 @@ class TestTask:
         assert tok.decode(tok.encode("123") + [tok.eos_id] + tok.encode("9")) == "123"
         with pytest.raises(ValueError, match="not in the tokenizer alphabet"):
             tok.encode("12a")
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_by_name(tmp_path):
+    """``--model PATH`` on a folder with weights but no tokenizer files: transformers built an empty
+    tokenizer (every digit encoded as nothing) and the run died in its warm start with a shape error."""
+    from recipes.grpo.task import HFTokenizer
+    from torch_deltasync.testing import tiny_qwen3
+
+    tiny_qwen3("tiny").save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=rf"the tokenizer in {tmp_path / 'ckpt'} encodes the task's digits "
+                                         r"\['0', .*'9'\] as nothing .* no usable tokenizer files"):
+        HFTokenizer(str(tmp_path / "ckpt"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import make_mlp, train_step
 
-from torch_deltasync import DeltaSender
+from torch_deltasync import DeltaSender, LocalStore
 from torch_deltasync.cli import main
 from torch_deltasync.format import sha256_hex
 from torch_deltasync.manifest import seal_manifest
@@ -546,10 +546,28 @@ def test_small_cli_messages(run, capsys, tmp_path):
     (tmp_path / "outer").mkdir()
     (tmp_path / "outer" / "x").write_text("")
     assert main(["ls", str(tmp_path / "outer")]) == 0
-    assert "no versions (a run published under a prefix: give --prefix PREFIX)" in capsys.readouterr().out
+    assert "no versions (check the path and --prefix)" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "outer")]) == 1
-    assert "give --prefix PREFIX" in capsys.readouterr().out
+    assert "no versions to verify (check the path and --prefix)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["serve-buffer", "--log-level", "bogus"])
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
     assert "keep     4 versions (0, 4..6)" in str(RetentionPlan(6, 4, (0, 4, 5, 6), (1, 2, 3), (), reason="r"))
+
+
+def test_no_versions_names_the_runs_the_store_holds(tmp_path, capsys):
+    """A mistyped --prefix (or none, for a run published under one) printed "no versions" and ls
+    exited 0 without naming the prefixes that hold runs."""
+    root = LocalStore(tmp_path / "bucket", fsync=False)
+    for prefix in ("grpo-7", "team/grpo-8"):
+        sender = DeltaSender({"w": torch.zeros(4)}, root.sub(prefix))
+        sender.publish()
+        sender.close()
+    runs = "this store holds runs under 'grpo-7', 'team/grpo-8': give one as --prefix"
+    for argv, code in ((["ls", str(tmp_path / "bucket")], 0), (["ls", str(tmp_path / "bucket"), "--prefix", "grpo7"], 0),
+                       (["verify", str(tmp_path / "bucket"), "--prefix", "grpo7"], 1),
+                       (["gc", str(tmp_path / "bucket"), "--prefix", "grpo7"], 1)):
+        assert main(argv) == code
+        assert runs in capsys.readouterr().out, argv
+    assert main(["ls", str(tmp_path / "bucket"), "--prefix", "grpo-7"]) == 0
+    assert "anchor" in capsys.readouterr().out

@@ -85,6 +85,18 @@ def test_keeps_newest_anchor_and_every_version_after_it(store):
     assert collect_garbage(store).empty  # idempotent
 
 
+def test_a_runs_prefix_is_an_argument_as_for_the_sender(store, tmp_path):
+    """``collect_garbage(path, policy, prefix=...)`` raised TypeError; the documented way to name a
+    run in a shared store is its prefix, as for the sender, the receivers and ``deltasync gc``."""
+    _, model = publish(store.sub("run-a"), range(12))  # anchors 0, 5, 10
+    plan = collect_garbage(str(store.root), RetentionPolicy(), prefix="run-a")
+    assert (plan.cut, plan.keep) == (10, (10, 11))
+    assert list_versions(store.sub("run-a")) == [10, 11]
+    target = empty_target()
+    DeltaReceiver(target, store, prefix="run-a").update()
+    assert_holds(target, model, 11)
+
+
 def test_keep_older_anchors(store):
     _, model = publish(store, range(22))
     plan = collect_garbage(store, RetentionPolicy(keep_anchors=2))
@@ -191,7 +203,8 @@ def test_a_stray_file_that_is_no_store_key_does_not_stop_collection(store, caplo
 def test_gc_of_a_prefix_without_versions_says_so(store, capsys):
     publish(store, range(3))
     assert cli_main(["gc", str(store.root), "--prefix", "no-such-run"]) == 1
-    assert "no versions here (check the path and --prefix)" in capsys.readouterr().out
+    assert ("no versions here; this store holds runs under the store's root (no --prefix): give one as --prefix; "
+            "nothing to delete") in capsys.readouterr().out
 
 
 def test_manifests_are_deleted_before_objects(store):

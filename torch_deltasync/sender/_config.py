@@ -67,7 +67,8 @@ class SenderConfig:
     codec: str = "packed"
     """Name of the delta codec (:func:`torch_deltasync.codecs.codec_names`): ``"packed"`` (default,
     about 1 byte per changed bf16 element) or ``"raw"`` (format 1, 6 bytes); ``"auto"`` picks one
-    by ``link_gbps`` (:func:`torch_deltasync.codecs.auto_codec`), once, when the config is built."""
+    by ``link_gbps`` (:func:`torch_deltasync.codecs.auto_codec`); ``codec`` keeps ``"auto"``, and
+    :attr:`codec_name` names the codec it publishes with."""
 
     link_gbps: float | None = None
     """For ``codec="auto"`` only (and required there): the bandwidth each receiver gets from the
