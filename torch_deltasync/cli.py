@@ -113,7 +113,8 @@ def _where_runs_are(args: argparse.Namespace) -> str:
         runs = [r for r in runs_in(_open(args.store, args)) if r != args.prefix.strip("/")]
     except Exception:  # noqa: BLE001 - only a hint
         runs = []
-    named = ", ".join("the store's root (no --prefix)" if r == "" else repr(r) for r in runs[:10])
+    named = (", ".join("the store's root (no --prefix)" if r == "" else repr(r) for r in runs[:10])
+             + (f" and {len(runs) - 10} more" if len(runs) > 10 else ""))
     return f"; this store holds runs under {named}: give one as --prefix" if runs else " (check the path and --prefix)"
 
 

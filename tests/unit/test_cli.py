@@ -571,3 +571,9 @@ def test_no_versions_names_the_runs_the_store_holds(tmp_path, capsys):
         assert runs in capsys.readouterr().out, argv
     assert main(["ls", str(tmp_path / "bucket"), "--prefix", "grpo-7"]) == 0
     assert "anchor" in capsys.readouterr().out
+    for i in range(10):  # 12 runs: ten named, the rest counted
+        sender = DeltaSender({"w": torch.zeros(4)}, root.sub(f"more/{i}"))
+        sender.publish()
+        sender.close()
+    assert main(["ls", str(tmp_path / "bucket"), "--prefix", "typo"]) == 0
+    assert "'grpo-7', 'more/0', 'more/1', " in (out := capsys.readouterr().out) and " and 2 more: give one" in out

@@ -421,8 +421,8 @@ def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("names", ["fused", "per_expert"])
-def test_moe_experts_are_written_in_place_or_refused_by_name(tmp_path, names):
+@pytest.mark.parametrize("names,ep", [("fused", False), ("per_expert", False), ("fused", True), ("per_expert", True)])
+def test_moe_experts_are_written_in_place_or_refused_by_name(tmp_path, names, ep):
     """Qwen3-MoE through the backend's target was refused with "no published tensor loads into
     w13_weight" (fused names) or "no module ...experts.0.gate_proj" (per-expert names), though the TP
     map writes both. Now: in place, bit-exact on every TP rank, where the MoE backend keeps the
@@ -433,7 +433,7 @@ def test_moe_experts_are_written_in_place_or_refused_by_name(tmp_path, names):
         vllm_config, vllm_state_bits
 
     spec = TINY_VLLM_CONFIGS["qwen3_moe"]
-    vc = vllm_config(spec, tmp_path / "cfg")
+    vc = vllm_config(spec, tmp_path / "cfg", enable_expert_parallel=ep)  # ep: each rank holds half the experts
     hf = hf_model(spec, seed=2)
     convert = _per_expert if names == "per_expert" else dict
     weights = convert({n: t.detach().to(BF16) for n, t in hf.state_dict().items()})
@@ -467,3 +467,32 @@ def test_moe_experts_are_written_in_place_or_refused_by_name(tmp_path, names):
             assert _differ(vllm_state_bits(model), vllm_state_bits(ref)) == [], f"rank {r}, version {v}"
         assert target.last_reload["modules"] == 0  # every tensor, experts included, written in place
         assert any(".experts." in n for n in target._inplace)
+    # strict: experts are checked element by element, as the TP map does (any expert tensor used to do)
+    shapes = {n: tuple(t.shape) for n, t in weights.items() if n != expert}
+    for strict in (True, False):
+        target = VLLMEngineTarget(build_vllm_model(vc, 0, tp), vc.model_config, strict=strict,
+                                  moe_backends=("TRITON", "BATCHED_TRITON", "CPU"))
+        if strict:
+            with pytest.raises(IncompatibleTargetError, match=r"not covered by the published tensors: "
+                                                              r"\['model\.layers\.0\.mlp\.experts\.routed_experts\.w13_weight"):
+                target.check(shapes, {}, BF16)
+        else:
+            target.check(shapes, {}, BF16)
+
+
+def test_tensors_vllm_itself_drops_are_ignored(tmp_path):
+    """A trainer that publishes rotary ``inv_freq`` (a persistent buffer): vLLM's AutoWeightsLoader
+    drops it (REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER); the name check refused it as unknown."""
+    pytest.importorskip("vllm")
+    from torch_deltasync.targets import VLLMTarget
+    from torch_deltasync.testing_vllm import hf_model, vllm_config
+
+    spec = _qwen3_spec()
+    vc = vllm_config(spec, tmp_path / "cfg")
+    shapes = {n: tuple(t.shape) for n, t in hf_model(spec).state_dict().items()}
+    shapes["model.layers.0.self_attn.rotary_emb.inv_freq"] = (8,)
+    for in_place in ("auto", "never"):
+        VLLMEngineTarget(_model(vc), vc.model_config, in_place=in_place).check(shapes, {}, BF16)
+    target = VLLMTarget(_model(vc))
+    target.check(shapes, {}, BF16)
+    assert target._entries["model.layers.0.self_attn.rotary_emb.inv_freq"].ignored

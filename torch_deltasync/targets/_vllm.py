@@ -462,9 +462,12 @@ class VLLMTarget(_VLLMLayout, Target):
                 )
             canon.places.append(dataclasses.replace(m, counted=False))
 
-    def _check_coverage(self, entries: dict[str, _Entry]) -> None:
-        """Every element of every parameter must be written by exactly one published tensor (or be
-        padding); counted by sizes, so a parameter two tensors land on is caught as over-covered."""
+    def _check_coverage(self, entries: dict[str, _Entry], *, only: set[int] | None = None,
+                        strict: bool | None = None) -> None:
+        """Every element of every parameter (of those whose ``id`` is in ``only``, if given) must be
+        written by exactly one published tensor (or be padding); counted by sizes, so a parameter two
+        tensors land on is caught as over-covered. ``strict``: the target's own unless given."""
+        strict = self.strict if strict is None else strict
         covered: dict[int, int] = {}
         who: dict[int, list[str]] = {}
         for e in entries.values():
@@ -478,7 +481,7 @@ class VLLMTarget(_VLLMLayout, Target):
         missing = []
         for vname, param in self.model.named_parameters():
             k = id(param)
-            if k in seen:
+            if k in seen or (only is not None and k not in only):
                 continue
             seen.add(k)
             n = covered.get(k, 0)
@@ -487,7 +490,7 @@ class VLLMTarget(_VLLMLayout, Target):
                     f"vLLM parameter {vname!r} would receive {n} elements but holds {param.numel()}: "
                     f"{who[k]} land on it; does vLLM tie tensors the sender publishes separately?"
                 )
-            if n < param.numel() and self.strict:
+            if n < param.numel() and strict:
                 missing.append(f"{vname} ({param.numel() - n} of {param.numel()} elements)")
         if missing:
             raise IncompatibleTargetError(

@@ -64,7 +64,7 @@ from . import _vllm_ahead as ahead
 from ._base import Target, narrow_exactly
 from ._vllm import VLLMTarget
 from ._vllm_layout import DEFAULT_MOE_BACKENDS
-from ._vllm_reload import check_names, check_reloaded, full_shape, module_path
+from ._vllm_reload import check_names, check_reloaded, experts_params, full_shape, module_path
 
 __all__ = ["VLLMEngineTarget"]
 
@@ -171,9 +171,13 @@ class VLLMEngineTarget(Target):
             mapped = self._tp._map_name(name)
             if mapped is None:
                 continue  # vLLM's own name mapper drops it (e.g. rotary inv_freq)
-            if self.in_place == "auto" and name in shapes and self._in_place_ok(name, tuple(shape)):
-                inplace.add(name)
-                continue
+            if self.in_place == "auto" and name in shapes:
+                ok = self._in_place_ok(name, tuple(shape))
+                if ok is None:
+                    continue  # another rank holds it (an expert elsewhere under expert parallelism)
+                if ok:
+                    inplace.add(name)
+                    continue
             path = module_path(self._tp, mapped[0])
             if self._tp._module(path) is None:
                 continue  # another pipeline stage holds it
@@ -199,6 +203,8 @@ class VLLMEngineTarget(Target):
                     f"published tensor {name!r} has shape {got}, the vLLM layer {path!r} expects {expected}: "
                     "the run publishes another model than the engine serves (check the store and prefix)")
         check_reloaded(self._tp, module_of)
+        if self.strict and inplace:  # experts by element: check_names counts them as loaded by any expert tensor
+            self._tp._check_coverage(self._tp._entries, only=experts_params(self.model), strict=True)
         try:  # an optimisation of prepared commits: whatever fails here, they copy instead
             patch_groups = self._find_patchable(module_of, shapes, aliases, dtype) if self.in_place == "auto" else {}
         except Exception as err:  # noqa: BLE001
@@ -494,14 +500,15 @@ class VLLMEngineTarget(Target):
     def _mark(self, name: str) -> None:
         self._dirty |= self._paths_of.get(name, set())
 
-    def _in_place_ok(self, name: str, shape: tuple[int, ...]) -> bool:
-        """Whether the TP map can write ``name`` in place (its live layout is the loader's)."""
+    def _in_place_ok(self, name: str, shape: tuple[int, ...]) -> bool | None:
+        """Whether the TP map can write ``name`` in place (its live layout is the loader's);
+        ``None`` when it maps to no place on this rank (held by another rank or stage)."""
         try:
             e = self._tp._resolve(name, shape)
         except UnsupportedLayoutError as err:
             log.debug("%s: reloaded (%s)", name, err)
             return False
-        return not e.ignored and bool(e.places)
+        return False if e.ignored else (True if e.places else None)
 
 
 class _PreparedReload:

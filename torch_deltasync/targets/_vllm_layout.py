@@ -98,7 +98,7 @@ class _Classes:
         from vllm.model_executor.layers.fused_moe import routed_experts, unquantized_fused_moe_method
         from vllm.model_executor.layers.fused_moe.router import gate_linear
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-        from vllm.model_executor.models.utils import PPMissingLayer
+        from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer
 
         self.linear = linear
         self.QKV = linear.QKVParallelLinear
@@ -116,6 +116,8 @@ class _Classes:
         self.moe_method = unquantized_fused_moe_method.UnquantizedFusedMoEMethod
         self.default_loader = default_weight_loader
         self.PPMissing = PPMissingLayer
+        # names every model's AutoWeightsLoader drops (rotary inv_freq, cos/sin caches)
+        self.dropped = getattr(AutoWeightsLoader, "REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER", None)
 
 
 _CLASSES: _Classes | None = None
@@ -138,7 +140,11 @@ class _VLLMLayout:
     def _map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         """HF name -> (vLLM parameter name, stacked shard index) through the model's own name
         mapper (``hf_to_vllm_mapper``, vLLM >= 0.2x), else its ``packed_modules_mapping``;
-        ``None`` when vLLM drops the tensor."""
+        ``None`` when vLLM drops the tensor (that mapper, or ``AutoWeightsLoader``'s
+        ``REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``, ``vllm/model_executor/models/utils.py``)."""
+        dropped = _classes().dropped
+        if dropped is not None and dropped._map_name(hf_name) is None:
+            return None
         mapper = getattr(self.model, "hf_to_vllm_mapper", None)
         if mapper is not None and hasattr(mapper, "_map_name_with_shard"):
             r = mapper._map_name_with_shard(hf_name)

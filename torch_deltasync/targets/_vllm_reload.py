@@ -52,6 +52,11 @@ def experts_of(layout: _VLLMLayout, vname: str) -> tuple[str, nn.Module] | None:
     return (m.group(1), module) if is_experts(module) else None
 
 
+def experts_params(model: nn.Module) -> set[int]:
+    """``id`` of every parameter of the fused-MoE experts layers of ``model`` (``w13_weight``, ...)."""
+    return {id(p) for m in model.modules() if isinstance(m, _classes().RoutedExperts) for p in m.parameters(recurse=False)}
+
+
 def module_path(layout: _VLLMLayout, vname: str) -> str:
     """The path of the vLLM module that loads the vLLM name ``vname``: its experts layer for a
     fused-MoE expert tensor, else the module the parameter sits on."""
@@ -72,7 +77,8 @@ def check_names(layout: _VLLMLayout, names, aliases: dict[str, str], *, strict: 
         names: the published tensors' names; ``aliases``: their tied names, ``{alias: canonical}``.
         strict: also require every part of every parameter of this rank's model to receive a
             published tensor (fused-MoE experts count as loaded when any expert tensor is published:
-            the TP map checks those element by element where it writes them).
+            :meth:`~torch_deltasync.targets.VLLMEngineTarget.check` then checks them element by
+            element through the TP map, which writes them).
 
     Raises:
         IncompatibleTargetError: a published tensor the model has no parameter for (vLLM's loaders
