@@ -108,7 +108,6 @@ def _open(uri: str, args: argparse.Namespace):
 def _where_runs_are(args: argparse.Namespace) -> str:
     """After "no versions": the runs the store holds under other prefixes, else a hint."""
     from .keys import runs_in
-
     try:
         runs = [r for r in runs_in(_open(args.store, args)) if r != args.prefix.strip("/")]
     except Exception:  # noqa: BLE001 - only a hint
