@@ -23,6 +23,10 @@ from ..errors import IncompatibleTargetError, UnsupportedLayoutError
 #: shuffles, XPU transposes, CPU prepacks: ``fused_moe/oracle/unquantized.py``).
 DEFAULT_MOE_BACKENDS: tuple[str, ...] = ("TRITON", "BATCHED_TRITON")
 
+#: ``<experts module>.<rest>``: the vLLM name of a fused-MoE expert tensor (per-expert
+#: ``experts.{e}.gate_proj.weight`` and transformers 5's ``experts.gate_up_proj`` alike).
+EXPERTS_NAME = re.compile(r"^(.*\.experts)\.(.+)$")
+
 # Parameter attributes that mean "not a plain dense tensor in HF element order".
 _PACKED_ATTRS = ("packed_dim", "packed_factor", "pack_factor", "marlin_tile_size", "is_sharded_weight",
                  "is_transposed", "is_shuffled")
@@ -191,7 +195,7 @@ class _VLLMLayout:
         if ".base_layer." in vname:
             raise UnsupportedLayoutError(f"{hf_name!r}: LoRA-wrapped layers ({vname!r}) are not supported")
         mod_path, _, leaf = vname.rpartition(".")
-        moe = re.match(r"^(.*\.experts)\.(.+)$", vname)
+        moe = EXPERTS_NAME.match(vname)
         try:
             module = self._module(mod_path)
         except IncompatibleTargetError:

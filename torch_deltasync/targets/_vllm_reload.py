@@ -15,15 +15,10 @@ whole parameter.
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
 from ..errors import IncompatibleTargetError, UnsupportedLayoutError
-from ._vllm_layout import _classes, _VLLMLayout
-
-#: ``<experts module>.<rest>``: a fused-MoE expert tensor's vLLM name (as in ``_VLLMLayout._resolve``).
-_EXPERTS = re.compile(r"^(.*\.experts)\.(.+)$")
+from ._vllm_layout import EXPERTS_NAME, _classes, _VLLMLayout
 
 
 def parts(module: nn.Module) -> tuple[int | None, ...]:
@@ -42,7 +37,7 @@ def experts_of(layout: _VLLMLayout, vname: str) -> tuple[str, nn.Module] | None:
     """``(path, module)`` of the fused-MoE experts layer that the vLLM name ``vname`` loads into
     (``vllm/model_executor/layers/fused_moe``: per-expert ``experts.{e}.gate_proj.weight`` and
     transformers 5's ``experts.gate_up_proj`` alike), or ``None`` for any other name."""
-    m = _EXPERTS.match(vname)
+    m = EXPERTS_NAME.match(vname)
     if m is None:
         return None
     try:
