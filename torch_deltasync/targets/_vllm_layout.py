@@ -134,6 +134,12 @@ def _classes() -> _Classes:
     return _CLASSES
 
 
+def routed_experts(module: nn.Module | None) -> nn.Module | None:
+    """The ``RoutedExperts`` layer of a fused-MoE experts module (the module itself, or the one a
+    wrapper holds as ``routed_experts``), else ``None``."""
+    return module if isinstance(module, _classes().RoutedExperts) else getattr(module, "routed_experts", None)
+
+
 class _VLLMLayout:
     """The layout half of :class:`~torch_deltasync.targets.VLLMTarget`: resolving HF names to
     vLLM parameters and places (uses the target's ``model``, ``strict``, ``moe_backends``,
@@ -390,7 +396,7 @@ class _VLLMLayout:
 
     def _moe(self, hf_name: str, vname: str, experts: nn.Module, tail: str, shape: tuple[int, ...]) -> _Place | None:
         C = _classes()
-        routed = experts if isinstance(experts, C.RoutedExperts) else getattr(experts, "routed_experts", None)
+        routed = routed_experts(experts)
         if type(routed) is not C.RoutedExperts:
             raise UnsupportedLayoutError(f"{hf_name!r}: {vname!r} is not a RoutedExperts layer this map knows")
         qm = routed.quant_method

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import IncompatibleTargetError, UnsupportedLayoutError
-from ._vllm_layout import EXPERTS_NAME, _classes, _VLLMLayout
+from ._vllm_layout import EXPERTS_NAME, _classes, _VLLMLayout, routed_experts
 
 
 def parts(module: nn.Module) -> tuple[int | None, ...]:
@@ -44,7 +44,7 @@ def experts_of(layout: _VLLMLayout, vname: str) -> tuple[str, nn.Module] | None:
         module = layout._module(m.group(1))
     except IncompatibleTargetError:
         return None
-    return (m.group(1), module) if is_experts(module) else None
+    return (m.group(1), module) if routed_experts(module) is not None else None
 
 
 def experts_params(model: nn.Module) -> set[int]:
@@ -57,11 +57,6 @@ def module_path(layout: _VLLMLayout, vname: str) -> str:
     fused-MoE expert tensor, else the module the parameter sits on."""
     experts = experts_of(layout, vname)
     return experts[0] if experts is not None else vname.rpartition(".")[0]
-
-
-def is_experts(module: nn.Module | None) -> bool:
-    """Whether ``module`` is a fused-MoE experts layer (``RoutedExperts``, or a layer wrapping one)."""
-    return module is not None and (isinstance(module, _classes().RoutedExperts) or hasattr(module, "routed_experts"))
 
 
 def check_names(layout: _VLLMLayout, names, aliases: dict[str, str], *, strict: bool) -> None:
@@ -92,8 +87,7 @@ def check_names(layout: _VLLMLayout, names, aliases: dict[str, str], *, strict: 
         vname, shard = mapped
         experts = experts_of(layout, vname)
         if experts is not None:
-            routed = experts[1] if isinstance(experts[1], _classes().RoutedExperts) else experts[1].routed_experts
-            for p in routed.parameters(recurse=False):  # not the router's gate a wrapper may hold
+            for p in routed_experts(experts[1]).parameters(recurse=False):  # not the router's gate a wrapper may hold
                 got.setdefault(id(p), set()).add(None)
                 loaded.setdefault(id(p), (name, vname))
             continue
@@ -157,7 +151,7 @@ def check_reloaded(layout: _VLLMLayout, module_of: dict[str, str]) -> None:
         module = layout._module(path)
         if module is None:
             continue
-        if is_experts(module):
+        if routed_experts(module) is not None:
             raise UnsupportedLayoutError(
                 f"published tensor {names[0]!r}: the fused-MoE experts {path!r} would have to be reloaded (their "
                 "backend re-lays out the weights), which VLLMEngineTarget does not do; it writes experts only in "
