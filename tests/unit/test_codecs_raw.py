@@ -65,3 +65,17 @@ def test_unknown_codec_lists_the_known_ones():
     with pytest.raises(ValueError, match="raw"):
         get_codec("nope")
     assert "raw" in codec_names()
+
+
+@pytest.mark.parametrize("pos, numel, match", [
+    ([0, 2**32 + 1], 10, "outside"),  # would wrap to 1 in int32: a corrupt object, found only by a receiver
+    ([-1, 2], 10, "outside"),
+    ([3, 3], 10, "strictly increasing"),
+    ([5, 1], 10, "strictly increasing"),
+])
+def test_encode_rejects_bad_positions(pos, numel, match):
+    with pytest.raises(ValueError, match=match) as e:
+        RAW.encode(torch.tensor(pos), V[:2], V[:2], numel=numel)
+    assert not isinstance(e.value, CorruptObjectError)  # the caller's input, not a store object
+    with pytest.raises(ValueError, match="same length"):
+        RAW.encode(torch.tensor([0, 1]), V, V, numel=numel)

@@ -185,9 +185,38 @@ def test_long_change_sets(mix):
 def test_encoder_rejections_match():
     v = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
     for pos, numel in ((torch.tensor([5, 5]), 10), (torch.tensor([1, 10]), 10), (torch.tensor([3, 1]), 10),
-                       (torch.tensor([-1, 2]), 10)):
-        fast, ref = encode_both(pos, v, v, numel)
-        assert fast == ref and fast[0] is ValueError and "strictly increasing" in fast[1]
+                       (torch.tensor([-1, 2]), 10),
+                       (torch.tensor([5, -2**63]), 10)):  # the gap wraps past 2**63 to a positive int64
+        for new in (v, (bits(v) + 1).view(torch.bfloat16)):  # no steps (the plan defers the width), steps of 1
+            fast, ref = encode_both(pos, new, v, numel)
+            assert fast == ref and fast[0] is ValueError and "strictly increasing" in fast[1]
+
+
+@pytest.mark.parametrize("where", ["sampled block", "block the plan skips", "after escapes", "last element"])
+@pytest.mark.parametrize("steps", ["small", "wide"])  # wide: the plan leaves the code width to Python (REFINE)
+def test_encoder_rejects_long_sets_like_the_specification(where, steps):
+    # From SAMPLE_FROM changes the plan costs every SAMPLE_EVERY-th block only, but must check
+    # every one. A bad gap after long gaps (escape buffers sized from the gaps' sum, which the bad
+    # gap shrinks) must read as bad positions, never reach the streams.
+    k = 40_000
+    pos = torch.arange(k, dtype=torch.int64) * 3
+    numel = 3 * k
+    if where == "sampled block":
+        pos[4096 * 4 + 7] = pos[4096 * 4 + 6]
+    elif where == "block the plan skips":
+        pos[4096 + 100] = pos[4096 + 99] - 5
+    elif where == "after escapes":
+        pos[:4096] = torch.arange(4096) * 1_000_000  # 255+ high parts at any shift the window allows
+        pos[4096:] = torch.arange(k - 4096) + 10  # falls back below the first block: one bad gap
+        numel = 4096 * 1_000_000
+    else:
+        pos[-1] = numel
+    rng = np.random.default_rng(0)
+    old = torch.from_numpy(rng.integers(0, 1 << 16, k, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    z = rng.integers(1, 3, k) if steps == "small" else rng.integers(1, 1 << 15, k)
+    new = (bits(old) + torch.from_numpy(z.astype(np.int16))).view(torch.bfloat16)
+    fast, ref = encode_both(pos, new, old, numel)
+    assert fast == ref and fast[0] is ValueError and "strictly increasing" in fast[1]
 
 
 # --- decoder: corrupt input ------------------------------------------------------------------------

@@ -260,7 +260,7 @@ class PackedCodec(Codec):
         r_lo, r_hi = gap_shift_window(k, int(pos[-1]) if k else 0, MAX_GAP_SHIFT)
         span = 255 << (r_hi - r_lo)
         gaps = np.diff(pos, prepend=-1) - 1
-        if k and (int(gaps.min()) < 0 or int(pos[-1]) >= numel):
+        if k and (int(gaps.min()) < 0 or int(pos.min()) < 0 or int(pos[-1]) >= numel):
             raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
         gaps = gaps.view(np.uint64)  # all >= 0 (checked above)
         every = SAMPLE_EVERY if k >= SAMPLE_FROM else 1  # blocks of gaps and steps costed

@@ -24,7 +24,8 @@ def gap_histogram(pos, numel, r_lo, span, every):
     """Histogram of ``min(g >> r_lo, span)`` over the gaps ``g`` of ``pos`` (int64, the encoder's
     positions) in every ``every``-th block of ``BLOCK`` gaps (the first, then every ``every``-th),
     int64 ``(span + 1,)``, and whether all of ``pos`` is strictly increasing in ``[0, numel)``
-    (checked on every block: a vectorised minimum, where the histogram's increments are not)."""
+    (checked on every block: a vectorised minimum of the gaps and the positions, where the
+    histogram's increments are not)."""
     n_sampled = 0
     for a in range(0, pos.size, _BLOCK * every):
         n_sampled += min(_BLOCK, pos.size - a)
@@ -38,16 +39,17 @@ def gap_histogram(pos, numel, r_lo, span, every):
         p = pos[a : a + _BLOCK]
         m = p.size
         first = p[0] - (pos[a - 1] if a else -1) - 1
+        # A negative position could wrap its gap past 2**63 to a positive int64: both count.
         if (a // _BLOCK) % every:  # not sampled: only the check
             low = min(low, first)
             for j in range(1, m):  # vectorises
-                low = min(low, p[j] - p[j - 1] - 1)
+                low = min(low, min(p[j] - p[j - 1] - 1, p[j]))
             continue
         v[0] = first
         for j in range(1, m):
             v[j] = p[j] - p[j - 1] - 1
         for j in range(m):  # vectorises
-            low = min(low, v[j])
+            low = min(low, min(v[j], p[j]))
             v[j] = min(max(v[j], 0) >> r_lo, span)
         for j in range(m):
             h4[j & (ways - 1), v[j]] += 1

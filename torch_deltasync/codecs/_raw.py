@@ -16,8 +16,22 @@ class RawCodec(Codec):
     name = "raw"
 
     def encode(self, positions, values, old_values, *, numel):
+        """See :meth:`Codec.encode`.
+
+        Raises:
+            ValueError: positions not 1-D, not strictly increasing inside ``[0, numel)``, or not
+                as many as the values (checked before the narrowing to int32, which would wrap).
+        """
+        pos = positions.to(device="cpu", dtype=torch.int64)
+        if pos.dim() != 1 or values.shape != pos.shape:
+            raise ValueError(f"raw codec: positions {tuple(pos.shape)} and values {tuple(values.shape)} "
+                             "must be 1-D and of the same length")
+        try:
+            check_positions(pos, numel, "raw codec")
+        except CorruptObjectError as e:  # the caller's input, not a store object
+            raise ValueError(str(e)) from None
         idx_dtype = torch.int32 if numel < 2**31 else torch.int64
-        return {"idx": positions.to(device="cpu", dtype=idx_dtype), "val": values.to("cpu")}
+        return {"idx": pos.to(idx_dtype), "val": values.to("cpu")}
 
     def decode(self, parts, *, numel, count, dtype):
         what = "raw codec"
