@@ -13,7 +13,9 @@ models without noticing. So a sender owns its prefix while it runs:
 * a new sender refuses a prefix whose record is *live* (renewed less than ``lease_s`` ago by the
   record's own clock compared with ours: keep clock skew well below ``lease_s``), unless told to
   take over (``takeover=True``, e.g. a restart right after a crash). A record that expired (the
-  writer died without ``close()``), is malformed, or is missing is claimed;
+  writer died without ``close()``), is malformed, or is missing is claimed; a record is replaced
+  only by the writer that creates ``OWNER.claims/<hash of its bytes>`` (a conditional put), so of
+  two writers starting at once on a dead writer's prefix one is refused;
 * before writing each manifest the owner reads the record again: if another writer took the prefix
   over, the publish is refused (:class:`~torch_deltasync.errors.PrefixInUseError`) and so is every
   later one, so at most the version in flight at the moment of a takeover lands after it. A record
@@ -28,6 +30,7 @@ the renewal, and then the *new* writer's next publish is refused. Either way one
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -47,6 +50,8 @@ __all__ = ["OWNER_KEY", "OwnerRecord", "PrefixLease", "DEFAULT_LEASE_S"]
 log = logging.getLogger(__name__)
 
 OWNER_KEY = "OWNER"
+#: Markers of replaced owner records (one small object per expiry or takeover; kept, like ``OWNER``).
+CLAIMS_PREFIX = "OWNER.claims"
 #: Default lease (seconds): a writer that stops renewing (killed) frees its prefix after this long.
 DEFAULT_LEASE_S = 60.0
 #: The shortest lease (seconds): the record is renewed every ``lease_s / 4``.
@@ -116,11 +121,16 @@ def read_owner(store) -> OwnerRecord | None:
     Raises:
         StoreError: the store failed.
     """
+    data = _read_record(store)
+    return None if data is None else OwnerRecord.from_json(data)
+
+
+def _read_record(store) -> bytes | None:
+    """The bytes of ``OWNER`` (at most one more than a record may hold), ``None`` when missing."""
     try:
-        data = store.get(OWNER_KEY, start=0, end=_MAX_RECORD_NBYTES + 1)
+        return store.get(OWNER_KEY, start=0, end=_MAX_RECORD_NBYTES + 1)
     except ObjectNotFoundError:
         return None
-    return OwnerRecord.from_json(data)
 
 
 class PrefixLease:
@@ -172,12 +182,17 @@ class PrefixLease:
 
     def _claim(self, takeover: bool) -> None:
         now = time.time()
-        try:
-            self._put(self.store.put_new)
-            return
-        except ObjectExistsError:
-            pass
-        other = read_owner(self.store)
+        for _ in range(2):  # (once more if the record was deleted between the two calls)
+            try:
+                self._put(self.store.put_new)
+                return
+            except ObjectExistsError:
+                raw = _read_record(self.store)
+                if raw is not None:
+                    break
+        else:
+            raise PrefixInUseError(f"{self.store.describe()}: other writers keep claiming and releasing this prefix")
+        other = OwnerRecord.from_json(raw)
         if other is not None and other.session == self.session:
             return  # our own record: a retried put whose first reply was lost
         if other is not None and other.live(now) and not takeover:
@@ -189,6 +204,16 @@ class PrefixLease:
             )
         if other is not None and other.live(now):
             log.warning("%s: taking over from %s", self.store.describe(), other.describe(now))
+        # Replacing a record is a read and a write: of two writers that read the same record, only
+        # the one that creates the marker named after its bytes (a conditional put) goes on.
+        try:
+            self.store.put_new(f"{CLAIMS_PREFIX}/{hashlib.sha256(raw).hexdigest()[:32]}", self.session.encode())
+        except ObjectExistsError:
+            raise PrefixInUseError(
+                f"{self.store.describe()}: another writer replaced the same owner record at the same moment ("
+                + (other.describe(now) if other is not None else "a malformed record") + "); two writers on one "
+                "prefix would interleave their versions. Publish under another prefix, or stop the other writer"
+            ) from None
         self._put(self.store.put)
 
     def _stamped(self, now: float) -> bytes:

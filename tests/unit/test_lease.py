@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from torch_deltasync import DeltaReceiver, DeltaSender, LocalStore
-from torch_deltasync.errors import PrefixInUseError
+from torch_deltasync.errors import PrefixInUseError, PublishError, StoreError
 from torch_deltasync._ranks import run_ranks
 from torch_deltasync.lease import OWNER_KEY, PrefixLease, read_owner
 from torch_deltasync.keys import list_versions
 from torch_deltasync.manifest import load_manifest
 from torch_deltasync.store.faults import FaultyStore
 
-from remote_helpers import StepModel, bits_of, empty_target
+from remote_helpers import StepModel, bits_of, empty_target, same_bits
 
 
 def publish(sender, model, step):
@@ -246,3 +246,95 @@ def test_a_plain_model_published_by_every_torchrun_rank_is_told_apart(tmp_path, 
                                                r"its model holds no DTensor.*publish from one rank"):
         DeltaSender({"w": torch.ones(4)}, store)
     first.close()
+
+
+class _Scripted(LocalStore):
+    """A LocalStore whose next put of each key in ``fail`` raises (a failed store call)."""
+
+    def __init__(self, root, fail=()):
+        super().__init__(root, fsync=False)
+        self.fail = set(fail)
+
+    def _maybe_fail(self, key):
+        hit = next((f for f in self.fail if key.startswith(f)), None)
+        if hit is not None:
+            self.fail.discard(hit)
+            raise StoreError(f"injected: put of {key} failed")
+
+    def put(self, key, data):
+        self._maybe_fail(key)
+        return super().put(key, data)
+
+    def put_new(self, key, data):
+        self._maybe_fail(key)
+        return super().put_new(key, data)
+
+
+def test_a_writer_that_lost_the_prefix_never_points_latest_back(tmp_path):
+    """Writer A's LATEST for version 1 failed (pending, retried at flush); writer B took the prefix
+    over, burned version 2 (a failed publish) and published 3. A's close() used to write its pending
+    LATEST = 1, which readers confirm (manifest 1 exists, manifest 2 does not): the newest version
+    was hidden and a follower holding B's version 3 moved back to A's weights."""
+    root = tmp_path / "b"
+    a, b = StepModel(seed=10), StepModel(seed=11)
+    store_a = _Scripted(root)
+    sa = DeltaSender(a.tensors, store_a, anchor_every=100)
+    publish(sa, a, 0)
+    store_a.fail = {"LATEST"}
+    assert publish(sa, a, 1) == 1 and sa._latest_pending == 1
+    sb = DeltaSender(b.tensors, _Scripted(root, fail={"objects/000000000002/"}), anchor_every=100, takeover=True)
+    with pytest.raises(PublishError):
+        publish(sb, b, 2)
+    assert publish(sb, b, 3) == 3
+    target = empty_target(b.shapes)
+    follower = DeltaReceiver(target, LocalStore(root))
+    assert follower.update() == 3
+    sa.close()
+    assert LocalStore(root).get("LATEST") == b"3"
+    assert follower.update() == 3 and same_bits(bits_of(target), b.bits_at(3))
+    fresh = empty_target(b.shapes)
+    assert DeltaReceiver(fresh, LocalStore(root)).update() == 3 and same_bits(bits_of(fresh), b.bits_at(3))
+
+
+def test_a_follower_never_trusts_a_latest_older_than_what_it_holds(tmp_path):
+    # A writer paused inside its LATEST put past a takeover (the check before it passed) can still
+    # point LATEST back at its own version; a number burned after it makes that look current.
+    store = LocalStore(tmp_path / "b", fsync=False)
+    a = StepModel(seed=12)
+    sender = DeltaSender(a.tensors, store, anchor_every=100)
+    for step in (0, 1):
+        publish(sender, a, step)
+    sender._next_version += 1  # version 2 burned (as a failed publish does)
+    assert publish(sender, a, 2) == 3
+    target = empty_target(a.shapes)
+    follower = DeltaReceiver(target, store)
+    assert follower.update() == 3
+    store.put("LATEST", b"1")  # the paused writer's late put
+    assert follower.newest_version() == 3 and not follower.needs_update()
+    assert follower.update() == 3 and same_bits(bits_of(target), a.bits_at(2))
+    sender.close()
+
+
+def test_two_writers_replacing_the_same_expired_record_one_is_refused(tmp_path):
+    """Claiming an expired (or malformed) record is a read and a write: two writers starting at
+    once both read the dead writer's record. Both used to claim the prefix; then the winner's first
+    publish failed on the loser's objects ("another writer already uses version 0")."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    dead = json.dumps({"run_id": "dead", "session": "x", "host": "h", "pid": 1, "renewed_at": 1000.0,
+                       "lease_s": 60.0}).encode()
+    store.put(OWNER_KEY, dead)
+
+    class ReadsBeforeTheWinnerWrote(LocalStore):  # the second writer's read of OWNER came first
+        def get(self, key, *, start=None, end=None):
+            return dead if key == OWNER_KEY else super().get(key, start=start, end=end)
+
+    first = PrefixLease(store, "first")
+    with pytest.raises(PrefixInUseError, match=r"another writer replaced the same owner record at the same moment "
+                                               r"\(run 'dead' \(host h, pid 1\)"):
+        PrefixLease(ReadsBeforeTheWinnerWrote(tmp_path / "b", fsync=False), "second")
+    assert read_owner(store).session == first.session  # the winner keeps the prefix
+    a = StepModel(seed=13)
+    first.release()
+    sender = DeltaSender(a.tensors, store)  # and a later claim of a released prefix works as before
+    assert publish(sender, a, 0) == 0
+    sender.close()

@@ -380,6 +380,24 @@ def test_missing_chain_link_is_a_clear_error(store):
         DeltaReceiver(make_mlp(1, torch.bfloat16), store).update()
 
 
+@pytest.mark.parametrize("version", [2, None])
+def test_an_object_gone_after_planning_names_the_version_and_what_to_do(store, version):
+    # retention (or a hand) deleted an object of a manifest still visible: the receiver's plan
+    # names it, the download finds it gone, every recovery path needs it
+    publish_steps(store, 4)
+    key = json.loads(store.get(manifest_key(2)))["objects"][0]["key"]
+    store.delete(key)
+    target = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(target, store)
+    receiver.update(1)
+    before = state_bits(target)
+    hint = ("it was deleted after the update was planned.*update\\(\\) without a version plans again" if version is not None
+            else "the store lost an object that a visible manifest names.*deltasync verify")
+    with pytest.raises(StoreError, match=rf"no object '{key}', needed to reach version {2 if version else 3}: {hint}"):
+        receiver.update(version)
+    assert same(state_bits(target), before) and receiver.version == 1
+
+
 # --- writers that share a prefix, wiped buckets, stale pointers ----------------------------------------
 
 

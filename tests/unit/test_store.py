@@ -91,6 +91,46 @@ def test_readers_do_not_create_folders_and_deletes_prune_empty_ones(tmp_path):
     assert list((tmp_path / "s").iterdir()) == []
 
 
+def test_local_list_skips_folders_removed_while_it_walks(tmp_path, monkeypatch):
+    # Retention removes a version's folder once it deleted its last object; a listing that saw the
+    # folder a moment before must skip it, not fail (collect_garbage from two processes, a sender
+    # starting while gc runs).
+    import os
+
+    store = LocalStore(tmp_path)
+    for v in ("000000000001", "000000000002", "000000000003"):
+        store.put(f"objects/{v}/delta.safetensors", b"x")
+    scandir = os.scandir
+
+    def racing(path):
+        if str(path).endswith("000000000002"):
+            store.delete("objects/000000000002/delta.safetensors")  # the folder goes with its last object
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", racing)
+    assert store.list("objects") == ["objects/000000000001/delta.safetensors",
+                                     "objects/000000000003/delta.safetensors"]
+
+
+def test_local_list_names_the_store_when_a_folder_cannot_be_read(tmp_path, monkeypatch):
+    import os
+
+    from torch_deltasync.errors import StoreError
+
+    store = LocalStore(tmp_path)
+    store.put("objects/000000000001/delta.safetensors", b"x")
+    scandir = os.scandir
+
+    def locked(path):  # (chmod 0 does not stop root, who runs CI)
+        if str(path).endswith("000000000001"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", locked)
+    with pytest.raises(StoreError, match=r"cannot list 'objects'.*Permission denied"):
+        store.list("objects")
+
+
 def test_put_new_never_replaces(any_store):
     from torch_deltasync.errors import ObjectExistsError
 

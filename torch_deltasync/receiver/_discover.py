@@ -16,7 +16,7 @@ from ..manifest import Manifest, read_digest
 _LATEST_MAX_BYTES = 32
 
 
-def newest_version(store) -> tuple[int | None, str | None | bool]:
+def newest_version(store, held: int | None = None) -> tuple[int | None, str | None | bool]:
     """The newest visible version of ``store`` (``LATEST`` if it is current, else a listing) and
     the digest of its manifest when ``LATEST`` was confirmed (``False``: not read, after a
     listing; ``None``: a manifest without one).
@@ -24,7 +24,10 @@ def newest_version(store) -> tuple[int | None, str | None | bool]:
     ``LATEST`` is confirmed by its manifest (whose first bytes, read in one ranged request, give
     the digest) and the absence of the next one; writers remove it before a manifest that does not
     follow it, so a missing, stale, garbled or oversized ``LATEST`` (only its first bytes are
-    read) leads to a listing.
+    read) leads to a listing. So does a ``LATEST`` older than ``held``, the version the caller
+    holds: after a burned version number (a failed publish) the absent next manifest proves
+    nothing, and a writer that lost the prefix to a takeover may have pointed ``LATEST`` back at
+    its own last version (``docs/format.md`` §2).
 
     Raises:
         StoreError: the store failed.
@@ -32,7 +35,7 @@ def newest_version(store) -> tuple[int | None, str | None | bool]:
     try:
         head = store.get(LATEST_KEY, start=0, end=_LATEST_MAX_BYTES + 1)  # never a whole oversized object
         latest = int(head.decode().strip()) if len(head) <= _LATEST_MAX_BYTES else -1
-        if 0 <= latest < MAX_VERSION:
+        if 0 <= latest < MAX_VERSION and (held is None or latest >= held):
             digest = read_digest(store, latest)  # as cheap as asking whether it exists
             if not store.exists(manifest_key(latest + 1)):
                 return latest, digest
@@ -85,6 +88,17 @@ def republished(store, held: Manifest | None, version: int, *, seen: str | None 
         return fresh(version) != held  # manifests written before digests: compare them whole
     except VersionNotFoundError:
         return False  # no longer retained: nothing contradicts the held state
+
+
+def object_lost(e: ObjectNotFoundError, version: int, explicit: bool) -> ObjectNotFoundError:
+    """``e`` (an object a manifest names is gone) saying which version needed it and what to do."""
+    if explicit:  # retention deleted the chain to a version asked for by number (planning again cannot help)
+        hint = ("it was deleted after the update was planned (retention, or another process). update() "
+                "without a version plans again from the newest version")
+    else:
+        hint = ("the store lost an object that a visible manifest names (deleted by hand, or by a collector "
+                "with another retention policy): `deltasync verify` checks the run")
+    return ObjectNotFoundError(f"{e}, needed to reach version {version}: {hint}")
 
 
 def check_still_published(store, held: Manifest | None, version: int, fresh: Callable[[int], Manifest]) -> None:

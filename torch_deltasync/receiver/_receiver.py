@@ -54,7 +54,7 @@ from ..manifest import Manifest
 from ..store import Store, open_store
 from ..targets import ModuleTarget, Target
 from ._config import ReceiverConfig
-from ._discover import check_not_behind, check_still_published, newest_version, republished, wait_for
+from ._discover import check_not_behind, check_still_published, newest_version, object_lost, republished, wait_for
 from ._plan import PlanStep, UpdatePlan, walk_chain
 from ._stage import StagedUpdate, UpdateStats, failed_part, read_manifest, stage, write_staged
 
@@ -178,7 +178,7 @@ class DeltaReceiver:
 
     def newest_version(self) -> int | None:
         """The newest visible version (``LATEST`` if it is current, else a listing), or ``None``."""
-        newest, digest = newest_version(self.store)
+        newest, digest = newest_version(self.store, held=self.version)
         self._seen = (newest, digest)
         return newest
 
@@ -357,7 +357,7 @@ class DeltaReceiver:
             except (VersionNotFoundError, ObjectNotFoundError) as e:
                 # planned again only when a newer version has replaced the chain's head meanwhile
                 if attempt + 1 == attempts or self.newest_version() in (None, target):
-                    raise
+                    raise object_lost(e, target, version is not None) if isinstance(e, ObjectNotFoundError) else e
                 log.info("%s: the chain being applied is no longer retained (%s); planning again "
                          "from the newest version", self.store.describe(), e)
         raise AssertionError("unreachable")  # pragma: no cover

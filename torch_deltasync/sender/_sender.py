@@ -563,9 +563,18 @@ class DeltaSender:
         return outcome
 
     def _write_latest(self, version: int) -> None:
-        """Rank 0: point ``LATEST`` at ``version``, or retry at the next publish or ``flush()``."""
-        ok = write_latest(self.store, version)
-        self._latest_pending, self._latest_at = (None, version) if ok else (version, None)
+        """Rank 0: point ``LATEST`` at ``version`` (or retry at the next publish or ``flush()``) while
+        the prefix is ours: after a takeover, a stale ``LATEST`` could look current to readers."""
+        try:
+            ours = self._lease is not None and self._lease.check() is None
+        except PrefixInUseError:
+            ours = False
+        except Exception as e:  # noqa: BLE001 - the store failed: try again later
+            log.warning("could not read the owner record before pointing LATEST at %d: %s", version, e)
+            self._latest_pending, self._latest_at = version, None
+            return
+        ok = ours and write_latest(self.store, version)
+        self._latest_pending, self._latest_at = (None, version) if ok else (version if ours else None, None)
 
     def _commit(self, job: Job, outcome: dict[str, Any]) -> None:
         """The version is visible: advance snapshots, checksums and the anchor policy state."""

@@ -240,7 +240,12 @@ class LocalStore(Store):
     def list(self, prefix: str = "") -> list[str]:
         """Every key under ``prefix``, sorted; temporary files, links leading outside the root (or
         dangling, or in a loop) and what is not a regular file (FIFOs, sockets, devices) are left
-        out. A missing root lists nothing (see :meth:`absent`)."""
+        out. A missing root lists nothing (see :meth:`absent`); a folder removed while it is listed
+        (retention, another process's ``delete``) lists what it held when it was read, or nothing.
+
+        Raises:
+            StoreError: a folder could not be read (naming the store, prefix and cause).
+        """
         base = self.root / check_key(prefix, allow_empty=True) if prefix else self.root
         if not base.is_dir():
             if not self.root.is_dir():
@@ -251,7 +256,14 @@ class LocalStore(Store):
         out = []
         stack = [base]
         while stack:
-            with os.scandir(stack.pop()) as entries:
+            folder = stack.pop()
+            try:
+                entries = os.scandir(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed (or replaced) since it was seen: retention deletes emptied folders
+            except OSError as e:
+                raise self._os_error("list", prefix, folder, e) from e
+            with entries:
                 for entry in entries:
                     # links leading outside, dangling or in a loop name nothing to read here
                     if entry.is_symlink() and (not os.path.exists(entry.path)
