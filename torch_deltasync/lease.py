@@ -144,7 +144,8 @@ class PrefixLease:
 
     Raises:
         ValueError: ``lease_s`` is not a positive number of seconds.
-        PrefixInUseError: another writer's record is live and ``takeover`` is false.
+        PrefixInUseError: another writer's record is live and ``takeover`` is false, or another
+            writer replaced the same record at the same moment.
         StoreError: the store failed.
 
     Example:
