@@ -136,9 +136,16 @@ class ChangeDetector:
 
         Pass ``cast`` (a flat tensor already in the inference dtype, e.g. the anchor just
         published) to adopt it without another copy when it lives where snapshots should.
+
+        Raises:
+            TypeError: ``cast`` is not in the inference dtype (its bit patterns would be read at
+                another width).
         """
         if cast is None:
             cast = self.cast(tensor)
+        elif cast.dtype != self.dtype:
+            raise TypeError(f"ChangeDetector.reset({name!r}): cast must be in the inference dtype {self.dtype}, "
+                            f"got {cast.dtype}; pass the weights as `tensor` to have them cast")
         device = self.snapshot_device or cast.device
         snap = bits(cast.reshape(-1))
         if snap.device != device:

@@ -465,6 +465,10 @@ def test_wrong_part_dtype_or_name():
         _decode(_blob(*GOOD), count=4)  # the object's count disagrees with the streams
     with pytest.raises(CorruptObjectError):
         _decode(_blob(*GOOD), numel=10)  # position 10 outside a 10-element tensor
+    for count, numel in ((3.0, 1024), (True, 1024), (3, 1024.0), ("3", 1024)):  # (not numba's typing errors)
+        with pytest.raises(TypeError, match="count and numel must be integers"):
+            _decode(_blob(*GOOD), count=count, numel=numel)
+    assert _decode(_blob(*GOOD), count=np.int64(3), numel=np.int32(1024)).numel == 3
 
 
 def test_positions_that_wrap_around_2_64_are_rejected():

@@ -66,6 +66,17 @@ def test_size_mismatch_is_refused():
         det.detect("w", torch.zeros(11))
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32, torch.float16])
+def test_a_cast_in_another_dtype_is_refused(dtype):
+    # its bit patterns would be read at the inference dtype's width: past the end of a narrower
+    # snapshot (heap bytes reported as old values), false changes from a wider one
+    d = ChangeDetector()  # bf16
+    with pytest.raises(TypeError, match=rf"reset\('w'\): cast must be in the inference dtype torch.bfloat16, got {dtype}"):
+        d.reset("w", cast=torch.zeros(1000, dtype=dtype))
+    d.reset("w", cast=torch.zeros(1000, dtype=torch.bfloat16))
+    assert d.detect("w", torch.zeros(1000, dtype=torch.bfloat16)).numel == 0
+
+
 def test_cpu_snapshot_device():
     det = ChangeDetector(snapshot_device="cpu")
     w = torch.randn(100)

@@ -192,7 +192,8 @@ def test_encoder_rejections_match():
             assert fast == ref and fast[0] is ValueError and "strictly increasing" in fast[1]
 
 
-@pytest.mark.parametrize("where", ["sampled block", "block the plan skips", "after escapes", "last element"])
+@pytest.mark.parametrize("where", ["sampled block", "block the plan skips", "after escapes", "last element",
+                                   "-2**63 first in a skipped block", "-2**63 alone in the last block"])
 @pytest.mark.parametrize("steps", ["small", "wide"])  # wide: the plan leaves the code width to Python (REFINE)
 def test_encoder_rejects_long_sets_like_the_specification(where, steps):
     # From SAMPLE_FROM changes the plan costs every SAMPLE_EVERY-th block only, but must check
@@ -209,6 +210,11 @@ def test_encoder_rejects_long_sets_like_the_specification(where, steps):
         pos[:4096] = torch.arange(4096) * 1_000_000  # 255+ high parts at any shift the window allows
         pos[4096:] = torch.arange(k - 4096) + 10  # falls back below the first block: one bad gap
         numel = 4096 * 1_000_000
+    elif where == "-2**63 first in a skipped block":  # its gap wraps to a positive int64
+        pos[4096] = -2**63
+    elif where == "-2**63 alone in the last block":
+        pos, numel, k = pos[: 5 * 4096 + 1].clone(), 3 * (5 * 4096 + 1), 5 * 4096 + 1
+        pos[-1] = -2**63
     else:
         pos[-1] = numel
     rng = np.random.default_rng(0)
@@ -665,7 +671,12 @@ def test_kernels_refuse_inconsistent_deltas():
     with pytest.raises(ValueError, match="position -1 outside"):
         TensorDelta(torch.tensor([-1, 2]), v[:2]).apply_to(flat)
     with pytest.raises(ValueError, match="position 10 outside"):
+        TensorDelta(torch.tensor([2, 10]), v[:2]).apply_to(flat)
+    with pytest.raises(ValueError, match="strictly increasing.*entry 1 is 2 after 10"):
         TensorDelta(torch.tensor([10, 2]), v[:2]).apply_to(flat)
+    # a repeated position would take both steps (index_copy_, the documented equivalent, takes one)
+    with pytest.raises(ValueError, match="strictly increasing.*entry 1 is 3 after 3"):
+        TensorDelta(torch.tensor([3, 3]), v[:2], torch.ones(2, dtype=torch.int16)).apply_to(flat)
     assert bool((flat == 0).all())
 
 

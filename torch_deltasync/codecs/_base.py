@@ -132,17 +132,14 @@ class TensorDelta:
             flat: the whole tensor, 1-D contiguous, in the inference dtype (the ``values`` dtype).
 
         Raises:
-            ValueError: ``flat`` is not 1-D contiguous of the values' dtype, or a position is
-                outside it.
+            ValueError: ``flat`` is not 1-D contiguous of the values' dtype, or the positions are
+                not strictly increasing inside it (a repeated one would take two steps).
             ChecksumMismatchError: as :meth:`resolve`; nothing was written.
         """
         if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != self.values.dtype:
             raise ValueError(f"apply_to needs a 1-D contiguous {self.values.dtype} tensor, got "
                              f"{flat.dtype} {tuple(flat.shape)}")
-        if self.numel:  # the kernel writes without bounds checks
-            lo, hi = (int(x) for x in torch.aminmax(self.positions))
-            if lo < 0 or hi >= flat.numel():
-                raise ValueError(f"position {hi if hi >= flat.numel() else lo} outside a tensor of {flat.numel()} elements")
+        check_positions(self.positions, flat.numel(), f"apply_to (a tensor of {flat.numel()} elements)", ValueError)
         self._check_lengths()
         if not (_native.enabled() and flat.device.type == "cpu" and self.positions.device.type == "cpu"):
             new = self.resolve(flat[self.positions]) if self.needs_base else self.values
@@ -314,27 +311,31 @@ def get_codec(name: str) -> Codec:
     return cls()
 
 
-def check_positions(idx: torch.Tensor, numel: int, what: str) -> torch.Tensor:
+def check_positions(idx: torch.Tensor, numel: int, what: str, error: type[Exception] = CorruptObjectError) -> torch.Tensor:
     """Validate untrusted positions: 1-D integer, strictly increasing, inside ``[0, numel)``.
+
+    Args:
+        error: what to raise: :class:`CorruptObjectError` for positions read from a store,
+            ``ValueError`` for a caller's.
 
     Returns:
         The positions as int64.
 
     Raises:
-        CorruptObjectError: the first rule broken, with the offending index.
+        CorruptObjectError (or ``error``): the first rule broken, with the offending index.
     """
     if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1:
-        raise CorruptObjectError(f"{what}: positions must be 1-D int32/int64, got {idx.dtype} {tuple(idx.shape)}")
+        raise error(f"{what}: positions must be 1-D int32/int64, got {idx.dtype} {tuple(idx.shape)}")
     idx = idx.to(torch.int64)
     if idx.numel():
         if int(idx[0]) < 0 or int(idx[-1]) >= numel:
             bad = int(idx[0]) if int(idx[0]) < 0 else int(idx[-1])
-            raise CorruptObjectError(f"{what}: position {bad} outside [0, {numel})")
+            raise error(f"{what}: position {bad} outside [0, {numel})")
         if idx.numel() > 1:
             up = idx[1:] > idx[:-1]
             if not bool(up.all()):
                 i = int((~up).nonzero()[0]) + 1
-                raise CorruptObjectError(
+                raise error(
                     f"{what}: positions must be strictly increasing (sorted, unique); "
                     f"entry {i} is {int(idx[i])} after {int(idx[i - 1])}"
                 )

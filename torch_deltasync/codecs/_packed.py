@@ -196,7 +196,8 @@ class PackedCodec(Codec):
             bitmap_nbytes = -(-numel // 8)
             if native:
                 bm = np.zeros(bitmap_nbytes, np.uint8)
-                _kernels.bitmap_from_positions(pos, bm)
+                if _kernels.bitmap_from_positions(pos, bm):  # cannot happen: the plan checked them
+                    raise ValueError(f"positions must be strictly increasing and inside [0, {numel})")
             else:
                 mask = np.zeros(bitmap_nbytes * 8, np.uint8)
                 mask[pos] = 1
@@ -396,6 +397,7 @@ class PackedCodec(Codec):
             is the blob's checksum of the old values, which ``resolve`` verifies.
 
         Raises:
+            TypeError: ``count`` or ``numel`` is not an integer.
             CorruptObjectError: wrong part name, dtype or shape; unknown layout version or mode;
                 a declared length that the count and tensor size do not allow; a zstd frame
                 without or with a different content size, trailing data or corrupt content;
@@ -407,6 +409,9 @@ class PackedCodec(Codec):
         t = parts["packed"]
         if t.dtype != torch.uint8 or t.dim() != 1:
             raise CorruptObjectError(f"{what}: part must be 1-D uint8, got {t.dtype} {tuple(t.shape)}")
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (count, numel)):
+            raise TypeError(f"{what}: count and numel must be integers, got {count!r} and {numel!r}")
+        count, numel = int(count), int(numel)
         if not 0 <= count <= numel < 2**63:
             raise CorruptObjectError(f"{what}: count {count} outside [0, {numel}] or tensor of {numel} >= 2**63 elements")
         width = dtype.itemsize

@@ -39,9 +39,10 @@ def gap_histogram(pos, numel, r_lo, span, every):
         p = pos[a : a + _BLOCK]
         m = p.size
         first = p[0] - (pos[a - 1] if a else -1) - 1
-        # A negative position could wrap its gap past 2**63 to a positive int64: both count.
+        # A negative position could wrap its gap past 2**63 to a positive int64: every gap and
+        # every position counts (then the gaps are exact, and the last position is the largest).
         if (a // _BLOCK) % every:  # not sampled: only the check
-            low = min(low, first)
+            low = min(low, min(first, p[0]))
             for j in range(1, m):  # vectorises
                 low = min(low, min(p[j] - p[j - 1] - 1, p[j]))
             continue
@@ -558,7 +559,15 @@ def from_planes(buf, n, width, out):
 
 @jit
 def bitmap_from_positions(pos, out):
-    """Set bit ``p mod 8`` of byte ``p // 8`` of ``out`` (zeroed uint8) for every ``p`` in ``pos``."""
+    """Set bit ``p mod 8`` of byte ``p // 8`` of ``out`` (zeroed uint8) for every ``p`` in ``pos``
+    (checked by the plan; a position outside ``out`` is skipped all the same, and counted).
+    Returns how many were outside."""
+    n_out = 0
+    limit = np.int64(out.size) << 3
     for i in range(pos.size):
         p = pos[i]
+        if p < 0 or p >= limit:
+            n_out += 1
+            continue
         out[p >> 3] |= np.uint8(1 << (p & 7))
+    return n_out

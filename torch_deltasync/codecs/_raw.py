@@ -26,10 +26,7 @@ class RawCodec(Codec):
         if pos.dim() != 1 or values.shape != pos.shape:
             raise ValueError(f"raw codec: positions {tuple(pos.shape)} and values {tuple(values.shape)} "
                              "must be 1-D and of the same length")
-        try:
-            check_positions(pos, numel, "raw codec")
-        except CorruptObjectError as e:  # the caller's input, not a store object
-            raise ValueError(str(e)) from None
+        check_positions(pos, numel, "raw codec", ValueError)  # the caller's input, not a store object
         idx_dtype = torch.int32 if numel < 2**31 else torch.int64
         return {"idx": pos.to(idx_dtype), "val": values.to("cpu")}
 
