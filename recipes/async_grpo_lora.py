@@ -474,7 +474,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=15, help="supervised copy steps of the base model")
     p.add_argument("--seed", type=int, default=0, help="model and sampling seed")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for peers")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("workers", "steps", "batch", "prompts", "group", "digits", "rank", "alpha"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    # a worker posts prompts x group episodes at once; the service refuses a post its ring cannot hold
+    ring = args.capacity if args.capacity is not None else 2 * args.batch
+    if ring < args.prompts * args.group:
+        p.error(f"the service ring holds {ring} episodes ({'--capacity' if args.capacity is not None else '2 x --batch'})"
+                f", fewer than one worker post of --prompts x --group = {args.prompts * args.group}: raise it or "
+                "lower those")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -48,11 +49,12 @@ import torch.distributed as dist
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from torch_deltasync.cli import HelpFormatter  # the deltasync command's: defaults shown
+    from torch_deltasync.testing import QWEN3_SIZES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--bucket", required=True, help="store to publish to (folder, s3://, hf://buckets/...)")
     p.add_argument("--prefix", default="", help="run prefix inside the bucket")
-    p.add_argument("--size", default="tiny", help="Qwen3 config from torch_deltasync.testing.QWEN3_SIZES")
+    p.add_argument("--size", default="tiny", choices=sorted(QWEN3_SIZES), help="Qwen3 config (torch_deltasync.testing)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (one version each)")
     p.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
@@ -71,9 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after training, gather the full bf16 weights once and save them (safetensors) "
                         "on rank 0, to check receivers against; off by default")
     args = p.parse_args(argv)
-    for flag in ("tp", "dp_replicate"):
+    for flag in ("steps", "batch", "seq", "anchor_every", "tp", "dp_replicate"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        p.error(f"--lr must be a positive finite number, got {args.lr}")
     return args
 
 

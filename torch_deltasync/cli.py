@@ -360,11 +360,11 @@ def _verify(args: argparse.Namespace) -> int:
     from .receiver import DeltaReceiver
 
     store = _open_existing(args)
-    versions = list_versions(store)
-    if args.from_version is not None:
-        versions = [v for v in versions if v >= args.from_version]
+    listed = list_versions(store)
+    versions = [v for v in listed if args.from_version is None or v >= args.from_version]
     if not versions:
-        print(f"{store.describe()}: no versions to verify{_where_runs_are(args)}")
+        why = f" from version {args.from_version} (the newest is {listed[-1]})" if listed else _where_runs_are(args)
+        print(f"{store.describe()}: no versions to verify{why}")
         return 1
     # The target is shaped by each version's manifest: a store may hold runs of different models
     # (a writer restarted with another model), and a damaged manifest must not fail the others.

@@ -321,6 +321,7 @@ def follow(
     deadline = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
     first = None
     failed: dict[int, str] = {}  # versions whose update (or manifest) failed: not retried
+    said_waiting = False
     while first is None:
         ok, versions = reachable(lambda: list_versions(st))
         for v in reversed(versions if ok else []):  # the model is shaped by the newest manifest that parses
@@ -336,6 +337,10 @@ def follow(
             break
         if first is not None:
             break
+        if not said_waiting and ok:  # (a follower started before its writer: say so, once)
+            said_waiting = True
+            print(f"waiting for a first version in {st.describe()}"
+                  + (f" (up to {idle_timeout_s:g} s)" if idle_timeout_s is not None else ""), file=out, flush=True)
         if deadline is not None and time.monotonic() > deadline:
             why = st.absent() if ok else None
             raise VersionNotFoundError(f"{st.describe()}: no version appeared within {idle_timeout_s} s"

@@ -73,3 +73,18 @@ def test_short_configuration_reports_reward_bytes_and_lag(tmp_path):
 def test_default_configuration_learns(tmp_path):
     _, s = run_recipe(tmp_path)
     assert s["steps"] == 150 and s["reward_last"] > s["reward_first"] + 0.05, s
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "16"], "the service ring holds 32 episodes (2 x --batch), fewer than one worker post of --prompts x "
+                        "--group = 64"),  # the workers used to die on HTTP 422, the trainer saying only that one exited
+    (["--capacity", "10"], "the service ring holds 10 episodes (--capacity)"),
+    (["--group", "0"], "--group must be at least 1, got 0"),
+])
+def test_bad_arguments_are_named_before_anything_starts(args, message, capsys):
+    from recipes.async_grpo_lora import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["--batch", "16", "--prompts", "4", "--group", "4"]).batch == 16

@@ -91,3 +91,18 @@ def test_follow_into_an_hf_checkpoint_and_cli(tmp_path):
     assert len(lines) == 1 and f"version {last:>7}" in lines[0] and "path anchor" in lines[0], buf.getvalue()
     assert "density" in lines[0] and "apply" in lines[0]
     assert (tmp_path / "follow.jsonl").read_text().count('"event": "follow"') == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "-1"], "--steps must be at least 1, got -1"),  # used to exit 0 having published nothing
+    (["--size", "nonsense"], "invalid choice: 'nonsense' (choose from '100m'"),  # was a KeyError on every rank
+    (["--batch", "0"], "--batch must be at least 1"),  # was a reshape error inside the model
+    (["--seq", "0"], "--seq must be at least 1"),
+    (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+])
+def test_bad_arguments_are_named_before_any_rank_starts(args, message, capsys):
+    from recipes.torchrun_fsdp2 import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--bucket", "b", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -549,6 +549,8 @@ def test_small_cli_messages(run, capsys, tmp_path):
     assert "no versions (check the path and --prefix)" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "outer")]) == 1
     assert "no versions to verify (check the path and --prefix)" in capsys.readouterr().out
+    assert main(["verify", str(store.root), "--from-version", "99"]) == 1  # past the newest: not a path problem
+    assert "no versions to verify from version 99 (the newest is" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["serve-buffer", "--log-level", "bogus"])
     assert "invalid choice: 'bogus'" in capsys.readouterr().err

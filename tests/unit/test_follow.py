@@ -55,8 +55,11 @@ def test_follow_applies_the_newest_version_and_reports_it(tmp_path):
 
 
 def test_follow_waits_for_a_first_version(tmp_path):
+    out = io.StringIO()
     with pytest.raises(VersionNotFoundError, match="no version appeared within 0.1 s"):
-        follow(LocalStore(tmp_path), idle_timeout_s=0.1, poll_s=0.01, out=io.StringIO())
+        follow(LocalStore(tmp_path), idle_timeout_s=0.1, poll_s=0.01, out=out)
+    # said once, at once: a follower started before its writer looked stuck
+    assert out.getvalue() == f"waiting for a first version in {LocalStore(tmp_path).describe()} (up to 0.1 s)\n"
 
 
 def test_corrupt_version_is_reported_once_and_skipped(tmp_path, capsys):

@@ -282,6 +282,26 @@ def test_sender_refuses_a_prefix_of_another_adapter_and_continues_its_own(tmp_pa
         AdapterSender(tiny_qwen3("tiny"), tmp_path, prefix="other")
 
 
+@pytest.mark.parametrize("change, shown", [
+    (dict(r=8), "r: 4 vs 8"),
+    (dict(target_modules=["q_proj", "v_proj"]), "target_modules: .* vs \\['q_proj', 'v_proj'\\]"),
+])
+def test_an_adapter_replaced_under_the_sender_is_not_published(tmp_path, change, shown):
+    # The structure was checked when the sender was built; a replaced adapter (delete_adapter +
+    # add_adapter) used to be published against the run's adapter_config.json: receivers then
+    # failed on the ranks, or materialized folders whose config did not name the new modules.
+    model = lora_model(seed=1)
+    sender = AdapterSender(model, tmp_path, prefix="run")
+    assert sender.publish() == 0
+    model.base_model.delete_adapter("default")
+    model.add_adapter("default", LoraConfig(**{**dict(r=4, lora_alpha=8, target_modules=TARGETS), **change}))
+    keys = LocalStore(tmp_path).list("run")
+    with pytest.raises(IncompatibleTargetError, match=rf"no longer has the structure this run publishes \({shown}; "
+                                                      r"run vs model\).*new AdapterSender on a new prefix"):
+        sender.publish()
+    assert LocalStore(tmp_path).list("run") == keys  # nothing written
+
+
 def test_default_policy_is_by_size(tmp_path):
     s = AdapterSender(lora_model(seed=1), tmp_path)
     assert s.policy == AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)

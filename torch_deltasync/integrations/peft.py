@@ -345,6 +345,24 @@ class AdapterSender(DeltaSender):
         if self.group.rank == 0:
             self._write_config(lora_config)
 
+    def publish(self, *, background: bool | None = None) -> int | None:
+        """:meth:`DeltaSender.publish <torch_deltasync.DeltaSender.publish>` of the adapter, after
+        checking that the model's adapter still has the run's structure (the adapter can be
+        replaced under the sender, e.g. ``delete_adapter`` + ``add_adapter``).
+
+        Raises:
+            IncompatibleTargetError: its structure changed (naming the fields); nothing is
+                published. A new structure is a new run: a new sender on a new prefix.
+            PublishError, TypeError: as the base class.
+        """
+        diff = _structure_diff(self.adapter_config, _peft_config(self.peft_model, self.adapter_name))
+        if diff:
+            raise IncompatibleTargetError(
+                f"{self.store.describe()}: adapter {self.adapter_name!r} no longer has the structure this run "
+                f"publishes ({'; '.join(diff)}; run vs model); receivers and adapter_config.json follow the run's. "
+                "Publish the new adapter with a new AdapterSender on a new prefix")
+        return super().publish(background=background)
+
     def _write_config(self, config) -> None:
         if not _holds_adapter(self.store, config):
             self.store.put(ADAPTER_CONFIG_KEY, adapter_config_json(config))
