@@ -320,6 +320,41 @@ def test_a_policy_with_an_integer_buffer_syncs_its_floating_tensors(tmp_path):
         receiver.shutdown()
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_worker_policy_with_its_own_extra_tensor(tmp_path, strict):
+    """The receiver refused a worker policy holding a floating tensor the trainer does not publish,
+    advising ``ModuleTarget(model, strict=False)``, which the scheme had no way to take."""
+    from torch_deltasync.errors import IncompatibleTargetError
+
+    torch.manual_seed(0)
+    trainer = nn.Sequential(nn.Linear(3, 4))
+    sender = DeltaWeightSyncScheme(str(tmp_path), sync=False)
+    sender.init_on_sender(model_id="policy", model=trainer)
+    sender.connect()
+    worker = nn.Sequential(nn.Linear(3, 4))
+    worker.register_parameter("noise_scale", nn.Parameter(torch.full((4,), 0.3)))  # the worker's own
+    receiver = DeltaWeightSyncScheme(str(tmp_path), background_receive=False, connect_timeout_s=30, strict=strict)
+    receiver.init_on_receiver(model_id="policy", model=worker)
+    try:
+        if strict:
+            with pytest.raises(IncompatibleTargetError, match=r"\['noise_scale'\].*DeltaWeightSyncScheme\(\.\.\., "
+                                                              r"strict=False\)"):
+                receiver.connect()
+            return
+        receiver.connect()
+        with torch.no_grad():
+            trainer[0].weight.add_(0.1)
+        sender.send()
+        assert receiver.receive(timeout=30) is not None and receiver.version == 1
+        want, got = trainer.state_dict(), worker.state_dict()
+        assert all(torch.equal(got[n].to(torch.bfloat16).view(torch.int16), want[n].to(torch.bfloat16).view(torch.int16))
+                   for n in want)
+        assert torch.equal(got["noise_scale"].view(torch.int32), torch.full((4,), 0.3).view(torch.int32))
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
 def test_receiver_without_sender_times_out(tmp_path):
     """A worker whose sender never connects (or that uses another prefix) fails with a clear error."""
     receiver = DeltaWeightSyncScheme(str(tmp_path), prefix="nobody-publishes-here", connect_timeout_s=0.3)

@@ -48,6 +48,8 @@ BAD_SCHEME_OPTIONS = [
     ("connect_timeout_s", "300", TypeError, r"DeltaWeightSyncScheme: connect_timeout_s must be a number of seconds > 0, "
                                             r"got str '300'"),
     ("connect_timeout_s", NAN, ValueError, r"DeltaWeightSyncScheme: connect_timeout_s must be > 0 seconds, got nan"),
+    ("strict", "no", TypeError, r"DeltaWeightSyncScheme: strict must be a bool \(False: the workers leave their "
+                                r"floating tensors that the trainer does not publish alone\), got str 'no'"),
     ("store_options", 5, TypeError, r"DeltaWeightSyncScheme: store_options must be a dict of open_store options "
                                     r"\(endpoint, credentials, ...\) or None, got int 5"),
     ("store_options", [("endpoint", "x")], TypeError, r"store_options must be a dict .*got list"),

@@ -310,7 +310,8 @@ class ModuleTarget(Target):
             if extra:
                 raise IncompatibleTargetError(
                     f"receiving model tensors not published by the sender: {extra[:5]} ({len(extra)} in all); "
-                    "to leave them alone, pass ModuleTarget(model, strict=False) as the receiver's target"
+                    "to leave them alone, pass ModuleTarget(model, strict=False) as the receiver's target "
+                    "(torchrl: DeltaWeightSyncScheme(..., strict=False))"
                 )
         codecs = {}
         for n in list(shapes) + [a for m in mirrors.values() for a in m]:

@@ -51,12 +51,13 @@ _OWNER = "DeltaWeightSyncScheme"
 
 def _check_own_options(*, sync: Any, num_workers: Any, ack_timeout_s: Any, poll_interval_s: Any,
                        connect_timeout_s: Any, background_receive: Any, version_key: Any, metrics_path: Any,
-                       store_options: Any) -> None:
+                       store_options: Any, strict: Any) -> None:
     """Refuse the scheme's own options of the wrong type (``TypeError``) or out of range
     (``ValueError``) when it is built, not at connect or send time in another process."""
     for name, value, meaning in (
         ("sync", sync, "True: send waits for the workers' acknowledgements"),
         ("background_receive", background_receive, "True: receivers follow the store on a daemon thread"),
+        ("strict", strict, "False: the workers leave their floating tensors that the trainer does not publish alone"),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{_OWNER}: {name} must be a bool ({meaning}), got {type(value).__name__} {value!r}")
@@ -198,6 +199,9 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
             sides and overrides the configs' own ``metrics_path`` (where ``{worker}`` is replaced too).
         store_options: options for :func:`~torch_deltasync.open_store` (a dict: endpoint, credentials, ...).
         strategy: torchrl ``WeightStrategy`` name, used only by :attr:`weights`.
+        strict: (bool) a worker's policy must hold exactly the floating tensors the trainer
+            publishes (:class:`~torch_deltasync.ModuleTarget`'s ``strict``); ``False`` leaves the
+            worker's own extra floating tensors alone (neither synced nor verified).
         sender_config: the trainer's :class:`~torch_deltasync.sender.SenderConfig` (default
             ``SenderConfig()``): ``anchor_every`` (anchor cadence in versions, default 10),
             ``anchor_policy`` (a full :class:`~torch_deltasync.AnchorPolicy`; overrides
@@ -252,6 +256,7 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         strategy: Literal["tensordict", "state_dict"] = "tensordict",
         sender_config: SenderConfig | None = None,
         receiver_config: ReceiverConfig | None = None,
+        strict: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(strategy)
@@ -260,7 +265,7 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         _check_own_options(sync=sync, num_workers=num_workers, ack_timeout_s=ack_timeout_s,
                            poll_interval_s=poll_interval_s, connect_timeout_s=connect_timeout_s,
                            background_receive=background_receive, version_key=version_key,
-                           metrics_path=metrics_path, store_options=store_options)
+                           metrics_path=metrics_path, store_options=store_options, strict=strict)
         if prefix is not None:
             check_prefix(prefix, "DeltaWeightSyncScheme(prefix=...)")
         _check_store_and_device(store, store_options, device)
@@ -285,6 +290,7 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         self.connect_timeout_s = float(connect_timeout_s)
         self.background_receive = background_receive
         self.version_key = version_key
+        self.strict = strict
         self.metrics_path = None if metrics_path is None else os.fspath(metrics_path)
         self._acks: QueueAcks | StoreAcks | None = None  # a channel, travels to the workers
         self._expected: list[int] = []

@@ -149,7 +149,7 @@ class ReceiverSide:
         if left:
             torchrl_logger.info(f"DeltaWeightSyncScheme worker {self._worker_idx}: not synced (not floating point): "
                                 f"{left[:5]}{' ...' if len(left) > 5 else ''}")
-        return ModuleTarget({n: t for n, t in tensors.items() if n not in left})
+        return ModuleTarget({n: t for n, t in tensors.items() if n not in left}, strict=self.strict)
 
     def _retarget(self, old: nn.Module, new: nn.Module) -> None:
         with self._update_lock, self._gate.exclusive():
