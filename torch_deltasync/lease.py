@@ -14,8 +14,9 @@ models without noticing. So a sender owns its prefix while it runs:
   record's own clock compared with ours: keep clock skew well below ``lease_s``), unless told to
   take over (``takeover=True``, e.g. a restart right after a crash). A record that expired (the
   writer died without ``close()``), is malformed, or is missing is claimed; a record is replaced
-  only by the writer that creates ``OWNER.claims/<hash of its bytes>`` (a conditional put), so of
-  two writers starting at once on a dead writer's prefix one is refused;
+  only by the writer that creates ``OWNER.claims/<hash of its bytes>`` (a conditional put;
+  :meth:`PrefixLease._claim_marker`), so of two writers starting at once on a dead writer's prefix
+  one is refused;
 * before writing each manifest the owner reads the record again: if another writer took the prefix
   over, the publish is refused (:class:`~torch_deltasync.errors.PrefixInUseError`) and so is every
   later one, so at most the version in flight at the moment of a takeover lands after it. A record
@@ -61,6 +62,8 @@ MAX_RUN_ID_CHARS = 256
 
 #: Largest owner record read (bytes); anything larger is malformed.
 _MAX_RECORD_NBYTES = 64 << 10
+#: Most claims of one owner record tried (each abandoned one, older than ``lease_s``, moves on).
+_MAX_CLAIM_GENERATIONS = 64
 
 
 @dataclass(frozen=True)
@@ -205,17 +208,59 @@ class PrefixLease:
             )
         if other is not None and other.live(now):
             log.warning("%s: taking over from %s", self.store.describe(), other.describe(now))
-        # Replacing a record is a read and a write: of two writers that read the same record, only
-        # the one that creates the marker named after its bytes (a conditional put) goes on.
+        marker = self._claim_marker(raw, other, now)
         try:
-            self.store.put_new(f"{CLAIMS_PREFIX}/{hashlib.sha256(raw).hexdigest()[:32]}", self.session.encode())
-        except ObjectExistsError:
-            raise PrefixInUseError(
-                f"{self.store.describe()}: another writer replaced the same owner record at the same moment ("
-                + (other.describe(now) if other is not None else "a malformed record") + "); two writers on one "
-                "prefix would interleave their versions. Publish under another prefix, or stop the other writer"
-            ) from None
-        self._put(self.store.put)
+            self._put(self.store.put)
+        except Exception:
+            if _read_record(self.store) != self.record.to_json():  # (else our put landed: a lost reply)
+                try:  # let the next claimant go on at once rather than after the marker expires
+                    self.store.delete(marker)
+                except Exception:  # noqa: BLE001 - it expires by itself
+                    pass
+                raise
+
+    def _claim_marker(self, raw: bytes, other: OwnerRecord | None, now: float) -> str:
+        """Create the marker that makes this writer the one that replaces the record ``raw``.
+
+        Replacing a record is a read and a write: of two writers that read the same record, only the
+        one that creates ``OWNER.claims/<sha256 of raw>`` (a conditional put) goes on. The marker
+        holds the claimant's session and time: a retried put that finds our own marker goes on, and
+        a claim older than ``lease_s`` whose record is still there was abandoned (its writer died
+        between the marker and the record), so the next generation (``<hash>.1``, ...) is tried.
+
+        Returns:
+            The marker's key.
+
+        Raises:
+            PrefixInUseError: another writer's claim of the same record is younger than ``lease_s``.
+        """
+        base = f"{CLAIMS_PREFIX}/{hashlib.sha256(raw).hexdigest()[:32]}"
+        mine = json.dumps({"session": self.session, "at": now}).encode()
+        for generation in range(_MAX_CLAIM_GENERATIONS):
+            key = base if generation == 0 else f"{base}.{generation}"
+            try:
+                self.store.put_new(key, mine)
+                return key
+            except ObjectExistsError:
+                pass
+            try:
+                doc = json.loads(self.store.get(key, start=0, end=_MAX_RECORD_NBYTES + 1))
+                session, at = doc["session"], float(doc["at"])
+            except ObjectNotFoundError:
+                return self._claim_marker(raw, other, now)  # its claimant gave it up: try again
+            except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+                continue  # malformed: protects nothing
+            if session == self.session:
+                return key  # ours: a retried put whose first reply was lost
+            if 0 <= now - at < self.record.lease_s:
+                raise PrefixInUseError(
+                    f"{self.store.describe()}: another writer is replacing the same owner record ("
+                    + (other.describe(now) if other is not None else "a malformed record")
+                    + f") right now: its claim {key} is {now - at:.1f} s old. Two writers on one prefix would "
+                    "interleave their versions: publish under another prefix, or, if that writer failed, try again "
+                    f"after its claim expires ({self.record.lease_s - (now - at):.0f} s)")
+        raise PrefixInUseError(f"{self.store.describe()}: {_MAX_CLAIM_GENERATIONS} abandoned claims of one owner record "
+                               f"({base}...): delete {OWNER_KEY} and {CLAIMS_PREFIX}/ if no writer uses the prefix")
 
     def _stamped(self, now: float) -> bytes:
         self.record = OwnerRecord(**{**asdict(self.record), "renewed_at": now})

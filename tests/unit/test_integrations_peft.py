@@ -15,7 +15,7 @@ from safetensors import safe_open  # noqa: E402
 
 from helpers import delta_payloads  # noqa: E402
 from torch_deltasync import DeltaSender, LocalStore  # noqa: E402
-from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, VersionNotFoundError  # noqa: E402
+from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, PublishError, VersionNotFoundError  # noqa: E402
 from torch_deltasync.integrations.peft import (  # noqa: E402
     ADAPTER_CONFIG_KEY,
     AdapterReceiver,
@@ -300,6 +300,9 @@ def test_an_adapter_replaced_under_the_sender_is_not_published(tmp_path, change,
                                                       r"run vs model\).*new AdapterSender on a new prefix"):
         sender.publish()
     assert LocalStore(tmp_path).list("run") == keys  # nothing written
+    model.base_model.delete_adapter("default")  # none left: the read names what the model has
+    with pytest.raises(PublishError, match=r"the model has no adapter 'default'; it has \[\]"):
+        sender.publish()
 
 
 def test_default_policy_is_by_size(tmp_path):

@@ -4,6 +4,7 @@ ranks opened different stores are refused on every rank."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -329,8 +330,9 @@ def test_two_writers_replacing_the_same_expired_record_one_is_refused(tmp_path):
             return dead if key == OWNER_KEY else super().get(key, start=start, end=end)
 
     first = PrefixLease(store, "first")
-    with pytest.raises(PrefixInUseError, match=r"another writer replaced the same owner record at the same moment "
-                                               r"\(run 'dead' \(host h, pid 1\)"):
+    with pytest.raises(PrefixInUseError, match=r"another writer is replacing the same owner record \(run 'dead' "
+                                               r"\(host h, pid 1\).*\) right now: its claim OWNER.claims/[0-9a-f]{32} "
+                                               r"is [0-9.]+ s old.*try again after its claim expires \(60 s\)"):
         PrefixLease(ReadsBeforeTheWinnerWrote(tmp_path / "b", fsync=False), "second")
     assert read_owner(store).session == first.session  # the winner keeps the prefix
     a = StepModel(seed=13)
@@ -338,3 +340,54 @@ def test_two_writers_replacing_the_same_expired_record_one_is_refused(tmp_path):
     sender = DeltaSender(a.tensors, store)  # and a later claim of a released prefix works as before
     assert publish(sender, a, 0) == 0
     sender.close()
+
+
+_DEAD = json.dumps({"run_id": "dead", "session": "x", "host": "h", "pid": 1, "renewed_at": 1000.0,
+                    "lease_s": 60.0}).encode()
+
+
+def test_a_claim_never_locks_the_prefix(tmp_path):
+    """The claim marker must not outlive a failed claim: (1) the record's put failed after the
+    marker was made, (2) the claimant died between the two (its marker is older than lease_s),
+    (3) the marker's put landed but its reply was lost and the retry found it. Each used to leave
+    every later claimant, takeover=True included, refused for good."""
+    from torch_deltasync.errors import ObjectExistsError
+
+    class Failing(LocalStore):
+        def __init__(self, root, fail_owner=False, lost_reply=False):
+            super().__init__(root, fsync=False)
+            self.fail_owner, self.lost_reply = fail_owner, lost_reply
+
+        def put(self, key, data):
+            if key == OWNER_KEY and self.fail_owner:
+                raise StoreError("injected: put of OWNER failed")
+            return super().put(key, data)
+
+        def put_new(self, key, data):
+            super().put_new(key, data)
+            if key.startswith("OWNER.claims/") and self.lost_reply:  # landed; the retry finds it
+                raise ObjectExistsError(f"{key} already exists")
+
+    # (1) the record's put failed: the marker goes with the failure, the next claim goes on
+    store = LocalStore(tmp_path / "1", fsync=False)
+    store.put(OWNER_KEY, _DEAD)
+    with pytest.raises(StoreError, match="injected"):
+        PrefixLease(Failing(tmp_path / "1", fail_owner=True), "a")
+    assert store.list("OWNER.claims") == [] and store.get(OWNER_KEY) == _DEAD
+    lease = PrefixLease(store, "b")
+    assert read_owner(store).session == lease.session
+    lease.release()
+    # (2) an abandoned claim (older than lease_s, the record still the dead one's): the next generation
+    store = LocalStore(tmp_path / "2", fsync=False)
+    store.put(OWNER_KEY, _DEAD)
+    marker = f"OWNER.claims/{hashlib.sha256(_DEAD).hexdigest()[:32]}"
+    store.put(marker, json.dumps({"session": "killed", "at": time.time() - 61}).encode())
+    lease = PrefixLease(store, "c", takeover=True)
+    assert read_owner(store).session == lease.session and store.exists(marker + ".1")
+    lease.release()
+    # (3) a lost reply: our own marker is found, and the claim goes on
+    store = LocalStore(tmp_path / "3", fsync=False)
+    store.put(OWNER_KEY, _DEAD)
+    lease = PrefixLease(Failing(tmp_path / "3", lost_reply=True), "d")
+    assert read_owner(store).session == lease.session
+    lease.release()

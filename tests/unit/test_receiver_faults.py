@@ -391,7 +391,8 @@ def test_an_object_gone_after_planning_names_the_version_and_what_to_do(store, v
     receiver = DeltaReceiver(target, store)
     receiver.update(1)
     before = state_bits(target)
-    hint = ("it was deleted after the update was planned.*update\\(\\) without a version plans again" if version is not None
+    hint = ("it was deleted after the update was planned.*or lost. update\\(\\) without a version plans again"
+            if version is not None
             else "the store lost an object that a visible manifest names.*deltasync verify")
     with pytest.raises(StoreError, match=rf"no object '{key}', needed to reach version {2 if version else 3}: {hint}"):
         receiver.update(version)

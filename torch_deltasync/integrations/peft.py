@@ -355,8 +355,10 @@ class AdapterSender(DeltaSender):
                 published. A new structure is a new run: a new sender on a new prefix.
             PublishError, TypeError: as the base class.
         """
-        diff = _structure_diff(self.adapter_config, _peft_config(self.peft_model, self.adapter_name))
-        if diff:
+        configs = getattr(self.peft_model, "peft_config", None)
+        live = configs.get(self.adapter_name) if isinstance(configs, Mapping) else None
+        diff = _structure_diff(self.adapter_config, live) if isinstance(live, _lora_config_class()) else []
+        if diff:  # (no adapter of that name: the read below names what the model has)
             raise IncompatibleTargetError(
                 f"{self.store.describe()}: adapter {self.adapter_name!r} no longer has the structure this run "
                 f"publishes ({'; '.join(diff)}; run vs model); receivers and adapter_config.json follow the run's. "

@@ -93,8 +93,8 @@ def republished(store, held: Manifest | None, version: int, *, seen: str | None 
 def object_lost(e: ObjectNotFoundError, version: int, explicit: bool) -> ObjectNotFoundError:
     """``e`` (an object a manifest names is gone) saying which version needed it and what to do."""
     if explicit:  # retention deleted the chain to a version asked for by number (planning again cannot help)
-        hint = ("it was deleted after the update was planned (retention, or another process). update() "
-                "without a version plans again from the newest version")
+        hint = ("it was deleted after the update was planned (retention, another process) or lost. update() "
+                "without a version plans again from the newest version; `deltasync verify` checks the run")
     else:
         hint = ("the store lost an object that a visible manifest names (deleted by hand, or by a collector "
                 "with another retention policy): `deltasync verify` checks the run")

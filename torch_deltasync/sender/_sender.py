@@ -559,14 +559,14 @@ class DeltaSender:
         outcome = write_manifest(self.store, job, gathered, codec=self.codec.name, dtype=self.dtype,
                                  run_id=self.run_id, world=self.group.world, latest_at=self._latest_at)
         if outcome["ok"]:
-            self._write_latest(job.version)
+            self._write_latest(job.version, checked=True)
         return outcome
 
-    def _write_latest(self, version: int) -> None:
+    def _write_latest(self, version: int, checked: bool = False) -> None:
         """Rank 0: point ``LATEST`` at ``version`` (or retry at the next publish or ``flush()``) while
-        the prefix is ours: after a takeover, a stale ``LATEST`` could look current to readers."""
+        the prefix is ours (``checked``: read just before the manifest): a stale one could look current."""
         try:
-            ours = self._lease is not None and self._lease.check() is None
+            ours = self._lease is not None and (checked or self._lease.check() is None)
         except PrefixInUseError:
             ours = False
         except Exception as e:  # noqa: BLE001 - the store failed: try again later
