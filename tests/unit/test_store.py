@@ -95,6 +95,7 @@ def test_local_list_skips_folders_removed_while_it_walks(tmp_path, monkeypatch):
     # Retention removes a version's folder once it deleted its last object; a listing that saw the
     # folder a moment before must skip it, not fail (collect_garbage from two processes, a sender
     # starting while gc runs).
+    import errno
     import os
 
     store = LocalStore(tmp_path)
@@ -110,6 +111,14 @@ def test_local_list_skips_folders_removed_while_it_walks(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "scandir", racing)
     assert store.list("objects") == ["objects/000000000001/delta.safetensors",
                                      "objects/000000000003/delta.safetensors"]
+
+    def stale(path):  # NFS: removed by another host
+        if str(path).endswith("000000000003"):
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", stale)
+    assert store.list("objects") == ["objects/000000000001/delta.safetensors"]
 
 
 def test_local_list_names_the_store_when_a_folder_cannot_be_read(tmp_path, monkeypatch):
