@@ -21,6 +21,9 @@ from ._dtypes import bits
 from ._native import _K3, _U0, PREFETCH_AHEAD, _mix, _u64, prefetch
 from ._native import jit as _jit
 
+#: What :func:`apply_at` did.
+APPLIED, BAD_POSITIONS, MISMATCH = 0, 1, 2
+
 # The kernels a commit calls, which warm() compiles (apply_at serves the receiver's anchor path).
 __all__ = ["np_bits", "warm", "scatter", "scatter_widened", "gather", "gather_widened", "grid_first_bad", "grid_held",
            "scatter_grid", "gather_grid"]
@@ -179,9 +182,20 @@ def apply_at(flat, pos, steps, relative, values, check, base):
     """Write a decoded delta into ``flat`` (unsigned bit patterns of the whole tensor) in place:
     ``flat[p] = flat[p] + step`` (wrapped) where relative, else the raw value; ``steps`` empty
     means overwrite every entry with ``values``. With ``check``, the checksum of the old values at
-    ``pos`` must equal ``base`` (uint64) first, else nothing is written and False is returned.
-    ``pos`` must be in range (the decoder checked it against the tensor's size)."""
+    ``pos`` must equal ``base`` (uint64) first.
+
+    Returns:
+        ``APPLIED``; ``BAD_POSITIONS`` (``pos`` is not strictly increasing inside ``flat``: a
+        repeated position would take two steps) or ``MISMATCH``, writing nothing.
+    """
     k = pos.size
+    if k and (pos[0] < 0 or pos[k - 1] >= flat.size):
+        return BAD_POSITIONS
+    bad = False
+    for i in range(1, k):  # vectorises (increasing from pos[0] >= 0 to pos[-1] < size: all inside)
+        bad |= pos[i] <= pos[i - 1]
+    if bad:
+        return BAD_POSITIONS
     if check:
         ck = _U0
         for i in range(k):
@@ -189,7 +203,7 @@ def apply_at(flat, pos, steps, relative, values, check, base):
                 prefetch(flat, pos[i + PREFETCH_AHEAD])
             ck += _mix(_u64(pos[i])) * (_u64(flat[pos[i]]) + _K3)
         if ck != base:
-            return False
+            return MISMATCH
     for i in range(k):
         if i + PREFETCH_AHEAD < k:
             prefetch(flat, pos[i + PREFETCH_AHEAD])
@@ -200,7 +214,7 @@ def apply_at(flat, pos, steps, relative, values, check, base):
             flat[p] = flat[p] + steps[i]
         else:
             flat[p] = flat[p] + steps[i] if relative[i] else values[i]
-    return True
+    return APPLIED
 
 
 def warm() -> None:

@@ -139,9 +139,12 @@ class TensorDelta:
         if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != self.values.dtype:
             raise ValueError(f"apply_to needs a 1-D contiguous {self.values.dtype} tensor, got "
                              f"{flat.dtype} {tuple(flat.shape)}")
-        check_positions(self.positions, flat.numel(), f"apply_to (a tensor of {flat.numel()} elements)", ValueError)
+        what = f"apply_to (a tensor of {flat.numel()} elements)"
+        native = _native.enabled() and flat.device.type == "cpu" and self.positions.device.type == "cpu"
+        if not native or self.positions.dtype != torch.int64 or self.positions.dim() != 1:
+            check_positions(self.positions, flat.numel(), what, ValueError)  # (the kernel checks int64 ones)
         self._check_lengths()
-        if not (_native.enabled() and flat.device.type == "cpu" and self.positions.device.type == "cpu"):
+        if not native:
             new = self.resolve(flat[self.positions]) if self.needs_base else self.values
             index_copy_(flat, self.positions.to(flat.device), new)
             return
@@ -151,8 +154,11 @@ class TensorDelta:
         steps = self.steps.contiguous().numpy() if self.steps is not None else np.empty(0, u)
         rel = self.relative.contiguous().numpy() if self.relative is not None else _NO_MASK
         check = self.steps is not None and self.base_checksum is not None
-        if not _native_apply.apply_at(bits(flat).numpy().view(u), self.positions.contiguous().numpy(), steps, rel, vals,
-                                check, np.uint64(self.base_checksum or 0)):
+        status = _native_apply.apply_at(bits(flat).numpy().view(u), self.positions.contiguous().numpy(), steps, rel,
+                                        vals, check, np.uint64(self.base_checksum or 0))
+        if status == _native_apply.BAD_POSITIONS:
+            check_positions(self.positions, flat.numel(), what, ValueError)  # raises, naming the entry
+        if status == _native_apply.MISMATCH:
             self._mismatch(flat[self.positions])
 
     def _mismatch(self, old_values: torch.Tensor) -> None:
