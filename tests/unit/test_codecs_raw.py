@@ -79,3 +79,16 @@ def test_encode_rejects_bad_positions(pos, numel, match):
     assert not isinstance(e.value, CorruptObjectError)  # the caller's input, not a store object
     with pytest.raises(ValueError, match="same length"):
         RAW.encode(torch.tensor([0, 1]), V, V, numel=numel)
+
+
+@pytest.mark.parametrize("codec", ["raw", "packed"])
+@pytest.mark.parametrize("pos, got", [
+    (torch.tensor([0.9, 1.9]), "torch.float32"),  # were truncated to [0, 1]
+    (torch.tensor([True, True]), "torch.bool"),  # were read as [1, 1]
+    (torch.tensor([[0, 1]]), r"\(1, 2\)"),  # were flattened
+    ([0, 1], "list"),
+])
+def test_encoders_refuse_positions_they_would_convert(codec, pos, got):
+    with pytest.raises(TypeError, match=rf"{codec} codec: positions must be a 1-D integer tensor \(int64\), got .*{got}"):
+        get_codec(codec).encode(pos, V[:2], V[:2], numel=10)
+    assert get_codec(codec).encode(torch.tensor([0, 1], dtype=torch.int32), V[:2], V[:2], numel=10)

@@ -317,6 +317,19 @@ def get_codec(name: str) -> Codec:
     return cls()
 
 
+def check_encoder_positions(positions: object, what: str) -> None:
+    """Refuse positions an encoder would silently convert: not a 1-D integer tensor (float
+    positions were truncated, bool ones read as 0 and 1, 2-D ones flattened).
+
+    Raises:
+        TypeError: naming ``what`` (the codec) and what it got.
+    """
+    if (not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point()
+            or positions.is_complex() or positions.dtype == torch.bool):
+        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise TypeError(f"{what}: positions must be a 1-D integer tensor (int64), got {got}")
+
+
 def check_positions(idx: torch.Tensor, numel: int, what: str, error: type[Exception] = CorruptObjectError) -> torch.Tensor:
     """Validate untrusted positions: 1-D integer, strictly increasing, inside ``[0, numel)``.
 

@@ -56,7 +56,7 @@ from . import _packed_kernels as _kernels
 from .._dtypes import int_view_dtype
 from ..checksum import checksum
 from ..errors import CorruptObjectError
-from ._base import _UNSIGNED, Codec, TensorDelta, check_parts, register_codec
+from ._base import _UNSIGNED, Codec, TensorDelta, check_encoder_positions, check_parts, register_codec
 from ._packed_decode import zero as _zero
 from ._packed_estimates import (
     STEP_CAP, SAMPLE_EVERY, SAMPLE_FROM, best_gap_shift, best_step_code, binary_entropy, gap_shift_window, huffman_bits,
@@ -165,9 +165,11 @@ class PackedCodec(Codec):
             (:mod:`~torch_deltasync._native`) and this numpy code write the same bytes.
 
         Raises:
+            TypeError: positions not a 1-D integer tensor.
             ValueError: positions not strictly increasing or outside ``[0, numel)``, or values and
                 old values of different shape or dtype.
         """
+        check_encoder_positions(positions, "packed codec")
         pos = _flat_cpu(positions, torch.int64).numpy()
         new, old = _flat_cpu(values), _flat_cpu(old_values)
         k = pos.size

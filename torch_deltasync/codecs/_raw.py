@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CorruptObjectError
-from ._base import Codec, TensorDelta, check_parts, check_positions, register_codec
+from ._base import Codec, TensorDelta, check_encoder_positions, check_parts, check_positions, register_codec
 
 
 @register_codec
@@ -19,11 +19,13 @@ class RawCodec(Codec):
         """See :meth:`Codec.encode`.
 
         Raises:
-            ValueError: positions not 1-D, not strictly increasing inside ``[0, numel)``, or not
-                as many as the values (checked before the narrowing to int32, which would wrap).
+            TypeError: positions not a 1-D integer tensor.
+            ValueError: positions not strictly increasing inside ``[0, numel)``, or not as many as
+                the values (checked before the narrowing to int32, which would wrap).
         """
+        check_encoder_positions(positions, "raw codec")
         pos = positions.to(device="cpu", dtype=torch.int64)
-        if pos.dim() != 1 or values.shape != pos.shape:
+        if values.shape != pos.shape:
             raise ValueError(f"raw codec: positions {tuple(pos.shape)} and values {tuple(values.shape)} "
                              "must be 1-D and of the same length")
         check_positions(pos, numel, "raw codec", ValueError)  # the caller's input, not a store object
