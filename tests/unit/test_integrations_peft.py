@@ -305,6 +305,25 @@ def test_an_adapter_replaced_under_the_sender_is_not_published(tmp_path, change,
         sender.publish()
 
 
+@pytest.mark.parametrize("run_base, local_base, warned", [
+    ("org/base-A", "org/base-B", True),  # same shapes, other weights: silently another function
+    ("Qwen/Qwen3-0.6B", "/models/Qwen3-0.6B/", False),  # a local copy of the same model
+    (None, "org/base-B", False),
+])
+def test_a_receiver_on_another_base_model_is_warned(tmp_path, run_base, local_base, warned):
+    trainer, model = lora_model(seed=1), lora_model(seed=2)
+    trainer.peft_config["default"].base_model_name_or_path = run_base
+    model.peft_config["default"].base_model_name_or_path = local_base
+    AdapterSender(trainer, tmp_path, prefix="run").publish()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert AdapterReceiver(model, tmp_path, prefix="run").update() == 0
+    ours = [str(w.message) for w in caught if "was trained on base model" in str(w.message)]
+    assert ours == ([f"the run's adapter was trained on base model {run_base!r}, the receiving model's adapter "
+                     f"names {local_base!r}: LoRA factors compute the trained function only on the base weights "
+                     "they were trained on"] if warned else [])
+
+
 def test_default_policy_is_by_size(tmp_path):
     s = AdapterSender(lora_model(seed=1), tmp_path)
     assert s.policy == AnchorPolicy(every=None, chain_ratio=2.0, max_delta_ratio=1.0)

@@ -392,6 +392,18 @@ def _holds_adapter(store: Store, config) -> bool:
 # --- receiver ----------------------------------------------------------------------------------
 
 
+def _warn_other_base(run_base: str | None, local_base: str | None) -> None:
+    """Warn when the run's adapter was trained on another base model than the receiving model's
+    adapter names (compared by their last path component: a local copy of a hub model is the same)."""
+    def name(x: str | None) -> str:
+        return os.path.basename(str(x).rstrip("/")) if x else ""
+
+    if name(run_base) and name(local_base) and name(run_base) != name(local_base):
+        warnings.warn(f"the run's adapter was trained on base model {run_base!r}, the receiving model's adapter "
+                      f"names {local_base!r}: LoRA factors compute the trained function only on the base weights "
+                      "they were trained on", UserWarning, stacklevel=3)
+
+
 class AdapterTarget(ModuleTarget):
     """Where an :class:`AdapterReceiver` writes: a PEFT model's adapter tensors, or its own.
 
@@ -420,6 +432,7 @@ class AdapterTarget(ModuleTarget):
                 raise IncompatibleTargetError(
                     f"the run's adapter config differs from the receiving model's: {'; '.join(diff)}"
                 )
+            _warn_other_base(config.base_model_name_or_path, self._local_config.base_model_name_or_path)
         if self.owns and not self.tensors:
             # Allocated once, before anything is downloaded; later manifests must fit these shapes.
             self.tensors = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
