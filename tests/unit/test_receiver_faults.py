@@ -399,6 +399,24 @@ def test_an_object_gone_after_planning_names_the_version_and_what_to_do(store, v
     assert same(state_bits(target), before) and receiver.version == 1
 
 
+def test_a_failed_recovery_still_names_what_failed_first(store):
+    # Version 5's manifest names the wrong base; recovery from anchor 3, then anchor 0, meets an old
+    # damaged delta (version 1). The error named only version 1: the cause was in the warnings.
+    publish_steps(store, 6, anchor_every=3)
+    key = json.loads(store.get(manifest_key(1)))["objects"][0]["key"]
+    store.put(key, store.get(key)[:100])
+    target = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(target, store)
+    assert receiver.update(3) == 3
+    before = state_bits(target)
+    rewrite(store, 5, manifest=lambda m: m.update(base_version=3))
+    with pytest.raises(CorruptObjectError, match=r"version 1: .* is 100 bytes.*; recovering from the first failure: "
+                                                 r"CorruptObjectError: .*version 5 object .*base_version '4'\) "
+                                                 r"disagrees with the manifest \('raw', '3'\)"):
+        receiver.update(5)
+    assert same(state_bits(target), before) and receiver.version == 3
+
+
 # --- writers that share a prefix, wiped buckets, stale pointers ----------------------------------------
 
 

@@ -447,8 +447,8 @@ class DeltaReceiver:
                     # the old values it read may be the new ones. Not a reason to rebuild from an anchor.
                     raise StaleUpdateError(f"{self.store.describe()}: the target changed while version "
                                            f"{plan.to_version} was being staged; prepare it again") from e
-                if recoveries >= _MAX_RECOVERIES or not self.receiver_config.recover:
-                    raise
+                if recoveries >= _MAX_RECOVERIES or not self.receiver_config.recover:  # (naming what failed first)
+                    raise type(e)(f"{e}; recovering from the first failure: {first_error}") if first_error else e
                 # Recover, avoiding what failed: a failed anchor part (or anchor path naming no object)
                 # is crossed by its delta part, a failed delta path not taken again (the held state
                 # may be wrong), no path needing a damaged delta part tried. Cached manifests are
