@@ -313,6 +313,18 @@ class PrefixLease:
                 "runs do not interleave. Create a new sender (takeover=True) to publish again"
             )
 
+    def holds(self) -> bool:
+        """Whether the prefix is still ours: :meth:`check` as a bool.
+
+        Raises:
+            StoreError: the store failed.
+        """
+        try:
+            self.check()
+            return True
+        except PrefixInUseError:
+            return False
+
     def renew(self) -> None:
         """Write a fresh ``renewed_at`` if the record is still ours (the renewing thread calls this).
 

@@ -566,9 +566,7 @@ class DeltaSender:
         """Rank 0: point ``LATEST`` at ``version`` (or retry at the next publish or ``flush()``) while
         the prefix is ours (``checked``: read just before the manifest): a stale one could look current."""
         try:
-            ours = self._lease is not None and (checked or self._lease.check() is None)
-        except PrefixInUseError:
-            ours = False
+            ours = self._lease is not None and (checked or self._lease.holds())
         except Exception as e:  # noqa: BLE001 - the store failed: try again later
             log.warning("could not read the owner record before pointing LATEST at %d: %s", version, e)
             self._latest_pending, self._latest_at = version, None

@@ -256,24 +256,32 @@ class LocalStore(Store):
         out = []
         stack = [base]
         while stack:
-            folder = stack.pop()
-            try:
-                with os.scandir(folder) as entries:
-                    for entry in entries:
-                        # links leading outside, dangling or in a loop name nothing to read here
-                        if entry.is_symlink() and (not os.path.exists(entry.path)
-                                                   or not self._inside(Path(os.path.realpath(entry.path)))):
-                            continue
-                        if entry.is_dir():
-                            if not entry.is_symlink():  # like os.walk: linked folders are not descended
-                                stack.append(Path(entry.path))
-                        elif entry.is_file() and _TMP_MARK not in entry.name:  # no FIFOs, sockets, devices
-                            out.append(Path(entry.path).relative_to(self.root).as_posix())
-            except OSError as e:
-                if isinstance(e, (FileNotFoundError, NotADirectoryError)) or e.errno == errno.ESTALE:
-                    continue  # removed (or replaced) since it was seen, here or (NFS) on another host
-                raise self._os_error("list", prefix, folder, e) from e
+            for entry in self._entries(stack.pop(), prefix):
+                # links leading outside, dangling or in a loop name nothing to read here
+                if entry.is_symlink() and (not os.path.exists(entry.path)
+                                           or not self._inside(Path(os.path.realpath(entry.path)))):
+                    continue
+                if entry.is_dir():
+                    if not entry.is_symlink():  # like os.walk: linked folders are not descended
+                        stack.append(Path(entry.path))
+                elif entry.is_file() and _TMP_MARK not in entry.name:  # no FIFOs, sockets, devices
+                    out.append(Path(entry.path).relative_to(self.root).as_posix())
         return sorted(out)
+
+    def _entries(self, folder: Path, prefix: str) -> list[os.DirEntry]:
+        """The entries of ``folder`` for :meth:`list`: none when it was removed (or replaced) since it
+        was seen, here or (NFS) on another host.
+
+        Raises:
+            StoreError: it could not be read.
+        """
+        try:
+            with os.scandir(folder) as entries:
+                return list(entries)
+        except OSError as e:
+            if isinstance(e, (FileNotFoundError, NotADirectoryError)) or e.errno == errno.ESTALE:
+                return []
+            raise self._os_error("list", prefix, folder, e) from e
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (a link itself, never what it points to), and the folders it leaves empty
