@@ -499,7 +499,7 @@ class Controller:
                     t.cancel()
         train_s = time.perf_counter() - t_train
 
-        bit_exact, digests = False, {}
+        bit_exact, digests = None, {}  # None: not checked (the run stopped first)
         if status == "ok":
             try:
                 bit_exact, digests = await self.final_check()
@@ -651,7 +651,8 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"{f(s['mean_stall_ms'], '.1f')} / max {f(s['max_stall_ms'], '.1f')} ms, "
           f"{f(None if s['sync_time_frac'] is None else 100 * s['sync_time_frac'], '.2f')}% of generation time; "
           f"trained tokens by version lag {s['tokens_by_lag']}")
-    print(f"bit-exact (every live generator vs trainer bf16): {'YES' if s['bit_exact'] else 'NO'}")
+    exact = {True: "YES", False: "NO"}.get(s["bit_exact"], "not checked (the run stopped before the final check)")
+    print(f"bit-exact (every live generator vs trainer bf16): {exact}")
     if s.get("message"):
         print(f"message: {s['message']}")
 

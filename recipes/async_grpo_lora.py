@@ -475,9 +475,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model and sampling seed")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for peers")
     args = p.parse_args(argv)
-    for flag in ("workers", "steps", "batch", "prompts", "group", "digits", "rank", "alpha"):
+    for flag in ("workers", "steps", "batch", "prompts", "digits", "rank", "alpha"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.group < 2:  # group advantages compare completions of one prompt
+        p.error(f"--group must be at least 2 (completions per prompt, compared with each other), got {args.group}")
+    for flag in ("lr", "startup_timeout", "temperature"):
+        if not 0 < getattr(args, flag) < float("inf"):
+            p.error(f"--{flag.replace('_', '-')} must be a positive finite number, got {getattr(args, flag)}")
+    if not 0 <= args.clip < float("inf"):
+        p.error(f"--clip must be a finite number >= 0, got {args.clip}")
+    if args.max_lag < 0 or args.warmup_steps < 0:
+        p.error(f"--max-lag and --warmup-steps must be >= 0, got {args.max_lag} and {args.warmup_steps}")
+    if args.store is not None and args.store.startswith("memory://"):
+        p.error("--store memory://... lives inside one process, but the trainer and the rollout workers are separate "
+                "processes; use a folder, s3://... or hf://buckets/...")
+    try:  # the store's form and a run prefix that stays inside it (they failed as tracebacks, after start-up)
+        from torch_deltasync.store import check_prefix, open_store
+
+        check_prefix(args.prefix, "--prefix")
+        if args.store is not None:
+            open_store(args.store)
+    except (TypeError, ValueError, ImportError) as e:
+        p.error(str(e))
     # a worker posts prompts x group episodes at once; the service refuses a post its ring cannot hold
     ring = args.capacity if args.capacity is not None else 2 * args.batch
     if ring < args.prompts * args.group:

@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("iters", "workers", "frames_per_batch", "anchor_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_staleness < 0:
+        p.error(f"--max-staleness must be >= 0 (versions), got {args.max_staleness}")
+    if args.store is not None and args.store.startswith("memory://"):
+        p.error("--store memory://... lives inside one process, but the collector's workers are separate processes; "
+                "use a folder, s3://... or hf://buckets/...")
     if args.start_method:
         mp.set_start_method(args.start_method, force=True)
 

@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not math.isfinite(args.lr) or args.lr <= 0:
         p.error(f"--lr must be a positive finite number, got {args.lr}")
+    for flag in ("save_final", "metrics"):  # checked now, not after training (--save-final) or by dropping records
+        folder = os.path.dirname(os.path.abspath(getattr(args, flag) or "."))
+        while not os.path.exists(folder):  # the folders that do not exist yet are made
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: {folder} is a file, not a folder")
     return args
 
 
@@ -153,8 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     model = tiny_qwen3(args.size, seed=args.seed).to(device)  # same init on every rank
     dp_rank = parallelize(model, world, tp=args.tp, dp_replicate=args.dp_replicate, device_type=device.type)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    sender = DeltaSender(model, args.bucket, prefix=args.prefix, anchor_every=args.anchor_every,
-                         background=args.background, metrics_path=args.metrics, takeover=args.takeover)
+    from torch_deltasync.errors import PrefixInUseError
+
+    try:
+        sender = DeltaSender(model, args.bucket, prefix=args.prefix, anchor_every=args.anchor_every,
+                             background=args.background, metrics_path=args.metrics, takeover=args.takeover)
+    except PrefixInUseError as e:
+        raise SystemExit(f"[rank {rank}] {e} (here: --takeover)") from None
     nparams = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"[rank 0] Qwen3-{args.size}: {nparams:,} parameters over {world} ranks (tp {args.tp}, dp_replicate "
@@ -194,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             t = t.full_tensor() if isinstance(t, DTensor) else t
             full[name] = t.detach().to(torch.bfloat16).cpu().contiguous()
         if rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(args.save_final)), exist_ok=True)
             tied = {n for n in full if n == "lm_head.weight" and model.config.tie_word_embeddings}
             save_file({n: t for n, t in full.items() if n not in tied}, args.save_final,
                       metadata={"version": str(last)})

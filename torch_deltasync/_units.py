@@ -23,7 +23,8 @@ def is_real_number(x: object) -> bool:
 
 def check_seconds(value: object, name: str, where: str, *, positive: bool, none_ok: bool = False,
                   none_means: str = "to wait without a time limit", finite: bool = True) -> float | None:
-    """A duration in seconds from the caller (a timeout, a poll interval), returned unchanged.
+    """A duration in seconds from the caller (a timeout, a poll interval), returned unchanged (but
+    for an int past a float's range, which is ``inf`` where that is accepted).
 
     Args:
         value: the caller's value: a real number (``bool`` is not one), or ``None`` if ``none_ok``.
@@ -45,7 +46,11 @@ def check_seconds(value: object, name: str, where: str, *, positive: bool, none_
     if not is_real_number(value):
         raise TypeError(f"{where}: {name} must be a number of seconds {bound}"
                         f"{' or None' if none_ok else ''}, got {type(value).__name__} {value!r}")
-    if math.isnan(value) or (finite and math.isinf(value)) or (value <= 0 if positive else value < 0):
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int past ~1.8e308: as long as forever
+        as_float = value = math.inf if value > 0 else -math.inf
+    if math.isnan(as_float) or (finite and math.isinf(as_float)) or (value <= 0 if positive else value < 0):
         raise ValueError(f"{where}: {name} must be a{' finite' if finite else ''} number of seconds {bound}, "
                          f"got {value!r}{forever}")
     return value

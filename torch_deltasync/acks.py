@@ -160,7 +160,8 @@ class StoreAcks:
                 if len(data) > MAX_ACK_BYTES:
                     raise ValueError(f"more than {MAX_ACK_BYTES} bytes")
                 raw = json.loads(data.decode())
-            except ValueError as e:  # garbage (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+            except (ValueError, RecursionError) as e:  # garbage (UnicodeDecodeError and JSONDecodeError are
+                # ValueErrors; arrays nested a few thousand deep exhaust the parser's recursion)
                 log.debug("ignoring the acknowledgement at %r: %s", key, e)
                 continue
             if not isinstance(raw, dict):
@@ -289,8 +290,9 @@ class AckBook:
     def read(self, store: Any, wait_s: float) -> None:
         """Read the acknowledgements of every expected worker (waiting up to ``wait_s`` seconds for
         one), not just the pending ones: nothing piles up unread, and a skipped worker that
-        acknowledges a newer version than it had is back (waited for from then on). Malformed
-        acknowledgements are ignored."""
+        acknowledges a newer version than it had is back (waited for from then on). A worker's
+        error not yet raised is dropped when it later acknowledges that version or a newer one (or
+        any version, for an error that names none). Malformed acknowledgements are ignored."""
         for msg in self.channel.poll(store, set(self.expected), wait_s):
             parsed = parse_ack(msg)
             if parsed is None:
@@ -301,6 +303,9 @@ class AckBook:
             if err is not None:
                 self.errors[w] = (ver, err)
             elif ver is not None:
+                reported = self.errors.get(w)
+                if reported is not None and (reported[0] is None or reported[0] <= ver):
+                    del self.errors[w]  # the worker recovered: it holds a version since its error
                 newer = ver > self.acked.get(w, -1)
                 self.acked[w] = max(self.acked.get(w, -1), ver)
                 if newer and w in self.lost:

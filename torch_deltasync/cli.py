@@ -75,18 +75,20 @@ def _port(text: str) -> int:
     return v
 
 
-def _positive_float(text: str) -> float:
+def _number(text: str, *, positive: bool = False, finite: bool = False) -> float:
+    """An option's number (never NaN): ``> 0`` if ``positive``, not infinite if ``finite``."""
     v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    if math.isnan(v) or (positive and not v > 0) or (finite and math.isinf(v)):
+        raise argparse.ArgumentTypeError(f"must be a {'positive ' * positive}{'finite ' * finite}number, got {text}")
     return v
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, positive=True)
 
 
 def _positive_finite_float(text: str) -> float:
-    v = float(text)
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return v
+    return _number(text, positive=True, finite=True)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -354,7 +356,7 @@ def _verify(args: argparse.Namespace) -> int:
     of an anchor reached through the anchor has its objects checked (size, sha256, structure). A
     version the replay reaches only by recovering (its planned path failed) is reported FAILED
     with why; the replay goes on from it, as a follower would."""
-    from .errors import VersionNotFoundError
+    from .errors import ObjectNotFoundError, VersionNotFoundError
     from .keys import list_versions, manifest_key
     from .manifest import load_manifest
     from .receiver import DeltaReceiver
@@ -387,16 +389,13 @@ def _verify(args: argparse.Namespace) -> int:
                 continue
             checked = _check_rest(target, store, receiver.manifest(v), st.path)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked})")
-        except VersionNotFoundError as e:
-            if store.exists(manifest_key(v)):  # still there: what it needs is gone
+        except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
+            if isinstance(e, (VersionNotFoundError, ObjectNotFoundError)) and not store.exists(manifest_key(v)):
+                deleted += 1  # collected (retention) since it was listed, or during its replay
+                print(f"version {v:>8}: deleted meanwhile")
+            else:  # a version still there, or damaged: what it needs is gone or wrong
                 failures += 1
                 print(f"version {v:>8}: FAILED: {type(e).__name__}: {_printable(e)}")
-            else:  # collected (retention) since it was listed: nothing to verify
-                deleted += 1
-                print(f"version {v:>8}: deleted meanwhile")
-        except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
-            failures += 1
-            print(f"version {v:>8}: FAILED: {type(e).__name__}: {_printable(e)}")
     if receiver is not None:
         receiver.close()
     print(f"{len(versions) - failures - deleted}/{len(versions)} versions verified"
@@ -442,7 +441,7 @@ def _check_rest(target, store, m, path: str) -> str:
 def _gc_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
     p.add_argument("--keep-anchors", type=int, default=0, help="older anchors to keep below the newest one")
-    p.add_argument("--grace-s", type=float, default=60.0,
+    p.add_argument("--grace-s", type=_number, default=60.0,
                    help="only anchors visible this long count as the newest (readers get this long to finish)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not read the cut anchor back before deleting below it (see RetentionPolicy.verify_cut)")
@@ -505,7 +504,7 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF checkpoint to receive into (none: zeros shaped from the first manifest)")
     p.add_argument("--poll", type=_positive_finite_float, default=0.2, help="seconds between polls")
-    p.add_argument("--idle-timeout", type=float, default=60.0,
+    p.add_argument("--idle-timeout", type=_number, default=60.0,
                    help="stop after this many seconds without a new version (<= 0 or inf: never)")
     p.add_argument("--max-updates", type=_positive_int, default=None, help="stop after this many updates (none: never)")
     p.add_argument("--until", type=_version, default=None,

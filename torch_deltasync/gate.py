@@ -17,30 +17,42 @@ class CallGate:
     """Keeps writes to the policy's weights out of policy calls, without starving either side.
 
     Policy calls (forward hooks, :meth:`enter` / :meth:`exit`) never overlap a write
-    (:meth:`exclusive`): a write waits for the call in progress, and a call that starts while a
+    (:meth:`exclusive`): a write waits for the calls in progress, and a call that starts while a
     write waits waits for the write. The preference for the waiting write bounds an update's wait
     to the call in progress even in a rollout loop that calls the policy without pause (a plain
     lock held across each call is free only between two calls, and Python's locks are not fair).
-    The underlying lock is held only for a few instructions per call.
+    The underlying lock is held only for a few instructions per call and per write.
+
+    Reentrant where waiting would wait for itself: a call nested in a call of the same thread, a
+    call made by the thread inside its own write, and a write nested in its own write go ahead at
+    once. A write inside a call of the same thread raises :class:`RuntimeError` (the call in
+    progress would have to end first).
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._calls = 0
-        self._writers = 0
+        self._writers = 0  # waiting or writing
+        self._writing = False
         self._local = threading.local()
 
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
     def enter(self) -> None:
-        """A policy call starts: waits while a write is pending or running."""
+        """A policy call starts: waits while a write is pending or running (unless this thread is
+        already in a call, or is the one writing)."""
+        depth = self._depth()
         with self._cond:
-            while self._writers:
-                self._cond.wait()
+            if not depth and not getattr(self._local, "writing", False):
+                while self._writers:
+                    self._cond.wait()
             self._calls += 1
-        self._local.depth = getattr(self._local, "depth", 0) + 1
+        self._local.depth = depth + 1
 
     def exit(self) -> None:
         """The call that this thread entered ends (a no-op without a matching :meth:`enter`)."""
-        if getattr(self._local, "depth", 0) == 0:  # enter() never ran (an earlier pre-hook raised)
+        if self._depth() == 0:  # enter() never ran (an earlier pre-hook raised)
             return
         self._local.depth -= 1
         with self._cond:
@@ -50,13 +62,34 @@ class CallGate:
 
     @contextlib.contextmanager
     def exclusive(self):
-        """No policy call runs inside this block (calls in progress finish first)."""
+        """No policy call of another thread runs inside this block (calls in progress finish
+        first; writes take turns).
+
+        Raises:
+            RuntimeError: this thread is inside a policy call (it would wait for itself).
+        """
+        if getattr(self._local, "writing", False):  # nested in this thread's own write
+            yield
+            return
+        if self._depth():
+            raise RuntimeError("CallGate.exclusive: this thread is inside a policy call, which would have to end "
+                               "before the write; write the weights outside the call (e.g. after the forward pass)")
         with self._cond:
             self._writers += 1
             try:
-                while self._calls:
+                while self._calls or self._writing:
                     self._cond.wait()
-                yield
-            finally:
+            except BaseException:
+                self._writers -= 1
+                self._cond.notify_all()
+                raise
+            self._writing = True
+        self._local.writing = True
+        try:
+            yield
+        finally:
+            self._local.writing = False
+            with self._cond:
+                self._writing = False
                 self._writers -= 1
                 self._cond.notify_all()

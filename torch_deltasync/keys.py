@@ -57,7 +57,7 @@ def ack_key(model: str, worker: int) -> str:
 
 def check_ack_model(model: object, where: str = "ack_key") -> str:
     """A model name for acknowledgement keys: one key segment (``[A-Za-z0-9._=+@,-]+``, not ``.``
-    or ``..``; in particular no ``/``).
+    or ``..``; in particular no ``/``) of at most 255 characters (a folder name in a local store).
 
     Raises:
         TypeError: not a ``str``.
@@ -65,9 +65,10 @@ def check_ack_model(model: object, where: str = "ack_key") -> str:
     """
     if not isinstance(model, str):
         raise TypeError(f"{where}: the model name must be a str, got {type(model).__name__} {model!r}")
-    if model in (".", "..") or not _SEGMENT_RE.fullmatch(model):
-        why = "contains '/'" if "/" in model else "is not one key segment"
-        raise ValueError(f"{where}: model name {model!r} {why}; pass the model's name as a single key segment "
+    if model in (".", "..") or not _SEGMENT_RE.fullmatch(model) or len(model) > 255:
+        why = ("contains '/'" if "/" in model else f"is {len(model)} characters long (a folder name takes 255 at most)"
+               if len(model) > 255 else "is not one key segment")
+        raise ValueError(f"{where}: model name {model!r:.300} {why}; pass the model's name as a single key segment "
                          "(letters, digits and ._=+@,- only, e.g. 'policy')")
     return model
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from .errors import CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
 from .keys import list_versions, manifest_key
 from .manifest import Manifest, load_manifest
-from ._units import is_real_number
+from ._units import check_seconds
 from .store import Store, check_key, open_store
 
 __all__ = ["RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention", "collect_garbage"]
@@ -58,7 +58,12 @@ _OBJECT_DIR_RE = re.compile(r"objects/([0-9]{12})/[^/]+")
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionPolicy:
-    """How much of a run's history to keep (see the module docstring for the rules)."""
+    """How much of a run's history to keep (see the module docstring for the rules).
+
+    Raises:
+        TypeError, ValueError: ``keep_anchors`` is not an int ``>= 0``, ``grace_s`` not a number of
+            seconds ``>= 0`` (``inf``: never delete), ``verify_cut`` not a bool.
+    """
 
     keep_anchors: int = 0
     """Anchors kept below the cut anchor, newest first (``0``: only the cut anchor and after)."""
@@ -74,11 +79,8 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         if type(self.keep_anchors) is not int or self.keep_anchors < 0:
             raise ValueError(f"RetentionPolicy.keep_anchors must be an integer >= 0, got {self.keep_anchors!r}")
-        if not is_real_number(self.grace_s):
-            raise TypeError(f"RetentionPolicy.grace_s must be a number of seconds >= 0, got "
-                            f"{type(self.grace_s).__name__} {self.grace_s!r}")
-        if not self.grace_s >= 0:
-            raise ValueError(f"RetentionPolicy.grace_s must be >= 0, got {self.grace_s}")
+        grace = check_seconds(self.grace_s, "grace_s", "RetentionPolicy", positive=False, finite=False)
+        object.__setattr__(self, "grace_s", float(grace) + 0.0)  # (+ 0.0: -0.0 reads as 0)
         if not isinstance(self.verify_cut, bool):
             raise TypeError(f"RetentionPolicy.verify_cut must be True or False, got {self.verify_cut!r}")
 
@@ -156,10 +158,11 @@ def plan_retention(store: Store, policy: RetentionPolicy | None = None, *, now: 
         them, so their links are not followed) and deleted below it.
 
     Raises:
+        TypeError, ValueError: ``now`` is not a finite number of seconds ``>= 0``.
         StoreError: listing or reading the store failed.
     """
     policy = policy or RetentionPolicy()
-    now = time.time() if now is None else now
+    now = time.time() if now is None else check_seconds(now, "now (a Unix time)", "plan_retention", positive=False)
     versions = list_versions(store)
     if not versions:
         return RetentionPlan(None, None, (), (), (), reason="no versions")
@@ -313,6 +316,8 @@ def collect_garbage(store: "Store | str | os.PathLike", policy: RetentionPolicy 
     plan = plan_retention(store, policy, now=now)
     if not dry_run:
         apply_retention(store, plan)
-        # temporary files of crashed writers (local folders only); a live put is far younger
-        store.sweep_temporaries(older_than_s=max(3600.0, (policy or RetentionPolicy()).grace_s))
+        # temporary files of crashed writers (local folders only); a live put is far younger. Only
+        # in a run: a path that holds no versions may be any folder, whose files are not ours.
+        if plan.newest is not None:
+            store.sweep_temporaries(older_than_s=max(3600.0, (policy or RetentionPolicy()).grace_s))
     return plan

@@ -179,18 +179,25 @@ class GRPOConfig:
             raise ValueError("--bucket '' is empty: give a folder, file://, s3:// or hf://buckets/... (or leave it out "
                              "for runs/<name>/bucket)")
         if self.bucket is not None and "://" in str(self.bucket):
-            from torch_deltasync import open_store
             from torch_deltasync.store import STORE_SCHEMES
 
-            scheme = str(self.bucket).partition("://")[0]
-            if scheme not in STORE_SCHEMES:
+            if str(self.bucket).partition("://")[0] not in STORE_SCHEMES:
                 raise ValueError(f"--bucket {self.bucket!r}: use a folder, file://, s3://, gs://, az:// or "
                                  "hf://buckets/...")
-            if scheme in ("s3", "hf"):
-                open_store(str(self.bucket))  # the URI's form (nothing is read)
         elif self.bucket is not None and Path(self.bucket).expanduser().exists() \
                 and not Path(self.bucket).expanduser().is_dir():
             raise ValueError(f"--bucket {self.bucket!r} is a file, not a folder")
+        if self.bucket is not None and not str(self.bucket).startswith("memory://"):
+            from torch_deltasync import open_store
+            from torch_deltasync.errors import StoreNotFoundError
+
+            local = "://" not in str(self.bucket) or str(self.bucket).startswith("file://")
+            try:  # the URI's form, its filesystem package, a folder under a file (nothing is made or fetched)
+                store = open_store(str(self.bucket))
+                if local:
+                    store.absent()
+            except (ValueError, ImportError, StoreNotFoundError) as e:
+                raise ValueError(f"--bucket {self.bucket!r}: {e}") from None
         if self.buffer_capacity < 2 * self.train_batch:
             raise ValueError(f"GRPOConfig.buffer_capacity must be >= 2 * train_batch, got {self.buffer_capacity}")
         if not self.call_timeout_s > 0:

@@ -138,17 +138,29 @@ def test_losing_every_generator_stops_with_a_message(tmp_path):
                          "--kill-at-step", "2")
     assert proc.returncode == 1
     assert "all 1 generator replicas are lost" in proc.stdout
-    assert s["status"] == "aborted" and s["bit_exact"] is False and s["steps"] < 200
+    assert s["status"] == "aborted" and s["bit_exact"] is None and s["steps"] < 200
+    assert "bit-exact (every live generator vs trainer bf16): not checked" in proc.stdout
 
 
-def test_stores_open_store_accepts_are_buckets(tmp_path):
-    """What the recipe's --bucket check lets through: other object stores (their driver is needed
-    only when the run opens them), a folder under ~, and a relative one."""
+def test_stores_open_store_accepts_are_buckets(tmp_path, capsys):
+    """What the recipe's --bucket check lets through: what ``open_store`` opens (other object stores
+    where their filesystem package is installed), a folder under ~, and a relative one. A store
+    whose package is missing is a usage error at once (it was an 80-line actor traceback after the
+    warm start)."""
+    import importlib.util
+
     from recipes.async_grpo import build_parser, config_from_args
 
     parser = build_parser()
-    for bucket in ("gs://b/run", "az://c/run", "s3a://b/run", "~/runs/b", "runs/b", f"file://{tmp_path}"):
+    for bucket in ("s3a://b/run", "~/runs/b", "runs/b", f"file://{tmp_path}"):
         assert config_from_args(parser.parse_args(["--bucket", bucket]), parser).bucket == bucket
+    for bucket, package in (("gs://b/run", "gcsfs"), ("az://c/run", "adlfs")):
+        if importlib.util.find_spec(package) is not None:
+            assert config_from_args(parser.parse_args(["--bucket", bucket]), parser).bucket == bucket
+        else:
+            with pytest.raises(SystemExit):
+                config_from_args(parser.parse_args(["--bucket", bucket]), parser)
+            assert f"--bucket {bucket!r}: store {bucket!r} needs {package}, which is not installed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -173,6 +185,8 @@ def test_stores_open_store_accepts_are_buckets(tmp_path):
     (["--bucket", "/etc/hostname"], "is a file, not a folder"),
     (["--bucket", "s3://"], "names no bucket"),
     (["--bucket", "ftp://x/y"], "use a folder, file://, s3://, gs://, az:// or hf://buckets/"),
+    (["--bucket", "s3:/b/x"], "looks like a URI that lost a slash"),  # ran a whole job into ./s3:/b/x
+    (["--bucket", "/etc/hostname/sub"], "/etc/hostname is a file, not a folder"),
 ])
 def test_bad_options_are_usage_errors(argv, match, capsys):
     from recipes.async_grpo import build_parser, config_from_args

@@ -79,7 +79,13 @@ def test_default_configuration_learns(tmp_path):
     (["--batch", "16"], "the service ring holds 32 episodes (2 x --batch), fewer than one worker post of --prompts x "
                         "--group = 64"),  # the workers used to die on HTTP 422, the trainer saying only that one exited
     (["--capacity", "10"], "the service ring holds 10 episodes (--capacity)"),
-    (["--group", "0"], "--group must be at least 1, got 0"),
+    (["--group", "1"], "--group must be at least 2 (completions per prompt, compared with each other), got 1"),
+    (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    (["--startup-timeout", "0"], "--startup-timeout must be a positive finite number, got 0.0"),
+    (["--max-lag", "-1"], "--max-lag and --warmup-steps must be >= 0, got -1 and 15"),
+    (["--prefix", "../x"], "--prefix: '../x' is not a valid path inside a store: segment '..' is not allowed"),
+    (["--store", "memory://x"], "--store memory://... lives inside one process"),  # waited out --startup-timeout
+    (["--store", "s3:/b/x"], "'s3:/b/x' looks like a URI that lost a slash"),
 ])
 def test_bad_arguments_are_named_before_anything_starts(args, message, capsys):
     from recipes.async_grpo_lora import parse_args

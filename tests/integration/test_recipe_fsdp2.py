@@ -99,6 +99,8 @@ def test_follow_into_an_hf_checkpoint_and_cli(tmp_path):
     (["--batch", "0"], "--batch must be at least 1"),  # was a reshape error inside the model
     (["--seq", "0"], "--seq must be at least 1"),
     (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    (["--save-final", "/etc/hostname/final.safetensors"], "/etc/hostname is a file, not a folder"),  # after training
+    (["--metrics", "/etc/hostname/m/p.jsonl"], "--metrics '/etc/hostname/m/p.jsonl': /etc/hostname is a file"),
 ])
 def test_bad_arguments_are_named_before_any_rank_starts(args, message, capsys):
     from recipes.torchrun_fsdp2 import parse_args
@@ -106,3 +108,17 @@ def test_bad_arguments_are_named_before_any_rank_starts(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--bucket", "b", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_prefix_in_use_names_the_recipes_takeover_flag(tmp_path):
+    """The library's message says ``takeover=True``; the recipe's flag is ``--takeover``."""
+    from torch_deltasync import DeltaSender
+
+    bucket = tmp_path / "bucket"
+    holder = DeltaSender({"w": torch.zeros(4)}, str(bucket))  # a live writer holds the prefix
+    try:
+        proc = _torchrun(bucket, tmp_path / "final.safetensors")
+    finally:
+        holder.close()
+    assert proc.returncode != 0
+    assert "pass takeover=True" in proc.stderr and "(here: --takeover)" in proc.stderr, proc.stderr[-3000:]

@@ -1006,3 +1006,30 @@ def test_scheme_refuses_a_bad_codec_when_built(tmp_path):
         DeltaWeightSyncScheme(str(tmp_path / "b"), codec="zstd")
     with pytest.raises(ValueError, match='codec="auto" chooses by link speed'):
         DeltaWeightSyncScheme(str(tmp_path / "b"), codec="auto")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("as_store", [False, True], ids=["uri", "store object"])
+def test_a_memory_store_is_refused_for_worker_processes(fork_start, as_store):
+    """The workers, in other processes, cannot read a ``memory://`` store: they waited for versions
+    forever (the recipe hung after its first publish). A collector in this process may use one."""
+    from torch_deltasync import open_store
+
+    store = open_store("memory://refused-run") if as_store else "memory://refused-run"
+    with pytest.raises(ValueError, match=r"DeltaWeightSyncScheme: store 'memory://refused-run' lives in this "
+                                         r"process's memory, and the collector's workers are other processes"):
+        MultiSyncCollector([make_env, make_env], make_policy(0), frames_per_batch=32, total_frames=64,
+                           weight_sync_schemes={"policy": DeltaWeightSyncScheme(store)})
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--store", "memory://x"], "--store memory://... lives inside one process"),  # hung after its first publish
+    (["--max-staleness", "-1"], "--max-staleness must be >= 0 (versions), got -1"),
+    (["--iters", "0"], "--iters must be at least 1, got 0"),
+])
+def test_recipe_refuses_bad_arguments_before_starting(argv, message, capsys):
+    from recipes import torchrl_collector
+
+    with pytest.raises(SystemExit) as e:
+        torchrl_collector.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -110,6 +110,26 @@ def test_a_reported_error_raises_a_worker_error_at_once(store):
     assert book.errors == {}  # reported once
 
 
+def test_an_error_the_worker_recovered_from_is_not_raised_later(store):
+    """A worker that could not connect (an error naming no version) and then acknowledged a version
+    recovered: a later wait waits for it instead of raising the old error. So does one that
+    acknowledges the version its error named (a retry that worked)."""
+    acks = StoreAcks("m")
+    book = _book(acks, 1)
+    acks.post(store, ack_message(0, None, "RuntimeError: could not connect"))
+    book.read(store, 0.0)
+    acks.post(store, ack_message(0, 3, None))
+    book.wait(3, store, timeout_s=5, poll_s=0.01)
+    with pytest.raises(SyncTimeoutError, match=r"worker 0 did not confirm version 4 within 0.05 s \(it holds "
+                                               r"version 3\)"):
+        book.wait(4, store, timeout_s=0.05, poll_s=0.01)
+    acks.post(store, ack_message(0, 6, "CorruptObjectError: bad object"))
+    book.read(store, 0.0)
+    acks.post(store, ack_message(0, 6, None))
+    book.wait(6, store, timeout_s=5, poll_s=0.01)
+    assert book.errors == {} and book.acked == {0: 6}
+
+
 def test_a_dead_worker_process_is_noticed_within_one_poll(store):
     book = _book(StoreAcks("m"), 1)
     dead = SimpleNamespace(is_alive=lambda: False, pid=4242, exitcode=-9)
@@ -175,6 +195,7 @@ MALFORMED = [
     (json.dumps({"worker": 0, "version": -1}).encode(), "version negative"),
     (json.dumps({"worker": 1, "version": 9}).encode(), "worker 1 under worker 0's key"),
     (json.dumps({"worker": -1, "version": 9}).encode(), "worker negative"),
+    (b"[" * 2000 + b"]" * 2000, "arrays nested past the parser's recursion limit"),
 ]
 
 
@@ -238,6 +259,7 @@ def test_a_version_no_run_could_have_never_counts_as_caught_up(store):
     ("..", ValueError, r"model name '..' is not one key segment"),
     ("a b", ValueError, r"model name 'a b' is not one key segment"),
     (5, TypeError, r"StoreAcks\(model_key=...\): the model name must be a str, got int 5"),
+    ("p" * 256, ValueError, r"model name 'p+' is 256 characters long \(a folder name takes 255 at most\)"),
 ])
 def test_store_acks_refuses_a_model_name_that_is_not_one_key_segment(model, error, message):
     with pytest.raises(error, match=message):
@@ -300,6 +322,7 @@ class _CountingChannel:
                                                r"got nan"),
     (dict(timeout_s=float("inf")), ValueError, r"AckBook.wait: timeout_s must be a finite .*got inf"),
     (dict(timeout_s=-1), ValueError, r"AckBook.wait: timeout_s must be a finite number of seconds >= 0, got -1"),
+    (dict(timeout_s=10**400), ValueError, r"AckBook.wait: timeout_s must be a finite .*got inf"),  # was OverflowError
     (dict(timeout_s="5"), TypeError, r"AckBook.wait: timeout_s must be a number of seconds >= 0, got str '5'"),
     (dict(timeout_s=None), TypeError, r"AckBook.wait: timeout_s must be a number of seconds >= 0, got NoneType"),
     (dict(poll_s=-1), ValueError, r"AckBook.wait: poll_s must be a finite number of seconds > 0, got -1"),

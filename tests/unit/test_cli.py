@@ -291,10 +291,12 @@ def test_bad_arguments_are_refused_by_the_parser(capsys):
     for argv in (["demo", "--size", "nope"], ["demo", "--steps", "0"], ["follow", "x", "--poll", "-1"],
                  ["serve-buffer", "--port", "-1"], ["serve-buffer", "--port", "70000"],
                  ["verify", "x", "--from-version", "-5"], ["follow", "x", "--max-updates", "-1"],
-                 ["follow", "x", "--until", "-1"], ["follow", "x", "--metrics", "."]):
+                 ["follow", "x", "--until", "-1"], ["follow", "x", "--metrics", "."],
+                 ["follow", "x", "--idle-timeout", "nan"], ["gc", "x", "--grace-s", "nan"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
+    assert "argument --grace-s: must be a number, got nan" in capsys.readouterr().err
 
 
 def test_follow_names_a_model_path_that_is_no_folder(tmp_path, capsys):
@@ -535,6 +537,32 @@ def test_verify_reports_versions_collected_meanwhile_as_deleted(run, capsys, mon
     lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
     assert all(lines[v].endswith(": deleted meanwhile") for v in (0, 1, 2))
     assert all(": ok (" in lines[v] for v in (3, 4)) and "2/5 versions verified, 3 deleted meanwhile" in out
+
+
+def test_verify_reports_a_version_collected_during_its_replay_as_deleted(run, capsys, monkeypatch):
+    """Retention collected versions 1-2 (below anchor 3) while verify read version 1's objects: the
+    missing object was reported FAILED (ObjectNotFoundError) and verify exited 1."""
+    import shutil
+
+    from torch_deltasync import LocalStore
+
+    store, _, _ = run
+    real_get = LocalStore.get
+
+    def collecting(self, key, *a, **kw):
+        if key.startswith("objects/000000000001/") and (store.root / "objects" / f"{1:012d}").exists():
+            for v in (1, 2):  # as collect_garbage does: manifests first, then objects
+                store.delete(f"versions/{v:012d}.json")
+            for v in (1, 2):
+                shutil.rmtree(store.root / "objects" / f"{v:012d}")
+        return real_get(self, key, *a, **kw)
+
+    monkeypatch.setattr(LocalStore, "get", collecting)
+    assert main(["verify", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    lines = {int(line.split()[1].rstrip(":")): line for line in out.splitlines() if line.startswith("version ")}
+    assert all(lines[v].endswith(": deleted meanwhile") for v in (1, 2)), out
+    assert all(": ok (" in lines[v] for v in (0, 3, 4)) and "3/5 versions verified, 2 deleted meanwhile" in out
 
 
 def test_small_cli_messages(run, capsys, tmp_path):

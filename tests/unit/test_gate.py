@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from torch_deltasync.gate import CallGate
 
 
@@ -52,3 +54,76 @@ def test_exit_without_enter_is_a_no_op_and_nested_calls_count():
     gate.exit()
     with gate.exclusive():  # would wait forever if a call were still counted
         pass
+
+
+def _finishes(target, timeout_s: float = 5.0) -> bool:
+    t = threading.Thread(target=target, daemon=True)  # a deadlock leaves a daemon thread, not a hung run
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
+
+
+def test_a_nested_call_does_not_wait_for_a_write_that_waits_for_its_outer_call():
+    """Regression: the inner enter() waited for the pending write, which waited for the outer call."""
+    gate = CallGate()
+    order: list[str] = []
+    writer_waiting = threading.Event()
+
+    def policy():
+        gate.enter()
+        writer_waiting.wait(5)
+        while not gate._writers:
+            pass
+        gate.enter()  # nested: the outer call is in progress in this thread
+        order.append("inner call")
+        gate.exit()
+        gate.exit()
+
+    def writer():
+        writer_waiting.set()
+        with gate.exclusive():
+            order.append("write")
+
+    t = threading.Thread(target=policy, daemon=True)
+    t.start()
+    assert _finishes(writer) and _finishes(t.join)
+    assert order == ["inner call", "write"]
+
+
+def test_calls_of_other_threads_wait_for_the_write_but_the_writers_own_calls_do_not():
+    gate = CallGate()
+    order: list[str] = []
+    writing, other_trying = threading.Event(), threading.Event()
+
+    def other_call():
+        writing.wait(5)
+        other_trying.set()
+        gate.enter()
+        order.append("other thread's call")
+        gate.exit()
+
+    def writer():
+        with gate.exclusive():
+            writing.set()
+            other_trying.wait(5)
+            gate.enter()  # the writer's own policy call (e.g. a check after loading)
+            order.append("writer's own call")
+            gate.exit()
+            with gate.exclusive():  # a nested write of the same thread
+                order.append("nested write")
+            order.append("write ends")
+
+    t = threading.Thread(target=other_call, daemon=True)
+    t.start()
+    assert _finishes(writer) and _finishes(t.join)
+    assert order == ["writer's own call", "nested write", "write ends", "other thread's call"]
+
+
+def test_a_write_inside_a_call_of_the_same_thread_is_refused_not_a_deadlock():
+    gate = CallGate()
+    gate.enter()
+    with pytest.raises(RuntimeError, match=r"CallGate.exclusive: this thread is inside a policy call"):
+        with gate.exclusive():
+            pass
+    gate.exit()
+    assert _finishes(lambda: gate.exclusive().__enter__())

@@ -152,3 +152,26 @@ def test_scheme_threads_option_sets_both_sides(tmp_path):
     assert (d.sender_config.threads, d.receiver_config.threads) == (None, None)
     with pytest.raises(ValueError, match=r"threads must be an int in \[1, 256\] or None"):
         DeltaWeightSyncScheme(str(tmp_path), threads=0)
+
+
+def test_a_queue_acknowledgement_naming_another_worker_confirms_nobody():
+    """Worker 0's queue carrying worker 1's acknowledgement credits nobody, as under another
+    worker's key in the store (``acks.StoreAcks``)."""
+    import multiprocessing as mp
+
+    from torch_deltasync.acks import AckBook, ack_message
+    from torch_deltasync.errors import SyncTimeoutError
+    from torch_deltasync.integrations.torchrl._acks import QueueAcks
+
+    acks = QueueAcks(mp.get_context("spawn"), 2)
+    acks.queues[0].put(ack_message(0, 5, None))
+    acks.queues[0].put(ack_message(1, 5, None))
+    acks.queues[0].put("not a message")
+    book = AckBook(acks, [0, 1], who="test sender")
+    with pytest.raises(SyncTimeoutError, match=r"worker 1 did not confirm version 5 within 0.5 s \(it holds "
+                                               r"version None\)"):
+        book.wait(5, None, timeout_s=0.5, poll_s=0.01)
+    assert book.acked == {0: 5}
+    acks.post(None, ack_message(1, 5, None))
+    book.wait(5, None, timeout_s=10, poll_s=0.01)
+    assert book.acked == {0: 5, 1: 5}

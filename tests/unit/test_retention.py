@@ -207,6 +207,35 @@ def test_gc_of_a_prefix_without_versions_says_so(store, capsys):
             "nothing to delete") in capsys.readouterr().out
 
 
+def test_gc_of_a_folder_without_versions_deletes_nothing(tmp_path, capsys):
+    """A path that holds no run may be any folder: not even an old file with a temporary's name
+    goes (it once did, anywhere below the path)."""
+    import os
+    import time
+
+    folder = tmp_path / "not-a-store" / "deep"
+    folder.mkdir(parents=True)
+    files = [folder / "report.tmp-final", folder / f"x.tmp-{'a' * 32}"]
+    for f in files:
+        f.write_bytes(b"precious")
+        os.utime(f, (time.time() - 7200, time.time() - 7200))
+    assert cli_main(["gc", str(tmp_path / "not-a-store")]) == 1
+    assert "nothing to delete" in capsys.readouterr().out
+    assert all(f.read_bytes() == b"precious" for f in files)
+
+
+def test_gc_of_a_run_sweeps_its_crashed_writers_temporaries(store):
+    import os
+    import time
+
+    publish(store, range(3))
+    leftover = store.root / "versions" / f"000000000009.json.tmp-{'b' * 32}"
+    leftover.write_bytes(b"half a manifest")
+    os.utime(leftover, (time.time() - 7200, time.time() - 7200))
+    collect_garbage(store)
+    assert not leftover.exists() and list_versions(store) == [0, 1, 2]
+
+
 def test_manifests_are_deleted_before_objects(store):
     publish(store, range(12))
     rec = Recording(store)
@@ -289,9 +318,23 @@ def test_dry_run_and_cli(store, capsys):
 
 
 def test_policy_validation():
-    for bad in (dict(keep_anchors=-1), dict(keep_anchors=1.0), dict(grace_s=-1.0)):
+    for bad in (dict(keep_anchors=-1), dict(keep_anchors=1.0), dict(grace_s=-1.0), dict(grace_s=float("nan")),
+                dict(grace_s=-10**400)):
         with pytest.raises(ValueError):
             RetentionPolicy(**bad)
+    with pytest.raises(TypeError, match=r"RetentionPolicy: grace_s must be a number of seconds >= 0, got str '60'"):
+        RetentionPolicy(grace_s="60")
+    assert RetentionPolicy(grace_s=10**400).grace_s == float("inf")  # an int past a float's range: forever
+    assert str(RetentionPolicy(grace_s=-0.0).grace_s) == "0.0"
+
+
+def test_plan_refuses_a_clock_that_is_no_time(store):
+    """``now=nan`` ignored the grace (every age compared false) and cut at the newest anchor."""
+    publish(store, range(7))
+    for now in (float("nan"), float("inf"), 10**400):
+        with pytest.raises(ValueError, match=r"plan_retention: now \(a Unix time\) must be a finite number of seconds"):
+            collect_garbage(store, RetentionPolicy(grace_s=3600), now=now)
+    assert list_versions(store) == list(range(7))
 
 
 def test_sender_option_collects_after_each_anchor(store):

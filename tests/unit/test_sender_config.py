@@ -281,7 +281,7 @@ def test_misused_arguments_are_named(tmp_path, caplog):
         (lambda: AnchorPolicy(chain_ratio="1.0"), TypeError, r"AnchorPolicy\.chain_ratio must be a number > 0 or None, "
                                                              r"got str '1\.0'"),
         (lambda: AnchorPolicy(max_delta_ratio=True), TypeError, r"AnchorPolicy\.max_delta_ratio must be a number"),
-        (lambda: RetentionPolicy(grace_s=None), TypeError, r"RetentionPolicy\.grace_s must be a number of seconds >= 0, "
+        (lambda: RetentionPolicy(grace_s=None), TypeError, r"RetentionPolicy: grace_s must be a number of seconds >= 0, "
                                                            r"got NoneType None"),
         (lambda: RetentionPolicy(verify_cut="no"), TypeError, r"RetentionPolicy\.verify_cut must be True or False"),
         (lambda: collect_garbage(tmp_path, {"keep_anchors": 1}), TypeError,

@@ -155,13 +155,15 @@ def test_sweep_removes_only_old_temporaries(tmp_path):
 
     s = LocalStore(tmp_path / "s")
     s.put("objects/1/a", b"kept")
-    old = tmp_path / "s" / "objects" / "1" / "b.tmp-dead"
-    young = tmp_path / "s" / "objects" / "1" / "c.tmp-live"
-    old.write_bytes(b"x")
-    young.write_bytes(b"y")
-    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    folder = tmp_path / "s" / "objects" / "1"
+    old, young = folder / f"b.tmp-{'d' * 32}", folder / f"c.tmp-{'e' * 32}"
+    not_ours = folder / "report.tmp-final"  # a marker in the name, but not a name `put` writes
+    for p in (old, young, not_ours):
+        p.write_bytes(b"x")
+    for p in (old, not_ours):
+        os.utime(p, (time.time() - 7200, time.time() - 7200))
     assert s.sweep_temporaries(older_than_s=3600) == 1
-    assert not old.exists() and young.exists() and s.get("objects/1/a") == b"kept"
+    assert not old.exists() and young.exists() and not_ours.exists() and s.get("objects/1/a") == b"kept"
 
 
 @pytest.mark.parametrize("uri,match", [

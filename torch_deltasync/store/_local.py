@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 import uuid
 from pathlib import Path
@@ -17,6 +18,8 @@ __all__ = ["LocalStore"]
 # Temporary files carry this marker; `list` never returns them and a crashed writer's leftovers
 # are harmless (they are never named by a manifest).
 _TMP_MARK = ".tmp-"
+# The whole name of one (`_write`): the key's file name, the marker, a uuid4 in hex.
+_TMP_NAME = re.compile(r".+\.tmp-[0-9a-f]{32}")
 
 
 # Errors of opening a key that say it names no file to read (not a failing store).
@@ -303,7 +306,11 @@ class LocalStore(Store):
 
     def sweep_temporaries(self, older_than_s: float = 3600.0, prefix: str = "") -> int:
         """Delete temporary files of crashed writers older than ``older_than_s`` seconds (never
-        named by a manifest; a live writer's temporary file is younger). Returns how many."""
+        named by a manifest; a live writer's temporary file is younger). Returns how many.
+
+        Only files named as :meth:`put` names them (``<name>.tmp-<32 hex digits>``) are
+        deleted; :func:`~torch_deltasync.retention.collect_garbage` calls this only on a prefix
+        that holds a run."""
         import time
 
         base = self.root / check_key(prefix, allow_empty=True) if prefix else self.root
@@ -314,7 +321,7 @@ class LocalStore(Store):
             for name in files:
                 p = Path(dirpath, name)
                 try:
-                    if _TMP_MARK in name and p.stat().st_mtime < cutoff:
+                    if _TMP_NAME.fullmatch(name) and p.stat().st_mtime < cutoff:
                         p.unlink()
                         removed += 1
                 except OSError:

@@ -46,7 +46,9 @@ class QueueAcks:
         self.queues[worker].put(msg)
 
     def poll(self, store: Any, workers: set[int], wait_s: float) -> list[dict[str, Any]]:
-        """Everything queued by ``workers``, waiting up to ``wait_s`` seconds for one message."""
+        """Everything queued by ``workers``, waiting up to ``wait_s`` seconds for one message. A
+        message on worker ``w``'s queue whose ``worker`` is not ``w`` is ignored, so no worker can
+        confirm for another (as :class:`~torch_deltasync.acks.StoreAcks` does by key)."""
         out: list[dict[str, Any]] = []
         deadline = time.monotonic() + wait_s
         while True:
@@ -54,7 +56,11 @@ class QueueAcks:
                 if 0 <= w < len(self.queues):
                     try:
                         while True:
-                            out.append(self.queues[w].get_nowait())
+                            msg = self.queues[w].get_nowait()
+                            if isinstance(msg, dict) and type(msg.get("worker")) is int and msg["worker"] == w:
+                                out.append(msg)
+                            else:
+                                torchrl_logger.debug(f"ignoring an acknowledgement on worker {w}'s queue: {msg!r:.200}")
                     except queue.Empty:
                         pass
             if out or time.monotonic() >= deadline:

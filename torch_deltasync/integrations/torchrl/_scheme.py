@@ -407,6 +407,10 @@ class DeltaWeightSyncScheme(ReceiverSide, WeightSyncScheme):
         workers right after this call, ``collectors/_multi_base.py:1320-1326``)."""
         if kwargs:
             torchrl_logger.debug(f"DeltaWeightSyncScheme: ignoring init_on_sender arguments {sorted(kwargs)}")
+        where = self.store_spec.describe() if isinstance(self.store_spec, Store) else os.fsdecode(self.store_spec)
+        if ctx is not None and where.startswith("memory://"):  # the workers would wait for versions forever
+            raise ValueError(f"{_OWNER}: store {where!r} lives in this process's memory, and the collector's workers "
+                             "are other processes, which cannot read it; use a folder, s3://... or hf://buckets/...")
         self.model_id = model_id
         if context is not None:
             self.context = context
