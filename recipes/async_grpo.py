@@ -651,7 +651,7 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"{f(s['mean_stall_ms'], '.1f')} / max {f(s['max_stall_ms'], '.1f')} ms, "
           f"{f(None if s['sync_time_frac'] is None else 100 * s['sync_time_frac'], '.2f')}% of generation time; "
           f"trained tokens by version lag {s['tokens_by_lag']}")
-    exact = {True: "YES", False: "NO"}.get(s["bit_exact"], "not checked (the run stopped before the final check)")
+    exact = {True: "YES", False: "NO"}.get(s["bit_exact"], "not checked")  # (the run stopped: see the message)
     print(f"bit-exact (every live generator vs trainer bf16): {exact}")
     if s.get("message"):
         print(f"message: {s['message']}")

@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             folder = os.path.dirname(folder)
         if not os.path.isdir(folder):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: {folder} is a file, not a folder")
+        if getattr(args, flag) is not None and os.path.isdir(getattr(args, flag)):
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} is a folder: give a file's path")
     return args
 
 

@@ -475,7 +475,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive_int, default=50, help="versions to publish (one Adam step each)")
     p.add_argument("--size", default="small", choices=sorted(QWEN3_SIZES),
                    help="Qwen3 config (the demo prints the memory it needs and refuses one that does not fit)")
-    p.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")
+    p.add_argument("--lr", type=_positive_finite_float, default=3e-6, help="Adam learning rate")
     p.add_argument("--anchor-every", type=int, default=10, help="publish an anchor every this many versions")
     p.add_argument("--bucket", default=None, help="local bucket folder (none: RUN_DIR/bucket, emptied first)")
     p.add_argument("--codec", default=None, help="delta codec (none: the sender's, packed)")

@@ -19,6 +19,7 @@ import json
 import multiprocessing as mp
 import queue
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,8 +107,12 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
     Raises:
         MemoryError: ``size`` needs more memory than this machine has available (checked before
             anything is built; the message gives both numbers).
+        PrefixInUseError: another demo is writing the run folder's bucket (nothing is deleted).
+        WorkerError: the receiver process failed, died, or did not answer within ``timeout_s``.
     """
     from ._units import format_bytes
+    from .errors import PrefixInUseError, WorkerError
+    from .lease import read_owner
     from .manifest import load_manifest
     from .sender import DeltaSender
     from .store import LocalStore
@@ -123,10 +128,14 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
     print(f"memory: about {format_bytes(mem.need_nbytes)} ({detail}); available {have}")
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    (run / "metrics.jsonl").unlink(missing_ok=True)
-    if bucket is None:  # the demo's own bucket: start from an empty one every run
+    if bucket is None:  # the demo's own bucket: start from an empty one every run, unless another demo writes it
         bucket = str(run / "bucket")
+        owner = read_owner(LocalStore(bucket)) if Path(bucket).is_dir() else None
+        if owner is not None and owner.live(time.time()):
+            raise PrefixInUseError(f"{bucket} is in use by a running demo: {owner.describe(time.time())}; "
+                                   "wait for it, or give this one another --run-dir")
         shutil.rmtree(bucket, ignore_errors=True)
+    (run / "metrics.jsonl").unlink(missing_ok=True)
     store = LocalStore(bucket)
     model = tiny_qwen3(size, seed=seed, tie_word_embeddings=tie)
     nparams = sum(p.numel() for p in model.parameters())
@@ -153,13 +162,18 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
             v = sender.publish()
             expected = state_digest(model)
             cmd.put(v)
-            try:
-                rep = out.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RuntimeError(f"receiver process did not answer for version {v} within {timeout_s} s "
-                                   f"(alive: {proc.is_alive()})") from None
+            rep, deadline = None, time.monotonic() + timeout_s
+            while rep is None:
+                try:
+                    rep = out.get(timeout=0.5)
+                except queue.Empty:  # a receiver that died is noticed within half a second
+                    if not proc.is_alive():
+                        raise WorkerError(f"the receiver process exited (exit code {proc.exitcode}) before it "
+                                           f"applied version {v}") from None
+                    if time.monotonic() > deadline:
+                        raise WorkerError(f"receiver process did not answer for version {v} within {timeout_s} s") from None
             if "error" in rep:
-                raise RuntimeError(f"receiver failed at version {v}: {rep['error']}")
+                raise WorkerError(f"receiver failed at version {v}: {rep['error']}")
             ok = rep["version"] == v and rep["digest"] == expected
             exact += ok
             st = sender.last_stats

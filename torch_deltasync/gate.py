@@ -26,14 +26,14 @@ class CallGate:
     Reentrant where waiting would wait for itself: a call nested in a call of the same thread, a
     call made by the thread inside its own write, and a write nested in its own write go ahead at
     once. A write inside a call of the same thread raises :class:`RuntimeError` (the call in
-    progress would have to end first).
+    progress would have to end first). Per thread: asyncio tasks of one thread count as one caller.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._calls = 0
         self._writers = 0  # waiting or writing
-        self._writing = False
+        self._writer: int | None = None  # the thread writing (threading.get_ident), if any
         self._local = threading.local()
 
     def _depth(self) -> int:
@@ -44,7 +44,7 @@ class CallGate:
         already in a call, or is the one writing)."""
         depth = self._depth()
         with self._cond:
-            if not depth and not getattr(self._local, "writing", False):
+            if not depth and self._writer != threading.get_ident():
                 while self._writers:
                     self._cond.wait()
             self._calls += 1
@@ -68,7 +68,8 @@ class CallGate:
         Raises:
             RuntimeError: this thread is inside a policy call (it would wait for itself).
         """
-        if getattr(self._local, "writing", False):  # nested in this thread's own write
+        me = threading.get_ident()
+        if self._writer == me:  # nested in this thread's own write
             yield
             return
         if self._depth():
@@ -77,19 +78,17 @@ class CallGate:
         with self._cond:
             self._writers += 1
             try:
-                while self._calls or self._writing:
+                while self._calls or self._writer is not None:
                     self._cond.wait()
             except BaseException:
                 self._writers -= 1
                 self._cond.notify_all()
                 raise
-            self._writing = True
-        self._local.writing = True
+            self._writer = me
         try:
             yield
-        finally:
-            self._local.writing = False
+        finally:  # (on whichever thread closes the block)
             with self._cond:
-                self._writing = False
+                self._writer = None
                 self._writers -= 1
                 self._cond.notify_all()

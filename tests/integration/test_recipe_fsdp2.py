@@ -101,6 +101,7 @@ def test_follow_into_an_hf_checkpoint_and_cli(tmp_path):
     (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
     (["--save-final", "/etc/hostname/final.safetensors"], "/etc/hostname is a file, not a folder"),  # after training
     (["--metrics", "/etc/hostname/m/p.jsonl"], "--metrics '/etc/hostname/m/p.jsonl': /etc/hostname is a file"),
+    (["--save-final", "/tmp"], "--save-final '/tmp' is a folder: give a file's path"),
 ])
 def test_bad_arguments_are_named_before_any_rank_starts(args, message, capsys):
     from recipes.torchrun_fsdp2 import parse_args

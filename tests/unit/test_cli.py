@@ -259,6 +259,24 @@ def test_demo_runs_bit_exact(tmp_path, capsys):
     assert sum(r["event"] == "publish" for r in rows) == 3 and all(r["bit_exact"] for r in rows if r["event"] == "receiver")
 
 
+def test_a_second_demo_leaves_a_running_ones_bucket_alone(tmp_path, capsys):
+    """It emptied the bucket (and the metrics) of the demo running in the same folder, then refused."""
+    from torch_deltasync import DeltaSender
+
+    bucket = tmp_path / "bucket"
+    running = DeltaSender({"w": torch.zeros(4)}, str(bucket))  # the running demo's writer
+    try:
+        running.publish()
+        (tmp_path / "metrics.jsonl").write_text("{}\n")
+        assert main(["demo", "--steps", "1", "--size", "tiny", "--run-dir", str(tmp_path)]) == 2
+        assert f"{bucket} is in use by a running demo: run" in capsys.readouterr().err
+        assert (bucket / "versions" / f"{0:012d}.json").is_file() and (tmp_path / "metrics.jsonl").read_text() == "{}\n"
+    finally:
+        running.close()
+    with pytest.raises(SystemExit):  # --lr inf trained to NaN weights and called it bit-exact
+        main(["demo", "--lr", "inf"])
+
+
 def test_reading_a_missing_folder_is_an_error_and_creates_nothing(tmp_path, capsys):
     missing = tmp_path / "no" / "such" / "bucket"
     for cmd in (["ls", str(missing)], ["verify", str(missing)]):

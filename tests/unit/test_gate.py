@@ -127,3 +127,35 @@ def test_a_write_inside_a_call_of_the_same_thread_is_refused_not_a_deadlock():
             pass
     gate.exit()
     assert _finishes(lambda: gate.exclusive().__enter__())
+
+
+def test_writes_of_two_threads_take_turns():
+    gate = CallGate()
+    inside, overlaps = [0], []
+
+    def writer():
+        for _ in range(200):
+            with gate.exclusive():
+                inside[0] += 1
+                if inside[0] != 1:
+                    overlaps.append(inside[0])
+                threading.Event().wait(0.0001)
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=writer, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert all(_finishes(t.join, 20) for t in threads)
+    assert overlaps == [] and gate._writer is None and gate._writers == 0
+
+
+def test_a_write_closed_on_another_thread_leaves_no_writer_behind():
+    """The write is the gate's, not the thread's: closing it elsewhere (an ExitStack handed over)
+    lets other threads' calls wait for writes again."""
+    gate = CallGate()
+    block = gate.exclusive()
+    block.__enter__()
+    assert _finishes(lambda: block.__exit__(None, None, None))
+    assert gate._writer is None and gate._writers == 0
+    with gate.exclusive():  # a write of this thread again: no stale "already writing"
+        assert gate._writer == threading.get_ident()

@@ -48,6 +48,7 @@ def create_app(config: RolloutServiceConfig, buffer: EpisodeBuffer | None = None
         buffer: the buffer to serve (a new one by default; pass one to inspect it in-process).
     """
     from fastapi import FastAPI, Request
+    from starlette.requests import ClientDisconnect
     from fastapi.responses import JSONResponse
 
     buf = buffer or EpisodeBuffer(config)
@@ -71,11 +72,14 @@ def create_app(config: RolloutServiceConfig, buffer: EpisodeBuffer | None = None
         if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
             raise _HTTPError(413, "too_large", f"body of {declared} bytes; at most {config.max_body_bytes}")
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > config.max_body_bytes:
-                raise _HTTPError(413, "too_large", f"body over {config.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > config.max_body_bytes:
+                    raise _HTTPError(413, "too_large", f"body over {config.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:  # the client went away mid-body: nobody reads the answer, nothing is wrong here
+            raise _HTTPError(400, "disconnected", f"the client disconnected after {n} bytes of the body") from None
         try:
             return json.loads(b"".join(chunks))
         except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
@@ -123,6 +127,8 @@ def create_app(config: RolloutServiceConfig, buffer: EpisodeBuffer | None = None
         tv = body.get("trainer_version")
         deadline = time.monotonic() + wait_s
         while True:
+            if await request.is_disconnected():  # (a trainer killed mid-wait) sampling now would lose the batch
+                return {"episodes": [], "trainer_version": buf.trainer_version}
             got = buf.sample(body.get("batch_size"), tv)
             if got is not None or time.monotonic() >= deadline:
                 return {"episodes": got or [], "trainer_version": buf.trainer_version}
@@ -193,6 +199,7 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)  # connections queue from now on, before uvicorn's loop accepts them (--port-file)
     return sock
 
 
@@ -205,9 +212,19 @@ def _server(config: RolloutServiceConfig, log_level: str):
 
 def read_token(token_file: str | os.PathLike | None = None) -> str | None:
     """The shared token for write endpoints: the stripped contents of ``token_file``, else
-    ``$DELTASYNC_BUFFER_TOKEN``; ``None`` when neither is set (the service is then open)."""
-    token = Path(token_file).read_text().strip() if token_file else os.environ.get("DELTASYNC_BUFFER_TOKEN")
-    return token or None
+    ``$DELTASYNC_BUFFER_TOKEN`` (stripped too); ``None`` when neither is set (the service is then open).
+
+    Raises:
+        ValueError: ``token_file`` holds nothing but white space (a service meant to be closed
+            would be open to anyone).
+    """
+    if token_file:
+        token = Path(token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"token file {os.fspath(token_file)!r} is empty: write the shared token into it "
+                             "(or leave --token-file out for a service open to writes)")
+        return token
+    return (os.environ.get("DELTASYNC_BUFFER_TOKEN") or "").strip() or None
 
 
 def start_service(config: RolloutServiceConfig, *, host: str = "127.0.0.1", port: int = 0,
@@ -251,7 +268,8 @@ def serve(config: RolloutServiceConfig, *, host: str = "127.0.0.1", port: int = 
     bound = sock.getsockname()[1]
     print(f"rollout service on http://{host}:{bound} ({'token required' if config.token else 'open'} for writes): "
           f"capacity {config.capacity}, max lag {config.max_lag}, on full: {config.on_full}", flush=True)
-    if port_file:
-        with open(port_file, "w") as f:
-            f.write(str(bound))
+    if port_file:  # whole or absent for a reader polling for it
+        tmp = f"{port_file}.tmp-{os.getpid()}"
+        Path(tmp).write_text(str(bound))
+        os.replace(tmp, port_file)
     server.run(sockets=[sock])

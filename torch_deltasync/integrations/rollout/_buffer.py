@@ -15,6 +15,9 @@ from ...errors import EpisodeError, ServiceClosedError
 from ._config import RolloutServiceConfig
 from ._episodes import is_int
 
+#: Worker names ``/stats`` counts one by one; episodes of further names count as ``(others)``.
+MAX_WORKERS_COUNTED = 1024
+
 
 class BufferFull(Exception):
     """No room for a batch (``on_full="reject"``). ``retry_after_s`` says when to try again."""
@@ -185,8 +188,9 @@ class EpisodeBuffer:
             self.counts["accepted"] += len(episodes)
             self.counts["stored"] += len(fresh)
             self.counts["dropped_stale_on_arrival"] += n_stale
-            for ep in episodes:
-                self.workers[str(ep.get("worker", "?"))] += 1
+            for ep in episodes:  # (at most MAX_WORKERS_COUNTED names: /stats stays small whatever workers send)
+                name = str(ep.get("worker", "?"))
+                self.workers[name if name in self.workers or len(self.workers) < MAX_WORKERS_COUNTED else "(others)"] += 1
             return AddResult(len(episodes), len(fresh), n_stale, evicted, self.trainer_version)
 
     def set_version(self, version: int) -> int:
@@ -210,9 +214,16 @@ class EpisodeBuffer:
             ``batch_size`` episode dicts (the posted fields plus ``lag`` = trainer version minus
             ``policy_version``, always ``<= max_lag``), or ``None`` while fewer are fresh (nothing
             is consumed then).
+
+        Raises:
+            EpisodeError: ``batch_size`` is not an integer in ``[1, max_sample]``, or larger than
+                the ring (``capacity``).
         """
         if not is_int(batch_size) or not 1 <= batch_size <= self.config.max_sample:
-            raise EpisodeError(f"batch_size must be an integer in [1, {self.config.max_sample}], got {batch_size!r}")
+            raise EpisodeError(f"batch_size must be an integer in [1, {self.config.max_sample}], got {batch_size!r:.40}")
+        if batch_size > self.config.capacity:  # it would wait out every wait_s, and return nothing
+            raise EpisodeError(f"batch_size {batch_size} can never be filled from a ring of {self.config.capacity}; "
+                               "sample fewer")
         if trainer_version is not None:
             self.set_version(trainer_version)
         with self._lock:

@@ -33,7 +33,7 @@ def _check_tokens(v: Any, where: str, lo_len: int, hi_len: int, vocab: int) -> l
         raise EpisodeError(f"{where} has {len(v)} tokens; allowed {lo_len} to {hi_len}")
     for i, t in enumerate(v):
         if not is_int(t) or not 0 <= t < vocab:
-            raise EpisodeError(f"{where}[{i}] is {t!r}; token ids are integers in [0, {vocab})")
+            raise EpisodeError(f"{where}[{i}] is {t!r:.40}; token ids are integers in [0, {vocab})")
     return v
 
 
@@ -67,7 +67,7 @@ def validate_episodes(batch: Any, config: RolloutServiceConfig) -> list[dict[str
             raise EpisodeError(f"{w} lacks {missing}")
         unknown = sorted(set(ep) - _EPISODE_KEYS)
         if unknown:
-            raise EpisodeError(f"{w} has unknown fields {unknown}; allowed: {sorted(_EPISODE_KEYS)}")
+            raise EpisodeError(f"{w} has unknown fields {str(unknown)[:200]}; allowed: {sorted(_EPISODE_KEYS)}")
         _check_tokens(ep["prompt"], f"{w}.prompt", 0, config.max_prompt_tokens, vocab)
         comp = _check_tokens(ep["completion"], f"{w}.completion", 1, config.max_completion_tokens, vocab)
         lp = ep["logprobs"]
@@ -88,6 +88,11 @@ def validate_episodes(batch: Any, config: RolloutServiceConfig) -> list[dict[str
         for k in ("group", "worker"):
             if k in ep and not ((is_int(ep[k]) and abs(ep[k]) < 2**63) or (isinstance(ep[k], str) and len(ep[k]) <= 128)):
                 raise EpisodeError(f"{w}.{k} must be an integer or a string of at most 128 characters")
+            if isinstance(ep.get(k), str) and not ep[k].isascii():
+                try:  # a lone surrogate ("\ud800" in JSON) parses, but no response could carry it back
+                    ep[k].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise EpisodeError(f"{w}.{k} is not valid Unicode (a lone surrogate): {ep[k]!a:.60}") from None
     return eps
 
 
