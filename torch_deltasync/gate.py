@@ -33,7 +33,7 @@ class CallGate:
         self._cond = threading.Condition(threading.Lock())
         self._calls = 0
         self._writers = 0  # waiting or writing
-        self._writer: int | None = None  # the thread writing (threading.get_ident), if any
+        self._writer: threading.Thread | None = None  # the thread writing, if any (not its ident: idents are reused)
         self._local = threading.local()
 
     def _depth(self) -> int:
@@ -44,7 +44,7 @@ class CallGate:
         already in a call, or is the one writing)."""
         depth = self._depth()
         with self._cond:
-            if not depth and self._writer != threading.get_ident():
+            if not depth and self._writer is not threading.current_thread():
                 while self._writers:
                     self._cond.wait()
             self._calls += 1
@@ -68,8 +68,8 @@ class CallGate:
         Raises:
             RuntimeError: this thread is inside a policy call (it would wait for itself).
         """
-        me = threading.get_ident()
-        if self._writer == me:  # nested in this thread's own write
+        me = threading.current_thread()
+        if self._writer is me:  # nested in this thread's own write
             yield
             return
         if self._depth():

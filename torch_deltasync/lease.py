@@ -102,7 +102,8 @@ class OwnerRecord:
         strings = [doc.get(k) for k in ("run_id", "session", "host")]
         numbers = [doc.get(k) for k in ("renewed_at", "lease_s")]
         if (not all(isinstance(s, str) and len(s) <= MAX_RUN_ID_CHARS for s in strings) or type(doc.get("pid")) is not int
-                or not all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in numbers)):
+                or not all((type(x) is int and 0 <= x < 2**63) or (type(x) is float and 0 <= x < math.inf)
+                           for x in numbers)):  # (math.isfinite of a 400-digit int raises OverflowError)
             return None
         return cls(doc["run_id"], doc["session"], doc["host"], doc["pid"], float(doc["renewed_at"]),
                    float(doc["lease_s"]))

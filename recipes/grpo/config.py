@@ -148,6 +148,9 @@ class GRPOConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.generators + self.trainer_procs > 256:  # one host's process mesh: 100,000 panicked in Monarch
+            raise ValueError(f"GRPOConfig.generators + trainer_procs must be at most 256 processes on this host, got "
+                             f"{self.generators} + {self.trainer_procs}")
         if self.group_size < 2:
             raise ValueError(f"GRPOConfig.group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
         if self.train_batch % (self.minibatches * self.trainer_procs):
@@ -188,10 +191,9 @@ class GRPOConfig:
                 and not Path(self.bucket).expanduser().is_dir():
             raise ValueError(f"--bucket {self.bucket!r} is a file, not a folder")
         if self.bucket is not None and not str(self.bucket).startswith("memory://"):
-            import fsspec
-
             from torch_deltasync import open_store
             from torch_deltasync.errors import StoreNotFoundError
+            from torch_deltasync.store import check_fsspec_url
 
             scheme = str(self.bucket).partition("://")[0] if "://" in str(self.bucket) else "file"
             try:  # the URI's form, a folder under a file, the file system's package: nothing is made or fetched
@@ -199,8 +201,8 @@ class GRPOConfig:
                     store = open_store(str(self.bucket))
                     if scheme == "file":
                         store.absent()
-                else:  # (gcsfs, adlfs, ... may connect when built: their class is only imported here)
-                    fsspec.get_filesystem_class(scheme)
+                else:  # gcsfs, adlfs, ... may connect when built: the URL and the driver's import only
+                    check_fsspec_url(str(self.bucket))
             except (ValueError, ImportError, StoreNotFoundError) as e:
                 raise ValueError(f"--bucket {self.bucket!r}: {e}") from None
         if self.buffer_capacity < 2 * self.train_batch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -275,6 +276,25 @@ def test_a_second_demo_leaves_a_running_ones_bucket_alone(tmp_path, capsys):
         running.close()
     with pytest.raises(SystemExit):  # --lr inf trained to NaN weights and called it bit-exact
         main(["demo", "--lr", "inf"])
+
+
+def test_a_demo_killed_on_this_host_does_not_block_the_next_one(tmp_path, capsys):
+    """A SIGKILLed demo leaves its lease (60 s): its process is gone, so the next demo goes ahead."""
+    import subprocess
+
+    from torch_deltasync.lease import OWNER_KEY, read_owner
+
+    bucket = tmp_path / "bucket"
+    sender = DeltaSender({"w": torch.zeros(4)}, str(bucket))
+    sender.publish()
+    doc = json.loads((bucket / OWNER_KEY).read_bytes())
+    sender.close()  # (releases the record: it is written back below as a killed demo leaves it)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (bucket / OWNER_KEY).write_text(json.dumps({**doc, "pid": dead.pid, "renewed_at": time.time()}))
+    assert read_owner(LocalStore(bucket)).live(time.time())
+    assert main(["demo", "--steps", "1", "--size", "tiny", "--run-dir", str(tmp_path)]) == 0
+    assert "bit-exact: YES (1/1" in capsys.readouterr().out
 
 
 def test_reading_a_missing_folder_is_an_error_and_creates_nothing(tmp_path, capsys):

@@ -158,4 +158,4 @@ def test_a_write_closed_on_another_thread_leaves_no_writer_behind():
     assert _finishes(lambda: block.__exit__(None, None, None))
     assert gate._writer is None and gate._writers == 0
     with gate.exclusive():  # a write of this thread again: no stale "already writing"
-        assert gate._writer == threading.get_ident()
+        assert gate._writer is threading.current_thread()

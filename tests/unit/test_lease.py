@@ -129,6 +129,8 @@ def test_a_writer_whose_lease_ran_out_does_not_claim_the_prefix_again(tmp_path):
     (b"\xff not json", "malformed: protects nothing"),
     ({"run_id": "dead", "session": "x", "host": "h", "pid": "1", "renewed_at": 1e12, "lease_s": 60.0},
      "pid of the wrong type: malformed"),
+    ({"run_id": "dead", "session": "x", "host": "h", "pid": 1, "renewed_at": 10**400, "lease_s": 60},
+     "a 400-digit renewal time: malformed (it raised OverflowError)"),
 ])
 def test_a_dead_or_malformed_lease_is_claimed(tmp_path, record, reason):
     store = LocalStore(tmp_path / "b", fsync=False)

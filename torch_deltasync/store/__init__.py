@@ -17,7 +17,7 @@ from ._local import LocalStore
 from ._retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._fsspec import FsspecStore
+    from ._fsspec import FsspecStore, check_fsspec_url
     from ._hf import HFBucketStore
 
 __all__ = [
@@ -32,10 +32,11 @@ __all__ = [
     "open_store",
     "check_key",
     "check_prefix",
+    "check_fsspec_url",
     "STORE_SCHEMES",
 ]
 
-_LAZY = {"FsspecStore": "._fsspec", "HFBucketStore": "._hf"}
+_LAZY = {"FsspecStore": "._fsspec", "check_fsspec_url": "._fsspec", "HFBucketStore": "._hf"}
 
 for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore", "check_key",
               "check_prefix"):

@@ -90,6 +90,43 @@ def s3_storage_options(options: dict[str, Any], environ: "os._Environ[str] | dic
     return opts
 
 
+def check_fsspec_url(url: str) -> tuple[str, str]:
+    """``(protocol, path)`` of an fsspec store URL, checked as :class:`FsspecStore` checks it, with
+    its driver imported but no file system built (some drivers connect when built: adlfs, gcsfs).
+    For a command line that should refuse a bad store before it starts anything.
+
+    Raises:
+        ValueError: no protocol, an unknown one, ``http(s)://``, an S3 URL without a bucket, or a
+            path that is not a plain relative one (``..``, empty segments, odd characters).
+        ImportError: fsspec or the protocol's driver is not installed (the message says what to install).
+    """
+    protocol, sep, path = url.partition("://")
+    if not sep or not protocol:
+        raise ValueError(f"expected protocol://path, got {url!r}")
+    if protocol in _S3 and (not path.strip("/") or path.startswith("/")):
+        raise ValueError(f"{url!r} names no bucket; expected s3://bucket/prefix")
+    if protocol in ("http", "https"):
+        raise ValueError(
+            f"{url!r}: {protocol}:// is no store: fsspec's HTTP file system can neither list nor write "
+            "atomically. For an S3-compatible server give s3://bucket/prefix with endpoint_url="
+            f"'{protocol}://host:port' (or AWS_ENDPOINT_URL)")
+    check_prefix(path.strip("/"), f"store {url!r}")  # no '..', '.', empty segments or odd characters
+    try:
+        import fsspec
+    except ImportError as e:
+        raise driver_import_error(url, "fsspec", e) from e
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:  # fsspec: "Protocol not known: foo", without the URI
+        raise ValueError(
+            f"{url!r}: unknown store scheme {protocol + '://'!r}; a store is a folder path, file://, s3://, "
+            "gs://, memory://, hf://buckets/... or another fsspec protocol"
+        ) from None
+    except ImportError as e:  # fsspec: "Install s3fs to access S3", without the URI or the cause
+        raise _driver_error(url, protocol, e) from e
+    return protocol, path
+
+
 class FsspecStore(Store):
     """Objects under a root of an fsspec file system.
 
@@ -140,17 +177,7 @@ class FsspecStore(Store):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
-        protocol, sep, path = url.partition("://")
-        if not sep or not protocol:
-            raise ValueError(f"expected protocol://path, got {url!r}")
-        if protocol in _S3 and (not path.strip("/") or path.startswith("/")):
-            raise ValueError(f"{url!r} names no bucket; expected s3://bucket/prefix")
-        if protocol in ("http", "https"):
-            raise ValueError(
-                f"{url!r}: {protocol}:// is no store: fsspec's HTTP file system can neither list nor write "
-                "atomically. For an S3-compatible server give s3://bucket/prefix with endpoint_url="
-                f"'{protocol}://host:port' (or AWS_ENDPOINT_URL)")
-        check_prefix(path.strip("/"), f"store {url!r}")  # no '..', '.', empty segments or odd characters
+        protocol, path = check_fsspec_url(url)
         self.protocol = protocol
         self.url = f"{protocol}://{path.strip('/')}"
         self.retry = retry or RetryPolicy()
@@ -159,19 +186,8 @@ class FsspecStore(Store):
         elif protocol != "memory":
             storage_options.setdefault("use_listings_cache", False)
         self.storage_options = storage_options
-        try:
-            import fsspec
-        except ImportError as e:
-            raise driver_import_error(url, "fsspec", e) from e
-        try:
-            fsspec.get_filesystem_class(protocol)
-        except ValueError:  # fsspec: "Protocol not known: foo", without the URI
-            raise ValueError(
-                f"{url!r}: unknown store scheme {protocol + '://'!r}; a store is a folder path, file://, s3://, "
-                "gs://, memory://, hf://buckets/... or another fsspec protocol"
-            ) from None
-        except ImportError as e:  # fsspec: "Install s3fs to access S3", without the URI or the cause
-            raise _driver_error(url, protocol, e) from e
+        import fsspec
+
         try:
             self.fs = fsspec.filesystem(protocol, **storage_options)
         except ImportError as e:  # a driver that imports its own dependencies late (hdfs: pyarrow)

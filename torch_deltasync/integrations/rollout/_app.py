@@ -249,6 +249,7 @@ def start_service(config: RolloutServiceConfig, *, host: str = "127.0.0.1", port
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
+            sock.close()  # (listening already: clients would connect and hang)
             raise RolloutServiceError(f"the rollout service did not start on {host}:{port}")
         time.sleep(0.01)
     bound = sock.getsockname()
