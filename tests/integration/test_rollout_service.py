@@ -100,7 +100,7 @@ def test_validation_accepts_the_schema():
     assert validate_episodes({"episodes": [ok, GOOD]}, CFG) == [ok, GOOD]
 
 
-@pytest.mark.parametrize("kwargs", [dict(capacity=0), dict(max_lag=-1), dict(on_full="drop"), dict(vocab_size=0),
+@pytest.mark.parametrize("kwargs", [dict(capacity=0), dict(capacity=99999999999), dict(max_lag=-1), dict(on_full="drop"), dict(vocab_size=0),
                                     dict(token="short"), dict(retry_after_s=0), dict(retry_after_s=float("inf")),
                                     dict(max_wait_s=float("nan"))])
 def test_config_rejects_bad_values(kwargs):

@@ -19,12 +19,16 @@ def is_number(x: Any) -> bool:
     return type(x) is float and math.isfinite(x)
 
 
+#: The largest ring (``capacity``) a service allocates.
+MAX_CAPACITY = 1 << 24
+
+
 @dataclass(frozen=True, kw_only=True)
 class RolloutServiceConfig:
     """Limits and policies of a rollout service. Every field is checked when the config is built."""
 
     capacity: int = 4096
-    """Episodes the ring holds (live, not yet sampled)."""
+    """Episodes the ring holds (live, not yet sampled), at most :data:`MAX_CAPACITY`."""
 
     max_lag: int = 2
     """Staleness threshold in versions: ``trainer_version - policy_version > max_lag`` is dropped."""
@@ -66,6 +70,9 @@ class RolloutServiceConfig:
                      "max_body_bytes", "max_sample"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"RolloutServiceConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.capacity > MAX_CAPACITY:  # (the slots' versions are allocated up front: 8 bytes each, and more)
+            raise ValueError(f"RolloutServiceConfig.capacity must be at most {MAX_CAPACITY:,} episodes, got "
+                             f"{self.capacity:,}; a ring a few trainer batches deep is enough")
         if type(self.max_lag) is not int or self.max_lag < 0:
             raise ValueError(f"RolloutServiceConfig.max_lag must be an integer >= 0, got {self.max_lag!r}")
         if self.on_full not in ("reject", "evict"):
