@@ -491,12 +491,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--store memory://... lives inside one process, but the trainer and the rollout workers are separate "
                 "processes; use a folder, s3://... or hf://buckets/...")
     try:  # the store's form and a run prefix that stays inside it (they failed as tracebacks, after start-up)
-        from torch_deltasync.store import check_prefix, open_store
+        from torch_deltasync.errors import StoreNotFoundError
+        from torch_deltasync.store import check_prefix, check_store
 
         check_prefix(args.prefix, "--prefix")
         if args.store is not None:
-            open_store(args.store)
-    except (TypeError, ValueError, ImportError) as e:
+            check_store(args.store)
+    except (TypeError, ValueError, ImportError, StoreNotFoundError) as e:
         p.error(str(e))
     # a worker posts prompts x group episodes at once; the service refuses a post its ring cannot hold
     ring = args.capacity if args.capacity is not None else 2 * args.batch

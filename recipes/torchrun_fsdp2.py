@@ -79,13 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not math.isfinite(args.lr) or args.lr <= 0:
         p.error(f"--lr must be a positive finite number, got {args.lr}")
     for flag in ("save_final", "metrics"):  # checked now, not after training (--save-final) or by dropping records
-        folder = os.path.dirname(os.path.abspath(getattr(args, flag) or "."))
+        path, option = getattr(args, flag), f"--{flag.replace('_', '-')}"
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
         while not os.path.exists(folder):  # the folders that do not exist yet are made
             folder = os.path.dirname(folder)
         if not os.path.isdir(folder):
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: {folder} is a file, not a folder")
-        if getattr(args, flag) is not None and os.path.isdir(getattr(args, flag)):
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} is a folder: give a file's path")
+            p.error(f"{option} {path!r}: {folder} is a file, not a folder")
+        if os.path.isdir(path):
+            p.error(f"{option} {path!r} is a folder: give a file's path")
     return args
 
 

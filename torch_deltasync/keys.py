@@ -66,8 +66,12 @@ def check_ack_model(model: object, where: str = "ack_key") -> str:
     if not isinstance(model, str):
         raise TypeError(f"{where}: the model name must be a str, got {type(model).__name__} {model!r}")
     if model in (".", "..") or not _SEGMENT_RE.fullmatch(model) or len(model) > 255:
-        why = ("contains '/'" if "/" in model else f"is {len(model)} characters long (a folder name takes 255 at most)"
-               if len(model) > 255 else "is not one key segment")
+        if "/" in model:
+            why = "contains '/'"
+        elif len(model) > 255:
+            why = f"is {len(model)} characters long (a folder name takes 255 at most)"
+        else:
+            why = "is not one key segment"
         raise ValueError(f"{where}: model name {model!r:.300} {why}; pass the model's name as a single key segment "
                          "(letters, digits and ._=+@,- only, e.g. 'policy')")
     return model

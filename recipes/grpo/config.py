@@ -191,18 +191,11 @@ class GRPOConfig:
                 and not Path(self.bucket).expanduser().is_dir():
             raise ValueError(f"--bucket {self.bucket!r} is a file, not a folder")
         if self.bucket is not None and not str(self.bucket).startswith("memory://"):
-            from torch_deltasync import open_store
             from torch_deltasync.errors import StoreNotFoundError
-            from torch_deltasync.store import check_fsspec_url
+            from torch_deltasync.store import check_store
 
-            scheme = str(self.bucket).partition("://")[0] if "://" in str(self.bucket) else "file"
             try:  # the URI's form, a folder under a file, the file system's package: nothing is made or fetched
-                if scheme in ("file", "s3", "hf"):  # opening them connects to nothing
-                    store = open_store(str(self.bucket))
-                    if scheme == "file":
-                        store.absent()
-                else:  # gcsfs, adlfs, ... may connect when built: the URL and the driver's import only
-                    check_fsspec_url(str(self.bucket))
+                check_store(str(self.bucket))
             except (ValueError, ImportError, StoreNotFoundError) as e:
                 raise ValueError(f"--bucket {self.bucket!r}: {e}") from None
         if self.buffer_capacity < 2 * self.train_batch:

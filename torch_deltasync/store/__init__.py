@@ -17,7 +17,7 @@ from ._local import LocalStore
 from ._retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._fsspec import FsspecStore, check_fsspec_url
+    from ._fsspec import FsspecStore
     from ._hf import HFBucketStore
 
 __all__ = [
@@ -32,11 +32,11 @@ __all__ = [
     "open_store",
     "check_key",
     "check_prefix",
-    "check_fsspec_url",
+    "check_store",
     "STORE_SCHEMES",
 ]
 
-_LAZY = {"FsspecStore": "._fsspec", "check_fsspec_url": "._fsspec", "HFBucketStore": "._hf"}
+_LAZY = {"FsspecStore": "._fsspec", "HFBucketStore": "._hf"}
 
 for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore", "check_key",
               "check_prefix"):
@@ -165,5 +165,29 @@ def open_store(uri: "str | os.PathLike | Store", *, timeout_s: "float | None | o
     from ._fsspec import FsspecStore
 
     return FsspecStore(text, **options)
+
+def check_store(uri: str | os.PathLike) -> None:
+    """Check a store URI as a command line should before it starts anything, connecting to nothing:
+    its form (:func:`open_store`'s rules), its driver's import, and for a local folder a file in its
+    path. Opening ``s3://``, ``hf://`` and local stores builds nothing remote; other fsspec drivers
+    may connect when their file system is built (adlfs, gcsfs), so only their URL is checked and
+    their driver imported.
+
+    Raises:
+        ValueError: a malformed or unsupported URI (the message names it).
+        ImportError: the driver for the URI is not installed (the message says what to install).
+        StoreNotFoundError: a local path one of whose components is a file.
+    """
+    text = os.fsdecode(uri)
+    scheme = text.partition("://")[0] if "://" in text else "file"
+    if scheme in ("file", "s3", "s3a", "hf", "memory"):
+        store = open_store(text)
+        if scheme == "file":
+            store.absent()
+    else:
+        from ._fsspec import check_fsspec_url
+
+        check_fsspec_url(text)
+
 
 _alias_moved(__name__, ("base", "local", "retry"))  # the 0.1 module paths, deprecated

@@ -188,9 +188,11 @@ class EpisodeBuffer:
             self.counts["accepted"] += len(episodes)
             self.counts["stored"] += len(fresh)
             self.counts["dropped_stale_on_arrival"] += n_stale
-            for ep in episodes:  # (at most MAX_WORKERS_COUNTED names: /stats stays small whatever workers send)
+            for ep in episodes:  # at most MAX_WORKERS_COUNTED names: /stats stays small whatever workers send
                 name = str(ep.get("worker", "?"))
-                self.workers[name if name in self.workers or len(self.workers) < MAX_WORKERS_COUNTED else "(others)"] += 1
+                if name not in self.workers and len(self.workers) >= MAX_WORKERS_COUNTED:
+                    name = "(others)"
+                self.workers[name] += 1
             return AddResult(len(episodes), len(fresh), n_stale, evicted, self.trainer_version)
 
     def set_version(self, version: int) -> int:
