@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ._cli_types import (
+    HelpFormatter, metrics_file, number, port, positive_finite_float, positive_float, positive_int, version_arg,
+)
 from ._units import format_bytes
 
 __all__ = ["main", "command"]
@@ -39,66 +42,6 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
         return fn
 
     return deco
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
-def _version(text: str) -> int:
-    from .keys import check_version
-
-    v = int(text)  # not a number: argparse's own "invalid ... value"
-    try:
-        return check_version(v)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _metrics_file(text: str) -> str:
-    from ._metrics import check_metrics_path
-
-    try:
-        check_metrics_path("the path", text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _port(text: str) -> int:
-    v = int(text)
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text}")
-    return v
-
-
-def _number(text: str, *, positive: bool = False, finite: bool = False) -> float:
-    """An option's number (never NaN): ``> 0`` if ``positive``, not infinite if ``finite``."""
-    v = float(text)
-    if math.isnan(v) or (positive and not v > 0) or (finite and math.isinf(v)):
-        raise argparse.ArgumentTypeError(f"must be a {'positive ' * positive}{'finite ' * finite}number, got {text}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    return _number(text, positive=True)
-
-
-def _positive_finite_float(text: str) -> float:
-    return _number(text, positive=True, finite=True)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where there is none to show (``None``, ``False``, ``""``):
-    the help text says what leaving the option out means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == "":
-            return action.help
-        return super()._get_help_string(action)
 
 
 def _open(uri: str, args: argparse.Namespace):
@@ -119,6 +62,14 @@ def _where_runs_are(args: argparse.Namespace) -> str:
     return f"; this store holds runs under {named}: give one as --prefix" if runs else " (check the path and --prefix)"
 
 
+def _quietly(fn: Callable[[], object]) -> object:
+    """``fn()``, or ``None`` when it fails (for hints only)."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - only a hint
+        return None
+
+
 def _open_existing(args: argparse.Namespace, uri: str | None = None):
     """Open ``uri`` (default ``args.store``) for reading, under ``args.prefix``; a store that is not
     there (a missing folder; a missing bucket fails on its first call) is an error, not an empty store."""
@@ -132,7 +83,7 @@ def _open_existing(args: argparse.Namespace, uri: str | None = None):
 def _timeout_arg(p: argparse.ArgumentParser) -> None:
     from .store import DEFAULT_TIMEOUT_S
 
-    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
                    help="deadline of one store call in seconds (per attempt on remote stores, plus time for "
                         "large transfers); a call past it fails instead of hanging")
 
@@ -328,6 +279,7 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"{v:>8} {'-':<6} {'':>6} {'':>12} {'':>12} {'':>8}  deleted meanwhile")
             continue
         except Exception as e:  # noqa: BLE001 - one bad manifest should not hide the rest
+            _stop_if_interrupted(e)
             print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {_printable(e)}")
             unreadable += 1
             continue
@@ -345,7 +297,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
-    p.add_argument("--from-version", type=_version, default=None, help="first version to check (none: the oldest)")
+    p.add_argument("--from-version", type=version_arg, default=None, help="first version to check (none: the oldest)")
 
 
 @command("verify", "replay every version, check every checksum and every object", _verify_args)
@@ -390,6 +342,7 @@ def _verify(args: argparse.Namespace) -> int:
             checked = _check_rest(target, store, receiver.manifest(v), st.path)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked})")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
+            _stop_if_interrupted(e)
             if isinstance(e, (VersionNotFoundError, ObjectNotFoundError)) and not store.exists(manifest_key(v)):
                 deleted += 1  # collected (retention) since it was listed, or during its replay
                 print(f"version {v:>8}: deleted meanwhile")
@@ -404,8 +357,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _check_rest(target, store, m, path: str) -> str:
-    """Check the parts of version ``m`` that an update along ``path`` did not read. Returns a note
-    for the report line.
+    """Check the run files of version ``m`` and the parts an update along ``path`` did not read.
+    Returns a note for the report line.
 
     The anchor part is rebuilt into ``target`` by a second receiver that holds nothing and does not
     recover (its failure is what is reported); it leaves the same version in ``target``, so the
@@ -416,9 +369,11 @@ def _check_rest(target, store, m, path: str) -> str:
         DeltaSyncError: a part fails (``target`` keeps the version the replay gave it).
     """
     from .format import decode_delta, verify_bytes
+    from .manifest import check_run_files
     from .receiver import DeltaReceiver
 
-    notes = []
+    n_files = check_run_files(store, m)  # (an adapter run's config)
+    notes = [f"{n_files} run file(s) checked"] if n_files else []
     if m.kind == "anchor" and path == "delta":
         fresh = DeltaReceiver(target, store, recover=False)
         try:
@@ -441,7 +396,7 @@ def _check_rest(target, store, m, path: str) -> str:
 def _gc_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
     p.add_argument("--keep-anchors", type=int, default=0, help="older anchors to keep below the newest one")
-    p.add_argument("--grace-s", type=_number, default=60.0,
+    p.add_argument("--grace-s", type=number, default=60.0,
                    help="only anchors visible this long count as the newest (readers get this long to finish)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not read the cut anchor back before deleting below it (see RetentionPolicy.verify_cut)")
@@ -472,10 +427,10 @@ def _gc(args: argparse.Namespace) -> int:
 def _demo_args(p: argparse.ArgumentParser) -> None:
     from .testing import QWEN3_SIZES
 
-    p.add_argument("--steps", type=_positive_int, default=50, help="versions to publish (one Adam step each)")
+    p.add_argument("--steps", type=positive_int, default=50, help="versions to publish (one Adam step each)")
     p.add_argument("--size", default="small", choices=sorted(QWEN3_SIZES),
                    help="Qwen3 config (the demo prints the memory it needs and refuses one that does not fit)")
-    p.add_argument("--lr", type=_positive_finite_float, default=3e-6, help="Adam learning rate")
+    p.add_argument("--lr", type=positive_finite_float, default=3e-6, help="Adam learning rate")
     p.add_argument("--anchor-every", type=int, default=10, help="publish an anchor every this many versions")
     p.add_argument("--bucket", default=None, help="local bucket folder (none: RUN_DIR/bucket, emptied first)")
     p.add_argument("--codec", default=None, help="delta codec (none: the sender's, packed)")
@@ -501,15 +456,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _follow_args(p: argparse.ArgumentParser) -> None:
     _store_args(p)
-    p.add_argument("--model", default=None,
-                   help="HF checkpoint to receive into (none: zeros shaped from the first manifest)")
-    p.add_argument("--poll", type=_positive_finite_float, default=0.2, help="seconds between polls")
-    p.add_argument("--idle-timeout", type=_number, default=60.0,
+    p.add_argument("--model", default=None, help="HF checkpoint to receive into (none: zeros shaped from the first manifest)")
+    p.add_argument("--poll", type=positive_finite_float, default=0.2, help="seconds between polls")
+    p.add_argument("--idle-timeout", type=number, default=60.0,
                    help="stop after this many seconds without a new version (<= 0 or inf: never)")
-    p.add_argument("--max-updates", type=_positive_int, default=None, help="stop after this many updates (none: never)")
-    p.add_argument("--until", type=_version, default=None,
+    p.add_argument("--max-updates", type=positive_int, default=None, help="stop after this many updates (none: never)")
+    p.add_argument("--until", type=version_arg, default=None,
                    help="stop once this version (or a newer one) is held (none: never)")
-    p.add_argument("--metrics", type=_metrics_file, default=None,
+    p.add_argument("--metrics", type=metrics_file, default=None,
                    help="append one JSON line per update to this file (none: no file)")
     p.add_argument("--verify", action="store_true", help="also recompute every checksum after each update")
 
@@ -517,7 +471,11 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
 @command("follow", "apply versions as they appear; report density, bytes and apply latency", _follow_args)
 def _follow(args: argparse.Namespace) -> int:
     from .follow import follow
+    from .keys import list_versions
 
+    hint = _where_runs_are(args)
+    if hint.startswith("; this store holds runs") and not _quietly(lambda: list_versions(_open_existing(args))):
+        print(f"deltasync follow: no version under {repr(args.prefix) if args.prefix else 'the root'} yet{hint} (waiting here)", file=sys.stderr)
     report = follow(_open(args.store, args), prefix=args.prefix, model=args.model, poll_s=args.poll,
                     idle_timeout_s=args.idle_timeout if 0 < args.idle_timeout < math.inf else None,
                     max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)
@@ -531,7 +489,7 @@ def _follow(args: argparse.Namespace) -> int:
 
 def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (plain HTTP: loopback or a private network)")
-    p.add_argument("--port", type=_port, default=8088, help="TCP port (0: any free one, see --port-file)")
+    p.add_argument("--port", type=port, default=8088, help="TCP port (0: any free one, see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file once listening (none: no file)")
     p.add_argument("--capacity", type=int, default=4096, help="episodes the ring holds")
     p.add_argument("--max-lag", type=int, default=2, help="drop episodes more than this many versions behind the trainer")
@@ -545,8 +503,8 @@ def _serve_buffer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a 429 asks producers to wait")
     p.add_argument("--token-file", default=None, help="file holding the shared token for write endpoints "
                    "(else $DELTASYNC_BUFFER_TOKEN; unset: open)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn log level")
+    p.add_argument("--log-level", default="info", help="uvicorn log level",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
 
 
 @command("serve-buffer", "HTTP rollout service: workers POST episodes, the trainer samples (FastAPI)", _serve_buffer_args)
@@ -575,6 +533,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_if_interrupted(e: Exception) -> None:
+    """Raise ``KeyboardInterrupt`` for a Ctrl-C in disguise (:func:`torch_deltasync.errors.interrupted`)."""
+    from .errors import interrupted
+
+    if interrupted(e):
+        raise KeyboardInterrupt from e
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -587,8 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # noqa: BLE001 - a CLI prints a one-line error, not a traceback
-        from .errors import DeltaSyncError
+        from .errors import DeltaSyncError, interrupted
 
+        if interrupted(e):  # a Ctrl-C while a compiled kernel returned
+            return 130
         if isinstance(e, (DeltaSyncError, OSError, ValueError)):
             print(f"deltasync {args.command}: error: {_printable(e)}", file=sys.stderr)
             return 2

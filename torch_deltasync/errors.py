@@ -9,6 +9,8 @@ Messages name the store key, tensor, version and bad value where they exist, and
 
 from __future__ import annotations
 
+from typing import Iterator
+
 __all__ = [
     "DeltaSyncError",
     "CorruptObjectError",
@@ -128,3 +130,25 @@ class SyncTimeoutError(DeltaSyncError, TimeoutError):
     """Waiting timed out: for a version to appear (``DeltaReceiver.wait_for``), or for receivers to
     confirm a version (they may still be downloading, be stuck, or have been started with another
     store or prefix)."""
+
+
+# --- exception chains ----------------------------------------------------------------------------
+
+
+def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and the exceptions it was raised from (``__cause__``, else ``__context__``),
+    outermost first; each once, so a chain that loops back ends."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def interrupted(error: BaseException) -> bool:
+    """Whether ``error`` is a Ctrl-C in disguise: a ``KeyboardInterrupt`` that arrived while a
+    compiled kernel was returning is raised by numba as ``SystemError: ... returned a result with
+    an exception set``, the interrupt in its chain. Broad ``except Exception`` handlers check this
+    and stop instead of reporting a failure (and carrying on)."""
+    return isinstance(error, KeyboardInterrupt) or (
+        isinstance(error, SystemError) and any(isinstance(e, KeyboardInterrupt) for e in exception_chain(error)))

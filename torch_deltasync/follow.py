@@ -43,7 +43,7 @@ from typing import Any, Callable, TextIO, TypeVar
 
 from ._metrics import append_metrics, check_metrics_path
 from ._units import check_seconds, format_bytes
-from .errors import DeltaSyncError
+from .errors import DeltaSyncError, interrupted
 
 __all__ = ["follow", "FollowReport", "follow_newer", "poll_until", "wait_for_newer"]
 
@@ -201,6 +201,8 @@ def follow_newer(
                 handle(newest)
             pause = poll_s
         except Exception as e:  # noqa: BLE001 - reported; the caller's skip decides what is retried
+            if interrupted(e):  # a Ctrl-C while a compiled kernel returned
+                raise KeyboardInterrupt from e
             if on_error is not None:
                 on_error(e)
             else:

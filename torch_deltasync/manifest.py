@@ -28,7 +28,7 @@ from ._dtypes import dtype_from_name, dtype_name
 from ._memory import physical_nbytes
 from .checksum import format_checksum, parse_checksum
 from .codecs import codec_names
-from .errors import CorruptObjectError
+from .errors import ChecksumMismatchError, CorruptObjectError
 from .keys import MAX_VERSION, Kind, check_version, manifest_key, parse_object_key
 from .store import check_key
 
@@ -38,6 +38,8 @@ __all__ = [
     "Manifest",
     "ObjectEntry",
     "TensorEntry",
+    "check_run_file",
+    "check_run_files",
     "load_manifest",
     "seal_manifest",
 ]
@@ -47,6 +49,8 @@ FORMAT_VERSION = 1
 
 #: Largest manifest we parse (bytes). A 1T-parameter model has ~10^5 tensors at ~200 B each.
 MAX_MANIFEST_BYTES = 256 << 20
+#: Most run-level objects a manifest may vouch for (:attr:`Manifest.run_files`).
+MAX_RUN_FILES = 64
 #: Bytes of a manifest read in one request (most manifests fit); a larger one has its size checked
 #: against :data:`MAX_MANIFEST_BYTES` before the rest is read.
 _MANIFEST_HEAD_BYTES = 1 << 20
@@ -248,6 +252,9 @@ class Manifest:
         aliases: tied names, ``{alias: canonical}``: the alias holds the same tensor and is not shipped.
         stats: informational numbers (changed elements, bytes, timings); never trusted for safety.
         created_at: Unix time in seconds.
+        run_files: run-level objects this version depends on, ``{key: sha256 hex}`` (e.g. an
+            adapter run's ``adapter/adapter_config.json``): readers of such a file check it
+            against this (:func:`check_run_file`). Empty for plain weight runs.
         digest: ``"sha256:<hex>"``, the digest the stored manifest carries (read from the store;
             ``None`` for manifests written before digests and for one built in memory). Not part of
             equality: two manifests with the same fields are equal.
@@ -265,6 +272,7 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
+    run_files: dict[str, str] = field(default_factory=dict)
     digest: str | None = field(default=None, compare=False, repr=False)
 
     # --- derived ---------------------------------------------------------------------------------
@@ -347,6 +355,8 @@ class Manifest:
             "aliases": dict(self.aliases),
             "stats": self.stats,
         }
+        if self.run_files:  # (absent otherwise: the manifests of plain runs stay as they were)
+            doc["run_files"] = dict(self.run_files)
         return seal_manifest(doc)
 
     @classmethod
@@ -458,6 +468,12 @@ class Manifest:
         ):
             raise CorruptObjectError("aliases must map unshipped names to shipped tensor names")
         stats = doc.get("stats", {})
+        run_files = doc.get("run_files", {})
+        if not (isinstance(run_files, dict) and len(run_files) <= MAX_RUN_FILES and all(
+                isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) and parse_object_key(check_key(k)) is None
+                and not k.startswith("versions/") for k, h in run_files.items())):
+            raise CorruptObjectError(f"run_files must map at most {MAX_RUN_FILES} run-level keys to sha256 digests, "
+                                     f"got {run_files!r:.120}")
         created = doc.get("created_at", 0.0)  # informational (Unix seconds); checked, never trusted
         if type(created) not in (int, float) or not 0 <= created < 1e11:
             raise CorruptObjectError(f"created_at must be Unix seconds in [0, 1e11), got {created!r:.40}")
@@ -466,8 +482,41 @@ class Manifest:
             codec=codec, inference_dtype=dtype, run_id=run_id, tensors=tuple(tensors),
             objects=tuple(objects), aliases=dict(aliases),
             stats=stats if isinstance(stats, dict) else {},
-            created_at=float(created), digest=doc.get("digest"),
+            created_at=float(created), run_files=dict(run_files), digest=doc.get("digest"),
         )
+
+
+def check_run_file(data: bytes, key: str, m: "Manifest", where: str) -> bytes:
+    """Check the bytes of run-level object ``key`` against the sha256 manifest ``m`` records for it
+    (:attr:`Manifest.run_files`; none recorded, as in runs written before them: unchecked).
+
+    Returns:
+        ``data``.
+
+    Raises:
+        ChecksumMismatchError: naming ``where`` (the object) and the version, when they differ:
+            the object was changed or damaged after the version was published.
+    """
+    want = m.run_files.get(key)
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise ChecksumMismatchError(
+            f"{where} does not match the sha256 the manifest of version {m.version} records for it: it was changed "
+            "or damaged after the run published it. Restore it, or publish the run again on a new prefix")
+    return data
+
+
+def check_run_files(store, m: "Manifest") -> int:
+    """Read every run-level object version ``m`` depends on and check it (:func:`check_run_file`).
+
+    Returns:
+        How many were checked.
+
+    Raises:
+        ObjectNotFoundError: one is gone. ChecksumMismatchError: one differs. StoreError: the store failed.
+    """
+    for key in m.run_files:
+        check_run_file(store.get(key), key, m, f"{store.describe()}/{key}")
+    return len(m.run_files)
 
 
 def _int(v: Any, what: str, lo: int, hi: int) -> int:

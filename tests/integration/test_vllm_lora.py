@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -133,6 +134,36 @@ def test_a_refused_load_keeps_the_current_version(tmp_path):
     assert loader.current.version == 0 and not (tmp_path / "cache" / "a-v1").exists()
     trainer.step_and_publish()
     assert loader.poll().version == 2  # a later version loads
+
+
+def test_a_new_run_on_a_wiped_prefix_is_loaded_under_new_names_and_ids(tmp_path):
+    """The loader compared version numbers only: after the prefix was wiped and a new run published
+    versions 0-2, poll() returned None and the engine went on serving the old run's version 2 (and
+    a same-numbered version of the new run would have reused the old one's name and id)."""
+    first = Trainer(tmp_path / "bucket")
+    llm = FakeLLM()
+    loader = VLLMAdapterLoader(llm_lora_ops(llm, request_cls=Req), tmp_path / "bucket", prefix="run",
+                               cache_dir=tmp_path / "cache", name="g", keep=2)
+    for _ in range(3):
+        first.step_and_publish()
+    assert loader.poll().lora_name == "g-v2"
+    first.sender.close()
+    shutil.rmtree(tmp_path / "bucket" / "run")
+    second = Trainer(tmp_path / "bucket")
+    second.gen.manual_seed(1)  # other data: other weights than the first run's at the same version
+    assert second.step_and_publish() == 0
+    got = loader.poll()  # a lower number, but a new run: loaded at once
+    assert (got.version, got.lora_name, got.lora_int_id) == (0, "g-r1-v0", 4) and got.run_id == second.sender.run_id
+    assert loader.poll() is None
+    second.step_and_publish()
+    second.step_and_publish()
+    assert (loader.poll().lora_name, loader.current.lora_int_id) == ("g-r1-v2", 6)
+    eng = llm.llm_engine
+    assert [c[:3] for c in eng.calls] == [("add_lora", "g-v2", 3), ("add_lora", "g-r1-v0", 4),
+                                          ("add_lora", "g-r1-v2", 6), ("remove_lora", 3)]
+    assert same(eng.held[4][1], second.states[0]) and same(eng.held[6][1], second.states[2])
+    assert not same(second.states[2], first.states[2])
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["g-r1-v0", "g-r1-v2"]
 
 
 def test_async_llm(tmp_path):

@@ -111,3 +111,22 @@ def test_errors_pickle_to_the_same_class_and_message():
         cls = getattr(errors, name)
         back = pickle.loads(pickle.dumps(cls("version 3: msg")))
         assert type(back) is cls and str(back) == "version 3: msg", name
+
+
+def test_interrupted_tells_a_ctrl_c_in_disguise():
+    def raised(outer, inner):
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                raise outer from e
+        except BaseException as e:
+            return e
+
+    assert errors.interrupted(KeyboardInterrupt())
+    assert errors.interrupted(raised(SystemError("returned a result with an exception set"), KeyboardInterrupt()))
+    assert not errors.interrupted(raised(SystemError("x"), ValueError()))
+    assert not errors.interrupted(raised(RuntimeError("x"), KeyboardInterrupt()))  # only numba's SystemError
+    loop = ValueError("a")
+    loop.__context__ = loop  # a chain that loops back ends
+    assert list(errors.exception_chain(loop)) == [loop] and not errors.interrupted(loop)

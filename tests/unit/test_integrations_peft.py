@@ -4,6 +4,7 @@ shapes; versions round-trip bit-exactly into a receiver PEFT model; a materialis
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 
@@ -15,7 +16,9 @@ from safetensors import safe_open  # noqa: E402
 
 from helpers import delta_payloads  # noqa: E402
 from torch_deltasync import DeltaSender, LocalStore  # noqa: E402
-from torch_deltasync.errors import CorruptObjectError, IncompatibleTargetError, PublishError, VersionNotFoundError  # noqa: E402
+from torch_deltasync.errors import (  # noqa: E402
+    ChecksumMismatchError, CorruptObjectError, IncompatibleTargetError, PublishError, VersionNotFoundError,
+)
 from torch_deltasync.integrations.peft import (  # noqa: E402
     ADAPTER_CONFIG_KEY,
     AdapterReceiver,
@@ -24,6 +27,7 @@ from torch_deltasync.integrations.peft import (  # noqa: E402
     adapter_state_dict,
     materialize_adapter,
     parse_adapter_config,
+    read_adapter_config,
 )
 from torch_deltasync.keys import list_versions
 from torch_deltasync.manifest import load_manifest  # noqa: E402
@@ -247,21 +251,106 @@ def test_tampered_or_mismatched_config_changes_nothing(tmp_path, caplog):
     with pytest.raises(IncompatibleTargetError, match="lora_alpha"):
         AdapterReceiver(other, store).update()
     assert same_bits(bits(adapter_state_dict(other)), before)
-    # a config that lies about the rank: the published tensors do not fit it
+    # a config replaced after the run published it (a valid one: only its sha256 tells)
     store.put(ADAPTER_CONFIG_KEY, config_doc(r=8))
     victim = lora_model(seed=3)
     before = bits(adapter_state_dict(victim))
-    with pytest.raises(CorruptObjectError, match="rank"):
-        AdapterReceiver(victim, store).update()
-    store.put(ADAPTER_CONFIG_KEY, b'{"peft_type": "LORA", "r": "4"}')
     with caplog.at_level("WARNING", logger="torch_deltasync"):
-        with pytest.raises(CorruptObjectError, match="r must be"):
+        with pytest.raises(ChecksumMismatchError, match=r"adapter/adapter_config.json does not match the sha256 the "
+                                                        r"manifest of version 0 records"):
             AdapterReceiver(victim, store).update()
     assert "recovering" not in caplog.text  # a bad config fails every path alike: no anchor retry
     assert same_bits(bits(adapter_state_dict(victim)), before)
     store.delete(ADAPTER_CONFIG_KEY)
     with pytest.raises(VersionNotFoundError, match="adapter run"):
         AdapterReceiver(victim, store).update()
+
+
+def test_configs_of_runs_whose_manifests_record_no_sha256_are_validated(tmp_path):
+    """Manifests written before they recorded the config's sha256 (here: a plain sender publishing
+    adapter tensors): the config is read unchecked, and its rules still hold."""
+    store = LocalStore(tmp_path, fsync=False)
+    DeltaSender(adapter_state_dict(lora_model(seed=1, trained_b=True)), store).publish()
+    assert load_manifest(store, 0).run_files == {}
+    store.put(ADAPTER_CONFIG_KEY, config_doc(r=8))  # lies about the rank: the tensors do not fit it
+    victim = lora_model(seed=3)
+    before = bits(adapter_state_dict(victim))
+    with pytest.raises(CorruptObjectError, match="rank"):
+        AdapterReceiver(victim, store).update()
+    store.put(ADAPTER_CONFIG_KEY, b'{"peft_type": "LORA", "r": "4"}')
+    with pytest.raises(CorruptObjectError, match="r must be"):
+        AdapterReceiver(victim, store).update()
+    assert same_bits(bits(adapter_state_dict(victim)), before)
+    store.put(ADAPTER_CONFIG_KEY, config_doc())
+    assert AdapterReceiver(victim, store).update() == 0
+
+
+def test_a_config_changed_after_publishing_is_caught_by_every_reader(tmp_path, capsys):
+    """lora_alpha 8 -> 80 in the stored config parses as well as 8: materialize_adapter wrote it
+    into the folder vLLM loads, and `deltasync verify` passed the run. Every manifest now records
+    the config's sha256."""
+    from torch_deltasync.cli import main
+
+    store = LocalStore(tmp_path / "b", fsync=False)
+    sender = AdapterSender(lora_model(seed=1, trained_b=True), store, anchor_every=10)
+    sender.publish()
+    sender.publish()
+    good = store.get(ADAPTER_CONFIG_KEY)
+    want = hashlib.sha256(good).hexdigest()
+    assert [load_manifest(store, v).run_files for v in (0, 1)] == [{ADAPTER_CONFIG_KEY: want}] * 2
+    assert main(["verify", str(tmp_path / "b")]) == 0
+    assert "1 run file(s) checked" in capsys.readouterr().out
+    doc = json.loads(good)
+    doc["lora_alpha"] = 80
+    store.put(ADAPTER_CONFIG_KEY, json.dumps(doc).encode())
+    for read in (lambda: materialize_adapter(str(tmp_path / "b"), tmp_path / "out"),
+                 lambda: AdapterReceiver(None, store).update(),
+                 lambda: read_adapter_config(store, manifest=load_manifest(store, 1))):
+        with pytest.raises(ChecksumMismatchError, match="changed or damaged after the run published it"):
+            read()
+    assert not (tmp_path / "out").exists()
+    assert read_adapter_config(store).lora_alpha == 80  # (without a manifest: parsed, unchecked)
+    assert main(["verify", str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAILED: ChecksumMismatchError") == 2 and "0/2 versions verified" in out
+    store.put(ADAPTER_CONFIG_KEY, good)  # restored: all is well again
+    assert main(["verify", str(tmp_path / "b")]) == 0
+    # a sender restarted on the prefix with another dropout (not structural) keeps the stored
+    # config and records its sha256
+    sender.close()
+    model = get_peft_model(tiny_qwen3("tiny", seed=0),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.1))
+    again = AdapterSender(model, store, anchor_every=10)
+    assert again.run_files == {ADAPTER_CONFIG_KEY: want} and store.get(ADAPTER_CONFIG_KEY) == good
+
+
+def test_init_only_fields_and_deep_configs(tmp_path):
+    """A LoftQ-initialised trainer's config made PEFT import scipy on every receiver; JSON nested
+    100,000 deep raised a bare RecursionError; fields PEFT does not check went into the folders
+    vLLM loads."""
+    cfg = parse_adapter_config(config_doc(init_lora_weights="loftq", loftq_config={"loftq_bits": 4, "loftq_iter": 1}))
+    assert cfg.init_lora_weights is True and cfg.loftq_config == {} and cfg.r == 4
+    assert parse_adapter_config(config_doc(init_lora_weights=False)).init_lora_weights is False
+    with pytest.raises(CorruptObjectError, match="not valid JSON .RecursionError"):
+        parse_adapter_config(b"[" * 100_000 + b"]" * 100_000)
+    for field, value in (("use_dora", "yes"), ("bias", "everything"), ("layers_to_transform", "abc"),
+                         ("modules_to_save", 5), ("fan_in_fan_out", 1), ("exclude_modules", [3])):
+        with pytest.raises(CorruptObjectError, match=f"{field} has a value PEFT does not define"):
+            parse_adapter_config(config_doc(**{field: value}))
+    ok = parse_adapter_config(config_doc(modules_to_save=["lm_head"], layers_to_transform=[0, 1], bias="lora_only"))
+    assert (ok.modules_to_save, ok.layers_to_transform, ok.bias) == (["lm_head"], [0, 1], "lora_only")
+
+
+def test_an_output_folder_under_a_file_is_refused_before_downloading(tmp_path, monkeypatch):
+    AdapterSender(lora_model(0), LocalStore(tmp_path / "b"), anchor_every=10).publish()
+    (tmp_path / "afile").write_text("x")
+    updates = []
+    monkeypatch.setattr(AdapterReceiver, "update", lambda self, *a, **k: updates.append(a))
+    with pytest.raises(ValueError, match=r"'.*afile/sub' lies under '.*afile', which is a file"):
+        materialize_adapter(str(tmp_path / "b"), tmp_path / "afile" / "sub")
+    with pytest.raises(ValueError, match="is a file"):
+        materialize_adapter(str(tmp_path / "b"), tmp_path / "afile")
+    assert updates == [] and (tmp_path / "afile").read_text() == "x"
 
 
 def test_non_adapter_tensors_under_an_adapter_config_are_refused(tmp_path):

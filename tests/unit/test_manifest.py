@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from torch_deltasync import Manifest
-from torch_deltasync.errors import CorruptObjectError
+from torch_deltasync.errors import ChecksumMismatchError, CorruptObjectError
 from torch_deltasync.keys import manifest_key, object_key, parse_manifest_key
-from torch_deltasync.manifest import ObjectEntry, TensorEntry, seal_manifest
+from torch_deltasync.manifest import ObjectEntry, TensorEntry, check_run_file, seal_manifest
 
 SHA = "ab" * 32
 
@@ -88,7 +88,30 @@ BAD = [
     (mutate(["created_at"], True), "created_at"),
     (mutate(["created_at"], "yesterday"), "created_at"),
     (mutate(["objects", 0, "key"], "objects/000000000007/delta-r00000-of00002.safetensors\n"), "invalid store key"),
+    (mutate(["run_files"], ["adapter/adapter_config.json"]), "run_files must map"),
+    (mutate(["run_files"], {"adapter/adapter_config.json": "AB" * 32}), "run_files must map"),
+    (mutate(["run_files"], {"adapter/adapter_config.json": SHA[:-1]}), "run_files must map"),
+    (mutate(["run_files"], {"versions/000000000003.json": SHA}), "run_files must map"),
+    (mutate(["run_files"], {"objects/000000000007/delta-r00000-of00002.safetensors": SHA}), "run_files must map"),
+    (mutate(["run_files"], {"../x": SHA}), "invalid store key"),
+    (mutate(["run_files"], {f"a/{i}": SHA for i in range(65)}), "run_files must map at most 64"),
 ]
+
+
+def test_run_files_round_trip_and_are_absent_from_plain_manifests():
+    assert "run_files" not in good_doc()  # plain runs: the manifest's bytes are as before
+    doc = {k: v for k, v in good_doc().items() if k != "digest"}
+    doc["run_files"] = {"adapter/adapter_config.json": SHA}
+    m = Manifest.from_json(seal_manifest(doc), expected_version=7)
+    assert m.run_files == {"adapter/adapter_config.json": SHA} and json.loads(m.to_json()) == json.loads(seal_manifest(doc))
+    data = b"{}"
+    m = Manifest.from_json(seal_manifest({**doc, "run_files": {"a/c.json": hashlib.sha256(data).hexdigest()}}), expected_version=7)
+    assert check_run_file(data, "a/c.json", m, "x") == data
+    assert check_run_file(b"anything", "other.json", m, "x") == b"anything"  # none recorded: unchecked
+    with pytest.raises(ChecksumMismatchError, match=r"store/a/c.json does not match the sha256 the manifest of version 7"):
+        check_run_file(b"{ }", "a/c.json", m, "store/a/c.json")
+    with pytest.raises(CorruptObjectError, match="members a manifest without one never has"):
+        Manifest.from_json(json.dumps(doc).encode())  # manifests without a digest never had run_files
 
 
 @pytest.mark.parametrize("change,match", BAD)

@@ -498,3 +498,30 @@ def test_a_nan_in_a_strided_weight_keeps_every_version_reachable(tmp_path):
             assert got["w"].view(torch.int16)[3].item() == (0x7FC0 if v else w[3].to(torch.bfloat16).view(torch.int16).item())
             assert torch.equal(got["w"].view(torch.int16)[:3], w[:3].to(torch.bfloat16).view(torch.int16))
     sender.close()
+
+
+def test_a_prefix_emptied_under_the_sender_gets_an_anchor_not_deltas_on_missing_bases(tmp_path):
+    """The bucket deleted mid-run: the sender went on publishing deltas on bases no reader could
+    find, the run ended "ok", and no new receiver could ever read the store again."""
+    store = LocalStore(tmp_path / "b")
+    w = {"w": torch.zeros(64)}
+    sender = DeltaSender(w, store, anchor_every=100)
+    for step in range(2):
+        w["w"][step] = 1.0
+        sender.publish()
+    for key in store.list():
+        store.delete(key)
+    w["w"][5] = 2.0
+    with pytest.raises(PublishError, match=r"version 2 was not published \(the manifest of its base version 1 is "
+                                           r"gone .*The next publish is an anchor\); no partial version is visible$"):
+        sender.publish()
+    assert store.list() == [] or all(not k.startswith(("objects/", "versions/")) for k in store.list())
+    w["w"][6] = 3.0
+    assert sender.publish() == 3
+    assert store.get(manifest_key(3))  # an anchor a new receiver starts from
+    target = {"w": torch.empty(64, dtype=torch.bfloat16)}
+    assert DeltaReceiver(target, store).update() == 3
+    assert first_difference(target, {"w": w["w"].to(torch.bfloat16)}) is None
+    w["w"][7] = 4.0
+    assert sender.publish() == 4  # and deltas again after it
+    sender.close()

@@ -4,14 +4,16 @@ is unreachable here), plus a live test that runs only with ``HF_TOKEN`` and
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from torch_deltasync import DeltaReceiver, DeltaSender, open_store
-from torch_deltasync.errors import ObjectNotFoundError, StoreError, TransientStoreError
+from torch_deltasync.errors import ObjectNotFoundError, StoreError, StoreNotFoundError, TransientStoreError
 from torch_deltasync.store import RetryPolicy
 from torch_deltasync.store._hf import parse_bucket_uri
 
@@ -203,6 +205,56 @@ def test_fatal_hub_errors_are_not_retried(api, tmp_path):
     right = open_store("hf://buckets/org/bucket", api=api, retry=FAST, tmp_dir=tmp_path)
     with pytest.raises(StoreError, match="401"):
         right.list()
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_refused_or_private_buckets_say_how_to_authenticate(api, tmp_path, status):
+    """The Hub answers a private bucket without a token like a missing one (404): both, and a
+    refused token, end in a hint to pass a token (not only "the bucket does not exist")."""
+    uri = "hf://buckets/org/bucket" if status != 404 else "hf://buckets/org/private-bucket"
+    api.fail["get_bucket_paths_info"] = [_http_error(hf_errors.HfHubHTTPError, status)]
+    with pytest.raises(StoreError) as e:
+        open_store(uri, api=api, retry=FAST, tmp_dir=tmp_path).exists("OWNER")
+    assert type(e.value) is (StoreNotFoundError if status == 404 else StoreError)
+    assert uri in str(e.value) and "set HF_TOKEN or run `hf auth login`" in str(e.value)
+    api.fail.clear()
+    with pytest.raises(ObjectNotFoundError) as missing:  # a missing key in a bucket we may read: no hint
+        open_store("hf://buckets/org/bucket", api=api, retry=FAST, tmp_dir=tmp_path).get("LATEST")
+    assert "HF_TOKEN" not in str(missing.value)
+
+
+def test_a_listing_whose_pages_loop_ends(api, tmp_path):
+    """huggingface_hub follows "next page" links without a bound: a server whose pages loop made
+    every abandoned attempt page for ever. An entry seen twice ends the attempt, and an attempt
+    past its deadline stops paging."""
+    pages = [0]
+
+    def looping_tree(bucket_id, prefix=None, *, recursive=None, token=None):
+        while True:  # page after page of the same two entries
+            pages[0] += 1
+            yield from (api._file("runs/7/LATEST"), api._file("runs/7/OWNER"))
+
+    api.files.update({"runs/7/LATEST": b"0", "runs/7/OWNER": b"{}"})
+    api.list_bucket_tree = looping_tree
+    store = open_store("hf://buckets/org/bucket/runs/7", api=api, retry=FAST, tmp_dir=tmp_path)
+    with pytest.raises(StoreError, match=r"returned 'runs/7/LATEST' twice: the server's pages loop"):
+        store.list()
+    assert pages[0] == 2
+
+    def slow_endless_tree(bucket_id, prefix=None, *, recursive=None, token=None):
+        for i in itertools.count():
+            pages[0] = i
+            time.sleep(0.01)
+            yield BucketFile(type="file", path=f"runs/7/objects/{i}", size=1, xetHash="x")
+
+    api.list_bucket_tree = slow_endless_tree
+    quick = RetryPolicy(attempts=1, timeout_s=0.2)
+    with pytest.raises(TransientStoreError, match="timed out"):
+        open_store("hf://buckets/org/bucket/runs/7", api=api, retry=quick, tmp_dir=tmp_path).list()
+    time.sleep(0.5)  # the abandoned attempt stops at its own deadline
+    stopped = pages[0]
+    time.sleep(0.3)
+    assert pages[0] == stopped and stopped < 60
 
 
 def test_giving_up_after_retries(store, api):

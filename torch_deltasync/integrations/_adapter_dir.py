@@ -23,7 +23,7 @@ def write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config_js
     ``out_dir`` is replaced, it is briefly absent: moved aside, then the new folder renamed in)."""
     from safetensors.torch import save_file
 
-    _check_replaceable(out_dir)
+    check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     old = None
@@ -46,10 +46,10 @@ def write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config_js
     return out_dir
 
 
-def _check_replaceable(out_dir: Path) -> None:
+def check_replaceable(out_dir: Path) -> None:
     """Refuse an ``out_dir`` that is not an adapter folder: only a new path, an empty folder, or one
     that holds the two files an adapter folder has, is replaced (never the current folder or
-    one above it, a file, or a folder with anything else in it).
+    one above it, a file, a path under a file, or a folder with anything else in it).
 
     Raises:
         ValueError: naming the folder and what is in it.
@@ -63,6 +63,9 @@ def _check_replaceable(out_dir: Path) -> None:
                          "folder)")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{str(out_dir)!r} is a file; give a folder path for the adapter")
+    above = next((p for p in out_dir.parents if p.exists() or p.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"{str(out_dir)!r} lies under {str(above)!r}, which is a file; give a folder path for the adapter")
     names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     odd = [n for n in names if not (out_dir / n).is_file() or (out_dir / n).is_symlink()]
     if names and names != sorted([ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME]):

@@ -34,8 +34,7 @@ Pieces:
 from __future__ import annotations
 
 import copy
-import json
-import math
+import hashlib
 import os
 import re
 import warnings
@@ -49,12 +48,18 @@ from ..receiver import DeltaReceiver, ReceiverConfig
 from ..sender import AnchorPolicy, DeltaSender, SenderConfig
 from ..store import Store, open_store
 from ..targets import ModuleTarget
-from ._adapter_dir import write_adapter_dir
+from ._adapter_config import (
+    ADAPTER_CONFIG_KEY, MAX_ADAPTER_CONFIG_BYTES, STRUCTURAL_FIELDS, adapter_config_json, lora_config_class,
+    parse_adapter_config, peft_config, read_adapter_config, structure_diff,
+)
+from ._adapter_dir import check_replaceable, write_adapter_dir
 from ._sender_options import receiver_config as _receiver_config
 from ._sender_options import sender_config as _sender_config
 
 __all__ = [
     "ADAPTER_CONFIG_KEY",
+    "MAX_ADAPTER_CONFIG_BYTES",
+    "STRUCTURAL_FIELDS",
     "AdapterSender",
     "AdapterReceiver",
     "AdapterTarget",
@@ -66,20 +71,9 @@ __all__ = [
     "materialize_adapter",
 ]
 
-
-#: Store key of the run's adapter config, relative to the run prefix.
-ADAPTER_CONFIG_KEY = "adapter/adapter_config.json"
-#: Largest adapter config we parse (bytes); PEFT's are ~1-3 KiB.
-MAX_ADAPTER_CONFIG_BYTES = 256 << 10
-
-#: Config fields that change which tensors an adapter has or what they compute. Two configs that
-#: agree on these describe interchangeable adapter weights (``peft_version``, paths, dropout and
-#: ``inference_mode`` may differ).
-STRUCTURAL_FIELDS = (
-    "r", "lora_alpha", "target_modules", "exclude_modules", "use_rslora", "use_dora", "rank_pattern",
-    "alpha_pattern", "fan_in_fan_out", "bias", "modules_to_save", "layers_to_transform", "layers_pattern",
-    "lora_bias", "target_parameters", "trainable_token_indices", "layer_replication",
-)
+for _f in (adapter_config_json, parse_adapter_config, read_adapter_config):
+    _f.__module__ = __name__  # the public path (defined in ._adapter_config)
+del _f
 
 # A PEFT adapter tensor name: "base_model.model." then a dotted module path.
 _NAME_RE = re.compile(r"base_model\.model\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
@@ -126,118 +120,6 @@ def adapter_state_dict(model: Any, adapter_name: str = "default") -> dict[str, t
     return sd
 
 
-def _lora_config_class():
-    from peft import LoraConfig
-
-    return LoraConfig
-
-
-def _peft_config(model_or_config: Any, adapter_name: str):
-    configs = getattr(model_or_config, "peft_config", None)
-    cfg = configs[adapter_name] if isinstance(configs, Mapping) else model_or_config
-    if not isinstance(cfg, _lora_config_class()):
-        raise TypeError(f"only LoRA adapters are supported, got {type(cfg).__name__}")
-    return cfg
-
-
-def adapter_config_json(model_or_config: Any, adapter_name: str = "default") -> bytes:
-    """The adapter's ``LoraConfig`` as the JSON ``LoraConfig.save_pretrained`` writes (sets as sorted lists).
-
-    Args:
-        model_or_config: a ``peft.PeftModel`` or a ``peft.LoraConfig``.
-        adapter_name: which adapter of a model.
-
-    Raises:
-        TypeError: not a LoRA adapter (only ``peft_type == "LORA"`` is supported).
-    """
-    d = _peft_config(model_or_config, adapter_name).to_dict()
-    for k, v in d.items():
-        if isinstance(v, set):
-            d[k] = sorted(v)
-    return json.dumps(d, indent=2, sort_keys=True, default=str).encode()
-
-
-def _config_error(where: str, msg: str) -> CorruptObjectError:
-    return CorruptObjectError(f"{where}: {msg}")
-
-
-def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
-    """Validate an untrusted adapter config (JSON bytes) and build the ``peft.LoraConfig``.
-
-    Rules: at most :data:`MAX_ADAPTER_CONFIG_BYTES`; a JSON object; ``peft_type == "LORA"``; ``r`` a
-    positive integer, ``lora_alpha`` a finite number, ``target_modules`` a string or a list of
-    strings, ``rank_pattern`` / ``alpha_pattern`` objects of positive integers / numbers; no
-    ``megatron_config`` (PEFT imports the module it names). Keys this PEFT does not know are dropped
-    with a warning, as ``PeftConfig.from_pretrained`` does (a newer PEFT wrote them).
-
-    Args:
-        data: the config bytes.
-        where: what to name in errors (the store key or path).
-
-    Returns:
-        A ``peft.LoraConfig``.
-
-    Raises:
-        CorruptObjectError: any rule broken; the message names the field.
-    """
-    if len(data) > MAX_ADAPTER_CONFIG_BYTES:
-        raise _config_error(where, f"{len(data)} bytes; an adapter config is at most {MAX_ADAPTER_CONFIG_BYTES}")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _config_error(where, f"not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise _config_error(where, "the top level is not a JSON object")
-    if doc.get("peft_type") != "LORA":
-        raise _config_error(where, f"peft_type is {doc.get('peft_type')!r}; only LoRA adapters ('LORA') sync")
-    r = doc.get("r")
-    if type(r) is not int or not 1 <= r <= 1 << 16:
-        raise _config_error(where, f"r must be an integer in [1, 65536], got {r!r}")
-    alpha = doc.get("lora_alpha")
-    if type(alpha) not in (int, float) or not math.isfinite(alpha):
-        raise _config_error(where, f"lora_alpha must be a finite number, got {alpha!r}")
-    tm = doc.get("target_modules")
-    if not (tm is None or isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(x, str) for x in tm))):
-        raise _config_error(where, f"target_modules must be a string or a list of strings, got {tm!r}")
-    for key, kinds in (("rank_pattern", (int,)), ("alpha_pattern", (int, float))):
-        pat = doc.get(key) or {}
-        if not isinstance(pat, dict) or not all(
-            isinstance(k, str) and type(v) in kinds and v > 0 and math.isfinite(v) for k, v in pat.items()
-        ):
-            raise _config_error(where, f"{key} must map module patterns to positive numbers, got {pat!r}")
-    if doc.get("megatron_config") is not None:
-        raise _config_error(where, "megatron_config is set; PEFT would import the module the config names")
-    cls = _lora_config_class()
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(doc) - known)
-    if unknown:
-        warnings.warn(f"{where}: ignoring config keys this PEFT does not know: {unknown} (written by a newer PEFT?)")
-    kwargs = {k: v for k, v in doc.items() if k in known}
-    kwargs.pop("megatron_core", None)  # only used with megatron_config; keep PEFT's default
-    try:
-        return cls(**cls.check_kwargs(**kwargs))
-    except (TypeError, ValueError) as e:
-        raise _config_error(where, f"PEFT rejects the config: {e}") from None
-
-
-def read_adapter_config(store: Store | str, *, prefix: str = ""):
-    """Read and validate a run's adapter config (``<prefix>/adapter/adapter_config.json``).
-
-    Raises:
-        VersionNotFoundError: the run has no adapter config (not an adapter run, or no sender yet).
-        CorruptObjectError: the config is invalid.
-        StoreError: the store failed.
-    """
-    st = open_store(store).sub(prefix)
-    try:
-        data = st.get(ADAPTER_CONFIG_KEY)
-    except ObjectNotFoundError:
-        raise VersionNotFoundError(
-            f"{st.describe()}: no {ADAPTER_CONFIG_KEY}; is this an adapter run (AdapterSender) and has it started?"
-        ) from None
-    return parse_adapter_config(data, f"{st.describe()}/{ADAPTER_CONFIG_KEY}")
-
-
 def _ranks_allowed(config) -> set[int]:
     return {int(config.r), *(int(v) for v in (config.rank_pattern or {}).values())}
 
@@ -267,23 +149,6 @@ def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: 
                     )
     if not factors:
         raise CorruptObjectError(f"{where}: none of the {len(shapes)} tensors is a LoRA factor (lora_A / lora_B)")
-
-
-def _structure(config) -> dict[str, Any]:
-    d = config.to_dict()
-    out = {}
-    for k in STRUCTURAL_FIELDS:
-        v = d.get(k)
-        out[k] = sorted(v) if isinstance(v, (set, list)) and all(isinstance(x, str) for x in v) else v
-    return out
-
-
-def _structure_diff(a, b) -> list[str]:
-    sa, sb = _structure(a), _structure(b)
-    return [f"{k}: {sa[k]!r} vs {sb[k]!r}" for k in STRUCTURAL_FIELDS if sa[k] != sb[k]]
-
-
-# --- sender ------------------------------------------------------------------------------------
 
 
 class AdapterSender(DeltaSender):
@@ -332,7 +197,7 @@ class AdapterSender(DeltaSender):
                  **kwargs: Any) -> None:
         config = _sender_config(kwargs, "AdapterSender", config=config, exclude=("anchor_policy",), argument="config")
         adapter_state_dict(model, adapter_name)  # fail early with a clear message
-        lora_config = _peft_config(model, adapter_name)
+        lora_config = peft_config(model, adapter_name)
         self.peft_model = model
         self.adapter_name = adapter_name
         # Before the prefix is claimed: a takeover would replace the running writer's lease record.
@@ -357,7 +222,7 @@ class AdapterSender(DeltaSender):
         """
         configs = getattr(self.peft_model, "peft_config", None)
         live = configs.get(self.adapter_name) if isinstance(configs, Mapping) else None
-        diff = _structure_diff(self.adapter_config, live) if isinstance(live, _lora_config_class()) else []
+        diff = structure_diff(self.adapter_config, live) if isinstance(live, lora_config_class()) else []
         if diff:  # (no adapter of that name: the read below names what the model has)
             raise IncompatibleTargetError(
                 f"{self.store.describe()}: adapter {self.adapter_name!r} no longer has the structure this run "
@@ -366,12 +231,17 @@ class AdapterSender(DeltaSender):
         return super().publish(background=background)
 
     def _write_config(self, config) -> None:
-        if not _holds_adapter(self.store, config):
-            self.store.put(ADAPTER_CONFIG_KEY, adapter_config_json(config))
+        """Rank 0: store the run's config unless it holds one of the same structure, and have every
+        manifest record the sha256 of the stored bytes (receivers and ``deltasync verify`` check it)."""
+        data = _holds_adapter(self.store, config)
+        if data is None:
+            data = adapter_config_json(config)
+            self.store.put(ADAPTER_CONFIG_KEY, data)
+        self.run_files[ADAPTER_CONFIG_KEY] = hashlib.sha256(data).hexdigest()
 
 
-def _holds_adapter(store: Store, config) -> bool:
-    """Whether ``store`` (a run prefix) holds the config of an adapter run already (``False``: none).
+def _holds_adapter(store: Store, config) -> bytes | None:
+    """The config of an adapter run ``store`` (a run prefix) holds already, as stored (``None``: none).
 
     Raises:
         IncompatibleTargetError: it holds a run of an adapter of another structure (naming the fields).
@@ -379,14 +249,14 @@ def _holds_adapter(store: Store, config) -> bool:
     try:
         existing = store.get(ADAPTER_CONFIG_KEY)
     except ObjectNotFoundError:
-        return False
+        return None
     old = parse_adapter_config(existing, f"{store.describe()}/{ADAPTER_CONFIG_KEY}")
-    diff = _structure_diff(old, config)
+    diff = structure_diff(old, config)
     if diff:
         raise IncompatibleTargetError(
             f"{store.describe()} holds a run of another adapter ({'; '.join(diff)}); publish to a new prefix"
         )
-    return True
+    return existing
 
 
 # --- receiver ----------------------------------------------------------------------------------
@@ -427,7 +297,7 @@ class AdapterTarget(ModuleTarget):
         config = self._config()
         check_adapter_tensors(config, shapes)
         if self._local_config is not None:
-            diff = _structure_diff(config, self._local_config)
+            diff = structure_diff(config, self._local_config)
             if diff:
                 raise IncompatibleTargetError(
                     f"the run's adapter config differs from the receiving model's: {'; '.join(diff)}"
@@ -475,20 +345,22 @@ class AdapterReceiver(DeltaReceiver):
         tensors = local = None
         if model is not None:
             tensors = adapter_state_dict(model, adapter_name)
-            local = _peft_config(model, adapter_name)
-        self._adapter_config, self._config_run = None, None
+            local = peft_config(model, adapter_name)
+        self._adapter_config, self._config_run, self._config_manifest = None, None, None
         self._model, self._adapter_name = model, adapter_name
         super().__init__(AdapterTarget(tensors, self._load_config, local), store, prefix=prefix,
                          config=receiver_config)
 
     def _load_config(self):
         if self._adapter_config is None:  # immutable for a run: read once per run
-            self._adapter_config = read_adapter_config(self.store)
+            self._adapter_config = read_adapter_config(self.store, manifest=self._config_manifest)
         return self._adapter_config
 
     def _check_target(self, m) -> None:
-        if m.run_id != self._config_run:  # another run (a wiped prefix) has its own adapter config
-            self._adapter_config, self._config_run = None, m.run_id
+        run = (m.run_id, m.run_files.get(ADAPTER_CONFIG_KEY))
+        if run != self._config_run:  # another run (a wiped prefix) has its own adapter config
+            self._adapter_config, self._config_run = None, run
+        self._config_manifest = m
         super()._check_target(m)
 
     def commit(self, staged):
@@ -578,11 +450,14 @@ def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version:
     Raises:
         VersionNotFoundError: no such version, or not an adapter run.
         CorruptObjectError / ChecksumMismatchError: invalid objects or config.
+        ValueError: ``out_dir`` is no folder this may replace (a file, under a file, a folder with
+            other files, the current folder): checked before anything is downloaded.
 
     Example:
         >>> materialize_adapter("s3://bucket/runs", "adapters/v12", 12, prefix="grpo-lora-1")
         >>> PeftModel.from_pretrained(base_model, "adapters/v12")
     """
+    check_replaceable(Path(out_dir))  # before anything is downloaded
     receiver = AdapterReceiver(None, store, prefix=prefix)
     try:
         receiver.update(version)

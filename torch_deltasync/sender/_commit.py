@@ -73,7 +73,7 @@ def remove_objects(store: Store, version: int, keys: list[str]) -> None:
 
 
 def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, dtype: torch.dtype,
-                   run_id: str, world: int, latest_at: int | None) -> dict[str, Any]:
+                   run_id: str, world: int, latest_at: int | None, run_files: dict[str, str] | None = None) -> dict[str, Any]:
     """Combine the per-rank metadata ``gathered`` of ``job`` and create its manifest (never replacing one).
 
     Args:
@@ -82,7 +82,7 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
         gathered: one record per rank: ``{"ok": True, "objects": [ObjectEntry json], "partials":
             {name: partial checksum}, "counts": {name: changed elements}}`` or ``{"ok": False,
             "error": str, "taken"?: True, "transient"?: bool}``.
-        codec, dtype, run_id, world: recorded in the manifest.
+        codec, dtype, run_id, world, run_files: recorded in the manifest.
         latest_at: the version this sender last pointed ``LATEST`` at. Unless it is the one before
             ``job.version``, ``LATEST`` is removed before the manifest is written: readers confirm
             ``LATEST`` by "its manifest exists and the next one does not", sound only while the
@@ -94,13 +94,23 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
         The outcome rank 0 broadcasts: ``{"ok": True, "nbytes", "changed", "anchor_nbytes",
         "delta_nbytes"}``, or ``{"ok": False, "error"}`` (plus ``"next_version"`` when another writer
         already uses this version number: continue after it, with an anchor; ``"unknown": True``
-        when the manifest's write failed but it may be visible, see :func:`landed`). Never raises.
+        when the manifest's write failed but it may be visible, see :func:`landed`; ``"anchor_next":
+        True`` when the next version must be an anchor: another writer's versions, or a delta whose
+        base version is gone). Never raises.
     """
     if any(r.get("taken") for r in gathered):
         return taken(store, job.version)
     errors = [r["error"] for r in gathered if not r["ok"]]
     if errors:  # ("transient": some rank's store call failed on the transport: no clean-up then)
         return {"ok": False, "error": "; ".join(errors), "transient": any(r.get("transient") for r in gathered)}
+    try:  # a delta on a base no reader can find would make the run unreadable from here on
+        base_gone = job.kind == "delta" and not store.exists(manifest_key(job.base_version))
+    except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
+        return {"ok": False, "error": f"rank 0 could not check the base version: {type(e).__name__}: {e}", "transient": True}
+    if base_gone:
+        return {"ok": False, "anchor_next": True,
+                "error": f"the manifest of its base version {job.base_version} is gone from {store.describe()} (the "
+                         "prefix was emptied under this sender?): no reader could apply it. The next publish is an anchor"}
     if latest_at != job.version - 1:
         try:
             store.delete(LATEST_KEY)
@@ -126,7 +136,7 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
             run_id=run_id, tensors=tensors, objects=tuple(objects), aliases=dict(job.aliases),
             stats={"changed": sum(counts.values()), "numel": job.stats.numel,
                    "objects_nbytes": sum(o.nbytes for o in objects), "world": world},
-            created_at=time.time(),
+            created_at=time.time(), run_files=dict(run_files or {}),
         )
         data = manifest.to_json()
         try:
@@ -194,7 +204,7 @@ def landed(store: Store, key: str, data: bytes, put_error: Exception, version: i
 
 def taken(store: Store, version: int) -> dict[str, Any]:
     """The outcome when another writer uses ``version``: skip past everything it wrote."""
-    return {"ok": False, "next_version": next_free_version(store),
+    return {"ok": False, "next_version": next_free_version(store), "anchor_next": True,
             "error": f"another writer already uses version {version} on {store.describe()}; "
                      "two writers must not share a prefix. This sender's next publish goes after the "
                      "newest version, with an anchor (and is refused if the other writer took the "

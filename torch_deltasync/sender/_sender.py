@@ -137,6 +137,7 @@ class DeltaSender:
         self.run_id = config.run_id or uuid.uuid4().hex[:12]
         self.metrics_path = Path(config.metrics_path) if config.metrics_path else None
         self.retention = config.retention
+        self.run_files: dict[str, str] = {}  # {key: sha256} every manifest vouches for (Manifest.run_files)
         self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=config.snapshot_device)
 
         sources, _ = collect_sources(model)
@@ -513,21 +514,20 @@ class DeltaSender:
             outcome = self._write_manifest(job, gathered)
         outcome = g.broadcast(outcome)
         if not outcome["ok"]:
+            self._force_anchor = self._force_anchor or bool(outcome.get("anchor_next"))
             if outcome.get("in_use"):  # another writer owns the prefix now: never publish here again
                 self._in_use = outcome["error"]
                 raise PrefixInUseError(f"version {job.version} was not published: {outcome['error']}")
             if "next_version" in outcome:  # another writer took this number: skip past its versions
                 self._next_version = max(self._next_version, outcome["next_version"])
-                self._force_anchor = True
                 raise PublishError(f"version {job.version} was not published: {outcome['error']}")
             if outcome.get("unknown"):  # version numbers are never reused: receivers are right either way
                 raise PublishError(outcome["error"])
             if not outcome.get("transient"):  # (deletes on an unreachable store only delay the error)
                 remove_objects(self.store, job.version, written)
             raise PublishError(
-                f"version {job.version} was not published ({outcome['error']}); no partial version is "
-                f"visible and the next publish is based on version {self.version}"
-            )
+                f"version {job.version} was not published ({outcome['error']}); no partial version is visible"
+                + ("" if self._force_anchor else f" and the next publish is based on version {self.version}"))
         self._commit(job, outcome)
         stats.nbytes = outcome["nbytes"]
         stats.changed = outcome["changed"]
@@ -556,8 +556,8 @@ class DeltaSender:
             return {"ok": False, "in_use": True, "error": str(e)}
         except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
             return {"ok": False, "error": f"rank 0 owner record: {type(e).__name__}: {e}"}
-        outcome = write_manifest(self.store, job, gathered, codec=self.codec.name, dtype=self.dtype,
-                                 run_id=self.run_id, world=self.group.world, latest_at=self._latest_at)
+        outcome = write_manifest(self.store, job, gathered, codec=self.codec.name, dtype=self.dtype, run_id=self.run_id,
+                                 world=self.group.world, latest_at=self._latest_at, run_files=self.run_files)
         if outcome["ok"]:
             self._write_latest(job.version, checked=True)
         return outcome

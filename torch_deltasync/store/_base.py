@@ -12,23 +12,13 @@ import importlib.util
 import re
 import sys
 from abc import abstractmethod
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from ..errors import CorruptObjectError
+from ..errors import CorruptObjectError, exception_chain
 
 __all__ = ["Store", "PrefixStore", "check_key", "check_prefix", "join_key", "driver_import_error", "exception_chain", "root_cause"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+@,-]+")
-
-
-def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
-    """``error`` and the exceptions it was raised from (``__cause__``, else ``__context__``),
-    outermost first; each once, so a chain that loops back ends."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
 
 
 def root_cause(error: BaseException) -> BaseException:

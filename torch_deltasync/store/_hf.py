@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 from urllib.parse import quote
@@ -35,6 +36,7 @@ from urllib.parse import quote
 from ._http import http_status
 from ._base import Store, check_key, check_prefix, driver_import_error
 from ._retry import RetryPolicy, Verdict, call_with_retry, classify_error
+from ..errors import StoreError, StoreNotFoundError
 
 __all__ = ["HFBucketStore", "parse_bucket_uri"]
 
@@ -146,8 +148,16 @@ class HFBucketStore(Store):
         return f"{self.root}/{key}" if self.root else key
 
     def _call(self, op: str, key: str, fn: Callable[[], T], nbytes: int = 0) -> T:
-        return call_with_retry(fn, policy=self.retry, store=self.describe(), op=op, key=key,
-                               classify=classify_hf_error, nbytes=nbytes)
+        try:
+            return call_with_retry(fn, policy=self.retry, store=self.describe(), op=op, key=key,
+                                   classify=classify_hf_error, nbytes=nbytes)
+        except StoreError as e:  # the Hub answers a private bucket without a token as a missing one
+            if isinstance(e, StoreNotFoundError) or http_status(e.__cause__) in (401, 403):
+                raise type(e)(f"{e}. {self._AUTH_HINT}") from e.__cause__
+            raise
+
+    _AUTH_HINT = ("If the bucket is private or the token lacks access: pass token=, set HF_TOKEN or run "
+                  "`hf auth login` with a token that can read (and, for a sender, write) the bucket")
 
     def _info(self, path: str):
         for info in self.api.get_bucket_paths_info(self.bucket_id, [path]):
@@ -215,8 +225,23 @@ class HFBucketStore(Store):
         base = self._path(prefix) if prefix else self.root
 
         def tree() -> list[str]:
-            return [f.path for f in self.api.list_bucket_tree(self.bucket_id, prefix=base or None, recursive=True)
-                    if getattr(f, "type", "file") == "file"]
+            # huggingface_hub follows the server's "next page" links without a bound: an attempt
+            # stops past its deadline (call_with_retry has given up on it by then) and on an entry
+            # seen twice (the pages loop), so an abandoned attempt does not page for ever.
+            deadline = self.retry.deadline_s()
+            stop_at = None if deadline is None else time.monotonic() + deadline
+            seen: set[str] = set()
+            files = []
+            for f in self.api.list_bucket_tree(self.bucket_id, prefix=base or None, recursive=True):
+                if stop_at is not None and time.monotonic() > stop_at:
+                    raise TimeoutError(f"listing {base or '/'!r} ran past its {deadline:.1f} s deadline")
+                if f.path in seen:
+                    raise StoreError(f"{self.describe()}: the listing of {base or '/'!r} returned {f.path!r} twice: the "
+                                     "server's pages loop; try again later, or report it to the Hub's operator")
+                seen.add(f.path)
+                if getattr(f, "type", "file") == "file":
+                    files.append(f.path)
+            return files
 
         out = []
         root = self.root

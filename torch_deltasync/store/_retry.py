@@ -84,7 +84,8 @@ class RetryPolicy:
 
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     """Deadline of one attempt in seconds, before the size allowance. ``None``: no deadline (the
-    driver's socket timeouts still apply)."""
+    driver's socket timeouts still apply: s3fs's; ``huggingface_hub`` sets none, so an HF Bucket
+    call can then wait for ever on a server that never answers)."""
 
     min_bytes_per_s: float = 8 * 2**20
     """Slowest transfer rate tolerated (bytes/s): a call moving ``n`` known bytes gets ``n /

@@ -40,7 +40,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,10 +56,13 @@ class LoadedAdapter:
 
     Attributes:
         version: the adapter version.
-        lora_name: the name vLLM knows it by (``"<name>-v<version>"``; the ``model`` of OpenAI requests).
-        lora_int_id: its vLLM adapter id (``id_offset + version``, unique per version, ``>= 1``).
+        lora_name: the name vLLM knows it by (``"<name>-v<version>"``, ``"<name>-r<k>-v<version>"`` in
+            the k-th run followed after the first; the ``model`` of OpenAI requests).
+        lora_int_id: its vLLM adapter id (``id_offset + version`` in the first run the loader
+            followed, above every earlier id in a later one: never reused; ``>= 1``).
         path: the materialised PEFT folder vLLM loaded.
         load_ms: materialise + load time (milliseconds).
+        run_id: the writer run the version belongs to (``Manifest.run_id``).
     """
 
     version: int
@@ -67,6 +70,7 @@ class LoadedAdapter:
     lora_int_id: int
     path: str
     load_ms: float = 0.0
+    run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,7 +169,10 @@ class VLLMAdapterLoader:
         cache_dir: where versions are materialised (on the engine's file system).
         name: adapter name stem; version ``v`` is loaded as ``f"{name}-v{v}"``.
         id_offset: version ``v`` gets vLLM id ``id_offset + v`` (``>= 1``); give runs sharing one
-            engine disjoint ranges.
+            engine disjoint ranges. A new run on the prefix (a writer that started over on a wiped
+            prefix, whose numbers restart) is followed like a newer version: its version ``v`` is
+            loaded as ``f"{name}-r{k}-v{v}"`` (``k``: runs seen before it), with ids that continue
+            above every id this loader used, so no name or id ever stands for two adapters.
         keep: loaded versions to keep (>= 1); older ones are unloaded and their folders deleted.
             Keep at least 2 so requests started just before a swap finish on their version.
         base_model_name_or_path: recorded in each folder's ``adapter_config.json``.
@@ -208,6 +215,7 @@ class VLLMAdapterLoader:
         self.keep = keep
         self.base_model_name_or_path = base_model_name_or_path
         self.loaded: list[LoadedAdapter] = []
+        self._numbering = (0, id_offset)  # runs followed before the current one; the id of its version 0
 
     @property
     def current(self) -> LoadedAdapter | None:
@@ -226,27 +234,38 @@ class VLLMAdapterLoader:
         make = self.ops.get("request") or _lora_request_cls()
         return make(lora_name=cur.lora_name, lora_int_id=cur.lora_int_id, lora_path=cur.path)
 
-    def _fetch_newer(self) -> tuple[int, Path, float] | None:
-        """Apply the newest version if it is newer than the current one and write its folder."""
-        newest = self.receiver.newest_version()
-        if newest is None or (self.current is not None and newest <= self.current.version):
+    def _fetch_newer(self) -> tuple[LoadedAdapter, float, tuple[int, int]] | None:
+        """Apply the newest version unless the engine serves it (it is newer, or of a new run on a
+        wiped prefix: :meth:`DeltaReceiver.needs_update`) and write its folder. Returns the adapter
+        to load it as (``load_ms`` not yet set), the start time and the numbering it used."""
+        cur = self.current
+        if cur is not None and self.receiver.version == cur.version and not self.receiver.needs_update():
+            return None
+        if cur is None and self.receiver.newest_version() is None:
             return None
         t0 = time.perf_counter()
         version = self.receiver.update()  # the newest (>= newest), re-planned if retention moves on
-        path = self.receiver.save(self.cache_dir / f"{self.name}-v{version}",
-                                  base_model_name_or_path=self.base_model_name_or_path)
-        return version, path, t0
+        run = self.receiver.manifest(version).run_id
+        runs, id_base = self._numbering
+        if cur is not None and run != cur.run_id:  # a new run: numbers restart, names and ids move on
+            runs, id_base = runs + 1, max(a.lora_int_id for a in self.loaded) + 1 - version
+        elif cur is not None and version <= cur.version:
+            return None  # (cannot happen: the receiver moves forward within a run)
+        name = f"{self.name}-v{version}" if runs == 0 else f"{self.name}-r{runs}-v{version}"
+        path = self.receiver.save(self.cache_dir / name, base_model_name_or_path=self.base_model_name_or_path)
+        return LoadedAdapter(version, name, id_base + version, str(path), run_id=run), t0, (runs, id_base)
 
-    def _load_steps(self, version: int, path: Path, t0: float):
-        """Engine steps (a generator run by :mod:`._steps`' drivers): load, then unload the oldest."""
-        name, lora_id = path.name, self.id_offset + version
+    def _load_steps(self, adapter: LoadedAdapter, t0: float, numbering: tuple[int, int]):
+        """Engine steps (a generator run by :mod:`._steps`' drivers): load, then unload the oldest.
+        The numbering of ``adapter``'s run is kept once the engine has loaded it."""
         try:
-            yield ("load", name, lora_id, str(path))
+            yield ("load", adapter.lora_name, adapter.lora_int_id, adapter.path)
         except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(adapter.path, ignore_errors=True)
             raise
-        loaded = LoadedAdapter(version, name, lora_id, str(path), (time.perf_counter() - t0) * 1e3)
+        loaded = replace(adapter, load_ms=(time.perf_counter() - t0) * 1e3)
         self.loaded.append(loaded)
+        self._numbering = numbering
         while len(self.loaded) > self.keep:
             old = self.loaded.pop(0)
             yield ("unload", old.lora_name, old.lora_int_id)
@@ -254,7 +273,8 @@ class VLLMAdapterLoader:
         return loaded
 
     def poll(self) -> LoadedAdapter | None:
-        """Load the newest version if it is newer than the current one.
+        """Load the newest version if the engine does not serve it yet (a newer version, or a
+        new run on a wiped prefix).
 
         Returns:
             The newly loaded version, or ``None`` when there is nothing new.
