@@ -42,7 +42,11 @@ Architecture (one host; every box is a Monarch actor, every arrow an endpoint ca
   token.
 * Faults: a generator replica that dies is reported with its pid and the error, and the run
   continues on the remaining replicas; when none is left, or the trainer fails, or any call
-  exceeds ``--call-timeout``, the run stops with a message and exit status 1 (never a hang).
+  exceeds ``--call-timeout``, or the run cannot start (a store it cannot reach, an engine that does
+  not come up: ``status`` "setup_failed"), the run stops with a message and exit status 1 (never
+  a hang).
+* One live run per run folder: a run holds ``runs/<run-name>`` (:mod:`recipes.grpo.rundir`), and a
+  second run with the same ``--run-name`` and ``--runs-dir`` refuses to start, changing nothing.
 
 Outputs in ``runs/<run-name>/``: ``metrics.jsonl`` (one event per line: ``publish``, ``update``,
 ``rollout``, ``step``, ``generator_lost``, ...), ``summary.json``, ``reward.png``, ``sync.png``,
@@ -156,7 +160,8 @@ def config_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | N
 
 
 class RunAborted(RuntimeError):
-    """The run cannot continue (trainer failure, no generator left, timeout); the message says why."""
+    """The run cannot start or continue (its folder is in use, a setup failure, trainer failure, no
+    generator left, timeout); the message says why."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -193,6 +198,8 @@ class Controller:
         self.metrics = None
         self.t_start = time.perf_counter()
         self.store_info: dict[str, str] = {}
+        self.lease = None  # the run folder's (recipes.grpo.rundir)
+        self.busy: set[str] = set()  # meshes whose setup is still running
 
     # -- output helpers -------------------------------------------------------------------------
 
@@ -208,7 +215,7 @@ class Controller:
         try:
             return await _within(fut, timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            raise TimeoutError(f"{what} did not answer within {timeout:.0f} s") from None
+            raise TimeoutError(f"{what} did not answer within {timeout:g} s") from None
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -376,7 +383,12 @@ class Controller:
     async def run(self) -> dict[str, Any]:
         """The whole run; returns the summary. On Ctrl-C (the task is cancelled) the meshes are shut
         down first (the generators stop their engine servers), a summary of the steps done so far
-        is written (``status`` "interrupted", no bit-exactness check), then the cancellation goes on."""
+        is written (``status`` "interrupted", no bit-exactness check), then the cancellation goes on.
+
+        Raises:
+            RunAborted: the run folder is another live run's (nothing in it is changed), or the run
+                could not start (the meshes are shut down and the summary has ``status``
+                "setup_failed"), or it stopped (no generator left, the trainer failed, a timeout)."""
         try:
             return await self._run()
         except asyncio.CancelledError:
@@ -388,13 +400,24 @@ class Controller:
                 self.write_summary({"status": "interrupted", "message": f"interrupted (Ctrl-C) after {done} GRPO "
                                     "steps", "bit_exact": None, **self.progress_so_far()})
             raise
+        finally:
+            if self.lease is not None:  # the run folder is free for the next run
+                self.lease.release()
 
     async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         self.t_start = time.perf_counter()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         from recipes.grpo.report import MetricsLog
+        from recipes.grpo.rundir import RunFolderInUse, claim_run_folder
 
+        prefix = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        try:  # before anything in the folder is removed: it may be a live run's
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.lease = claim_run_folder(self.run_dir, prefix)
+        except RunFolderInUse as e:
+            raise RunAborted(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a folder that cannot be made or written
+            raise RunAborted(f"cannot use the run folder {self.run_dir}: {_first_line(e)}") from None
         for old in RUN_OUTPUTS:  # a previous run's in this folder would pass for this one's
             (self.run_dir / old).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / "weights", ignore_errors=True)  # so would its weights (another engine's too)
@@ -402,77 +425,15 @@ class Controller:
         self.metrics.write("config", **cfg.to_dict())
         self.sample_event = asyncio.Event()
         self.space_event = asyncio.Event()
-
-        if cfg.bucket is None:
-            bucket_path = self.run_dir / "bucket"
-            shutil.rmtree(bucket_path, ignore_errors=True)  # ours: a fresh chain per run
-            bucket = str(bucket_path.resolve())
-        else:
-            # Every process must find the same folder, whatever its working directory.
-            bucket = cfg.bucket if "://" in str(cfg.bucket) else str(Path(cfg.bucket).resolve())
-        prefix = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        self.bucket, self.prefix = bucket, prefix
-        self.store_info = {"bucket": bucket, "prefix": prefix}
-
-        import torch
-        import monarch.actor as ma
-        from monarch.actor import this_host, this_proc
-
-        from recipes.grpo.actors import GeneratorActor, ReplayBufferActor, TrainerActor
-        from recipes.grpo.policy import build_tokenizer, warm_start, warm_start_path
-
-        ma.unhandled_fault_hook = self._fault_hook
-        # Spawn first: the processes boot (imports) while the warm start runs here.
-        t0 = time.perf_counter()
-        self.trainer_procs = this_host().spawn_procs(per_host={"procs": cfg.trainer_procs}, name="trainer")
-        self.gen_procs = this_host().spawn_procs(per_host={"procs": cfg.generators}, name="generators")
-        warm_path = warm_start_path(cfg)
-        self.trainer = self.trainer_procs.spawn("trainer", TrainerActor, cfg, str(warm_path.resolve()), bucket,
-                                                prefix, free_port())
-        self.gens = self.gen_procs.spawn("generator", GeneratorActor, cfg, bucket, prefix)
-
-        torch.set_num_threads(1)  # several busy processes share few cores; extra threads only spin
-        tok = build_tokenizer(cfg)
-        task = asyncio.current_task()  # a first Ctrl-C cancels it: the warm start (synchronous here) stops then
         try:
-            _, ws = warm_start(cfg, tok, progress=self.progress,
-                               should_stop=lambda: _cancelling(task))
-        except KeyboardInterrupt:  # the task's cancellation is pending: take it at an await, so that
-            await asyncio.sleep(0)  # run()'s shutdown awaits are not cancelled in turn
-            raise asyncio.CancelledError from None
-        # The replay buffer lives in this process, its actor on a Monarch thread. Spawn it only once
-        # this thread's imports are done: transformers imported from two threads at once can hand
-        # one of them a half-initialised module ("cannot import name ... from transformers...").
-        import recipes.grpo.buffer  # noqa: F401 - imported here, so the actor's __init__ imports nothing
-
-        self.rb = this_proc().spawn("replay_buffer", ReplayBufferActor, cfg)
-        self.metrics.write("warm_start", **ws)
-        took = "cached" if ws["cached"] else f"{ws['seconds']:.1f} s"
-        self.say(f"warm start: {took}; reward of greedy answers "
-                 f"{ws['reward_greedy']:.3f}, of sampled answers {ws['reward_sampled']:.3f}")
-
-        setup_t, setup_g = await asyncio.gather(
-            self.call(self.trainer.setup.call(), "trainer setup"),
-            # a vLLM server may take minutes to come up on a busy CPU (it has its own start timeout)
-            self.call(self.gens.setup.call(), "generator setup",
-                      timeout=max(cfg.call_timeout_s, SERVER_START_S) if cfg.generator_backend == "vllm" else None),
-        )
-        t0_info = setup_t.item(procs=0)
-        gens = sorted(setup_g.values(), key=lambda x: x["index"])
-        self.gen_pids = [g["pid"] for g in gens]
-        self.gen_server_pids = [g.get("server_pids", []) for g in gens]
-        self.server_pids = [p for g in gens for p in g.get("server_pids", [])]
-        self.alive = [True] * cfg.generators
-        self.gen_version = [None] * cfg.generators
-        self.metrics.write("publish", step=-1, **t0_info["publish"])
-        self.metrics.write("setup", trainer_pids=[v["pid"] for v in setup_t.values()], generator_pids=self.gen_pids,
-                           server_pids=self.server_pids, server_dirs=[g["server_dir"] for g in gens if g.get("server_dir")],
-                           params=t0_info["params"], seconds=time.perf_counter() - t0,
-                           warm_up_s=[g.get("warm_up_s") for g in gens],
-                           trainer_times=[v["times"] for v in setup_t.values()])
-        self.say(f"policy: {t0_info['params']:,} parameters; trainer procs {cfg.trainer_procs} "
-                 f"(pids {[v['pid'] for v in setup_t.values()]}); generator pids {self.gen_pids}; "
-                 f"store {bucket} / {prefix}")
+            ws, t0_info = await self.setup(prefix)
+        except Exception as e:  # noqa: BLE001 - any failure before the first step: say why, stop everything
+            message = f"setup failed: {_first_line(e)}"
+            self.metrics.write("setup_failed", error=message)
+            await self.shutdown()
+            self.write_summary({"status": "setup_failed", "message": message, "bit_exact": None,
+                                **self.progress_so_far()})
+            raise RunAborted(message) from e
 
         status, message = "ok", None
         t_train = time.perf_counter()
@@ -527,6 +488,111 @@ class Controller:
             "train_s": train_s,
             **self.progress_so_far(),
         })
+
+    async def setup(self, prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Open the store, spawn the meshes, warm-start (or load the cache) and set up the trainer and
+        the generators; returns ``(warm start info, trainer rank 0's setup info)``."""
+        cfg = self.cfg
+        if cfg.bucket is None:
+            bucket_path = self.run_dir / "bucket"
+            shutil.rmtree(bucket_path, ignore_errors=True)  # ours: a fresh chain per run
+            bucket = str(bucket_path.resolve())
+        else:
+            # Every process must find the same folder, whatever its working directory.
+            bucket = cfg.bucket if "://" in str(cfg.bucket) else str(Path(cfg.bucket).resolve())
+        self.bucket, self.prefix = bucket, prefix
+        self.store_info = {"bucket": bucket, "prefix": prefix}
+
+        import torch
+        import monarch.actor as ma
+        from monarch.actor import this_host, this_proc
+
+        from recipes.grpo.actors import GeneratorActor, ReplayBufferActor, TrainerActor
+        from recipes.grpo.policy import build_tokenizer, warm_start, warm_start_path
+
+        ma.unhandled_fault_hook = self._fault_hook
+        # Spawn first: the processes boot (imports) while the warm start runs here.
+        t0 = time.perf_counter()
+        self.trainer_procs = this_host().spawn_procs(per_host={"procs": cfg.trainer_procs}, name="trainer")
+        self.gen_procs = this_host().spawn_procs(per_host={"procs": cfg.generators}, name="generators")
+        warm_path = warm_start_path(cfg)
+        self.trainer = self.trainer_procs.spawn("trainer", TrainerActor, cfg, str(warm_path.resolve()), bucket,
+                                                prefix, free_port())
+        self.gens = self.gen_procs.spawn("generator", GeneratorActor, cfg, bucket, prefix)
+
+        torch.set_num_threads(1)  # several busy processes share few cores; extra threads only spin
+        tok = build_tokenizer(cfg)
+        task = asyncio.current_task()  # a first Ctrl-C cancels it: the warm start (synchronous here) stops then
+        try:
+            _, ws = warm_start(cfg, tok, progress=self.progress,
+                               should_stop=lambda: _cancelling(task))
+        except KeyboardInterrupt:  # the task's cancellation is pending: take it at an await, so that
+            await asyncio.sleep(0)  # run()'s shutdown awaits are not cancelled in turn
+            raise asyncio.CancelledError from None
+        # The replay buffer lives in this process, its actor on a Monarch thread. Spawn it only once
+        # this thread's imports are done: transformers imported from two threads at once can hand
+        # one of them a half-initialised module ("cannot import name ... from transformers...").
+        import recipes.grpo.buffer  # noqa: F401 - imported here, so the actor's __init__ imports nothing
+
+        self.rb = this_proc().spawn("replay_buffer", ReplayBufferActor, cfg)
+        self.metrics.write("warm_start", **ws)
+        took = "cached" if ws["cached"] else f"{ws['seconds']:.1f} s"
+        if ws.get("rebuilt"):
+            took += f" ({ws['rebuilt']}; rebuilt)"
+        self.say(f"warm start: {took}; reward of greedy answers "
+                 f"{ws['reward_greedy']:.3f}, of sampled answers {ws['reward_sampled']:.3f}")
+
+        setup_t, setup_g = await self._setup_meshes()
+        t0_info = setup_t.item(procs=0)
+        gens = sorted(setup_g.values(), key=lambda x: x["index"])
+        self.gen_pids = [g["pid"] for g in gens]
+        self.gen_server_pids = [g.get("server_pids", []) for g in gens]
+        self.server_pids = [p for g in gens for p in g.get("server_pids", [])]
+        self.alive = [True] * cfg.generators
+        self.gen_version = [None] * cfg.generators
+        self.metrics.write("publish", step=-1, **t0_info["publish"])
+        self.metrics.write("setup", trainer_pids=[v["pid"] for v in setup_t.values()], generator_pids=self.gen_pids,
+                           server_pids=self.server_pids, server_dirs=[g["server_dir"] for g in gens if g.get("server_dir")],
+                           params=t0_info["params"], seconds=time.perf_counter() - t0,
+                           warm_up_s=[g.get("warm_up_s") for g in gens],
+                           trainer_times=[v["times"] for v in setup_t.values()])
+        self.say(f"policy: {t0_info['params']:,} parameters; trainer procs {cfg.trainer_procs} "
+                 f"(pids {[v['pid'] for v in setup_t.values()]}); generator pids {self.gen_pids}; "
+                 f"store {bucket} / {prefix}")
+
+        return ws, t0_info
+
+    async def _setup_meshes(self) -> tuple[Any, Any]:
+        """``setup`` of the trainer and of the generator mesh, concurrently. If one fails, the other
+        is no longer waited for. ``self.busy`` keeps the meshes whose setup is still running, so that
+        :meth:`shutdown` stops their processes instead of queueing a ``close`` behind it."""
+        cfg = self.cfg
+        self.busy = {"trainer", "generators"}
+
+        async def setup(mesh: str, fut, what: str, timeout: float | None = None):
+            try:
+                out = await self.call(fut, what, timeout)
+            except TimeoutError:
+                raise  # (still running there)
+            except Exception:
+                self.busy.discard(mesh)
+                raise
+            self.busy.discard(mesh)
+            return out
+
+        tasks = [
+            asyncio.ensure_future(setup("trainer", self.trainer.setup.call(), "trainer setup")),
+            # a vLLM server may take minutes to come up on a busy CPU (it has its own start timeout)
+            asyncio.ensure_future(setup("generators", self.gens.setup.call(), "generator setup",
+                                        max(cfg.call_timeout_s, SERVER_START_S) if cfg.generator_backend == "vllm"
+                                        else None)),
+        ]
+        try:
+            setup_t, setup_g = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        return setup_t, setup_g
 
     def progress_so_far(self) -> dict[str, Any]:
         """The summary fields the controller itself knows at any time (also after a Ctrl-C)."""
@@ -613,17 +679,21 @@ class Controller:
     async def shutdown(self) -> None:
         """Stop every live generator's engine (``close``), then the trainer and both meshes; best
         effort, once. A generator process that is gone took its engine server with it (the server's
-        supervisor ends it when the actor's pipe closes)."""
+        supervisor ends it when the actor's pipe closes), and so does one whose mesh is still in its
+        ``setup`` (a failed setup of the other mesh): its processes are stopped without a ``close``,
+        which would wait behind the setup."""
         if getattr(self, "_shut", False):
             return
         self._shut = True
+        busy = self.busy
         steps = []
-        if hasattr(self, "gens"):
+        if hasattr(self, "gens") and "generators" not in busy:
             steps += [(f"generator {i} close", lambda i=i: self.gens.slice(procs=i).close.call_one())
                       for i, alive in enumerate(self.alive or [True] * self.cfg.generators) if alive]
         if hasattr(self, "trainer"):
-            steps += [("trainer close", lambda: self.trainer.close.call()),
-                      ("trainer procs stop", lambda: self.trainer_procs.stop())]
+            if "trainer" not in busy:
+                steps.append(("trainer close", lambda: self.trainer.close.call()))
+            steps.append(("trainer procs stop", lambda: self.trainer_procs.stop()))
         if hasattr(self, "gen_procs"):
             steps.append(("generator procs stop", lambda: self.gen_procs.stop()))
         for what, fut in steps:

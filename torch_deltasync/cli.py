@@ -50,13 +50,16 @@ def _open(uri: str, args: argparse.Namespace):
     return open_store(uri, timeout_s=args.timeout)
 
 
+def _runs_elsewhere(args: argparse.Namespace) -> list[str]:
+    """The runs the store holds under other prefixes than ``--prefix`` (lists the whole store)."""
+    from .keys import runs_in
+
+    return [r for r in _quietly(lambda: runs_in(_open(args.store, args))) or [] if r != args.prefix.strip("/")]
+
+
 def _where_runs_are(args: argparse.Namespace) -> str:
     """After "no versions": the runs the store holds under other prefixes, else a hint."""
-    from .keys import runs_in
-    try:
-        runs = [r for r in runs_in(_open(args.store, args)) if r != args.prefix.strip("/")]
-    except Exception:  # noqa: BLE001 - only a hint
-        runs = []
+    runs = _runs_elsewhere(args)
     named = (", ".join("the store's root (no --prefix)" if r == "" else repr(r) for r in runs[:10])
              + (f" and {len(runs) - 10} more" if len(runs) > 10 else ""))
     return f"; this store holds runs under {named}: give one as --prefix" if runs else " (check the path and --prefix)"
@@ -324,6 +327,7 @@ def _verify(args: argparse.Namespace) -> int:
     # (a writer restarted with another model), and a damaged manifest must not fail the others.
     layout, target, receiver = None, None, None
     failures = deleted = 0
+    run_files_seen: set[tuple[str, str]] = set()
     for v in versions:
         try:
             m = load_manifest(store, v)
@@ -339,7 +343,7 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"version {v:>8}: FAILED: {_printable(st.recovered_from)} (a follower gets past it along another path: "
                       f"{st.path} path, {st.versions_applied} applied)")
                 continue
-            checked = _check_rest(target, store, receiver.manifest(v), st.path)
+            checked = _check_rest(target, store, receiver.manifest(v), st.path, run_files_seen)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked})")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             _stop_if_interrupted(e)
@@ -356,7 +360,7 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _check_rest(target, store, m, path: str) -> str:
+def _check_rest(target, store, m, path: str, run_files_seen: set) -> str:
     """Check the run files of version ``m`` and the parts an update along ``path`` did not read.
     Returns a note for the report line.
 
@@ -372,7 +376,7 @@ def _check_rest(target, store, m, path: str) -> str:
     from .manifest import check_run_files
     from .receiver import DeltaReceiver
 
-    n_files = check_run_files(store, m)  # (an adapter run's config)
+    n_files = check_run_files(store, m, run_files_seen)  # (an adapter run's config, read once)
     notes = [f"{n_files} run file(s) checked"] if n_files else []
     if m.kind == "anchor" and path == "delta":
         fresh = DeltaReceiver(target, store, recover=False)
@@ -473,9 +477,9 @@ def _follow(args: argparse.Namespace) -> int:
     from .follow import follow
     from .keys import list_versions
 
-    hint = _where_runs_are(args)
-    if hint.startswith("; this store holds runs") and not _quietly(lambda: list_versions(_open_existing(args))):
-        print(f"deltasync follow: no version under {repr(args.prefix) if args.prefix else 'the root'} yet{hint} (waiting here)", file=sys.stderr)
+    if not _quietly(lambda: list_versions(_open_existing(args))) and _runs_elsewhere(args):
+        print(f"deltasync follow: no version under {repr(args.prefix) if args.prefix else 'the root'} yet"
+              f"{_where_runs_are(args)} (waiting here)", file=sys.stderr)
     report = follow(_open(args.store, args), prefix=args.prefix, model=args.model, poll_s=args.poll,
                     idle_timeout_s=args.idle_timeout if 0 < args.idle_timeout < math.inf else None,
                     max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)

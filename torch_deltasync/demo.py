@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import queue
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,20 +99,6 @@ def _receiver_main(bucket: str, size: str, tie: bool, cmd: mp.Queue, out: mp.Que
             out.put({"version": version, "error": f"{type(e).__name__}: {e}"})
 
 
-def _may_run(host: str, pid: int) -> bool:
-    """Whether process ``pid`` on ``host`` may still be running: ``False`` only for a process of this
-    host that is gone (a demo killed with SIGKILL leaves its lease for ``lease_s`` seconds)."""
-    if host != socket.gethostname() or not 0 < pid < 2**31:  # (cannot tell)
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
 def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_every: int = 10,
              bucket: str | None = None, codec: str | None = None, seed: int = 0, tie: bool = False,
              run_dir: str = "runs/demo", timeout_s: float = 120.0) -> bool:
@@ -147,7 +131,7 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
     if bucket is None:  # the demo's own bucket: start from an empty one every run, unless another demo writes it
         bucket = str(run / "bucket")
         owner = read_owner(LocalStore(bucket)) if Path(bucket).is_dir() else None
-        if owner is not None and owner.live(time.time()) and _may_run(owner.host, owner.pid):
+        if owner is not None and owner.live(time.time()) and owner.may_be_running():
             raise PrefixInUseError(f"{bucket} is in use by a running demo: {owner.describe(time.time())}; "
                                    "wait for it, or give this one another --run-dir")
         shutil.rmtree(bucket, ignore_errors=True)

@@ -118,6 +118,20 @@ class OwnerRecord:
     def live(self, now: float) -> bool:
         return now - self.renewed_at < self.lease_s
 
+    def may_be_running(self) -> bool:
+        """Whether the owner's process may still run: ``False`` only for a process of this host that
+        is gone (one killed with SIGKILL leaves its record live for ``lease_s`` seconds; a caller on
+        the same host may take its place at once). Another host's process: ``True`` (cannot tell)."""
+        if self.host != socket.gethostname() or not 0 < self.pid < 2**31:
+            return True
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process
+            pass
+        return True
+
 
 def read_owner(store) -> OwnerRecord | None:
     """The owner record of ``store`` (a run prefix), ``None`` when missing or malformed.

@@ -470,8 +470,8 @@ class Manifest:
         stats = doc.get("stats", {})
         run_files = doc.get("run_files", {})
         if not (isinstance(run_files, dict) and len(run_files) <= MAX_RUN_FILES and all(
-                isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) and parse_object_key(check_key(k)) is None
-                and not k.startswith("versions/") for k, h in run_files.items())):
+                isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h)
+                and not check_key(k).startswith(("versions/", "objects/")) for k, h in run_files.items())):
             raise CorruptObjectError(f"run_files must map at most {MAX_RUN_FILES} run-level keys to sha256 digests, "
                                      f"got {run_files!r:.120}")
         created = doc.get("created_at", 0.0)  # informational (Unix seconds); checked, never trusted
@@ -505,17 +505,23 @@ def check_run_file(data: bytes, key: str, m: "Manifest", where: str) -> bytes:
     return data
 
 
-def check_run_files(store, m: "Manifest") -> int:
+def check_run_files(store, m: "Manifest", seen: set[tuple[str, str]] | None = None) -> int:
     """Read every run-level object version ``m`` depends on and check it (:func:`check_run_file`).
 
+    Args:
+        seen: ``(key, sha256)`` pairs already checked (skipped); those checked here are added.
+
     Returns:
-        How many were checked.
+        How many were checked (or skipped as seen).
 
     Raises:
         ObjectNotFoundError: one is gone. ChecksumMismatchError: one differs. StoreError: the store failed.
     """
-    for key in m.run_files:
-        check_run_file(store.get(key), key, m, f"{store.describe()}/{key}")
+    seen = set() if seen is None else seen
+    for key, sha in m.run_files.items():
+        if (key, sha) not in seen:
+            check_run_file(store.get(key), key, m, f"{store.describe()}/{key}")
+            seen.add((key, sha))
     return len(m.run_files)
 
 

@@ -80,7 +80,7 @@ class TrainerActor(Actor):
         _threads()
         from torch_deltasync import DeltaSender
 
-        from .policy import build_policy, build_tokenizer, load_warm_start
+        from .policy import build_policy, build_tokenizer, load_warm_start, policy_key
 
         cfg = self.cfg
         times = {"import_s": time.perf_counter() - t0}
@@ -88,7 +88,7 @@ class TrainerActor(Actor):
         self.world = cfg.trainer_procs
         tok = build_tokenizer(cfg)
         model = build_policy(cfg, tok, dtype=torch.float32, seed=cfg.seed)
-        load_warm_start(model, self.warm_path)
+        load_warm_start(model, self.warm_path, policy_key(cfg))
         numel = sum(p.numel() for p in model.parameters())
         times["build_s"] = time.perf_counter() - t0 - times["import_s"]
         if self.world > 1:

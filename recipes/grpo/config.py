@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,16 @@ def _is_store_path(name: str) -> bool:
     except ValueError:
         return False
     return bool(name)
+
+
+def _check_folder(path: Path, option: str) -> None:
+    """Raise ``ValueError`` when ``path`` or a folder above it exists and is not a folder (a file),
+    so that ``mkdir`` cannot work."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"{option}: {str(p)!r} is a file, not a folder (the run folder is {str(path)!r})")
+            return
 
 
 def attention_shape(hidden_size: int) -> tuple[int, int, int]:
@@ -238,6 +249,25 @@ class GRPOConfig:
             raise ValueError("--kill-target server needs --engine vllm (only it runs a server process)")
         if self.kill_generator is not None and not 0 <= self.kill_generator < self.generators:
             raise ValueError(f"--kill-generator {self.kill_generator} is not a replica index in [0, {self.generators})")
+        if self.kill_at_step is not None and not 0 <= self.kill_at_step < self.steps:
+            raise ValueError(f"--kill-at-step {self.kill_at_step} is not a GRPO step in [0, {self.steps}) (--steps "
+                             f"{self.steps}): the fault would never be injected")
+        from .generators import backend_names
+
+        if self.generator_backend not in backend_names():
+            raise ValueError(f"--engine {self.generator_backend!r} is not a generator engine; use one of "
+                             f"{backend_names()} (recipes.grpo.generators.register_backend adds one)")
+        if self.generator_backend == "vllm-offline" and self.model_path is None:
+            raise ValueError("--engine vllm-offline needs --model PATH (vLLM serves a Hugging Face checkpoint; the "
+                             "built-in policy has none)")
+        if self.generator_backend == "vllm":
+            from .vllm_server import default_vllm_python
+
+            python = self.vllm_python or default_vllm_python()
+            if shutil.which(python) is None:
+                raise ValueError(f"--engine vllm: the vLLM environment's python {python!r} does not exist; run "
+                                 "`bash tools/setup.sh` (it builds .venv-vllm) or give --vllm-python")
+        _check_folder(Path(self.runs_dir) / self.run_name, "--runs-dir / --run-name")
 
     @property
     def run_dir(self) -> Path:

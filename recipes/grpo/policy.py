@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -233,6 +234,12 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True,
     probability ``cfg.warmstart_noise``; the loss covers the answer and end-of-sequence tokens.
     A second run with the same :func:`policy_key` loads the cached weights instead.
 
+    The cache is ``model.safetensors`` (the key in its metadata, ``policy_key``) and ``meta.json``
+    (the key, the sha256 of the weights file, the evaluation), each written to a temporary file
+    and renamed over its name, weights first. A cache that cannot be read or whose two files do not
+    match (a run killed while writing it, a file damaged since) is rebuilt, and ``info["rebuilt"]``
+    says why (the folder and the reason).
+
     Args:
         should_stop: asked before every step; ``True`` stops the warm start at once (nothing is
             cached) with ``KeyboardInterrupt`` (e.g. an asyncio run whose Ctrl-C cancels the task
@@ -240,17 +247,17 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True,
 
     Returns:
         ``(path, info)``: the safetensors file (``safetensors.torch.save_model`` layout, tied
-        weights stored once) and ``{"cached", "seconds", "reward_greedy", "reward_sampled"}``.
+        weights stored once) and ``{"cached", "seconds", "reward_greedy", "reward_sampled"}``, plus
+        ``"rebuilt"`` (the reason) when a damaged cache was replaced.
     """
     from safetensors.torch import save_model
 
     path = warm_start_path(cfg)
     folder, meta_path = path.parent, path.parent / "meta.json"
     key = policy_key(cfg)
-    if path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("key") == key:
-            return path, {**meta.get("info", {}), "cached": True, "seconds": 0.0}
+    meta, damaged = _cached_warm_start(path, meta_path, key)
+    if meta is not None:
+        return path, {**meta["info"], "cached": True, "seconds": 0.0}
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -279,20 +286,79 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True,
             bar.close()
         model.eval()
     info = evaluate(model, tok, task, temperature=cfg.temperature)
-    save_model(model, str(path))
-    meta_path.write_text(json.dumps({"key": key, "config": cfg.to_dict(), "info": info}, indent=1))
+    meta_path.unlink(missing_ok=True)  # the weights change first: a cache never pairs them with an older meta.json
+    _write_atomically(path, lambda tmp: save_model(model, str(tmp), metadata={"policy_key": key}))
+    meta = {"key": key, "sha256": _sha256(path), "config": cfg.to_dict(), "info": info}
+    _write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     info.update(cached=False, seconds=time.perf_counter() - t0)
+    if damaged is not None:
+        info["rebuilt"] = f"the cache in {folder} was unusable: {damaged}"
     return path, info
 
 
-def load_warm_start(model: nn.Module, path: str | Path) -> None:
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then rename it over ``path``: a reader
+    (or a later run) sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _cached_warm_start(path: Path, meta_path: Path, key: str) -> tuple[dict | None, str | None]:
+    """``(meta, None)`` for a usable cache of ``key``; ``(None, None)`` when there is none, or one of
+    other settings (a plain rebuild); ``(None, why)`` when it is unreadable or its files disagree."""
+    if not meta_path.exists() and not path.exists():
+        return None, None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
+        return None, f"{meta_path.name} is unreadable: {type(e).__name__}: {e}"
+    if not isinstance(meta, dict) or not isinstance(meta.get("info"), dict):
+        return None, f"{meta_path.name} is not a warm-start record"
+    if meta.get("key") != key:
+        return None, None  # other settings
+    if not path.exists():
+        return None, f"{path.name} is missing"
+    if "sha256" not in meta:
+        return None, f"{meta_path.name} has no sha256 of the weights (written by an older version)"
+    if meta.get("sha256") != _sha256(path):
+        return None, f"{path.name} does not match the sha256 in {meta_path.name}"
+    return meta, None
+
+
+def load_warm_start(model: nn.Module, path: str | Path, key: str | None = None) -> None:
     """Load :func:`warm_start`'s weights into ``model``.
 
+    Args:
+        key: the run's :func:`policy_key`; when given, the file must have been written for it.
+
     Raises:
-        RuntimeError: the file does not match the model (``safetensors.torch.load_model(strict=True)``).
+        RuntimeError: the file is not a safetensors file, is for other settings than ``key``, or does
+            not match the model (``safetensors.torch.load_model(strict=True)``).
     """
+    from safetensors import safe_open
     from safetensors.torch import load_model
 
+    try:
+        with safe_open(str(path), "pt") as f:
+            stored = (f.metadata() or {}).get("policy_key")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: a damaged or missing file
+        raise RuntimeError(f"the warm start {path} is unreadable ({type(e).__name__}: {e}); delete it to "
+                           "rebuild it") from None
+    if key is not None and stored != key:
+        raise RuntimeError(f"the warm start {path} was written for other settings (policy key {stored!r}, this "
+                           f"run's is {key!r}); delete it to rebuild it")
     load_model(model, str(path), strict=True)
 
 

@@ -190,6 +190,13 @@ def test_stores_open_store_accepts_are_buckets(tmp_path, capsys):
     (["--bucket", "gs://b/../x"], "segment '..' is not allowed"),
     (["--generators", "100000"], "generators + trainer_procs must be at most 256 processes"),  # a Rust panic  # checked without building gcsfs (or needing it)
     (["--bucket", "/etc/hostname/sub"], "/etc/hostname is a file, not a folder"),
+    (["--kill-generator", "0", "--kill-at-step", "-1"], "--kill-at-step -1 is not a GRPO step in [0, 200)"),
+    (["--steps", "5", "--kill-generator", "0", "--kill-at-step", "5"], "--kill-at-step 5 is not a GRPO step in [0, 5)"),
+    (["--engine", "foo"], "--engine 'foo' is not a generator engine; use one of ['hf', 'vllm', 'vllm-offline']"),
+    (["--engine", "vllm-offline"], "--engine vllm-offline needs --model PATH"),
+    (["--engine", "vllm", "--vllm-python", "/nonexistent/python"], "python '/nonexistent/python' does not exist"),
+    (["--runs-dir", "/etc/hostname"], "'/etc/hostname' is a file, not a folder"),
+    (["--runs-dir", "/etc/hostname/runs"], "'/etc/hostname' is a file, not a folder"),
 ])
 def test_bad_options_are_usage_errors(argv, match, capsys):
     from recipes.async_grpo import build_parser, config_from_args
@@ -222,3 +229,89 @@ def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
     assert s["steps"] == len(trained) >= 3 and s["steps"] < 500
     assert s["versions_published"] == len(events(tmp_path, "publish")) >= 3
     assert s["message"] == f"interrupted (Ctrl-C) after {s['steps']} GRPO steps"
+
+
+def test_a_setup_failure_stops_with_one_line_and_a_summary(tmp_path):
+    """A run that cannot start (here: no actor answers its setup in time) says why in a line or two,
+    exits 1, stops its meshes and writes a summary saying so; it was a long traceback and no summary."""
+    proc, s = run_recipe(tmp_path, "--steps", "2", "--generators", "1", "--warmstart-steps", "0",
+                         "--call-timeout", "1e-9", timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
+    assert "error: setup failed: TimeoutError: " in proc.stderr and "did not answer within 1e-09 s" in proc.stderr
+    assert s["status"] == "setup_failed" and s["bit_exact"] is None and s["steps"] == 0
+    assert s["message"].startswith("setup failed: TimeoutError: ")
+    assert not (tmp_path / "t" / "OWNER").exists()  # the run folder was released
+
+
+def test_a_run_folder_in_use_is_refused_and_left_alone(tmp_path):
+    """A second run with the run name of a live one refuses to start and deletes nothing (it
+    emptied the live run's bucket and removed its metrics)."""
+    from torch_deltasync.lease import PrefixLease
+    from torch_deltasync.store import LocalStore
+
+    folder = tmp_path / "t"
+    (folder / "bucket").mkdir(parents=True)
+    (folder / "bucket" / "v0").write_text("the live run's")
+    (folder / "metrics.jsonl").write_text("{}\n")
+    lease = PrefixLease(LocalStore(folder), "live-run")  # as the live run holds it (this pid: alive)
+    try:
+        proc, _ = run_recipe(tmp_path, "--steps", "1", "--generators", "1", "--warmstart-steps", "0", timeout=300)
+    finally:
+        lease.release()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"run folder {folder} is in use by a live run (pid {os.getpid()}" in proc.stderr
+    assert "choose another --run-name" in proc.stderr and "Traceback" not in proc.stderr
+    assert (folder / "bucket" / "v0").read_text() == "the live run's"
+    assert (folder / "metrics.jsonl").read_text() == "{}\n"
+    assert not (folder / "summary.json").exists()
+
+
+def test_a_run_folder_of_a_killed_run_is_taken_over(tmp_path):
+    """The record of a run killed with SIGKILL (live by its time stamp, its pid gone from this host)
+    does not block the next run; a live one does, and a second claim is refused."""
+    import socket
+    import time
+
+    from recipes.grpo.rundir import RunFolderInUse, claim_run_folder
+    from torch_deltasync.lease import OWNER_KEY, OwnerRecord
+    from torch_deltasync.store import LocalStore
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = OwnerRecord("killed", "s", socket.gethostname(), int(gone.stdout), time.time(), 60.0)
+    LocalStore(tmp_path).put(OWNER_KEY, dead.to_json())
+    lease = claim_run_folder(tmp_path, "next")
+    try:
+        with pytest.raises(RunFolderInUse, match=f"in use by a live run \\(pid {os.getpid()} on "):
+            claim_run_folder(tmp_path, "third")
+    finally:
+        lease.release()
+    claim_run_folder(tmp_path, "after").release()  # released: free again
+
+
+def test_a_damaged_warm_start_cache_is_rebuilt(tmp_path):
+    """An unreadable ``meta.json`` or a weights file that does not match it is rebuilt with a note
+    (each was a traceback in every later run of that name); the trainer refuses weights written
+    for other settings."""
+    from recipes.grpo.config import GRPOConfig
+    from recipes.grpo.policy import build_policy, build_tokenizer, load_warm_start, policy_key, warm_start
+
+    cfg = GRPOConfig(runs_dir=str(tmp_path), run_name="t", hidden_size=64, digits=3, warmstart_steps=2)
+    tok = build_tokenizer(cfg)
+    path, info = warm_start(cfg, tok, progress=False)
+    assert not info["cached"] and "rebuilt" not in info
+    assert warm_start(cfg, tok, progress=False)[1]["cached"]
+    meta = path.parent / "meta.json"
+    meta.write_text("")  # a run killed while writing it (before: JSONDecodeError)
+    _, info = warm_start(cfg, tok, progress=False)
+    assert not info["cached"] and "meta.json is unreadable" in info["rebuilt"]
+    with open(path, "r+b") as f:  # cut short (before: SafetensorError in the trainer's setup)
+        f.truncate(1000)
+    _, info = warm_start(cfg, tok, progress=False)
+    assert not info["cached"] and "model.safetensors does not match the sha256 in meta.json" in info["rebuilt"]
+    assert warm_start(cfg, tok, progress=False)[1]["cached"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["meta.json", "model.safetensors"]  # no temporary files
+    model = build_policy(cfg, tok)
+    load_warm_start(model, path, policy_key(cfg))
+    with pytest.raises(RuntimeError, match="was written for other settings"):
+        load_warm_start(model, path, "0" * 16)

@@ -119,8 +119,11 @@ def test_vllm_engine_drain_and_abort(tmp_path, mode):
     if mode == "drain":  # every batch from one version: commits only between batches
         assert s["inflight_syncs"] == 0 and not any(u.get("in_batch") for u in ups)
         assert all(e["version"] == e["version_end"] for e in events(tmp_path, "rollout"))
-    else:  # commits aborted running rollouts, which went back with their prefix on the new version
-        assert s["inflight_syncs"] > 0 and s["resubmitted_rollouts"] > 0
+    else:  # commits with mode=abort inside batches, every aborted rollout re-submitted and counted.
+        # Whether a commit's pause lands on a running request is a race here (rollouts take 40-250 ms,
+        # the pause lands 5-130 ms after the commit starts; some runs abort none): the engine's abort
+        # is tested in test_vllm_live (AsyncLLM), the re-submission in test_grpo_inflight (scripted).
+        assert s["inflight_syncs"] > 0
         assert all(u["mode"] == "abort" for u in ups if u.get("in_batch"))
         assert s["resubmitted_rollouts"] == sum(e["resubmitted"] for e in events(tmp_path, "rollout"))
     [setup] = events(tmp_path, "setup")

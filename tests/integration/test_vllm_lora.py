@@ -166,6 +166,31 @@ def test_a_new_run_on_a_wiped_prefix_is_loaded_under_new_names_and_ids(tmp_path)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["g-r1-v0", "g-r1-v2"]
 
 
+def test_a_refused_first_version_of_a_new_run_is_tried_again(tmp_path):
+    """The engine refused the new run's version 2 (same number as the old run's current one): every
+    later poll() returned None while the engine served the old run's adapter."""
+    first = Trainer(tmp_path / "bucket")
+    llm = FakeLLM(refuse={"g-r1-v2"})
+    loader = VLLMAdapterLoader(llm_lora_ops(llm, request_cls=Req), tmp_path / "bucket", prefix="run",
+                               cache_dir=tmp_path / "cache", name="g")
+    for _ in range(3):
+        first.step_and_publish()
+    assert loader.poll().lora_name == "g-v2"
+    first.sender.close()
+    shutil.rmtree(tmp_path / "bucket" / "run")
+    second = Trainer(tmp_path / "bucket")
+    second.gen.manual_seed(1)
+    for _ in range(3):
+        second.step_and_publish()
+    with pytest.raises(DeltaSyncError, match="refused"):
+        loader.poll()
+    assert loader.current.lora_name == "g-v2"
+    llm.llm_engine.refuse = set()  # the engine accepts it now
+    got = loader.poll()
+    assert (got.lora_name, got.lora_int_id, got.run_id) == ("g-r1-v2", 4, second.sender.run_id)
+    assert same(llm.llm_engine.held[4][1], second.states[2])
+
+
 def test_async_llm(tmp_path):
     trainer = Trainer(tmp_path / "bucket")
     calls = []

@@ -321,7 +321,7 @@ def test_a_config_changed_after_publishing_is_caught_by_every_reader(tmp_path, c
     model = get_peft_model(tiny_qwen3("tiny", seed=0),
                            LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.1))
     again = AdapterSender(model, store, anchor_every=10)
-    assert again.run_files == {ADAPTER_CONFIG_KEY: want} and store.get(ADAPTER_CONFIG_KEY) == good
+    assert again.run_files == {ADAPTER_CONFIG_KEY: good} and store.get(ADAPTER_CONFIG_KEY) == good
 
 
 def test_init_only_fields_and_deep_configs(tmp_path):
@@ -579,3 +579,69 @@ def test_an_unloaded_or_other_merged_adapter(tmp_path):
                                                       r"\(merge_and_unload\(\)"):
         receiver.update()
     assert receiver.version == 1
+
+
+def test_an_adapter_run_emptied_under_its_sender_is_readable_again_from_the_next_anchor(tmp_path):
+    """The next version after a wiped prefix is an anchor; its manifest vouched for a config that
+    was no longer there, so the run stayed unreadable. The anchor writes the config again."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    trainer = lora_model(seed=1, trained_b=True)
+    opt = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    sender = AdapterSender(trainer, store, anchor_every=100)
+    for _ in range(2):
+        train_step(trainer, opt, gen)
+        sender.publish()
+    for key in store.list():
+        store.delete(key)
+    train_step(trainer, opt, gen)
+    with pytest.raises(PublishError, match="base version 1 is gone"):
+        sender.publish()
+    assert sender.publish() == 3 and load_manifest(store, 3).kind == "anchor"
+    out = materialize_adapter(str(tmp_path / "b"), tmp_path / "out")
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        got = {n: f.get_tensor(n).view(torch.int16) for n in f.keys()}
+    assert same_bits(got, bits(adapter_state_dict(trainer)))
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_save_writes_the_config_of_the_run_it_holds(tmp_path):
+    """Held: run 1 (alpha 8). An update to run 2 (alpha 16, same shapes) failed on damaged
+    objects; save() then wrote run 1's tensors with run 2's config."""
+    store = LocalStore(tmp_path / "b", fsync=False)
+    first = AdapterSender(lora_model(0, alpha=8, trained_b=True), store, anchor_every=10)
+    first.publish()
+    holder = AdapterReceiver(None, store)
+    assert holder.update() == 0
+    first.close()
+    for key in store.list():
+        store.delete(key)
+    second = AdapterSender(lora_model(2, alpha=16, trained_b=True), store, anchor_every=10)
+    second.publish()
+    second.publish()
+    for key in store.list():
+        if key.startswith("objects/"):
+            store.put(key, b"\0" * len(store.get(key)))  # every object of run 2 damaged
+    with pytest.raises(CorruptObjectError):
+        holder.update()
+    assert holder.version == 0 and holder.config.lora_alpha == 8
+    out = holder.save(tmp_path / "out")
+    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 8
+
+
+def test_deep_values_and_base_changing_init_methods(recwarn):
+    deep = 1.0
+    for _ in range(600):
+        deep = [deep]
+    with pytest.raises(CorruptObjectError, match="nests deeper than 16 levels"):
+        parse_adapter_config(config_doc(lora_dropout=deep))
+    for field, value in (("layer_replication", "x"), ("layer_replication", [[3, 1]]), ("target_parameters", 7),
+                         ("trainable_token_indices", "x"), ("lora_dropout", 2.0)):
+        with pytest.raises(CorruptObjectError, match=f"{field} has a value PEFT does not define"):
+            parse_adapter_config(config_doc(**{field: value}))
+    from torch_deltasync.integrations._adapter_config import check_init_method
+
+    check_init_method(LoraConfig(r=4, init_lora_weights="gaussian"), "x")
+    assert not recwarn.list
+    with pytest.warns(UserWarning, match="init_lora_weights='pissa' changed the base weights"):
+        check_init_method(LoraConfig(r=4, init_lora_weights="pissa"), "AdapterSender")

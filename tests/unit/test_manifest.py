@@ -94,6 +94,7 @@ BAD = [
     (mutate(["run_files"], {"versions/000000000003.json": SHA}), "run_files must map"),
     (mutate(["run_files"], {"objects/000000000007/delta-r00000-of00002.safetensors": SHA}), "run_files must map"),
     (mutate(["run_files"], {"../x": SHA}), "invalid store key"),
+    (mutate(["run_files"], {"objects/adapter_config.json": SHA}), "run_files must map"),
     (mutate(["run_files"], {f"a/{i}": SHA for i in range(65)}), "run_files must map at most 64"),
 ]
 

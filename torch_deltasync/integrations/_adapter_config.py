@@ -33,6 +33,21 @@ def _strings(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def _depth(doc: Any) -> int:
+    """How deep JSON ``doc`` nests (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(doc, 0)]
+    while todo:
+        node, d = todo.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, d + 1)
+            todo.extend((x, d + 1) for x in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 #: Structural fields whose types PEFT does not check when a config is built, and what each may be
 #: (``LoraConfig``'s annotations); ``None`` is PEFT's default for all but the booleans and ``bias``.
 _FIELD_TYPES = {
@@ -42,13 +57,40 @@ _FIELD_TYPES = {
     "modules_to_save": lambda v: v is None or _strings(v),
     "exclude_modules": lambda v: v is None or isinstance(v, str) or _strings(v),
     "layers_pattern": lambda v: v is None or isinstance(v, str) or _strings(v),
-    "layers_to_transform": lambda v: v is None or type(v) is int or (
-        isinstance(v, list) and all(type(x) is int for x in v)),
+    "layers_to_transform": lambda v: v is None or type(v) is int or _ints(v),
+    "target_parameters": lambda v: v is None or _strings(v),
+    "layer_replication": lambda v: v is None or (isinstance(v, list) and all(
+        _ints(r) and len(r) == 2 and 0 <= r[0] < r[1] <= 1 << 16 for r in v)),
+    "trainable_token_indices": lambda v: v is None or _ints(v) or (
+        isinstance(v, dict) and all(isinstance(k, str) and _ints(x) for k, x in v.items())),
+    "lora_dropout": lambda v: type(v) in (int, float) and 0 <= v <= 1,
 }
+
+#: How deep an adapter config may nest (PEFT's own are 3 levels deep; Python's recursion in
+#: ``LoraConfig.to_dict`` fails at some hundreds).
+MAX_CONFIG_DEPTH = 16
 
 #: Config fields that only configure an initialisation method of ``init_lora_weights`` (LoftQ,
 #: EVA, CorDA, LoRA-GA): a receiver resets them (:func:`parse_adapter_config`).
 _INIT_FIELDS = ("loftq_config", "eva_config", "corda_config", "lora_ga_config")
+
+
+#: ``init_lora_weights`` methods that change the base layer's weights when the adapter is made
+#: (PEFT's PiSSA, OLoRA, LoftQ, CorDA and LoRA-GA initialisations subtract or quantize them).
+BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "lora_ga")
+
+
+def check_init_method(config, where: str) -> None:
+    """Warn when ``config``'s ``init_lora_weights`` changed the trainer's base weights: receivers
+    apply the synced adapter to their own, unchanged base weights, where it computes another
+    function (unless they load the trainer's changed base too, or the adapter is converted with
+    PEFT's ``path_initial_model_for_weight_conversion``)."""
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        warnings.warn(f"{where}: init_lora_weights={init!r} changed the base weights when the adapter was made; "
+                      "receivers apply the adapter to their own base weights, where it computes another function "
+                      "unless they hold the same changed base (or convert the adapter with PEFT's "
+                      "path_initial_model_for_weight_conversion)", UserWarning, stacklevel=3)
 
 
 def lora_config_class():
@@ -89,15 +131,17 @@ def _config_error(where: str, msg: str) -> CorruptObjectError:
 def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
     """Validate an untrusted adapter config (JSON bytes) and build the ``peft.LoraConfig``.
 
-    Rules: at most :data:`MAX_ADAPTER_CONFIG_BYTES`; a JSON object; ``peft_type == "LORA"``; ``r`` a
-    positive integer, ``lora_alpha`` a finite number, ``target_modules`` a string or a list of
-    strings, ``rank_pattern`` / ``alpha_pattern`` objects of positive integers / numbers; no
-    ``megatron_config`` (PEFT imports the module it names); the structural fields PEFT takes
-    unchecked of their types (:data:`_FIELD_TYPES`). Keys this PEFT does not know are dropped with a
-    warning, as ``PeftConfig.from_pretrained`` does (a newer PEFT wrote them). How the trainer
-    initialised the adapter (``init_lora_weights`` other than true or false, and
-    :data:`_INIT_FIELDS`) is reset to PEFT's default: a receiver overwrites every weight, and
-    building a LoftQ config makes PEFT import scipy, which a rollout worker need not have.
+    Rules: at most :data:`MAX_ADAPTER_CONFIG_BYTES`; a JSON object nested at most
+    :data:`MAX_CONFIG_DEPTH` deep; ``peft_type == "LORA"``; ``r`` a positive integer, ``lora_alpha``
+    a finite number, ``target_modules`` a string or a list of strings, ``rank_pattern`` /
+    ``alpha_pattern`` objects of positive integers / numbers; no ``megatron_config`` (PEFT imports
+    the module it names); the fields PEFT takes without checking their types of the types it
+    declares (:data:`_FIELD_TYPES`). Keys this PEFT does not know are dropped with a warning, as
+    ``PeftConfig.from_pretrained`` does (a newer PEFT wrote them). The initialisation method
+    (``init_lora_weights`` other than true or false, and :data:`_INIT_FIELDS`) is reset to PEFT's
+    default: it only acts when an adapter is created, never when received weights are loaded, and
+    building a LoftQ config makes PEFT import scipy, which a rollout worker need not have (methods
+    that also change the base weights: :func:`check_init_method`).
 
     Args:
         data: the config bytes.
@@ -117,6 +161,8 @@ def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
         raise _config_error(where, f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(doc, dict):
         raise _config_error(where, "the top level is not a JSON object")
+    if _depth(doc) > MAX_CONFIG_DEPTH:
+        raise _config_error(where, f"nests deeper than {MAX_CONFIG_DEPTH} levels")
     if doc.get("peft_type") != "LORA":
         raise _config_error(where, f"peft_type is {doc.get('peft_type')!r}; only LoRA adapters ('LORA') sync")
     r = doc.get("r")

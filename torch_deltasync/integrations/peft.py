@@ -34,7 +34,6 @@ Pieces:
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import re
 import warnings
@@ -49,8 +48,8 @@ from ..sender import AnchorPolicy, DeltaSender, SenderConfig
 from ..store import Store, open_store
 from ..targets import ModuleTarget
 from ._adapter_config import (
-    ADAPTER_CONFIG_KEY, MAX_ADAPTER_CONFIG_BYTES, STRUCTURAL_FIELDS, adapter_config_json, lora_config_class,
-    parse_adapter_config, peft_config, read_adapter_config, structure_diff,
+    ADAPTER_CONFIG_KEY, MAX_ADAPTER_CONFIG_BYTES, STRUCTURAL_FIELDS, adapter_config_json, check_init_method,
+    lora_config_class, parse_adapter_config, peft_config, read_adapter_config, structure_diff,
 )
 from ._adapter_dir import check_replaceable, write_adapter_dir
 from ._sender_options import receiver_config as _receiver_config
@@ -198,6 +197,7 @@ class AdapterSender(DeltaSender):
         config = _sender_config(kwargs, "AdapterSender", config=config, exclude=("anchor_policy",), argument="config")
         adapter_state_dict(model, adapter_name)  # fail early with a clear message
         lora_config = peft_config(model, adapter_name)
+        check_init_method(lora_config, "AdapterSender")
         self.peft_model = model
         self.adapter_name = adapter_name
         # Before the prefix is claimed: a takeover would replace the running writer's lease record.
@@ -232,12 +232,13 @@ class AdapterSender(DeltaSender):
 
     def _write_config(self, config) -> None:
         """Rank 0: store the run's config unless it holds one of the same structure, and have every
-        manifest record the sha256 of the stored bytes (receivers and ``deltasync verify`` check it)."""
+        manifest record the sha256 of the stored bytes (receivers and ``deltasync verify`` check it;
+        an anchor writes it again if it is gone: :attr:`DeltaSender.run_files`)."""
         data = _holds_adapter(self.store, config)
         if data is None:
             data = adapter_config_json(config)
             self.store.put(ADAPTER_CONFIG_KEY, data)
-        self.run_files[ADAPTER_CONFIG_KEY] = hashlib.sha256(data).hexdigest()
+        self.run_files[ADAPTER_CONFIG_KEY] = data
 
 
 def _holds_adapter(store: Store, config) -> bytes | None:
@@ -346,21 +347,24 @@ class AdapterReceiver(DeltaReceiver):
         if model is not None:
             tensors = adapter_state_dict(model, adapter_name)
             local = peft_config(model, adapter_name)
-        self._adapter_config, self._config_run, self._config_manifest = None, None, None
+        self._configs: dict[tuple[str, str | None], Any] = {}  # (run, config sha256) -> LoraConfig
+        self._checking = None  # the manifest _check_target checks (AdapterTarget.check reads its config)
         self._model, self._adapter_name = model, adapter_name
-        super().__init__(AdapterTarget(tensors, self._load_config, local), store, prefix=prefix,
+        super().__init__(AdapterTarget(tensors, lambda: self._config_of(self._checking), local), store, prefix=prefix,
                          config=receiver_config)
 
-    def _load_config(self):
-        if self._adapter_config is None:  # immutable for a run: read once per run
-            self._adapter_config = read_adapter_config(self.store, manifest=self._config_manifest)
-        return self._adapter_config
+    def _config_of(self, m):
+        """The config of version ``m``'s run, checked against the sha256 ``m`` records; read once
+        per run (a new run on a wiped prefix has its own)."""
+        key = (m.run_id, m.run_files.get(ADAPTER_CONFIG_KEY))
+        if key not in self._configs:
+            if len(self._configs) >= 4:  # runs followed long ago
+                self._configs.clear()
+            self._configs[key] = read_adapter_config(self.store, manifest=m)
+        return self._configs[key]
 
     def _check_target(self, m) -> None:
-        run = (m.run_id, m.run_files.get(ADAPTER_CONFIG_KEY))
-        if run != self._config_run:  # another run (a wiped prefix) has its own adapter config
-            self._adapter_config, self._config_run = None, run
-        self._config_manifest = m
+        self._checking = m
         super()._check_target(m)
 
     def commit(self, staged):
@@ -394,8 +398,16 @@ class AdapterReceiver(DeltaReceiver):
 
     @property
     def config(self):
-        """The run's validated ``peft.LoraConfig`` (read from the store on first use)."""
-        return self._load_config()
+        """The validated ``peft.LoraConfig`` of the held version's run (before the first update: the
+        config the store holds now, unchecked)."""
+        held = self._held_manifest()
+        return read_adapter_config(self.store) if held is None else self._config_of(held)
+
+    def _held_manifest(self):
+        """The manifest of the held version (that of the run the target received it from), or ``None``."""
+        with self._lock:
+            version = self.version
+            return None if version is None else self._held or self.manifest(version)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -408,12 +420,12 @@ class AdapterReceiver(DeltaReceiver):
         Raises:
             VersionNotFoundError: nothing is held yet.
         """
-        if self.version is None:
-            raise VersionNotFoundError("nothing is held yet; call update() first")
-        dtype = self.manifest(self.version).inference_dtype
-        with self._lock:
-            tensors = {n: self.target.values(n, dtype).contiguous().clone() for n in self.tensors}
-        return _write_adapter_dir(Path(out_dir), tensors, self.config, version=self.version,
+        with self._lock:  # the tensors and the manifest of one commit
+            m = self._held_manifest()
+            if m is None:
+                raise VersionNotFoundError("nothing is held yet; call update() first")
+            tensors = {n: self.target.values(n, m.inference_dtype).contiguous().clone() for n in self.tensors}
+        return _write_adapter_dir(Path(out_dir), tensors, self._config_of(m), version=m.version,
                                   base_model_name_or_path=base_model_name_or_path)
 
 

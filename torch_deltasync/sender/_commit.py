@@ -73,7 +73,7 @@ def remove_objects(store: Store, version: int, keys: list[str]) -> None:
 
 
 def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, dtype: torch.dtype,
-                   run_id: str, world: int, latest_at: int | None, run_files: dict[str, str] | None = None) -> dict[str, Any]:
+                   run_id: str, world: int, latest_at: int | None, run_files: dict[str, bytes] | None = None) -> dict[str, Any]:
     """Combine the per-rank metadata ``gathered`` of ``job`` and create its manifest (never replacing one).
 
     Args:
@@ -82,7 +82,10 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
         gathered: one record per rank: ``{"ok": True, "objects": [ObjectEntry json], "partials":
             {name: partial checksum}, "counts": {name: changed elements}}`` or ``{"ok": False,
             "error": str, "taken"?: True, "transient"?: bool}``.
-        codec, dtype, run_id, world, run_files: recorded in the manifest.
+        codec, dtype, run_id, world: recorded in the manifest.
+        run_files: run-level objects, ``{key: bytes}`` (an adapter run's config): the manifest records
+            their sha256 (``Manifest.run_files``); an anchor first writes any of them that is gone
+            (after a prefix was emptied under the sender, the next version is an anchor).
         latest_at: the version this sender last pointed ``LATEST`` at. Unless it is the one before
             ``job.version``, ``LATEST`` is removed before the manifest is written: readers confirm
             ``LATEST`` by "its manifest exists and the next one does not", sound only while the
@@ -111,6 +114,13 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
         return {"ok": False, "anchor_next": True,
                 "error": f"the manifest of its base version {job.base_version} is gone from {store.describe()} (the "
                          "prefix was emptied under this sender?): no reader could apply it. The next publish is an anchor"}
+    run_files = dict(run_files or {})
+    try:
+        for key, data in run_files.items() if job.kind == "anchor" else ():
+            if not store.exists(key):
+                store.put(key, data)
+    except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
+        return {"ok": False, "error": f"rank 0 could not write the run's objects: {type(e).__name__}: {e}", "transient": True}
     if latest_at != job.version - 1:
         try:
             store.delete(LATEST_KEY)
@@ -136,7 +146,7 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
             run_id=run_id, tensors=tensors, objects=tuple(objects), aliases=dict(job.aliases),
             stats={"changed": sum(counts.values()), "numel": job.stats.numel,
                    "objects_nbytes": sum(o.nbytes for o in objects), "world": world},
-            created_at=time.time(), run_files=dict(run_files or {}),
+            created_at=time.time(), run_files={key: sha256_hex(data) for key, data in run_files.items()},
         )
         data = manifest.to_json()
         try:

@@ -137,7 +137,7 @@ class DeltaSender:
         self.run_id = config.run_id or uuid.uuid4().hex[:12]
         self.metrics_path = Path(config.metrics_path) if config.metrics_path else None
         self.retention = config.retention
-        self.run_files: dict[str, str] = {}  # {key: sha256} every manifest vouches for (Manifest.run_files)
+        self.run_files: dict[str, bytes] = {}  # rank 0: run-level objects every manifest vouches for (_commit.py)
         self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=config.snapshot_device)
 
         sources, _ = collect_sources(model)

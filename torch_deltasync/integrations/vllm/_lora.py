@@ -216,6 +216,7 @@ class VLLMAdapterLoader:
         self.base_model_name_or_path = base_model_name_or_path
         self.loaded: list[LoadedAdapter] = []
         self._numbering = (0, id_offset)  # runs followed before the current one; the id of its version 0
+        self._fetched: tuple[int, str] | None = None  # (version, run) the receiver last applied
 
     @property
     def current(self) -> LoadedAdapter | None:
@@ -239,13 +240,14 @@ class VLLMAdapterLoader:
         wiped prefix: :meth:`DeltaReceiver.needs_update`) and write its folder. Returns the adapter
         to load it as (``load_ms`` not yet set), the start time and the numbering it used."""
         cur = self.current
-        if cur is not None and self.receiver.version == cur.version and not self.receiver.needs_update():
+        if cur is not None and self._fetched == (cur.version, cur.run_id) and not self.receiver.needs_update():
             return None
         if cur is None and self.receiver.newest_version() is None:
             return None
         t0 = time.perf_counter()
         version = self.receiver.update()  # the newest (>= newest), re-planned if retention moves on
         run = self.receiver.manifest(version).run_id
+        self._fetched = (version, run)  # what the receiver holds (the engine may refuse to load it)
         runs, id_base = self._numbering
         if cur is not None and run != cur.run_id:  # a new run: numbers restart, names and ids move on
             runs, id_base = runs + 1, max(a.lora_int_id for a in self.loaded) + 1 - version
