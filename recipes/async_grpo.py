@@ -151,7 +151,9 @@ def config_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | N
         if kw["tis_cap"] == 0:
             kw["tis_cap"] = None
     try:
-        return GRPOConfig(**kw)
+        cfg = GRPOConfig(**kw)
+        cfg.check_environment()
+        return cfg
     except ValueError as e:
         parser.error(str(e))
 
@@ -343,6 +345,9 @@ class Controller:
             if _cancelling(task):
                 raise asyncio.CancelledError  # a Ctrl-C whose cancellation an await dropped (see _within)
             self.step = step
+            if not self.owns_folder():  # paused past its lease: another run took the folder
+                raise RunAborted(f"the run folder {self.run_dir} was taken over by another run; this one stops "
+                                 "without touching it")
             self.inject_fault()
             t0 = time.perf_counter()
             got = await self.next_batch()
@@ -607,12 +612,22 @@ class Controller:
             "wall_s": time.perf_counter() - self.t_start,
         }
 
+    def owns_folder(self) -> bool:
+        """Whether this run still holds its run folder (a store error reads as yes)."""
+        try:
+            return self.lease is None or self.lease.holds()
+        except Exception:  # noqa: BLE001 - the folder's record could not be read: carry on
+            return True
+
     def write_summary(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Write ``summary.json`` (:func:`recipes.grpo.report.summarize` of the metrics so far and
         ``extra``) and the plots; returns the summary."""
         from recipes.grpo.report import plot_lag, plot_reward, plot_sync, summarize
 
         summary = summarize(self.metrics, cfg=self.cfg.to_dict(), extra=extra)
+        if not self.owns_folder():
+            self.say(f"!! the run folder {self.run_dir} belongs to another run now: no summary or plots written")
+            return summary
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         if not summary["steps"]:  # nothing to plot (a Ctrl-C before the first step)
             return summary

@@ -57,9 +57,9 @@ def _runs_elsewhere(args: argparse.Namespace) -> list[str]:
     return [r for r in _quietly(lambda: runs_in(_open(args.store, args))) or [] if r != args.prefix.strip("/")]
 
 
-def _where_runs_are(args: argparse.Namespace) -> str:
-    """After "no versions": the runs the store holds under other prefixes, else a hint."""
-    runs = _runs_elsewhere(args)
+def _where_runs_are(args: argparse.Namespace, runs: list[str] | None = None) -> str:
+    """After "no versions": the runs the store holds under other prefixes (``runs``, else listed), else a hint."""
+    runs = _runs_elsewhere(args) if runs is None else runs
     named = (", ".join("the store's root (no --prefix)" if r == "" else repr(r) for r in runs[:10])
              + (f" and {len(runs) - 10} more" if len(runs) > 10 else ""))
     return f"; this store holds runs under {named}: give one as --prefix" if runs else " (check the path and --prefix)"
@@ -477,9 +477,10 @@ def _follow(args: argparse.Namespace) -> int:
     from .follow import follow
     from .keys import list_versions
 
-    if not _quietly(lambda: list_versions(_open_existing(args))) and _runs_elsewhere(args):
+    elsewhere = [] if _quietly(lambda: list_versions(_open_existing(args))) else _runs_elsewhere(args)
+    if elsewhere:
         print(f"deltasync follow: no version under {repr(args.prefix) if args.prefix else 'the root'} yet"
-              f"{_where_runs_are(args)} (waiting here)", file=sys.stderr)
+              f"{_where_runs_are(args, elsewhere)} (waiting here)", file=sys.stderr)
     report = follow(_open(args.store, args), prefix=args.prefix, model=args.model, poll_s=args.poll,
                     idle_timeout_s=args.idle_timeout if 0 < args.idle_timeout < math.inf else None,
                     max_updates=args.max_updates, until_version=args.until, metrics_path=args.metrics, verify=args.verify)

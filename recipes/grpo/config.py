@@ -260,6 +260,15 @@ class GRPOConfig:
         if self.generator_backend == "vllm-offline" and self.model_path is None:
             raise ValueError("--engine vllm-offline needs --model PATH (vLLM serves a Hugging Face checkpoint; the "
                              "built-in policy has none)")
+
+    def check_environment(self) -> None:
+        """What the settings need from this machine, checked before a run starts (not when a config
+        is built: ``--help`` builds one with the defaults): the vLLM environment's python for
+        ``--engine vllm``, and a run folder that can be made.
+
+        Raises:
+            ValueError: naming the option and what is wrong.
+        """
         if self.generator_backend == "vllm":
             from .vllm_server import default_vllm_python
 

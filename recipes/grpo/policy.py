@@ -287,6 +287,8 @@ def warm_start(cfg: GRPOConfig, tok: Tokenizer, *, progress: bool = True,
         model.eval()
     info = evaluate(model, tok, task, temperature=cfg.temperature)
     meta_path.unlink(missing_ok=True)  # the weights change first: a cache never pairs them with an older meta.json
+    for leftover in folder.glob("*.tmp-*"):  # of a run killed while writing the cache (the folder is this run's)
+        leftover.unlink(missing_ok=True)
     _write_atomically(path, lambda tmp: save_model(model, str(tmp), metadata={"policy_key": key}))
     meta = {"key": key, "sha256": _sha256(path), "config": cfg.to_dict(), "info": info}
     _write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
@@ -320,6 +322,8 @@ def _cached_warm_start(path: Path, meta_path: Path, key: str) -> tuple[dict | No
     other settings (a plain rebuild); ``(None, why)`` when it is unreadable or its files disagree."""
     if not meta_path.exists() and not path.exists():
         return None, None
+    if not meta_path.exists():  # (a run killed between writing the weights and the record)
+        return None, f"{meta_path.name} is missing"
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)

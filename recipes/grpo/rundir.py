@@ -13,6 +13,7 @@ pid is gone); from another host, once the lease expired (:data:`LEASE_S`).
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -57,14 +58,17 @@ def claim_run_folder(run_dir: str | os.PathLike, run_id: str):
     now = time.time()
     owner = read_owner(store)
     takeover = False
-    if owner is not None and owner.live(now):
-        if owner.may_be_running():
+    if owner is not None:
+        # On this host the pid decides both ways: a run paused (Ctrl-Z) past its lease still owns the
+        # folder, and a killed one's live record is taken over at once. Elsewhere the lease decides.
+        here = owner.host == socket.gethostname()
+        if (owner.live(now) or here) and owner.may_be_running():
             raise RunFolderInUse(_in_use(run_dir, owner, now))
-        takeover = True  # killed without releasing the folder: its process is gone from this host
+        takeover = owner.live(now)  # killed without releasing the folder
     try:
         return PrefixLease(store, run_id, lease_s=LEASE_S, takeover=takeover)
-    except PrefixInUseError as e:  # another run claimed it at the same moment
+    except PrefixInUseError as e:  # another run claimed it at the same moment (or a claim of a dead one)
         other = read_owner(store)
-        raise RunFolderInUse(_in_use(run_dir, other, time.time()) if other is not None else
-                             f"run folder {run_dir} is being claimed by another run ({e}); choose another "
-                             "--run-name (or --runs-dir)") from None
+        if other is not None and other.live(time.time()) and other.may_be_running():
+            raise RunFolderInUse(_in_use(run_dir, other, time.time())) from None
+        raise RunFolderInUse(f"run folder {run_dir}: {e}") from None

@@ -287,6 +287,27 @@ def test_a_run_folder_of_a_killed_run_is_taken_over(tmp_path):
     finally:
         lease.release()
     claim_run_folder(tmp_path, "after").release()  # released: free again
+    # a run of this host paused (Ctrl-Z) past its lease: its process lives, so it still owns the folder
+    paused = OwnerRecord("paused", "s", socket.gethostname(), os.getpid(), time.time() - 600, 60.0)
+    LocalStore(tmp_path).put(OWNER_KEY, paused.to_json())
+    with pytest.raises(RunFolderInUse, match=f"in use by a live run \\(pid {os.getpid()} on .*renewed 600 s ago"):
+        claim_run_folder(tmp_path, "fourth")
+    elsewhere = OwnerRecord("other-host", "s", "no-such-host.invalid", os.getpid(), time.time() - 600, 60.0)
+    LocalStore(tmp_path).put(OWNER_KEY, elsewhere.to_json())
+    claim_run_folder(tmp_path, "fifth").release()  # another host's expired lease: free
+
+
+def test_help_works_beside_a_file_named_runs(tmp_path):
+    """`--help` built a config with the defaults, whose check of the run folder (runs/async_grpo)
+    failed with a traceback in a working folder holding a file named `runs`."""
+    (tmp_path / "runs").write_text("x")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "recipes.async_grpo", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "--run-name" in proc.stdout, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "recipes.async_grpo", "--steps", "1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "'runs' is a file, not a folder" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_damaged_warm_start_cache_is_rebuilt(tmp_path):

@@ -645,3 +645,19 @@ def test_deep_values_and_base_changing_init_methods(recwarn):
     assert not recwarn.list
     with pytest.warns(UserWarning, match="init_lora_weights='pissa' changed the base weights"):
         check_init_method(LoraConfig(r=4, init_lora_weights="pissa"), "AdapterSender")
+
+
+def test_the_next_anchor_restores_a_damaged_config(tmp_path):
+    store = LocalStore(tmp_path / "b", fsync=False)
+    trainer = lora_model(seed=1, trained_b=True)
+    sender = AdapterSender(trainer, store, anchor_every=2)
+    sender.publish()
+    good = store.get(ADAPTER_CONFIG_KEY)
+    store.put(ADAPTER_CONFIG_KEY, good.replace(b'"lora_alpha": 8', b'"lora_alpha": 80'))  # damaged, not gone
+    assert sender.publish() == 1 and load_manifest(store, 1).kind == "delta"
+    with pytest.raises(ChecksumMismatchError):
+        materialize_adapter(str(tmp_path / "b"), tmp_path / "out")
+    assert sender.publish() == 2 and load_manifest(store, 2).kind == "anchor"
+    assert store.get(ADAPTER_CONFIG_KEY) == good
+    out = materialize_adapter(str(tmp_path / "b"), tmp_path / "out")
+    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 8

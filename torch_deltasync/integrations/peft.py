@@ -357,11 +357,12 @@ class AdapterReceiver(DeltaReceiver):
         """The config of version ``m``'s run, checked against the sha256 ``m`` records; read once
         per run (a new run on a wiped prefix has its own)."""
         key = (m.run_id, m.run_files.get(ADAPTER_CONFIG_KEY))
-        if key not in self._configs:
-            if len(self._configs) >= 4:  # runs followed long ago
-                self._configs.clear()
-            self._configs[key] = read_adapter_config(self.store, manifest=m)
-        return self._configs[key]
+        with self._lock:  # (an update and save() or config on other threads)
+            if key not in self._configs:
+                if len(self._configs) >= 4:  # runs followed long ago
+                    self._configs.clear()
+                self._configs[key] = read_adapter_config(self.store, manifest=m)
+            return self._configs[key]
 
     def _check_target(self, m) -> None:
         self._checking = m

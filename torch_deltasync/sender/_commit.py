@@ -84,8 +84,8 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
             "error": str, "taken"?: True, "transient"?: bool}``.
         codec, dtype, run_id, world: recorded in the manifest.
         run_files: run-level objects, ``{key: bytes}`` (an adapter run's config): the manifest records
-            their sha256 (``Manifest.run_files``); an anchor first writes any of them that is gone
-            (after a prefix was emptied under the sender, the next version is an anchor).
+            their sha256 (``Manifest.run_files``); an anchor first writes any of them that is gone or
+            differs (after a prefix was emptied under the sender, the next version is an anchor).
         latest_at: the version this sender last pointed ``LATEST`` at. Unless it is the one before
             ``job.version``, ``LATEST`` is removed before the manifest is written: readers confirm
             ``LATEST`` by "its manifest exists and the next one does not", sound only while the
@@ -115,12 +115,14 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
                 "error": f"the manifest of its base version {job.base_version} is gone from {store.describe()} (the "
                          "prefix was emptied under this sender?): no reader could apply it. The next publish is an anchor"}
     run_files = dict(run_files or {})
-    try:
-        for key, data in run_files.items() if job.kind == "anchor" else ():
-            if not store.exists(key):
-                store.put(key, data)
-    except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
-        return {"ok": False, "error": f"rank 0 could not write the run's objects: {type(e).__name__}: {e}", "transient": True}
+    if job.kind == "anchor":  # the run's files as they should be, from here on (gone or damaged: again)
+        try:
+            for key, data in run_files.items():
+                if _stored(store, key) != data:
+                    store.put(key, data)
+        except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
+            return {"ok": False, "error": f"rank 0 could not write the run's objects: {type(e).__name__}: {e}",
+                    "transient": True}
     if latest_at != job.version - 1:
         try:
             store.delete(LATEST_KEY)
@@ -210,6 +212,13 @@ def landed(store: Store, key: str, data: bytes, put_error: Exception, version: i
             "error": f"version {version} may or may not be visible (rank 0 manifest: {type(put_error).__name__}: "
                      f"{put_error}; {why}); the next publish is based on version {base} (a receiver that applied "
                      f"version {version} reaches it through an anchor)"}
+
+
+def _stored(store: Store, key: str) -> bytes | None:
+    try:
+        return store.get(key)
+    except ObjectNotFoundError:
+        return None
 
 
 def taken(store: Store, version: int) -> dict[str, Any]:
