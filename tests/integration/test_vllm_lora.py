@@ -136,12 +136,10 @@ def test_a_refused_load_keeps_the_current_version(tmp_path):
     assert loader.poll().version == 2  # a later version loads
 
 
-def test_a_new_run_on_a_wiped_prefix_is_loaded_under_new_names_and_ids(tmp_path):
-    """The loader compared version numbers only: after the prefix was wiped and a new run published
-    versions 0-2, poll() returned None and the engine went on serving the old run's version 2 (and
-    a same-numbered version of the new run would have reused the old one's name and id)."""
+def loaded_then_wiped(tmp_path: Path, llm: FakeLLM) -> tuple[Trainer, VLLMAdapterLoader, Trainer]:
+    """A loader (stem "g", keep 2) that loaded version 2 of a first run; then the prefix wiped and a
+    second run's trainer (other data: other weights at the same versions) that published nothing yet."""
     first = Trainer(tmp_path / "bucket")
-    llm = FakeLLM()
     loader = VLLMAdapterLoader(llm_lora_ops(llm, request_cls=Req), tmp_path / "bucket", prefix="run",
                                cache_dir=tmp_path / "cache", name="g", keep=2)
     for _ in range(3):
@@ -150,7 +148,16 @@ def test_a_new_run_on_a_wiped_prefix_is_loaded_under_new_names_and_ids(tmp_path)
     first.sender.close()
     shutil.rmtree(tmp_path / "bucket" / "run")
     second = Trainer(tmp_path / "bucket")
-    second.gen.manual_seed(1)  # other data: other weights than the first run's at the same version
+    second.gen.manual_seed(1)
+    return first, loader, second
+
+
+def test_a_new_run_on_a_wiped_prefix_is_loaded_under_new_names_and_ids(tmp_path):
+    """The loader compared version numbers only: after the prefix was wiped and a new run published
+    versions 0-2, poll() returned None and the engine went on serving the old run's version 2 (and
+    a same-numbered version of the new run would have reused the old one's name and id)."""
+    llm = FakeLLM()
+    first, loader, second = loaded_then_wiped(tmp_path, llm)
     assert second.step_and_publish() == 0
     got = loader.poll()  # a lower number, but a new run: loaded at once
     assert (got.version, got.lora_name, got.lora_int_id) == (0, "g-r1-v0", 4) and got.run_id == second.sender.run_id
@@ -169,17 +176,8 @@ def test_a_new_run_on_a_wiped_prefix_is_loaded_under_new_names_and_ids(tmp_path)
 def test_a_refused_first_version_of_a_new_run_is_tried_again(tmp_path):
     """The engine refused the new run's version 2 (same number as the old run's current one): every
     later poll() returned None while the engine served the old run's adapter."""
-    first = Trainer(tmp_path / "bucket")
     llm = FakeLLM(refuse={"g-r1-v2"})
-    loader = VLLMAdapterLoader(llm_lora_ops(llm, request_cls=Req), tmp_path / "bucket", prefix="run",
-                               cache_dir=tmp_path / "cache", name="g")
-    for _ in range(3):
-        first.step_and_publish()
-    assert loader.poll().lora_name == "g-v2"
-    first.sender.close()
-    shutil.rmtree(tmp_path / "bucket" / "run")
-    second = Trainer(tmp_path / "bucket")
-    second.gen.manual_seed(1)
+    _, loader, second = loaded_then_wiped(tmp_path, llm)
     for _ in range(3):
         second.step_and_publish()
     with pytest.raises(DeltaSyncError, match="refused"):
