@@ -732,7 +732,8 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"(whole update {f(s['mean_update_ms'], '.1f')} ms)")
     print(f"staleness: max policy lag {s['max_policy_lag']} (bound {s['max_staleness']}), dropped stale "
           f"{s['dropped_stale']}; generators alive {s['generators_alive']}/{s['generators']}")
-    print(f"engine {s['engine']} ({s['interrupt']}): syncs {s['syncs']} ({s['inflight_syncs']} in flight), stall mean "
+    print(f"engine {s['engine']} ({s['interrupt']}): syncs {s['syncs']} ({s['inflight_syncs']} in flight, "
+          f"{s['syncs_across_rollouts']} with rollouts generating across them), stall mean "
           f"{f(s['mean_stall_ms'], '.1f')} / max {f(s['max_stall_ms'], '.1f')} ms, "
           f"{f(None if s['sync_time_frac'] is None else 100 * s['sync_time_frac'], '.2f')}% of generation time; "
           f"trained tokens by version lag {s['tokens_by_lag']}")

@@ -76,8 +76,10 @@ class InflightRollouts:
         logprobs: ``[N, T]`` float32 behaviour log-probs of each token (0 where masked out).
         token_version: ``[N, T]`` int64 version that sampled each token (``-1`` where masked out).
         syncs: one record per commit inside the call: the engine's stats plus ``inflight`` (some
-            request was running), ``partial_rollouts`` (requests running at the commit) and
-            ``poll`` (its poll index).
+            request was not yet collected by the driver: running, or finished in the engine but not
+            yet answered), ``partial_rollouts`` (the rollouts of those requests), ``rollouts_across``
+            (rollouts holding tokens sampled before the commit and after it, by the engine's own
+            version tags: the commit certainly happened under them) and ``poll`` (its poll index).
         requests: requests submitted (a group of identical prompts is one request).
         resubmitted: rollouts re-submitted with their prefix after an ``abort`` commit.
         polls: poll rounds of the loop.
@@ -248,6 +250,9 @@ def generate_inflight(engine: InflightEngine, prompts: Sequence[Sequence[int]], 
                 fut.cancel()
     if not all(done):  # unreachable: every request either finished its rollouts or was re-submitted
         raise RuntimeError(f"rollouts {[i for i in range(n) if not done[i]]} did not finish")
+    for st in out.syncs:  # from the engine's own version tags: rollouts with tokens on both sides
+        v = st.get("version")
+        st["rollouts_across"] = sum(1 for vs in vers if vs and vs[0] < v <= vs[-1]) if isinstance(v, int) else 0
     T = max_new_tokens
     out.ids = torch.full((n, T), pad_id, dtype=torch.long)
     out.mask = torch.zeros((n, T), dtype=torch.bool)

@@ -68,7 +68,9 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
     Syncs: ``stall`` of a sync is the time it kept its engine from generating: the pause around a
     commit inside a batch (``in_batch`` updates), or the whole update for one between batches.
     ``sync_time_frac`` is their sum over the generators' generation time plus the between-batch
-    updates. ``inflight_syncs`` counts commits while some rollout of the batch was partial;
+    updates. ``inflight_syncs`` counts commits while some rollout of the batch was partial (its
+    request not yet collected by the driver), ``syncs_across_rollouts`` those under which some
+    rollout kept generating (tokens of both sides, by the engine's version tags);
     ``tokens_by_lag`` counts trained tokens by ``trainer version - token version``.
 
     ``reward_first`` / ``reward_last`` average the per-step mean reward of the trained batches over
@@ -113,6 +115,7 @@ def summarize(log: MetricsLog, *, cfg: dict[str, Any], extra: dict[str, Any]) ->
         "interrupt": cfg.get("interrupt") or ("keep" if cfg.get("generator_backend") == "vllm" else "drain"),
         "syncs": len(stalls),
         "inflight_syncs": sum(1 for u in in_batch if u.get("inflight")),
+        "syncs_across_rollouts": sum(1 for u in in_batch if u.get("rollouts_across")),
         "mean_stall_ms": _mean(stalls),
         "max_stall_ms": max(stalls, default=None),
         "sync_time_frac": lost / (gen_ms + sum(u["blocked_ms"] for u in between)) if gen_ms else None,

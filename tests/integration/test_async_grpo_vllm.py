@@ -89,6 +89,8 @@ def test_vllm_engine_keep_syncs_in_flight_bit_exact_and_leaves_no_server(tmp_pat
     ups = events(tmp_path, "update")
     inflight = [u for u in ups if u.get("in_batch") and u.get("inflight")]
     assert s["inflight_syncs"] == len(inflight) > 0
+    # under which some rollout held tokens of both sides (the engine's tags): a subset
+    assert s["syncs_across_rollouts"] == sum(1 for u in inflight if u["rollouts_across"]) <= len(inflight)
     assert all(u["partial_rollouts"] > 0 for u in inflight)
     # Staged ahead: a stager that stages a newer version keeps the one it replaces (``kept``) for a
     # commit on its way. Only when a second newer version starts staging between the driver's read

@@ -103,6 +103,7 @@ def test_keep_tags_every_token_with_the_version_that_sampled_it():
     assert res.requests == 3 and res.resubmitted == 0  # keep never re-submits
     assert [s["inflight"] for s in res.syncs] == [True, True]
     assert all(s["partial_rollouts"] >= 1 for s in res.syncs)
+    assert [s["rollouts_across"] for s in res.syncs] == [1, 1]  # rollout 0: v3 | v4 | v5 tokens
     want = {}
     for v in versions_from_logprobs(res)[res.mask].tolist():
         want[5 - v] = want.get(5 - v, 0) + 1
@@ -121,6 +122,7 @@ def test_abort_resubmits_the_prefix_on_the_new_weights():
     assert ([1000, 10, 11, 12, 13], 4, 1) in eng.requests
     assert res.resubmitted == 1 and res.requests == 3
     assert res.syncs[0]["inflight"] is True and res.syncs[0]["version"] == 4
+    assert res.syncs[0]["rollouts_across"] == 1  # the re-submitted one: prefix at v3, the rest at v4
 
 
 def test_drain_commits_nothing_and_sends_identical_prompts_as_one_request():
