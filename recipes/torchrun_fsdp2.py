@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from torch_deltasync.cli import HelpFormatter  # the deltasync command's: defaults shown
+    from torch_deltasync.store import file_in_the_way
     from torch_deltasync.testing import QWEN3_SIZES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
@@ -82,10 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         path, option = getattr(args, flag), f"--{flag.replace('_', '-')}"
         if path is None:
             continue
-        folder = os.path.dirname(os.path.abspath(path))
-        while not os.path.exists(folder):  # the folders that do not exist yet are made
-            folder = os.path.dirname(folder)
-        if not os.path.isdir(folder):
+        folder = file_in_the_way(os.path.dirname(os.path.abspath(path)))  # (the missing folders are made)
+        if folder is not None:
             p.error(f"{option} {path!r}: {folder} is a file, not a folder")
         if os.path.isdir(path):
             p.error(f"{option} {path!r} is a folder: give a file's path")

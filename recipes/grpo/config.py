@@ -24,11 +24,11 @@ def _is_store_path(name: str) -> bool:
 def _check_folder(path: Path, option: str) -> None:
     """Raise ``ValueError`` when ``path`` or a folder above it exists and is not a folder (a file),
     so that ``mkdir`` cannot work."""
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise ValueError(f"{option}: {str(p)!r} is a file, not a folder (the run folder is {str(path)!r})")
-            return
+    from torch_deltasync.store import file_in_the_way
+
+    p = file_in_the_way(path)
+    if p is not None:
+        raise ValueError(f"{option}: {str(p)!r} is a file, not a folder (the run folder is {str(path)!r})")
 
 
 def attention_shape(hidden_size: int) -> tuple[int, int, int]:

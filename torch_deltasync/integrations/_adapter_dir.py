@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..store import file_in_the_way
+
 #: File names PEFT (``PeftModel.from_pretrained``) and vLLM (``LoRAModel.from_local_checkpoint``) read.
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -63,8 +65,8 @@ def check_replaceable(out_dir: Path) -> None:
                          "folder)")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{str(out_dir)!r} is a file; give a folder path for the adapter")
-    above = next((p for p in out_dir.parents if p.exists() or p.is_symlink()), None)
-    if above is not None and not above.is_dir():
+    above = file_in_the_way(out_dir.parent)
+    if above is not None:
         raise ValueError(f"{str(out_dir)!r} lies under {str(above)!r}, which is a file; give a folder path for the adapter")
     names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     odd = [n for n in names if not (out_dir / n).is_file() or (out_dir / n).is_symlink()]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._moved import alias_moved as _alias_moved
 from ._base import PrefixStore, Store, check_key, check_prefix
-from ._local import LocalStore
+from ._local import LocalStore, file_in_the_way
 from ._retry import DEFAULT_TIMEOUT_S, DeadlineStore, RetryingStore, RetryPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,13 +33,14 @@ __all__ = [
     "check_key",
     "check_prefix",
     "check_store",
+    "file_in_the_way",
     "STORE_SCHEMES",
 ]
 
 _LAZY = {"FsspecStore": "._fsspec", "HFBucketStore": "._hf"}
 
 for _name in ("Store", "LocalStore", "PrefixStore", "RetryPolicy", "RetryingStore", "DeadlineStore", "check_key",
-              "check_prefix"):
+              "check_prefix", "file_in_the_way"):
     globals()[_name].__module__ = __name__
 del _name
 

@@ -33,6 +33,20 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), f"file mode {mode:o}")
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The first component of ``path``, from the top (``path`` itself last), that exists (a
+    dangling link counts) and is not a folder: what keeps ``mkdir(parents=True)`` or a file write
+    at ``path`` from working. ``None`` when every component there is a folder (the rest can be made).
+    """
+    path = Path(path)
+    for p in (*reversed(path.parents), path):
+        if not (p.exists() or p.is_symlink()):
+            return None
+        if not p.is_dir():
+            return p
+    return None
+
+
 class LocalStore(Store):
     """Objects as files under ``root`` (created if missing).
 
@@ -97,18 +111,9 @@ class LocalStore(Store):
             )
         return path
 
-    def _file_in_the_way(self, path: Path) -> Path | None:
-        """The first component of ``path`` (from the top) that exists and is not a folder."""
-        for p in (*reversed(path.parents), path):
-            if not p.exists():
-                return None
-            if not p.is_dir():
-                return p
-        return None
-
     def _os_error(self, op: str, key: str, path: Path, e: OSError) -> StoreError:
         """A :class:`StoreError` for ``e`` that names a file standing where a folder must be."""
-        blocker = self._file_in_the_way(path.parent) if isinstance(e, (NotADirectoryError, FileExistsError)) else None
+        blocker = file_in_the_way(path.parent) if isinstance(e, (NotADirectoryError, FileExistsError)) else None
         if blocker is not None and not (self.root in blocker.parents):
             return StoreNotFoundError(
                 f"{self.describe()}: cannot {op} {key!r}: {blocker} is a file, not a folder, so no store can be "
@@ -129,7 +134,7 @@ class LocalStore(Store):
         """
         if self.root.is_dir():
             return None
-        blocker = self._file_in_the_way(self.root)
+        blocker = file_in_the_way(self.root)
         if blocker is not None:
             raise StoreNotFoundError(f"{self.describe()}: {blocker} is a file, not a folder, so no store can be "
                                      "there; check the path")

@@ -251,8 +251,6 @@ class VLLMAdapterLoader:
         runs, id_base = self._numbering
         if cur is not None and run != cur.run_id:  # a new run: numbers restart, names and ids move on
             runs, id_base = runs + 1, max(a.lora_int_id for a in self.loaded) + 1 - version
-        elif cur is not None and version <= cur.version:
-            return None  # (cannot happen: the receiver moves forward within a run)
         name = f"{self.name}-v{version}" if runs == 0 else f"{self.name}-r{runs}-v{version}"
         path = self.receiver.save(self.cache_dir / name, base_model_name_or_path=self.base_model_name_or_path)
         return LoadedAdapter(version, name, id_base + version, str(path), run_id=run), t0, (runs, id_base)
