@@ -241,8 +241,9 @@ class VLLMServer:
 
     def complete(self, prompts: list[list[int]], *, max_tokens: int, temperature: float,
                  stop_token_ids: list[int] | None = None, logprobs: int = 0,
-                 top_logprobs: bool = False) -> list[dict[str, Any]]:
-        """``/v1/completions`` on token-id prompts, one choice each, in prompt order.
+                 top_logprobs: bool = False, model: str = "policy") -> list[dict[str, Any]]:
+        """``/v1/completions`` on token-id prompts, one choice each, in prompt order. ``model``: the
+        served model (``"policy"``) or a LoRA adapter the server loaded (its ``lora_name``).
 
         Returns:
             ``[{"tokens": [int], "logprobs": [float], "finish_reason": str, "top": [...]}]``:
@@ -250,7 +251,7 @@ class VLLMServer:
             after temperature) and, with ``top_logprobs``, the top-``logprobs`` ``{token: logprob}``
             of every step.
         """
-        body = {"model": "policy", "prompt": prompts, "max_tokens": max_tokens, "temperature": temperature,
+        body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": 1.0, "logprobs": logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "stop_token_ids": list(stop_token_ids or []), "skip_special_tokens": False}
         choices = sorted(self.post("/v1/completions", body)["choices"], key=lambda c: c["index"])

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from torch_deltasync import open_store
 
@@ -131,3 +135,141 @@ def test_server_through_rl_routes(tmp_path, store, request):
     # a version never published: the server's reason comes back; the engine keeps serving v2
     assert "HTTP 500" in res["missing_error"] and "version 999 is not visible" in res["missing_error"]
     assert res["weight_info_after_missing"] == "2" and res["outputs_equal_after_missing"]
+
+
+class Conversation:
+    """``tests/vllm_live/<script>`` under ``.venv-vllm``, driven line by line: a command on its stdin,
+    its JSON answer (a stdout line starting ``{"step"``) back. The process is killed on close."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        assert VPY.exists(), f"{VPY} is missing: run `bash tools/setup.sh` (it builds .venv-vllm)"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        env["PYTHONPATH"] = str(ROOT)
+        self.proc = subprocess.Popen([str(VPY), str(ROOT / "tests" / "vllm_live" / script), *args], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if line.startswith('{"step"'):
+                self.lines.put(line)
+        self.lines.put(None)
+
+    def answer(self, timeout: float = 300.0) -> dict:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            line = None
+        if line is None:
+            sys.stderr.write("".join(self.log[-300:]))
+            pytest.fail(f"no answer within {timeout} s (the script's output is above; exit status {self.proc.poll()})")
+        return json.loads(line)
+
+    def ask(self, command: str, timeout: float = 300.0) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.answer(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def lora_trainer(base_dir: Path, rank: int = 8):
+    """A PEFT LoRA (rank ``rank``, every linear of the tiny Qwen3) on the engine's base weights, its ``lora_B``
+    made non-zero so that version 0 already changes the outputs, and an Adam optimizer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step() -> None:
+        x = torch.randint(0, 512, (2, 16), generator=g)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
+# The LoRA path (VLLMAdapterLoader) against a live engine with LoRA enabled: the offline LLM (add_lora /
+# remove_lora), an AsyncLLM (the same, awaited; the loader's apoll) and vllm serve's runtime routes
+# (/v1/load_lora_adapter, /v1/unload_lora_adapter).
+@pytest.mark.parametrize("kind", ["offline", "async", "server"])
+def test_lora_versions_hot_swapped_into_a_live_engine(tmp_path, kind):
+    from torch_deltasync.integrations.peft import AdapterSender
+    from torch_deltasync.manifest import load_manifest
+
+    engine = Conversation("lora.py", str(tmp_path), kind)
+    try:
+        assert engine.answer()["step"] == "ready"
+        model, step = lora_trainer(tmp_path / "base")
+        sender = AdapterSender(model, str(tmp_path / "store"))
+        names = []
+        for v in range(4):
+            if v:
+                step()
+            assert sender.publish() == v
+            model.save_pretrained(tmp_path / f"oracle-v{v}")  # the trainer's own checkpoint (fp32 factors)
+            res = engine.ask(f"publish {v}")
+            names.append(f"adapter-v{v}")
+            assert res["version"] == v and res["lora_name"] == names[-1]
+            # the engine serving the synced version computes what it computes with the trainer's checkpoint
+            # (greedy tokens and top-20 log-probs, exact float bits), and that differs from the base model
+            # and from the version before, so the comparison can fail
+            assert res["equal"], f"version {v}: outputs through the synced adapter differ from the checkpoint's"
+            assert res["differs_from_base"] and (v == 0 or res["differs_from_previous"])
+            # the two newest versions stay loaded (keep=2), each under its own name and id; older ones are
+            # unloaded from the engine and their folders deleted (the checkpoint's adapter was unloaded too)
+            assert res["loaded"] == names[-2:] and res["cache"] == names[-2:]
+            assert res["held"] == (names[-2:] if kind == "server" else res["loaded_ids"])
+        store = open_store(str(tmp_path / "store"))
+        assert [load_manifest(store, v).kind for v in range(4)] == ["anchor", "delta", "delta", "delta"]
+        # a damaged object of the next version: the poll fails naming it; the engine keeps serving v3
+        step()
+        assert sender.publish() == 4
+        obj = next(p for p in (tmp_path / "store" / "objects" / "000000000004").iterdir())
+        data = bytearray(obj.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        obj.write_bytes(bytes(data))
+        res = engine.ask("corrupt 4")
+        assert res["error"] and "version 4" in res["error"], res["error"]
+        assert res["version"] == 3 and res["unchanged"]
+        assert res["loaded"] == names[-2:] and res["cache"] == names[-2:]
+        assert res["held"] == (names[-2:] if kind == "server" else res["loaded_ids"])
+        sender.close()
+        # an adapter the engine refuses (rank 16 > max_lora_rank 8), another run followed by a second
+        # loader: its poll fails with the engine's reason, loads nothing and leaves no folder; the engine
+        # keeps serving v3 through the first loader
+        big, _ = lora_trainer(tmp_path / "base", rank=16)
+        other = AdapterSender(big, str(tmp_path / "store"), prefix="r16")
+        other.publish()
+        other.close()
+        res = engine.ask("refused r16")
+        assert res["error"].startswith("DeltaSyncError") and "'other-v0'" in res["error"], res["error"]
+        assert "LoRA rank 16 is greater than max_lora_rank 8" in res["error"]
+        assert res["other_loaded"] == [] and res["version"] == 3 and res["unchanged"]
+        assert res["loaded"] == names[-2:] and res["cache"] == names[-2:]
+        assert res["held"] == (names[-2:] if kind == "server" else res["loaded_ids"])
+        engine.proc.stdin.write("done\n")
+        engine.proc.stdin.flush()
+        assert engine.answer()["step"] == "done"
+    finally:
+        engine.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import warnings
 
 import pytest
@@ -661,3 +662,25 @@ def test_the_next_anchor_restores_a_damaged_config(tmp_path):
     assert store.get(ADAPTER_CONFIG_KEY) == good
     out = materialize_adapter(str(tmp_path / "b"), tmp_path / "out")
     assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 8
+
+
+def test_receivers_without_a_model_need_no_peft(tmp_path, monkeypatch):
+    """vLLM's environment has no ``peft`` (vLLM parses adapter configs itself): materialising a
+    version and the vLLM loader's receiver run without it; what needs a ``LoraConfig`` says so."""
+    trainer = lora_model(seed=1, trained_b=True)
+    sender = AdapterSender(trainer, tmp_path / "bucket")
+    sender.publish()
+    want = bits(adapter_state_dict(trainer))
+    expected_config = json.loads(adapter_config_json(trainer))
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError from here on
+    out = materialize_adapter(tmp_path / "bucket", tmp_path / "v0", base_model_name_or_path="base/here")
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        assert same_bits(bits({k: f.get_tensor(k) for k in f.keys()}), want)
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written == {**expected_config, "base_model_name_or_path": "base/here"}
+    receiver = AdapterReceiver(None, tmp_path / "bucket")
+    assert receiver.update() == 0 and same_bits(bits(receiver.tensors), want)
+    with pytest.raises(ImportError):
+        receiver.config
+    monkeypatch.delitem(sys.modules, "peft")
+    assert receiver.config.r == 4

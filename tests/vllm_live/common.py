@@ -65,13 +65,15 @@ def engine(model_dir: str, *, backend: bool = True, tp: int = 1, **kw):
     return LLM(**args)
 
 
-def outputs(llm, prompts=PROMPTS, max_tokens: int = 8, logprobs: int = 20, ignore_eos: bool = False):
-    """Greedy token ids and the top-``logprobs`` log-probs of every step (exact floats), per prompt."""
+def outputs(llm, prompts=PROMPTS, max_tokens: int = 8, logprobs: int = 20, ignore_eos: bool = False,
+            lora_request=None):
+    """Greedy token ids and the top-``logprobs`` log-probs of every step (exact floats), per prompt
+    (through the LoRA adapter ``lora_request`` names, when given)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, detokenize=False,
                         ignore_eos=ignore_eos)
-    res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=lora_request)
     return [completion(r.outputs[0]) for r in res]
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -71,8 +72,10 @@ _FIELD_TYPES = {
 MAX_CONFIG_DEPTH = 16
 
 #: Config fields that only configure an initialisation method of ``init_lora_weights`` (LoftQ,
-#: EVA, CorDA, LoRA-GA): a receiver resets them (:func:`parse_adapter_config`).
-_INIT_FIELDS = ("loftq_config", "eva_config", "corda_config", "lora_ga_config")
+#: EVA, CorDA, LoRA-GA), and ``megatron_core`` (used only with ``megatron_config``, which is
+#: refused), with ``LoraConfig``'s defaults: a receiver resets them (:func:`check_adapter_config`).
+_INIT_FIELDS = {"loftq_config": {}, "eva_config": None, "corda_config": None, "lora_ga_config": None,
+                "megatron_core": "megatron.core"}
 
 
 #: ``init_lora_weights`` methods that change the base layer's weights when the adapter is made
@@ -124,31 +127,41 @@ def adapter_config_json(model_or_config: Any, adapter_name: str = "default") -> 
     return json.dumps(d, indent=2, sort_keys=True, default=str).encode()
 
 
+def adapter_doc_json(doc: Mapping[str, Any], base_model_name_or_path: str | None = None) -> bytes:
+    """The ``adapter_config.json`` of a materialised version: the run's config (as
+    :func:`check_adapter_config` returns it), ``base_model_name_or_path`` replaced when given."""
+    d = dict(doc)
+    if base_model_name_or_path is not None:
+        d["base_model_name_or_path"] = base_model_name_or_path
+    return json.dumps(d, indent=2, sort_keys=True).encode()
+
+
 def _config_error(where: str, msg: str) -> CorruptObjectError:
     return CorruptObjectError(f"{where}: {msg}")
 
 
-def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
-    """Validate an untrusted adapter config (JSON bytes) and build the ``peft.LoraConfig``.
+def check_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY) -> dict[str, Any]:
+    """Validate an untrusted adapter config (JSON bytes) without PEFT: what a receiver that only
+    writes adapter folders for vLLM needs (vLLM parses ``adapter_config.json`` with its own
+    ``vllm.lora.peft_helper.PEFTHelper`` and does not need ``peft``).
 
     Rules: at most :data:`MAX_ADAPTER_CONFIG_BYTES`; a JSON object nested at most
     :data:`MAX_CONFIG_DEPTH` deep; ``peft_type == "LORA"``; ``r`` a positive integer, ``lora_alpha``
     a finite number, ``target_modules`` a string or a list of strings, ``rank_pattern`` /
     ``alpha_pattern`` objects of positive integers / numbers; no ``megatron_config`` (PEFT imports
     the module it names); the fields PEFT takes without checking their types of the types it
-    declares (:data:`_FIELD_TYPES`). Keys this PEFT does not know are dropped with a warning, as
-    ``PeftConfig.from_pretrained`` does (a newer PEFT wrote them). The initialisation method
-    (``init_lora_weights`` other than true or false, and :data:`_INIT_FIELDS`) is reset to PEFT's
-    default: it only acts when an adapter is created, never when received weights are loaded, and
-    building a LoftQ config makes PEFT import scipy, which a rollout worker need not have (methods
-    that also change the base weights: :func:`check_init_method`).
+    declares (:data:`_FIELD_TYPES`). The initialisation method (``init_lora_weights`` other than
+    true or false, and :data:`_INIT_FIELDS`) is reset to PEFT's default: it only acts when an
+    adapter is created, never when received weights are loaded, and building a LoftQ config makes
+    PEFT import scipy, which a rollout worker need not have (methods that also change the base
+    weights: :func:`check_init_method`).
 
     Args:
         data: the config bytes.
         where: what to name in errors (the store key or path).
 
     Returns:
-        A ``peft.LoraConfig``.
+        The config as a JSON object (``dict``), the initialisation fields reset.
 
     Raises:
         CorruptObjectError: any rule broken; the message names the field.
@@ -185,21 +198,66 @@ def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
     for key, ok in _FIELD_TYPES.items():
         if key in doc and not ok(doc[key]):
             raise _config_error(where, f"{key} has a value PEFT does not define: {doc[key]!r:.80}")
+    if not isinstance(doc.get("init_lora_weights", True), bool):
+        doc["init_lora_weights"] = True
+    for key, default in _INIT_FIELDS.items():
+        if key in doc:
+            doc[key] = copy.deepcopy(default)
+    return doc
+
+
+def lora_config_from(doc: Mapping[str, Any], where: str = ADAPTER_CONFIG_KEY):
+    """Build PEFT's ``LoraConfig`` from a config :func:`check_adapter_config` accepted. Keys this
+    PEFT does not know are dropped with a warning, as ``PeftConfig.from_pretrained`` does (a newer
+    PEFT wrote them).
+
+    Raises:
+        CorruptObjectError: PEFT's own checks reject the config.
+        ImportError: ``peft`` is not installed.
+    """
     cls = lora_config_class()
     known = set(cls.__dataclass_fields__)
     unknown = sorted(set(doc) - known)
     if unknown:
         warnings.warn(f"{where}: ignoring config keys this PEFT does not know: {unknown} (written by a newer PEFT?)")
-    kwargs = {k: v for k, v in doc.items() if k in known}
-    kwargs.pop("megatron_core", None)  # only used with megatron_config; keep PEFT's default
-    if not isinstance(kwargs.get("init_lora_weights", True), bool):
-        kwargs["init_lora_weights"] = True
-    for key in _INIT_FIELDS:
-        kwargs.pop(key, None)
     try:
-        return cls(**cls.check_kwargs(**kwargs))
+        return cls(**cls.check_kwargs(**{k: v for k, v in doc.items() if k in known}))
     except (TypeError, ValueError) as e:
         raise _config_error(where, f"PEFT rejects the config: {e}") from None
+
+
+def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
+    """Validate an untrusted adapter config (JSON bytes) and build the ``peft.LoraConfig``:
+    :func:`check_adapter_config`'s rules, then PEFT's own checks (unknown keys dropped with a
+    warning).
+
+    Args:
+        data: the config bytes.
+        where: what to name in errors (the store key or path).
+
+    Returns:
+        A ``peft.LoraConfig``.
+
+    Raises:
+        CorruptObjectError: any rule broken; the message names the field.
+    """
+    return lora_config_from(check_adapter_config(data, where), where)
+
+
+def read_adapter_doc(store: Store | str, *, prefix: str = "", manifest: Manifest | None = None) -> dict[str, Any]:
+    """:func:`read_adapter_config` without PEFT: the run's config as checked by
+    :func:`check_adapter_config` (a ``dict``). Raises what :func:`read_adapter_config` raises."""
+    st = open_store(store).sub(prefix)
+    where = f"{st.describe()}/{ADAPTER_CONFIG_KEY}"
+    try:
+        data = st.get(ADAPTER_CONFIG_KEY)
+    except ObjectNotFoundError:
+        raise VersionNotFoundError(
+            f"{st.describe()}: no {ADAPTER_CONFIG_KEY}; is this an adapter run (AdapterSender) and has it started?"
+        ) from None
+    if manifest is not None:
+        check_run_file(data, ADAPTER_CONFIG_KEY, manifest, where)
+    return check_adapter_config(data, where)
 
 
 def read_adapter_config(store: Store | str, *, prefix: str = "", manifest: Manifest | None = None):
@@ -216,16 +274,7 @@ def read_adapter_config(store: Store | str, *, prefix: str = "", manifest: Manif
         StoreError: the store failed.
     """
     st = open_store(store).sub(prefix)
-    where = f"{st.describe()}/{ADAPTER_CONFIG_KEY}"
-    try:
-        data = st.get(ADAPTER_CONFIG_KEY)
-    except ObjectNotFoundError:
-        raise VersionNotFoundError(
-            f"{st.describe()}: no {ADAPTER_CONFIG_KEY}; is this an adapter run (AdapterSender) and has it started?"
-        ) from None
-    if manifest is not None:
-        check_run_file(data, ADAPTER_CONFIG_KEY, manifest, where)
-    return parse_adapter_config(data, where)
+    return lora_config_from(read_adapter_doc(st, manifest=manifest), f"{st.describe()}/{ADAPTER_CONFIG_KEY}")
 
 
 def _structure(config) -> dict[str, Any]:

@@ -26,14 +26,16 @@ Pieces:
 * :class:`AdapterReceiver` (a :class:`~torch_deltasync.DeltaReceiver`): applies versions in place to
   a ``PeftModel`` on any device, bit-exactly, or holds the adapter tensors itself (``model=None``).
 * :func:`materialize_adapter`: writes the PEFT folder of one version (never half-written).
-* :func:`adapter_state_dict`, :func:`read_adapter_config`, :func:`parse_adapter_config`.
+* :func:`adapter_state_dict`, :func:`read_adapter_config`, :func:`parse_adapter_config`,
+  :func:`check_adapter_config`.
 
-``peft`` is imported lazily (the ``models`` extra). See ``docs/lora.md``.
+``peft`` is imported lazily (the ``models`` extra), and only where a ``PeftModel`` or a
+``LoraConfig`` is involved: a receiver without a model (:func:`materialize_adapter`, the vLLM
+loader) runs without it, as vLLM does. See ``docs/lora.md``.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import warnings
@@ -48,8 +50,9 @@ from ..sender import AnchorPolicy, DeltaSender, SenderConfig
 from ..store import Store, open_store
 from ..targets import ModuleTarget
 from ._adapter_config import (
-    ADAPTER_CONFIG_KEY, MAX_ADAPTER_CONFIG_BYTES, STRUCTURAL_FIELDS, adapter_config_json, check_init_method,
-    lora_config_class, parse_adapter_config, peft_config, read_adapter_config, structure_diff,
+    ADAPTER_CONFIG_KEY, MAX_ADAPTER_CONFIG_BYTES, STRUCTURAL_FIELDS, adapter_config_json, adapter_doc_json,
+    check_adapter_config, check_init_method, lora_config_class, lora_config_from, parse_adapter_config, peft_config,
+    read_adapter_config, read_adapter_doc, structure_diff,
 )
 from ._adapter_dir import check_replaceable, write_adapter_dir
 from ._sender_options import receiver_config as _receiver_config
@@ -64,13 +67,14 @@ __all__ = [
     "AdapterTarget",
     "adapter_state_dict",
     "adapter_config_json",
+    "check_adapter_config",
     "parse_adapter_config",
     "read_adapter_config",
     "check_adapter_tensors",
     "materialize_adapter",
 ]
 
-for _f in (adapter_config_json, parse_adapter_config, read_adapter_config):
+for _f in (adapter_config_json, check_adapter_config, parse_adapter_config, read_adapter_config):
     _f.__module__ = __name__  # the public path (defined in ._adapter_config)
 del _f
 
@@ -120,7 +124,8 @@ def adapter_state_dict(model: Any, adapter_name: str = "default") -> dict[str, t
 
 
 def _ranks_allowed(config) -> set[int]:
-    return {int(config.r), *(int(v) for v in (config.rank_pattern or {}).values())}
+    d = config if isinstance(config, Mapping) else {"r": config.r, "rank_pattern": config.rank_pattern}
+    return {int(d["r"]), *(int(v) for v in (d.get("rank_pattern") or {}).values())}
 
 
 def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: str = "adapter") -> None:
@@ -129,6 +134,10 @@ def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: 
     Every name must be a PEFT adapter name (``base_model.model.`` and a dotted module path), at
     least one must be a LoRA factor, and each factor's rank dimension (``lora_A`` dim 0, ``lora_B``
     dim 1) must be ``config.r`` or a ``rank_pattern`` value.
+
+    Args:
+        config: a ``peft.LoraConfig`` or the config as :func:`check_adapter_config` returns it.
+        shapes: ``{PEFT name: shape}`` of the published tensors.
 
     Raises:
         CorruptObjectError: a name or rank that does not belong to this adapter.
@@ -283,7 +292,8 @@ class AdapterTarget(ModuleTarget):
             adapter itself: tensors of zeros in the inference dtype, shaped from the first manifest
             it is checked against (a rollout worker that only materialises versions for vLLM needs
             no model).
-        config: called on :meth:`check` to get the run's validated ``LoraConfig``.
+        config: called on :meth:`check` to get the run's validated config: a ``LoraConfig``, or
+            without ``local_config`` the ``dict`` :func:`check_adapter_config` returns (no PEFT needed).
         local_config: the receiving model's ``LoraConfig``; it must agree with the run's on
             :data:`STRUCTURAL_FIELDS` (else the same weights would compute something else).
     """
@@ -347,22 +357,37 @@ class AdapterReceiver(DeltaReceiver):
         if model is not None:
             tensors = adapter_state_dict(model, adapter_name)
             local = peft_config(model, adapter_name)
-        self._configs: dict[tuple[str, str | None], Any] = {}  # (run, config sha256) -> LoraConfig
+        # (run, config sha256) -> [the config as check_adapter_config returns it, its LoraConfig or None]
+        self._configs: dict[tuple[str, str | None], list] = {}
         self._checking = None  # the manifest _check_target checks (AdapterTarget.check reads its config)
         self._model, self._adapter_name = model, adapter_name
-        super().__init__(AdapterTarget(tensors, lambda: self._config_of(self._checking), local), store, prefix=prefix,
+        # Without a model the receiver only needs the config document, not PEFT (a vLLM rollout worker).
+        run_config = self._doc_of if model is None else self._config_of
+        super().__init__(AdapterTarget(tensors, lambda: run_config(self._checking), local), store, prefix=prefix,
                          config=receiver_config)
 
-    def _config_of(self, m):
-        """The config of version ``m``'s run, checked against the sha256 ``m`` records; read once
-        per run (a new run on a wiped prefix has its own)."""
+    def _cached(self, m) -> list:
+        """The cache entry of version ``m``'s run: its config, checked against the sha256 ``m``
+        records, read once per run (a new run on a wiped prefix has its own)."""
         key = (m.run_id, m.run_files.get(ADAPTER_CONFIG_KEY))
         with self._lock:  # (an update and save() or config on other threads)
             if key not in self._configs:
                 if len(self._configs) >= 4:  # runs followed long ago
                     self._configs.clear()
-                self._configs[key] = read_adapter_config(self.store, manifest=m)
+                self._configs[key] = [read_adapter_doc(self.store, manifest=m), None]
             return self._configs[key]
+
+    def _doc_of(self, m) -> dict[str, Any]:
+        """Version ``m``'s run config as :func:`check_adapter_config` returns it (no PEFT needed)."""
+        return self._cached(m)[0]
+
+    def _config_of(self, m):
+        """Version ``m``'s run config as a ``peft.LoraConfig`` (PEFT's own checks run once per run)."""
+        entry = self._cached(m)
+        with self._lock:
+            if entry[1] is None:
+                entry[1] = lora_config_from(entry[0], f"{self.store.describe()}/{ADAPTER_CONFIG_KEY}")
+            return entry[1]
 
     def _check_target(self, m) -> None:
         self._checking = m
@@ -400,7 +425,8 @@ class AdapterReceiver(DeltaReceiver):
     @property
     def config(self):
         """The validated ``peft.LoraConfig`` of the held version's run (before the first update: the
-        config the store holds now, unchecked)."""
+        config the store holds now, unchecked). Needs ``peft``; receivers without a model do not
+        otherwise."""
         held = self._held_manifest()
         return read_adapter_config(self.store) if held is None else self._config_of(held)
 
@@ -426,18 +452,8 @@ class AdapterReceiver(DeltaReceiver):
             if m is None:
                 raise VersionNotFoundError("nothing is held yet; call update() first")
             tensors = {n: self.target.values(n, m.inference_dtype).contiguous().clone() for n in self.tensors}
-        return _write_adapter_dir(Path(out_dir), tensors, self._config_of(m), version=m.version,
-                                  base_model_name_or_path=base_model_name_or_path)
-
-
-def _write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config, *, version: int,
-                       base_model_name_or_path: str | None) -> Path:
-    """:func:`~._adapter_dir.write_adapter_dir` of ``tensors`` with the run's ``config`` (its
-    ``base_model_name_or_path`` replaced when given)."""
-    if base_model_name_or_path is not None:
-        config = copy.copy(config)
-        config.base_model_name_or_path = base_model_name_or_path
-    return write_adapter_dir(out_dir, tensors, adapter_config_json(config), version=version)
+        return write_adapter_dir(Path(out_dir), tensors, adapter_doc_json(self._doc_of(m), base_model_name_or_path),
+                                 version=m.version)
 
 
 def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version: int | None = None, *,

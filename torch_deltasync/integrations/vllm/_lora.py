@@ -82,19 +82,34 @@ def _lora_request_cls():
     return LoRARequest
 
 
+def _refused(name: str, path: str, reason: BaseException | None = None) -> DeltaSyncError:
+    """The error of an ``add_lora`` that failed (it raised ``reason``, e.g. vLLM's ``Exception("Call to
+    add_lora method failed: Worker failed with error 'LoRA rank 16 is greater than max_lora_rank
+    8.'")``) or returned false."""
+    why = f": {reason}" if reason is not None else ""
+    return DeltaSyncError(f"vLLM refused to load LoRA adapter {name!r} from {path}{why}")
+
+
 def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dict[str, Callable]:
     """Load/unload steps for an offline ``vllm.LLM`` (``llm.llm_engine.add_lora`` / ``remove_lora``).
 
     Args:
         llm: the engine (started with ``enable_lora=True``).
         request_cls: builds the request; default ``vllm.lora.request.LoRARequest``.
+
+    Raises (from the steps):
+        DeltaSyncError: the engine refused the adapter (the message has its reason).
     """
     make = request_cls or _lora_request_cls()
 
     def load(name: str, lora_id: int, path: str) -> Any:
         req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
-        if llm.llm_engine.add_lora(req) is False:
-            raise DeltaSyncError(f"vLLM refused to load LoRA adapter {name!r} from {path}")
+        try:
+            loaded = llm.llm_engine.add_lora(req)
+        except Exception as e:  # vLLM's worker error, e.g. a rank above max_lora_rank
+            raise _refused(name, path, e) from e
+        if loaded is False:
+            raise _refused(name, path)
         return req
 
     def unload(name: str, lora_id: int) -> None:
@@ -104,13 +119,18 @@ def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dic
 
 
 def async_llm_lora_ops(engine: Any, request_cls: Callable[..., Any] | None = None) -> dict[str, Callable]:
-    """Load/unload steps for a ``vllm.v1.engine.async_llm.AsyncLLM`` (``await add_lora`` / ``remove_lora``)."""
+    """Load/unload steps for a ``vllm.v1.engine.async_llm.AsyncLLM`` (``await add_lora`` / ``remove_lora``);
+    errors as :func:`llm_lora_ops`'."""
     make = request_cls or _lora_request_cls()
 
     async def load(name: str, lora_id: int, path: str) -> Any:
         req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
-        if await engine.add_lora(req) is False:
-            raise DeltaSyncError(f"vLLM refused to load LoRA adapter {name!r} from {path}")
+        try:
+            loaded = await engine.add_lora(req)
+        except Exception as e:  # vLLM's worker error, e.g. a rank above max_lora_rank
+            raise _refused(name, path, e) from e
+        if loaded is False:
+            raise _refused(name, path)
         return req
 
     async def unload(name: str, lora_id: int) -> None:
@@ -131,7 +151,8 @@ def server_lora_ops(base_url: str, *, api_key: str | None = None, timeout: float
         timeout: seconds per request.
 
     Raises (from the steps):
-        DeltaSyncError: the server answered with an error; the message has its status and body.
+        DeltaSyncError: the server answered with an error (refused the adapter, or has no LoRA
+            routes); the message has the adapter, its status and body.
     """
     base = base_url.rstrip("/")
     headers = {"Content-Type": "application/json"}
@@ -149,7 +170,10 @@ def server_lora_ops(base_url: str, *, api_key: str | None = None, timeout: float
             raise DeltaSyncError(f"{base}{path} answered HTTP {e.code}{hint}: {detail}") from None
 
     def load(name: str, lora_id: int, path: str) -> str:
-        return post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        try:
+            return post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except DeltaSyncError as e:
+            raise _refused(name, path, e) from None
 
     def unload(name: str, lora_id: int) -> str:
         return post("/v1/unload_lora_adapter", {"lora_name": name})
