@@ -11,9 +11,10 @@ Architecture::
 
     trainer (this process)                      store (--store)                  rollout workers (N processes)
     ┌─────────────────────────────┐   adapter/adapter_config.json      ┌──────────────────────────────┐
-    │ Qwen3 + LoRA (peft), Adam   │   objects/<v>/anchor|delta-*.st    │ base + LoRA (peft), CPU       │
-    │ GRPO, ratio clip [0.8, 1.2] │ ─AdapterSender──▶ versions/<v> ──▶ │ AdapterReceiver.update():     │
-    │ publish() every step        │   base/model.safetensors           │   newest version, bit-exact   │
+    │ Qwen3 + LoRA (peft), Adam   │   objects/<v>/anchor|delta-*.st    │ hf: base + LoRA (peft), CPU,  │
+    │ GRPO, ratio clip [0.8, 1.2] │ ─AdapterSender──▶ versions/<v> ──▶ │   AdapterReceiver in place    │
+    │ publish() every step        │   base/model.safetensors           │ vllm: vllm serve + runtime    │
+    │                             │                                    │   LoRA, VLLMAdapterLoader     │
     └──────────▲──────────────────┘                                    │ sample G completions/prompt,  │
                │ POST /sample (trainer version, B episodes)            │ reward, group advantage       │
     ┌──────────┴──────────────────────────────────────────────────┐    └──────────────┬───────────────┘
@@ -31,10 +32,16 @@ taught to copy digits for a few supervised steps (``--warmup-steps``), so it sta
 not sharp; RL on the adapter then teaches it to sort. The trainer writes the base to the store
 (``base/model.safetensors``), so workers anywhere start from the same weights.
 
+The workers sample with Hugging Face ``generate`` on a PEFT model (``--engine hf``, the default), or
+each with a ``vllm serve`` of the base model (``--engine vllm``, vLLM from ``.venv-vllm``) into which
+every adapter version is hot-swapped as a new LoRA adapter (``VLLMAdapterLoader``), as the problem
+statement's workers do; :mod:`recipes.grpo.lora_rollouts` holds both.
+
 Run everything on this machine (trainer + service thread + 2 worker processes), a few minutes on 2 CPU
 cores::
 
     python recipes/async_grpo_lora.py --run-dir runs/lora-grpo
+    python recipes/async_grpo_lora.py --run-dir runs/lora-grpo-vllm --engine vllm
 
 Or apart (each line on its own machine; the store and the service must be reachable from all)::
 
@@ -44,7 +51,7 @@ Or apart (each line on its own machine; the store and the service must be reacha
 
 Output in ``--run-dir``: ``metrics.jsonl`` (one line per trainer step: reward, loss, ratio and clip
 fraction, lag, adapter version, kind and bytes), ``publish.jsonl`` (the sender's per-version stats),
-``worker-<i>.jsonl`` (per rollout batch: version used, update path and bytes, reward), ``summary.json``
+``worker-<i>.jsonl`` (per rollout batch: version used, update path, bytes and times, reward), ``summary.json``
 (reward first vs last steps, adapter bytes per version, lag, the service's episode accounting, a
 bit-exact check of the final adapter loaded with PEFT's own loader), ``final_adapter/`` (the last
 version, materialised), ``trainer_adapter.safetensors`` (the trainer's adapter as trained) and
@@ -69,8 +76,9 @@ if __package__ in (None, ""):  # run as a script: the shared GRPO modules live i
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recipes.grpo.buffer import group_advantages  # noqa: E402
+from recipes.grpo.config import attention_shape  # noqa: E402
 from recipes.grpo.loss import grpo_objective  # noqa: E402
-from recipes.grpo.policy import group_prompts, response_logprobs, sample, score, sft_batch, sft_loss  # noqa: E402
+from recipes.grpo.policy import group_prompts, response_logprobs, score, sft_batch, sft_loss  # noqa: E402
 from recipes.grpo.task import CharTokenizer, CopyTask, SortTask  # noqa: E402
 
 # --- task and tokenizer (shared with recipes/async_grpo.py: recipes/grpo/task.py) ----------------
@@ -90,13 +98,22 @@ def lora_targets() -> list[str]:
     return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def base_model(seed: int = 0) -> torch.nn.Module:
+    """The base model's architecture: ``tiny_qwen3`` over the digit vocabulary, with the main
+    recipe's heads (:func:`recipes.grpo.config.attention_shape`: 2 heads of 32, as vLLM's CPU
+    attention needs a head size of at least 32)."""
+    from torch_deltasync.testing import tiny_qwen3
+
+    heads, kv_heads, head_dim = attention_shape(64)
+    return tiny_qwen3("tiny", seed=seed, vocab_size=TOK.vocab_size, hidden_size=64, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim)
+
+
 def make_base(args) -> torch.nn.Module:
     """``tiny_qwen3`` over the digit vocabulary, taught to copy (answer, then end-of-sequence) for
     ``--warmup-steps`` full fine-tuning steps (:func:`recipes.grpo.policy.sft_batch` /
     :func:`~recipes.grpo.policy.sft_loss`)."""
-    from torch_deltasync.testing import tiny_qwen3
-
-    model = tiny_qwen3("tiny", seed=args.seed, vocab_size=TOK.vocab_size)
+    model = base_model(args.seed)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     rng, task = random.Random(args.seed), CopyTask(digits=args.digits)
     for _ in range(args.warmup_steps):
@@ -118,7 +135,6 @@ def load_base(store, timeout_s: float) -> torch.nn.Module:
     from safetensors.torch import load
 
     from torch_deltasync.errors import ObjectNotFoundError
-    from torch_deltasync.testing import tiny_qwen3
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -129,7 +145,7 @@ def load_base(store, timeout_s: float) -> torch.nn.Module:
             if time.monotonic() > deadline:
                 raise TimeoutError("the trainer has not written base/model.safetensors") from None
             time.sleep(0.2)
-    model = tiny_qwen3("tiny", vocab_size=TOK.vocab_size)
+    model = base_model()
     model.load_state_dict(load(data))
     return model.eval()
 
@@ -137,30 +153,26 @@ def load_base(store, timeout_s: float) -> torch.nn.Module:
 # --- rollout worker ----------------------------------------------------------------------------
 
 
+def make_rollouts(args, store, base):
+    """The worker's engine (``--engine``): :class:`~recipes.grpo.lora_rollouts.PeftRollouts` or
+    :class:`~recipes.grpo.lora_rollouts.VLLMRollouts`, holding the run's first version."""
+    from recipes.grpo.lora_rollouts import PeftRollouts, VLLMRollouts
+
+    if args.engine == "vllm":
+        return VLLMRollouts(store, base, TOK, run_dir=args.run_dir, worker_id=args.worker_id,
+                            seed=10_000 + args.worker_id, timeout_s=args.startup_timeout, vllm_python=args.vllm_python)
+    return PeftRollouts(store, base, TOK, timeout_s=args.startup_timeout)
+
+
 def run_worker(args) -> int:
     """Follow the adapter run, generate groups, post them until the trainer closes the service."""
-    from peft import get_peft_model
-
     from torch_deltasync.errors import RolloutServiceError, ServiceClosedError
     from torch_deltasync.integrations.rollout import RolloutClient
-    from torch_deltasync.integrations.peft import AdapterReceiver, read_adapter_config
     from torch_deltasync.store import open_store
 
     torch.set_num_threads(1)
     store = open_store(args.store).sub(args.prefix)
-    base = load_base(store, args.startup_timeout)
-    deadline = time.monotonic() + args.startup_timeout
-    while True:  # the adapter structure comes from the run itself
-        try:
-            config = read_adapter_config(store)
-            break
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    model = get_peft_model(base, config).eval()
-    receiver = AdapterReceiver(model, store)
-    receiver.wait_for(timeout_s=args.startup_timeout)
+    engine = make_rollouts(args, store, load_base(store, args.startup_timeout))
     client = RolloutClient(args.service_url, token=_token(args))
     torch.manual_seed(10_000 + args.worker_id)  # sampling (recipes.grpo.policy.sample)
     rng, task = random.Random(10_000 + args.worker_id), make_task(args.task, args.digits)
@@ -168,13 +180,11 @@ def run_worker(args) -> int:
     batch = 0
     try:
         while True:
-            before = receiver.version
-            receiver.update()  # the newest version (a no-op when there is none newer)
-            st = receiver.last_stats if receiver.version != before else None
-            version = receiver.version
+            update = engine.refresh()  # the newest version (None when there is none newer)
+            version = engine.version
             pids, pmask, answers = group_prompts(task, TOK, rng, args.prompts, args.group)
-            comps, cmask, lps = sample(model, TOK, pids, pmask, max_new_tokens=task.max_new_tokens,
-                                       temperature=args.temperature)
+            comps, cmask, lps = engine.sample(pids, pmask, max_new_tokens=task.max_new_tokens,
+                                              temperature=args.temperature)
             rewards = score(task, TOK, comps, answers)
             adv = group_advantages(rewards, args.group)
             episodes = [{
@@ -191,9 +201,7 @@ def run_worker(args) -> int:
                 metrics.write(json.dumps({
                     "batch": batch, "version": version, "reward_mean": float(rewards.mean()),
                     "stored": res["stored"], "dropped_stale": res["dropped_stale"],
-                    "trainer_version": res["trainer_version"],
-                    "update": None if st is None else {"path": st.path, "nbytes": st.nbytes,
-                                                       "versions_applied": st.versions_applied, "total_ms": st.total_ms},
+                    "trainer_version": res["trainer_version"], "update": update,
                 }) + "\n")
                 metrics.flush()
             batch += 1
@@ -202,7 +210,7 @@ def run_worker(args) -> int:
         return 1
     finally:
         client.close()
-        receiver.close()
+        engine.close()
         if metrics:
             metrics.close()
     print(f"worker {args.worker_id}: {batch} batches, stopped by the trainer", flush=True)
@@ -366,9 +374,28 @@ def _summary(args, rows, versions, service, exact, workers) -> dict:
         "lag_sampled": service["lag_sampled"],
         "final_adapter_bit_exact": exact,
         "workers_exit_codes": [w.returncode for w in workers] if workers else None,
+        "engine": args.engine,
+        "worker_updates": _worker_updates(Path(args.run_dir)),
         "elapsed_s": rows[-1]["elapsed_s"] if rows else 0.0,
     }
     return summary
+
+
+def _worker_updates(run_dir: Path) -> dict:
+    """The workers' adapter updates (``worker-<i>.jsonl``): how many, by path, and their times
+    (``total_ms``: the receiver's update; ``load_ms``, vLLM workers: the whole swap, store reads to
+    the engine's load)."""
+    ups = []
+    for path in sorted(run_dir.glob("worker-*.jsonl")):
+        ups += [r["update"] for r in map(json.loads, path.read_text().splitlines()) if r.get("update")]
+    out = {"count": len(ups), "by_path": {}}
+    for u in ups:
+        out["by_path"][u["path"]] = out["by_path"].get(u["path"], 0) + 1
+    for key in ("total_ms", "load_ms"):
+        vals = sorted(u[key] for u in ups if u.get(key) is not None)
+        if vals:
+            out[key] = {"median": vals[len(vals) // 2], "max": vals[-1]}
+    return out
 
 
 def _plot(run_dir: Path, rows: list[dict], summary: dict) -> None:
@@ -410,7 +437,8 @@ def _worker_cmd(args, url: str, i: int) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "worker", "--service-url", url, "--store", args.store,
             "--prefix", args.prefix, "--worker-id", str(i), "--token-file", args.token_file, "--run-dir", args.run_dir,
             "--task", args.task, "--digits", str(args.digits), "--prompts", str(args.prompts), "--group",
-            str(args.group), "--temperature", str(args.temperature), "--startup-timeout", str(args.startup_timeout)]
+            str(args.group), "--temperature", str(args.temperature), "--startup-timeout", str(args.startup_timeout),
+            "--engine", args.engine, *(["--vllm-python", args.vllm_python] if args.vllm_python else [])]
 
 
 def run_all(args) -> dict:
@@ -427,6 +455,10 @@ def run_all(args) -> dict:
     cfg = RolloutServiceConfig(capacity=args.capacity or 2 * args.batch, max_lag=args.max_lag, vocab_size=TOK.vocab_size,
                                max_prompt_tokens=64, max_completion_tokens=64, token=token, retry_after_s=0.2)
     service = start_service(cfg)
+    if args.engine == "vllm":
+        # The vLLM servers are bound one per core; a 2-thread trainer beside them took 0.44 s per step
+        # against 0.19 s with one thread (40 steps, 2 cores).
+        torch.set_num_threads(1)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     workers = []
@@ -455,6 +487,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--service-url", default=None, help="rollout service URL (trainer/worker roles)")
     p.add_argument("--token-file", default=None, help="shared service token (else $DELTASYNC_BUFFER_TOKEN)")
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (run role)")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="rollout workers' engine: hf (PEFT on CPU, the adapter updated in place) or vllm (a vllm serve "
+                        "per worker, every adapter version hot-swapped in as a new LoRA adapter)")
+    p.add_argument("--vllm-python", default=None,
+                   help="vLLM's interpreter for --engine vllm (default: $TORCH_DELTASYNC_VLLM_PYTHON, else .venv-vllm)")
     p.add_argument("--worker-id", type=int, default=0, help="this worker's id, with the role worker")
     p.add_argument("--steps", type=int, default=150, help="trainer steps (one adapter version each)")
     p.add_argument("--batch", type=int, default=64, help="episodes per trainer step")
@@ -487,6 +524,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--clip must be a finite number >= 0, got {args.clip}")
     if args.max_lag < 0 or args.warmup_steps < 0:
         p.error(f"--max-lag and --warmup-steps must be >= 0, got {args.max_lag} and {args.warmup_steps}")
+    if args.engine == "vllm":
+        from recipes.grpo.vllm_server import default_vllm_python
+
+        python = args.vllm_python or default_vllm_python()
+        if not Path(python).exists():
+            p.error(f"--engine vllm: vLLM's interpreter {python} does not exist; run `bash tools/setup.sh` (it builds "
+                    ".venv-vllm) or pass --vllm-python")
+        if args.rank > 512:
+            p.error(f"--engine vllm: --rank {args.rank} is above vLLM's largest --max-lora-rank (512)")
     if args.store is not None and args.store.startswith("memory://"):
         p.error("--store memory://... lives inside one process, but the trainer and the rollout workers are separate "
                 "processes; use a folder, s3://... or hf://buckets/...")
@@ -518,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "publish.jsonl"):
         (run_dir / name).unlink(missing_ok=True)
+    if args.role == "run":  # this run's workers write theirs here (appending)
+        for path in run_dir.glob("worker-*.jsonl"):
+            path.unlink()
     if args.role == "trainer":
         if not args.service_url or not args.store:
             raise SystemExit("trainer: --service-url and --store are required")
@@ -536,6 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"episodes: {e['accepted']} accepted = {e['sampled']} sampled + {e['dropped_stale']} dropped stale + "
           f"{e['evicted']} evicted + {e['size']} left (unaccounted {e['unaccounted']}); "
           f"{e['rejected_full']} refused while full (429)")
+    up = summary["worker_updates"]
+    if up["count"]:
+        swap = f", whole swap into vLLM median {up['load_ms']['median']:.1f} ms" if "load_ms" in up else ""
+        print(f"worker adapter updates ({summary['engine']}): {up['count']} ({up['by_path']}), update median "
+              f"{up['total_ms']['median']:.1f} ms{swap}")
     print(f"final adapter bit-exact after materialise + PeftModel.from_pretrained: {summary['final_adapter_bit_exact']}")
     print(json.dumps({"summary": str(run_dir / "summary.json")}))
     ok = summary["final_adapter_bit_exact"] and e["unaccounted"] == 0 and summary["lag_max"] <= summary["max_lag_allowed"]

@@ -41,6 +41,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from .policy import pad_responses
+
 __all__ = ["InflightEngine", "InflightRollouts", "generate_inflight", "commit_target", "token_versions",
            "tokens_by_lag", "INTERRUPT_MODES"]
 
@@ -253,17 +255,11 @@ def generate_inflight(engine: InflightEngine, prompts: Sequence[Sequence[int]], 
     for st in out.syncs:  # from the engine's own version tags: rollouts with tokens on both sides
         v = st.get("version")
         st["rollouts_across"] = sum(1 for vs in vers if vs and vs[0] < v <= vs[-1]) if isinstance(v, int) else 0
-    T = max_new_tokens
-    out.ids = torch.full((n, T), pad_id, dtype=torch.long)
-    out.mask = torch.zeros((n, T), dtype=torch.bool)
-    out.logprobs = torch.zeros((n, T), dtype=torch.float32)
-    out.token_version = torch.full((n, T), -1, dtype=torch.long)
+    out.ids, out.mask, out.logprobs = pad_responses(toks, lps, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                                    pad_id=pad_id)
+    out.token_version = torch.full(out.ids.shape, -1, dtype=torch.long)
     for i in range(n):
-        end = toks[i].index(eos_id) + 1 if eos_id in toks[i] else len(toks[i])
-        k = min(end, T)
-        out.ids[i, :len(toks[i])] = torch.tensor(toks[i], dtype=torch.long)
-        out.mask[i, :k] = True
-        out.logprobs[i, :k] = torch.tensor(lps[i][:k], dtype=torch.float32)
+        k = int(out.mask[i].sum())
         out.token_version[i, :k] = torch.tensor(vers[i][:k], dtype=torch.long)
     return out
 

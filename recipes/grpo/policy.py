@@ -23,7 +23,7 @@ from .config import GRPOConfig, attention_shape
 from .task import CharTokenizer, HFTokenizer, SortTask, Tokenizer
 
 __all__ = [
-    "build_tokenizer", "build_policy", "encode_prompts", "group_prompts", "score", "sample", "sft_batch", "sft_loss", "response_logprobs", "warm_start", "warm_start_path",
+    "build_tokenizer", "build_policy", "encode_prompts", "group_prompts", "score", "sample", "pad_responses", "sft_batch", "sft_loss", "response_logprobs", "warm_start", "warm_start_path",
     "policy_key", "load_warm_start", "max_new_tokens", "evaluate",
 ]
 
@@ -140,6 +140,33 @@ def sample(model: nn.Module, tok: Tokenizer, prompt_ids: torch.Tensor, prompt_ma
     mask = _response_mask(ids, tok.eos_id)
     mask[:, t:] = False
     return ids, mask, lp.masked_fill(~mask, 0.0)
+
+
+def pad_responses(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], *, max_new_tokens: int,
+                  eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Responses an engine sampled (token ids and their log-probs, one list each per rollout) in
+    :func:`sample`'s layout.
+
+    Returns:
+        ``(response_ids [N, T] int64, response_mask [N, T] bool, logprobs [N, T] float32)`` with
+        ``T = max_new_tokens``: ids padded with ``pad_id``; the mask up to and including the first
+        ``eos_id`` (at most ``T`` tokens); log-probs 0 where masked.
+
+    Raises:
+        ValueError: a response longer than ``T``, or with fewer log-probs than counted tokens.
+    """
+    n, T = len(tokens), max_new_tokens
+    ids = torch.full((n, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, T), dtype=torch.bool)
+    lps = torch.zeros((n, T), dtype=torch.float32)
+    for i, (toks, lp) in enumerate(zip(tokens, logprobs)):
+        k = toks.index(eos_id) + 1 if eos_id in toks else len(toks)
+        if len(toks) > T or len(lp) < k:
+            raise ValueError(f"response {i}: {len(toks)} tokens (at most {T}) with {len(lp)} log-probs")
+        ids[i, :len(toks)] = torch.tensor(list(toks), dtype=torch.long)
+        mask[i, :k] = True
+        lps[i, :k] = torch.tensor(list(lp[:k]), dtype=torch.float32)
+    return ids, mask, lps
 
 
 def response_logprobs(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -25,10 +25,13 @@ def run_recipe(run_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess,
     return proc, json.loads((run_dir / "summary.json").read_text())
 
 
-def test_short_configuration_reports_reward_bytes_and_lag(tmp_path):
+# hf: PEFT workers, the adapter updated in place; vllm: a live vllm serve per worker (.venv-vllm), every
+# version hot-swapped in through the runtime LoRA routes
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_short_configuration_reports_reward_bytes_and_lag(tmp_path, engine):
     steps, max_lag = 10, 2
     proc, s = run_recipe(tmp_path, "--steps", str(steps), "--batch", "16", "--prompts", "4", "--group", "4",
-                         "--max-lag", str(max_lag))
+                         "--max-lag", str(max_lag), "--engine", engine)
     assert "reward" in proc.stdout and "adapter bytes per version" in proc.stdout and "lag: mean" in proc.stdout
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps)) and [r["version"] for r in rows] == list(range(1, steps + 1))
@@ -63,15 +66,23 @@ def test_short_configuration_reports_reward_bytes_and_lag(tmp_path):
             posted += 1
             assert lines[0]["update"]["path"] == "anchor"
             assert [x["version"] for x in lines] == sorted(x["version"] for x in lines)
+            updates = [x["update"] for x in lines if x["update"]]
+            # a vLLM worker's update is a whole swap: store reads, apply, folder write, the server's load
+            assert all((u.get("load_ms", 0) > 0) == (engine == "vllm") for u in updates)
         assert "stopped by the trainer" in (tmp_path / f"worker-{i}.log").read_text()
     assert posted >= 1
+    assert s["engine"] == engine and s["worker_updates"]["count"] >= posted
+    assert ("load_ms" in s["worker_updates"]) == (engine == "vllm")
+    assert sorted(p.name for p in tmp_path.glob("vllm-worker-*.log")) == (
+        ["vllm-worker-0.log", "vllm-worker-1.log"] if engine == "vllm" else [])
     assert (tmp_path / "metrics.png").stat().st_size > 0
     assert len((tmp_path / "publish.jsonl").read_text().splitlines()) == steps + 1
 
 
 @pytest.mark.slow
-def test_default_configuration_learns(tmp_path):
-    _, s = run_recipe(tmp_path)
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_default_configuration_learns(tmp_path, engine):
+    _, s = run_recipe(tmp_path, "--engine", engine)
     assert s["steps"] == 150 and s["reward_last"] > s["reward_first"] + 0.05, s
 
 
@@ -86,6 +97,9 @@ def test_default_configuration_learns(tmp_path):
     (["--prefix", "../x"], "--prefix: '../x' is not a valid path inside a store: segment '..' is not allowed"),
     (["--store", "memory://x"], "--store memory://... lives inside one process"),  # waited out --startup-timeout
     (["--store", "s3:/b/x"], "'s3:/b/x' looks like a URI that lost a slash"),
+    (["--engine", "vllm", "--vllm-python", "/nonexistent/python"], "--engine vllm: vLLM's interpreter /nonexistent/python "
+                                                                   "does not exist"),
+    (["--engine", "vllm", "--rank", "513"], "--engine vllm: --rank 513 is above vLLM's largest --max-lora-rank (512)"),
 ])
 def test_bad_arguments_are_named_before_anything_starts(args, message, capsys):
     from recipes.async_grpo_lora import parse_args

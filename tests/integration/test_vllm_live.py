@@ -214,6 +214,8 @@ def lora_trainer(base_dir: Path, rank: int = 8):
 # (/v1/load_lora_adapter, /v1/unload_lora_adapter).
 @pytest.mark.parametrize("kind", ["offline", "async", "server"])
 def test_lora_versions_hot_swapped_into_a_live_engine(tmp_path, kind):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     from torch_deltasync.integrations.peft import AdapterSender
     from torch_deltasync.manifest import load_manifest
 
@@ -255,19 +257,28 @@ def test_lora_versions_hot_swapped_into_a_live_engine(tmp_path, kind):
         assert res["loaded"] == names[-2:] and res["cache"] == names[-2:]
         assert res["held"] == (names[-2:] if kind == "server" else res["loaded_ids"])
         sender.close()
-        # an adapter the engine refuses (rank 16 > max_lora_rank 8), another run followed by a second
-        # loader: its poll fails with the engine's reason, loads nothing and leaves no folder; the engine
-        # keeps serving v3 through the first loader
-        big, _ = lora_trainer(tmp_path / "base", rank=16)
-        other = AdapterSender(big, str(tmp_path / "store"), prefix="r16")
-        other.publish()
-        other.close()
-        res = engine.ask("refused r16")
-        assert res["error"].startswith("DeltaSyncError") and "'other-v0'" in res["error"], res["error"]
-        assert "LoRA rank 16 is greater than max_lora_rank 8" in res["error"]
-        assert res["other_loaded"] == [] and res["version"] == 3 and res["unchanged"]
-        assert res["loaded"] == names[-2:] and res["cache"] == names[-2:]
-        assert res["held"] == (names[-2:] if kind == "server" else res["loaded_ids"])
+        # adapters the engine refuses, each another run followed by a loader of its own: a rank above
+        # max_lora_rank (refused before vLLM registers it) and one made for a base of another width
+        # (refused while vLLM activates it, after registering its id). Each poll fails with the engine's
+        # reason, loads nothing and leaves no folder, and the refused id is not left registered: asked
+        # again, the engine refuses again (it used to answer "loaded" for the id it knew and serve the
+        # base model under the version's name). The engine keeps serving v3 through the first loader.
+        Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)).save_pretrained(
+            tmp_path / "wide-base")
+        for prefix, base_dir, rank, reason in (
+                ("r16", tmp_path / "base", 16, "LoRA rank 16 is greater than max_lora_rank 8"),
+                ("wide", tmp_path / "wide-base", 8, "must match the size of tensor b (256)")):
+            other = AdapterSender(lora_trainer(base_dir, rank=rank)[0], str(tmp_path / "store"), prefix=prefix)
+            other.publish()
+            other.close()
+            for _ in range(2):
+                res = engine.ask(f"refused {prefix}")
+                assert res["error"].startswith("DeltaSyncError") and f"'{prefix}-v0'" in res["error"], res["error"]
+                assert reason in res["error"], res["error"]
+                assert res["other_loaded"] == [] and res["version"] == 3 and res["unchanged"]
+                assert res["loaded"] == names[-2:] and res["cache"] == names[-2:]
+                assert res["held"] == (names[-2:] if kind == "server" else res["loaded_ids"])
         engine.proc.stdin.write("done\n")
         engine.proc.stdin.flush()
         assert engine.answer()["step"] == "done"

@@ -279,3 +279,29 @@ def test_loader_without_load_and_unload_ops_is_refused(tmp_path):
 
     with pytest.raises(TypeError, match=r"ops lacks \['load', 'unload'\]; build them with llm_lora_ops"):
         VLLMAdapterLoader({}, str(tmp_path / "b"), cache_dir=tmp_path / "c")
+
+
+def test_a_version_with_non_finite_values_is_never_offered_to_the_engine(tmp_path):
+    """In vLLM's CPU LoRA kernels one NaN adapter turns later requests without any adapter into NaN
+    (a break-test found it on the live engine): such a version is refused before ``add_lora``, every
+    poll, and the next finite version loads."""
+    trainer = Trainer(tmp_path / "bucket")
+    llm = FakeLLM()
+    loader = VLLMAdapterLoader(llm_lora_ops(llm, request_cls=Req), tmp_path / "bucket", prefix="run",
+                               cache_dir=tmp_path / "cache", name="a")
+    trainer.step_and_publish()
+    assert loader.poll().version == 0
+    b = next(t for n, t in adapter_state_dict(trainer.model).items() if n.endswith("lora_B.weight"))
+    with torch.no_grad():
+        saved, b[0, 0] = b[0, 0].item(), float("nan")
+    assert trainer.sender.publish() == 1
+    for _ in range(2):
+        with pytest.raises(DeltaSyncError, match=r"version 1 of the adapter holds non-finite values \(1 in "
+                                                 r"'base_model.model.*lora_B.weight'; a diverged trainer\?\); not loaded"):
+            loader.poll()
+        assert loader.current.version == 0 and [c[1] for c in llm.llm_engine.calls] == ["a-v0"]
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["a-v0"]
+    with torch.no_grad():
+        b[0, 0] = saved
+    assert trainer.step_and_publish() == 2
+    assert loader.poll().version == 2 and same(llm.llm_engine.held[3][1], trainer.states[2])

@@ -684,3 +684,45 @@ def test_receivers_without_a_model_need_no_peft(tmp_path, monkeypatch):
         receiver.config
     monkeypatch.delitem(sys.modules, "peft")
     assert receiver.config.r == 4
+
+
+def test_lone_or_mismatched_factors_are_refused():
+    """vLLM loads a lone or mismatched factor and serves it; PEFT's ``B @ A`` needs both, of one rank."""
+    from torch_deltasync.integrations.peft import check_adapter_tensors
+
+    cfg = LoraConfig(r=8, rank_pattern={"q_proj": 4})
+    stem = "base_model.model.model.layers.0.self_attn.q_proj"
+    good = {f"{stem}.lora_A.weight": (4, 64), f"{stem}.lora_B.weight": (64, 4)}
+    check_adapter_tensors(cfg, good)
+    check_adapter_tensors(json.loads(adapter_config_json(cfg)), good)  # the config as a dict: the same rules
+    for shapes, found in (
+            ({f"{stem}.lora_A.weight": (8, 64), f"{stem}.lora_B.weight": (64, 4)}, "lora_A of rank 8, lora_B of rank 4"),
+            ({f"{stem}.lora_A.weight": (8, 64)}, "lora_A of rank 8"),
+            ({**good, "base_model.model.model.embed_tokens.lora_embedding_B": (64, 8)}, "lora_embedding_B of rank 8")):
+        with pytest.raises(CorruptObjectError, match=f"has {found}; a LoRA module has both factors, of one rank"):
+            check_adapter_tensors(cfg, shapes)
+
+
+def test_a_base_changing_init_method_reaches_the_folder_as_the_trainer_wrote_it(tmp_path, monkeypatch):
+    """A PiSSA run's folder keeps ``init_lora_weights``, so vLLM refuses it as it refuses the
+    trainer's own checkpoint (it used to be reset to ``true`` and served on the unchanged base);
+    receivers warn, as the sender did."""
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    model = get_peft_model(tiny_qwen3("tiny", seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                                  init_lora_weights="pissa"))
+    with pytest.warns(UserWarning, match="init_lora_weights='pissa' changed the base weights"):
+        AdapterSender(model, tmp_path / "bucket").publish()
+    with pytest.warns(UserWarning, match=r"adapter_config.json: init_lora_weights='pissa' changed the base weights"):
+        out = materialize_adapter(tmp_path / "bucket", tmp_path / "v0")
+    assert json.loads((out / "adapter_config.json").read_text())["init_lora_weights"] == "pissa"
+    model.save_pretrained(tmp_path / "checkpoint")
+    for folder in (out, tmp_path / "checkpoint"):
+        with pytest.raises(ValueError, match="does not support init_lora_weights='pissa'"):
+            PEFTHelper.from_local_dir(str(folder), max_position_embeddings=4096).validate_legal(LoRAConfig(max_lora_rank=8))
+    # a receiver's LoraConfig still resets it (building it must not re-initialise or import scipy)
+    receiver = AdapterReceiver(None, tmp_path / "bucket")
+    with pytest.warns(UserWarning, match="init_lora_weights='pissa'"):
+        assert receiver.update() == 0
+    assert receiver.config.init_lora_weights is True

@@ -15,8 +15,9 @@ prints ``{"step": "ready"}`` and then answers one line per command on stdin:
 * ``corrupt V``: version ``V`` was published and one of its objects damaged; the loader's poll must
   fail and the engine keep serving what it served.
 * ``refused PREFIX``: another run, under ``PREFIX``, holds an adapter the engine refuses (a rank above
-  its ``max_lora_rank``); a second loader's poll must fail with the engine's reason, and the engine
-  keep serving the first loader's version.
+  its ``max_lora_rank``, or one made for another base model); that run's own loader (made on the
+  first ``refused`` of the prefix, ids from 500) must fail its poll with the engine's reason, every
+  time it is asked, and the engine keep serving the first loader's version.
 * ``done``: exit.
 
 Each answer reports what the engine holds (its LoRA ids or served model names) and the loader's
@@ -193,7 +194,7 @@ def main() -> None:
         base_out = eng.outputs()
         loader = VLLMAdapterLoader(eng.ops, str(work / "store"), cache_dir=work / "cache", keep=2)
         say({"step": "ready"})
-        previous = None
+        previous, others = None, {}
         for line in sys.stdin:
             cmd, _, arg = line.strip().partition(" ")
             if cmd == "done":
@@ -215,8 +216,10 @@ def main() -> None:
                     res["error"] = f"{type(e).__name__}: {e}"[:2000]
                 res.update(version=loader.current.version, unchanged=eng.through(loader) == previous)
             elif cmd == "refused":
-                other = VLLMAdapterLoader(eng.ops, str(work / "store"), prefix=arg, cache_dir=work / "cache",
-                                          name="other", id_offset=500)
+                if arg not in others:
+                    others[arg] = VLLMAdapterLoader(eng.ops, str(work / "store"), prefix=arg, cache_dir=work / "cache",
+                                                    name=arg, id_offset=500 + 100 * len(others))
+                other = others[arg]
                 try:
                     eng.poll(other)
                     res["error"] = None
@@ -224,12 +227,12 @@ def main() -> None:
                     res["error"] = f"{type(e).__name__}: {e}"[:2000]
                 res.update(other_loaded=[a.lora_name for a in other.loaded], version=loader.current.version,
                            unchanged=eng.through(loader) == previous)
-                other.close()
             res.update(held=eng.held(), loaded=[a.lora_name for a in loader.loaded],
                        loaded_ids=[a.lora_int_id for a in loader.loaded],
                        cache=sorted(p.name for p in (work / "cache").iterdir()))
             say(res)
-        loader.close()
+        for other in [loader, *others.values()]:
+            other.close()
     finally:
         eng.stop()
     say({"step": "done"})

@@ -73,7 +73,8 @@ MAX_CONFIG_DEPTH = 16
 
 #: Config fields that only configure an initialisation method of ``init_lora_weights`` (LoftQ,
 #: EVA, CorDA, LoRA-GA), and ``megatron_core`` (used only with ``megatron_config``, which is
-#: refused), with ``LoraConfig``'s defaults: a receiver resets them (:func:`check_adapter_config`).
+#: refused), with ``LoraConfig``'s defaults: a receiver's ``LoraConfig`` has them reset
+#: (:func:`lora_config_from`).
 _INIT_FIELDS = {"loftq_config": {}, "eva_config": None, "corda_config": None, "lora_ga_config": None,
                 "megatron_core": "megatron.core"}
 
@@ -87,8 +88,11 @@ def check_init_method(config, where: str) -> None:
     """Warn when ``config``'s ``init_lora_weights`` changed the trainer's base weights: receivers
     apply the synced adapter to their own, unchanged base weights, where it computes another
     function (unless they load the trainer's changed base too, or the adapter is converted with
-    PEFT's ``path_initial_model_for_weight_conversion``)."""
-    init = getattr(config, "init_lora_weights", True)
+    PEFT's ``path_initial_model_for_weight_conversion``). ``config``: a ``LoraConfig`` or its ``dict``."""
+    if isinstance(config, Mapping):
+        init = config.get("init_lora_weights", True)
+    else:
+        init = getattr(config, "init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
         warnings.warn(f"{where}: init_lora_weights={init!r} changed the base weights when the adapter was made; "
                       "receivers apply the adapter to their own base weights, where it computes another function "
@@ -150,18 +154,16 @@ def check_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY) -> dict[s
     a finite number, ``target_modules`` a string or a list of strings, ``rank_pattern`` /
     ``alpha_pattern`` objects of positive integers / numbers; no ``megatron_config`` (PEFT imports
     the module it names); the fields PEFT takes without checking their types of the types it
-    declares (:data:`_FIELD_TYPES`). The initialisation method (``init_lora_weights`` other than
-    true or false, and :data:`_INIT_FIELDS`) is reset to PEFT's default: it only acts when an
-    adapter is created, never when received weights are loaded, and building a LoftQ config makes
-    PEFT import scipy, which a rollout worker need not have (methods that also change the base
-    weights: :func:`check_init_method`).
+    declares (:data:`_FIELD_TYPES`). The initialisation method stays as the trainer wrote it, so a
+    materialised folder is read as the trainer's own checkpoint would be (vLLM refuses the methods
+    that changed the trainer's base weights: :func:`check_init_method`).
 
     Args:
         data: the config bytes.
         where: what to name in errors (the store key or path).
 
     Returns:
-        The config as a JSON object (``dict``), the initialisation fields reset.
+        The config as a JSON object (``dict``).
 
     Raises:
         CorruptObjectError: any rule broken; the message names the field.
@@ -198,18 +200,16 @@ def check_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY) -> dict[s
     for key, ok in _FIELD_TYPES.items():
         if key in doc and not ok(doc[key]):
             raise _config_error(where, f"{key} has a value PEFT does not define: {doc[key]!r:.80}")
-    if not isinstance(doc.get("init_lora_weights", True), bool):
-        doc["init_lora_weights"] = True
-    for key, default in _INIT_FIELDS.items():
-        if key in doc:
-            doc[key] = copy.deepcopy(default)
     return doc
 
 
 def lora_config_from(doc: Mapping[str, Any], where: str = ADAPTER_CONFIG_KEY):
     """Build PEFT's ``LoraConfig`` from a config :func:`check_adapter_config` accepted. Keys this
     PEFT does not know are dropped with a warning, as ``PeftConfig.from_pretrained`` does (a newer
-    PEFT wrote them).
+    PEFT wrote them). The initialisation method (``init_lora_weights`` other than true or false,
+    and :data:`_INIT_FIELDS`) is reset to PEFT's default: it only acts when an adapter is created,
+    never when received weights are loaded, and building a LoftQ config makes PEFT import scipy,
+    which a rollout worker need not have.
 
     Raises:
         CorruptObjectError: PEFT's own checks reject the config.
@@ -220,8 +220,14 @@ def lora_config_from(doc: Mapping[str, Any], where: str = ADAPTER_CONFIG_KEY):
     unknown = sorted(set(doc) - known)
     if unknown:
         warnings.warn(f"{where}: ignoring config keys this PEFT does not know: {unknown} (written by a newer PEFT?)")
+    kwargs = {k: v for k, v in doc.items() if k in known}
+    if not isinstance(kwargs.get("init_lora_weights", True), bool):
+        kwargs["init_lora_weights"] = True
+    for key, default in _INIT_FIELDS.items():
+        if key in kwargs:
+            kwargs[key] = copy.deepcopy(default)
     try:
-        return cls(**cls.check_kwargs(**{k: v for k, v in doc.items() if k in known}))
+        return cls(**cls.check_kwargs(**kwargs))
     except (TypeError, ValueError) as e:
         raise _config_error(where, f"PEFT rejects the config: {e}") from None
 

@@ -26,8 +26,8 @@ Pieces:
 * :class:`AdapterReceiver` (a :class:`~torch_deltasync.DeltaReceiver`): applies versions in place to
   a ``PeftModel`` on any device, bit-exactly, or holds the adapter tensors itself (``model=None``).
 * :func:`materialize_adapter`: writes the PEFT folder of one version (never half-written).
-* :func:`adapter_state_dict`, :func:`read_adapter_config`, :func:`parse_adapter_config`,
-  :func:`check_adapter_config`.
+* :func:`adapter_state_dict`, :func:`read_adapter_config`, :func:`parse_adapter_config`; without
+  PEFT, :func:`read_adapter_doc` and :func:`check_adapter_config` (the config as a ``dict``).
 
 ``peft`` is imported lazily (the ``models`` extra), and only where a ``PeftModel`` or a
 ``LoraConfig`` is involved: a receiver without a model (:func:`materialize_adapter`, the vLLM
@@ -70,11 +70,12 @@ __all__ = [
     "check_adapter_config",
     "parse_adapter_config",
     "read_adapter_config",
+    "read_adapter_doc",
     "check_adapter_tensors",
     "materialize_adapter",
 ]
 
-for _f in (adapter_config_json, check_adapter_config, parse_adapter_config, read_adapter_config):
+for _f in (adapter_config_json, check_adapter_config, parse_adapter_config, read_adapter_config, read_adapter_doc):
     _f.__module__ = __name__  # the public path (defined in ._adapter_config)
 del _f
 
@@ -132,8 +133,10 @@ def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: 
     """Check published tensor names and shapes against an adapter config.
 
     Every name must be a PEFT adapter name (``base_model.model.`` and a dotted module path), at
-    least one must be a LoRA factor, and each factor's rank dimension (``lora_A`` dim 0, ``lora_B``
-    dim 1) must be ``config.r`` or a ``rank_pattern`` value.
+    least one must be a LoRA factor, each factor's rank dimension (``lora_A`` dim 0, ``lora_B``
+    dim 1) must be ``config.r`` or a ``rank_pattern`` value, and every module's ``lora_A`` must have
+    its ``lora_B`` of the same rank (PEFT's ``B @ A``; vLLM would load a lone or mismatched factor
+    and serve it).
 
     Args:
         config: a ``peft.LoraConfig`` or the config as :func:`check_adapter_config` returns it.
@@ -143,20 +146,26 @@ def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: 
         CorruptObjectError: a name or rank that does not belong to this adapter.
     """
     ranks = _ranks_allowed(config)
-    factors = 0
+    pairs: dict[tuple[str, str], dict[str, int]] = {}  # (module, factor kind) -> {"A"/"B": rank}
     for name, shape in shapes.items():
         if not _NAME_RE.fullmatch(name):
             raise CorruptObjectError(f"{where}: {name!r} is not a PEFT adapter tensor name (base_model.model.<module>...)")
         for suffix, dim in _RANK_DIMS:
             if name.endswith(suffix):
-                factors += 1
                 if len(shape) != 2 or shape[dim] not in ranks:
                     raise CorruptObjectError(
                         f"{where}: {name!r} has shape {tuple(shape)}; a LoRA factor of rank {sorted(ranks)} "
                         f"is 2-D with the rank in dim {dim}"
                     )
-    if not factors:
+                kind = suffix.split(".")[1]  # lora_A / lora_B / lora_embedding_A / lora_embedding_B
+                pairs.setdefault((name[: -len(suffix)], kind[:-2]), {})[kind[-1]] = shape[dim]
+    if not pairs:
         raise CorruptObjectError(f"{where}: none of the {len(shapes)} tensors is a LoRA factor (lora_A / lora_B)")
+    for (module, kind), got in pairs.items():
+        if len(got) != 2 or got["A"] != got["B"]:
+            found = ", ".join(f"{kind}_{f} of rank {r}" for f, r in sorted(got.items()))
+            raise CorruptObjectError(f"{where}: module {module!r} has {found}; a LoRA module has both factors, "
+                                     "of one rank")
 
 
 class AdapterSender(DeltaSender):
@@ -374,7 +383,9 @@ class AdapterReceiver(DeltaReceiver):
             if key not in self._configs:
                 if len(self._configs) >= 4:  # runs followed long ago
                     self._configs.clear()
-                self._configs[key] = [read_adapter_doc(self.store, manifest=m), None]
+                doc = read_adapter_doc(self.store, manifest=m)
+                check_init_method(doc, f"{self.store.describe()}/{ADAPTER_CONFIG_KEY}")  # (the sender warned too)
+                self._configs[key] = [doc, None]
             return self._configs[key]
 
     def _doc_of(self, m) -> dict[str, Any]:

@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ...errors import DeltaSyncError
 from ...follow import poll_until
 from ._steps import drive, drive_async
@@ -275,6 +277,14 @@ class VLLMAdapterLoader:
         runs, id_base = self._numbering
         if cur is not None and run != cur.run_id:  # a new run: numbers restart, names and ids move on
             runs, id_base = runs + 1, max(a.lora_int_id for a in self.loaded) + 1 - version
+        bad = {n: int((~torch.isfinite(t)).sum()) for n, t in self.receiver.tensors.items() if not torch.isfinite(t).all()}
+        if bad:
+            # vLLM's CPU LoRA kernels let one NaN adapter turn later requests without any adapter into NaN
+            n, k = next(iter(bad.items()))
+            raise DeltaSyncError(
+                f"{self.receiver.store.describe()}: version {version} of the adapter holds non-finite values ({k} in "
+                f"{n!r}{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}; a diverged trainer?); not "
+                "loaded into the engine, which keeps the version it serves. A newer version is tried on the next poll")
         name = f"{self.name}-v{version}" if runs == 0 else f"{self.name}-r{runs}-v{version}"
         path = self.receiver.save(self.cache_dir / name, base_model_name_or_path=self.base_model_name_or_path)
         return LoadedAdapter(version, name, id_base + version, str(path), run_id=run), t0, (runs, id_base)
@@ -284,9 +294,17 @@ class VLLMAdapterLoader:
         The numbering of ``adapter``'s run is kept once the engine has loaded it."""
         try:
             yield ("load", adapter.lora_name, adapter.lora_int_id, adapter.path)
-        except BaseException:
+        except BaseException as refused:
+            if isinstance(refused, Exception):
+                # vLLM registers the id before it activates the adapter: one refused while being
+                # activated (say, made for another base model) stays registered, and a later add_lora
+                # of that id would "succeed" without loading anything, serving the base model.
+                try:
+                    yield ("unload", adapter.lora_name, adapter.lora_int_id)
+                except Exception:  # noqa: BLE001 (not registered: nothing to remove)
+                    pass
             shutil.rmtree(adapter.path, ignore_errors=True)
-            raise
+            raise refused
         loaded = replace(adapter, load_ms=(time.perf_counter() - t0) * 1e3)
         self.loaded.append(loaded)
         self._numbering = numbering
@@ -305,8 +323,10 @@ class VLLMAdapterLoader:
 
         Raises:
             Everything :meth:`AdapterReceiver.update` raises (nothing is loaded then), and
-            ``DeltaSyncError`` when the engine refuses the adapter (its folder is removed; the
-            current version stays).
+            ``DeltaSyncError`` when the engine refuses the adapter (its folder is removed, its id
+            unregistered; the current version stays) or the version holds NaN or Inf values (not
+            offered to the engine: in vLLM's CPU LoRA kernels one such adapter turns later requests
+            without any adapter into NaN).
         """
         got = self._fetch_newer()
         return None if got is None else drive(self._load_steps(*got), self.ops)
