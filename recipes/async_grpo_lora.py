@@ -384,11 +384,13 @@ def _summary(args, rows, versions, service, exact, workers) -> dict:
 def _worker_updates(run_dir: Path) -> dict:
     """The workers' adapter updates (``worker-<i>.jsonl``): how many, by path, and their times
     (``total_ms``: the receiver's update; ``load_ms``, vLLM workers: the whole swap, store reads to
-    the engine's load)."""
+    the engine's load), and how many versions were skipped (not applied or refused by the engine)."""
     ups = []
     for path in sorted(run_dir.glob("worker-*.jsonl")):
         ups += [r["update"] for r in map(json.loads, path.read_text().splitlines()) if r.get("update")]
-    out = {"count": len(ups), "by_path": {}}
+    skipped = [u for u in ups if "error" in u]
+    ups = [u for u in ups if "error" not in u]
+    out = {"count": len(ups), "by_path": {}, "skipped": len(skipped)}  # skipped: versions not applied / loaded
     for u in ups:
         out["by_path"][u["path"]] = out["by_path"].get(u["path"], 0) + 1
     for key in ("total_ms", "load_ms"):
@@ -457,7 +459,7 @@ def run_all(args) -> dict:
     service = start_service(cfg)
     if args.engine == "vllm":
         # The vLLM servers are bound one per core; a 2-thread trainer beside them took 0.44 s per step
-        # against 0.19 s with one thread (40 steps, 2 cores).
+        # against 0.18 s with one thread (40 steps, 2 cores).
         torch.set_num_threads(1)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
@@ -531,8 +533,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not Path(python).exists():
             p.error(f"--engine vllm: vLLM's interpreter {python} does not exist; run `bash tools/setup.sh` (it builds "
                     ".venv-vllm) or pass --vllm-python")
-        if args.rank > 512:
-            p.error(f"--engine vllm: --rank {args.rank} is above vLLM's largest --max-lora-rank (512)")
+        from recipes.grpo.lora_rollouts import VLLM_MAX_LORA_RANKS
+
+        if args.rank > VLLM_MAX_LORA_RANKS[-1]:
+            p.error(f"--engine vllm: --rank {args.rank} is above vLLM's largest --max-lora-rank "
+                    f"({VLLM_MAX_LORA_RANKS[-1]})")
     if args.store is not None and args.store.startswith("memory://"):
         p.error("--store memory://... lives inside one process, but the trainer and the rollout workers are separate "
                 "processes; use a folder, s3://... or hf://buckets/...")

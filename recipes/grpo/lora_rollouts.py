@@ -12,18 +12,25 @@
   that runs (the problem statement's "hot swap" of adapters in a live engine).
 
 Both return rollouts in :func:`recipes.grpo.policy.sample`'s layout (ids, mask, log-probs of the
-sampled tokens after temperature) and tag them with the adapter version that sampled them.
+sampled tokens after temperature) and tag them with the adapter version that sampled them. A
+version that cannot be applied or loaded (damaged, refused by the engine, NaN values) is reported
+and skipped: the worker samples on with the version it holds, and the next refresh tries the
+newest again.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from torch_deltasync.errors import DeltaSyncError
 
 from .policy import pad_responses, sample
 from .task import Tokenizer
@@ -79,9 +86,13 @@ class PeftRollouts:
         return self.receiver.version
 
     def refresh(self) -> dict[str, Any] | None:
-        """Apply the newest version (in place); its update's stats, ``None`` when nothing was newer."""
+        """Apply the newest version (in place); its update's stats, ``None`` when nothing was newer,
+        ``{"error": ...}`` when it could not be applied (:func:`_skipped`)."""
         before = self.receiver.version
-        self.receiver.update()
+        try:
+            self.receiver.update()
+        except DeltaSyncError as e:
+            return _skipped(e, before)
         if self.receiver.version == before:
             return None
         st = self.receiver.last_stats
@@ -121,23 +132,22 @@ class VLLMRollouts:
     def __init__(self, store, base: torch.nn.Module, tok: Tokenizer, *, run_dir: str | Path, worker_id: int,
                  seed: int, timeout_s: float, vllm_python: str | None = None) -> None:
         from torch_deltasync.follow import poll_until
-        from torch_deltasync.integrations.peft import read_adapter_doc
+        from torch_deltasync.integrations.peft import read_adapter_config_dict
         from torch_deltasync.integrations.vllm import VLLMAdapterLoader, server_lora_ops
 
         from .generators import _save_quietly
         from .vllm_server import VLLMServer
 
-        config = poll_until(lambda: _config_or_none(read_adapter_doc, store), timeout_s=timeout_s, poll_s=0.2)
+        config = poll_until(lambda: _config_or_none(read_adapter_config_dict, store), timeout_s=timeout_s, poll_s=0.2)
         if config is None:
             raise TimeoutError(f"{store.describe()}: no adapter config within {timeout_s} s")
         self.tok = tok
         self.workdir = Path(tempfile.mkdtemp(prefix="grpo-lora-vllm-"))
-        _save_quietly(base.to(torch.bfloat16), str(self.workdir / "base"))
-        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the server inherits it
+        _save_quietly(copy.deepcopy(base).to(torch.bfloat16), str(self.workdir / "base"))
         self.server = VLLMServer(
             str(self.workdir / "base"), Path(run_dir) / f"vllm-worker-{worker_id}.log", python=vllm_python, seed=seed,
             deltasync=False, start_timeout_s=timeout_s, remove_when_done=str(self.workdir),
-            cpus=str(worker_id % (os.cpu_count() or 1)),
+            cpus=str(worker_id % (os.cpu_count() or 1)), env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
             extra_args=["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(config)), "--max-loras", "2"])
         self.loader = VLLMAdapterLoader(server_lora_ops(self.server.url), store, cache_dir=self.workdir / "adapters",
                                         name="lora", keep=2)
@@ -151,8 +161,12 @@ class VLLMRollouts:
 
     def refresh(self) -> dict[str, Any] | None:
         """Load the newest version into the server; its stats (the receiver's update and the whole
-        swap, ``load_ms``), ``None`` when nothing was newer."""
-        got = self.loader.poll()
+        swap, ``load_ms``), ``None`` when nothing was newer, ``{"error": ...}`` when it could not
+        be loaded (:func:`_skipped`)."""
+        try:
+            got = self.loader.poll()
+        except DeltaSyncError as e:
+            return _skipped(e, self.version)
         if got is None:
             return None
         st = self.loader.receiver.last_stats
@@ -176,6 +190,15 @@ class VLLMRollouts:
         finally:
             self.server.stop()
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _skipped(e: DeltaSyncError, held: int | None) -> dict[str, Any]:
+    """A version that could not be applied or loaded: reported on stderr and in the batch's
+    metrics; re-raised when the worker holds no version yet (it has nothing to sample with)."""
+    if held is None:
+        raise e
+    print(f"version not taken ({type(e).__name__}: {e}); sampling on with version {held}", file=sys.stderr, flush=True)
+    return {"error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def _config_or_none(read, store):

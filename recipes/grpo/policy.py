@@ -144,7 +144,8 @@ def sample(model: nn.Module, tok: Tokenizer, prompt_ids: torch.Tensor, prompt_ma
 
 def pad_responses(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], *, max_new_tokens: int,
                   eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Responses an engine sampled (token ids and their log-probs, one list each per rollout) in
+    """Responses an engine sampled (token ids and their natural-log probabilities under the
+    distribution they were drawn from, after temperature; one list each per rollout) in
     :func:`sample`'s layout.
 
     Returns:
@@ -153,13 +154,14 @@ def pad_responses(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[f
         ``eos_id`` (at most ``T`` tokens); log-probs 0 where masked.
 
     Raises:
-        ValueError: a response longer than ``T``, or with fewer log-probs than counted tokens.
+        ValueError: a response longer than ``T``, or with fewer log-probs than counted tokens, or
+            ``tokens`` and ``logprobs`` of different lengths.
     """
     n, T = len(tokens), max_new_tokens
     ids = torch.full((n, T), pad_id, dtype=torch.long)
     mask = torch.zeros((n, T), dtype=torch.bool)
     lps = torch.zeros((n, T), dtype=torch.float32)
-    for i, (toks, lp) in enumerate(zip(tokens, logprobs)):
+    for i, (toks, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         k = toks.index(eos_id) + 1 if eos_id in toks else len(toks)
         if len(toks) > T or len(lp) < k:
             raise ValueError(f"response {i}: {len(toks)} tokens (at most {T}) with {len(lp)} log-probs")

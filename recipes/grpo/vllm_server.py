@@ -93,6 +93,7 @@ class VLLMServer:
         logprobs_mode: vLLM's ``--logprobs-mode``: ``"processed_logprobs"`` (after temperature, what
             truncated importance sampling needs) or ``"raw_logprobs"`` (the model's, as an offline
             ``vllm.LLM`` returns them by default).
+        env: further environment variables of the server (e.g. ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
 
     Raises:
         ServerDied: the server exited before answering ``/health``, or did not answer within
@@ -103,7 +104,8 @@ class VLLMServer:
     def __init__(self, model_dir: str, log_path: str | Path, *, python: str | None = None, seed: int = 0,
                  max_model_len: int | None = None, deltasync: bool = True, start_timeout_s: float = 600.0,
                  extra_args: list[str] | None = None, remove_when_done: str | None = None,
-                 cpus: str | None = None, logprobs_mode: str = "processed_logprobs") -> None:
+                 cpus: str | None = None, logprobs_mode: str = "processed_logprobs",
+                 env: dict[str, str] | None = None) -> None:
         python = python or default_vllm_python()
         if not Path(python).exists():
             raise FileNotFoundError(f"vLLM interpreter {python} does not exist: run `bash tools/setup.sh` (it builds "
@@ -118,12 +120,13 @@ class VLLMServer:
                 "--disable-log-stats", "--uvicorn-log-level", "warning", "--enable-scale-out", *(extra_args or [])]
         if deltasync:
             args += ["--weight-transfer-config", json.dumps({"backend": "deltasync"})]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        extra_env, env = env, {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(
                        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         if cpus is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the caller's setting wins
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        env.update(extra_env or {})
         sup = [python, __file__, "--log", str(self.log_path)]
         if remove_when_done:
             sup += ["--remove-when-done", str(remove_when_done)]

@@ -260,9 +260,10 @@ def test_lora_versions_hot_swapped_into_a_live_engine(tmp_path, kind):
         # adapters the engine refuses, each another run followed by a loader of its own: a rank above
         # max_lora_rank (refused before vLLM registers it) and one made for a base of another width
         # (refused while vLLM activates it, after registering its id). Each poll fails with the engine's
-        # reason, loads nothing and leaves no folder, and the refused id is not left registered: asked
-        # again, the engine refuses again (it used to answer "loaded" for the id it knew and serve the
-        # base model under the version's name). The engine keeps serving v3 through the first loader.
+        # reason, loads nothing and leaves no folder, and the refused id is not left registered
+        # (list_loras() of the offline and async engines; vllm serve assigns ids itself and lists names):
+        # asked again, the engine refuses again (it used to answer "loaded" for the id it knew and serve
+        # the base model under the version's name). The engine keeps serving v3 through the first loader.
         Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)).save_pretrained(
             tmp_path / "wide-base")

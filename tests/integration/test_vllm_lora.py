@@ -46,10 +46,12 @@ class FakeEngine:
     """Records add_lora / remove_lora like vLLM's LLMEngine; reads each adapter folder when loaded."""
 
     def __init__(self, refuse: set[str] = frozenset()):
-        self.calls, self.held, self.refuse = [], {}, refuse
+        self.calls, self.held, self.refuse, self.fail = [], {}, refuse, None
 
     def add_lora(self, req):
         self.calls.append(("add_lora", req.lora_name, req.lora_int_id, req.lora_path))
+        if self.fail is not None:
+            raise self.fail
         if req.lora_name in self.refuse:
             return False
         self.held[req.lora_int_id] = (req.lora_name, snapshot(req.lora_path))
@@ -132,8 +134,32 @@ def test_a_refused_load_keeps_the_current_version(tmp_path):
     with pytest.raises(DeltaSyncError, match="refused"):
         loader.poll()
     assert loader.current.version == 0 and not (tmp_path / "cache" / "a-v1").exists()
+    # the refused id is unregistered (vLLM registers it before activating the adapter) and never offered
+    # again: vLLM answers add_lora of a registered id with success without loading anything
+    assert llm.llm_engine.calls[-2:] == [("add_lora", "a-v1", 101, str(tmp_path / "cache" / "a-v1")),
+                                         ("remove_lora", 101)]
+    llm.llm_engine.refuse = set()
+    assert (loader.poll().lora_int_id, loader.current.version) == (102, 1)  # the same version, a new id
     trainer.step_and_publish()
-    assert loader.poll().version == 2  # a later version loads
+    assert (loader.poll().lora_int_id, loader.current.version) == (103, 2)  # a later version loads
+
+
+def test_an_engine_failure_is_not_a_refusal_and_its_id_is_not_offered_again(tmp_path):
+    """A dead engine or a timeout is not the adapter's fault: it propagates unchanged (not as the
+    DeltaSyncError of a refusal, which callers retry), and the next attempt uses a new id."""
+    trainer = Trainer(tmp_path / "bucket")
+    llm = FakeLLM()
+    loader = VLLMAdapterLoader(llm_lora_ops(llm, request_cls=Req), tmp_path / "bucket", prefix="run",
+                               cache_dir=tmp_path / "cache", name="a")
+    trainer.step_and_publish()
+    llm.llm_engine.fail = TimeoutError("RPC call to add_lora timed out.")
+    with pytest.raises(TimeoutError, match="timed out"):
+        loader.poll()
+    llm.llm_engine.fail = Exception("Call to add_lora method failed: Worker failed with error 'bad adapter'")
+    with pytest.raises(DeltaSyncError, match=r"vLLM refused to load LoRA adapter 'a-v0' from .*: Call to add_lora"):
+        loader.poll()
+    llm.llm_engine.fail = None
+    assert loader.poll().lora_int_id == 3 and [c[2] for c in llm.llm_engine.calls if c[0] == "add_lora"] == [1, 2, 3]
 
 
 def loaded_then_wiped(tmp_path: Path, llm: FakeLLM) -> tuple[Trainer, VLLMAdapterLoader, Trainer]:
@@ -184,9 +210,9 @@ def test_a_refused_first_version_of_a_new_run_is_tried_again(tmp_path):
         loader.poll()
     assert loader.current.lora_name == "g-v2"
     llm.llm_engine.refuse = set()  # the engine accepts it now
-    got = loader.poll()
-    assert (got.lora_name, got.lora_int_id, got.run_id) == ("g-r1-v2", 4, second.sender.run_id)
-    assert same(llm.llm_engine.held[4][1], second.states[2])
+    got = loader.poll()  # under a new id: 4 was offered (and refused) once
+    assert (got.lora_name, got.lora_int_id, got.run_id) == ("g-r1-v2", 5, second.sender.run_id)
+    assert same(llm.llm_engine.held[5][1], second.states[2])
 
 
 def test_async_llm(tmp_path):
@@ -302,6 +328,11 @@ def test_a_version_with_non_finite_values_is_never_offered_to_the_engine(tmp_pat
         assert loader.current.version == 0 and [c[1] for c in llm.llm_engine.calls] == ["a-v0"]
         assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["a-v0"]
     with torch.no_grad():
-        b[0, 0] = saved
-    assert trainer.step_and_publish() == 2
-    assert loader.poll().version == 2 and same(llm.llm_engine.held[3][1], trainer.states[2])
+        b[0, 0], b[0, 1] = saved, float("inf")
+    assert trainer.sender.publish() == 2
+    with pytest.raises(DeltaSyncError, match=r"version 2 of the adapter holds non-finite values \(1 in"):
+        loader.poll()
+    with torch.no_grad():
+        b[0, 1] = 0.0
+    assert trainer.step_and_publish() == 3
+    assert loader.poll().version == 3 and same(llm.llm_engine.held[4][1], trainer.states[3])

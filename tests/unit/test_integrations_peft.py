@@ -698,6 +698,7 @@ def test_lone_or_mismatched_factors_are_refused():
     for shapes, found in (
             ({f"{stem}.lora_A.weight": (8, 64), f"{stem}.lora_B.weight": (64, 4)}, "lora_A of rank 8, lora_B of rank 4"),
             ({f"{stem}.lora_A.weight": (8, 64)}, "lora_A of rank 8"),
+            ({**good, "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight": (32, 8)}, "lora_B of rank 8"),
             ({**good, "base_model.model.model.embed_tokens.lora_embedding_B": (64, 8)}, "lora_embedding_B of rank 8")):
         with pytest.raises(CorruptObjectError, match=f"has {found}; a LoRA module has both factors, of one rank"):
             check_adapter_tensors(cfg, shapes)

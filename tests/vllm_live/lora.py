@@ -26,7 +26,6 @@ cache folders. Usage: ``lora.py WORKDIR offline|async|server``.
 
 import asyncio
 import json
-import os
 import sys
 import threading
 from pathlib import Path
@@ -151,9 +150,9 @@ class Server:
         from recipes.grpo.vllm_server import VLLMServer
         from torch_deltasync.integrations.vllm import server_lora_ops
 
-        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         self.server = VLLMServer(base, work / "server.log", python=sys.executable, max_model_len=256,
                                  start_timeout_s=300, logprobs_mode="raw_logprobs", deltasync=False,
+                                 env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
                                  extra_args=["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "3"])
         self.ops = server_lora_ops(self.server.url)
 

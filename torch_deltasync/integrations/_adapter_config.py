@@ -49,8 +49,9 @@ def _depth(doc: Any) -> int:
     return deepest
 
 
-#: Structural fields whose types PEFT does not check when a config is built, and what each may be
-#: (``LoraConfig``'s annotations); ``None`` is PEFT's default for all but the booleans and ``bias``.
+#: Fields whose types PEFT does not check when a config is built, and what each may be
+#: (``LoraConfig``'s annotations); ``None`` is PEFT's default for all but the booleans, ``bias``,
+#: ``lora_dropout`` and ``init_lora_weights`` (a bool or the name of a method, which vLLM checks).
 _FIELD_TYPES = {
     "use_rslora": lambda v: type(v) is bool, "use_dora": lambda v: type(v) is bool,
     "fan_in_fan_out": lambda v: type(v) is bool, "lora_bias": lambda v: type(v) is bool,
@@ -65,17 +66,18 @@ _FIELD_TYPES = {
     "trainable_token_indices": lambda v: v is None or _ints(v) or (
         isinstance(v, dict) and all(isinstance(k, str) and _ints(x) for k, x in v.items())),
     "lora_dropout": lambda v: type(v) in (int, float) and 0 <= v <= 1,
+    "init_lora_weights": lambda v: type(v) is bool or isinstance(v, str),
 }
 
 #: How deep an adapter config may nest (PEFT's own are 3 levels deep; Python's recursion in
 #: ``LoraConfig.to_dict`` fails at some hundreds).
 MAX_CONFIG_DEPTH = 16
 
-#: Config fields that only configure an initialisation method of ``init_lora_weights`` (LoftQ,
-#: EVA, CorDA, LoRA-GA), and ``megatron_core`` (used only with ``megatron_config``, which is
-#: refused), with ``LoraConfig``'s defaults: a receiver's ``LoraConfig`` has them reset
-#: (:func:`lora_config_from`).
-_INIT_FIELDS = {"loftq_config": {}, "eva_config": None, "corda_config": None, "lora_ga_config": None,
+#: Config fields a receiver's ``LoraConfig`` has reset to ``LoraConfig``'s defaults
+#: (:func:`lora_config_from`): those that only configure an initialisation method of
+#: ``init_lora_weights`` (LoftQ, EVA, CorDA, LoRA-GA), and ``megatron_core`` (used only with
+#: ``megatron_config``, which is refused).
+_RESET_FIELDS = {"loftq_config": {}, "eva_config": None, "corda_config": None, "lora_ga_config": None,
                 "megatron_core": "megatron.core"}
 
 
@@ -131,7 +133,7 @@ def adapter_config_json(model_or_config: Any, adapter_name: str = "default") -> 
     return json.dumps(d, indent=2, sort_keys=True, default=str).encode()
 
 
-def adapter_doc_json(doc: Mapping[str, Any], base_model_name_or_path: str | None = None) -> bytes:
+def config_dict_json(doc: Mapping[str, Any], base_model_name_or_path: str | None = None) -> bytes:
     """The ``adapter_config.json`` of a materialised version: the run's config (as
     :func:`check_adapter_config` returns it), ``base_model_name_or_path`` replaced when given."""
     d = dict(doc)
@@ -204,10 +206,11 @@ def check_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY) -> dict[s
 
 
 def lora_config_from(doc: Mapping[str, Any], where: str = ADAPTER_CONFIG_KEY):
-    """Build PEFT's ``LoraConfig`` from a config :func:`check_adapter_config` accepted. Keys this
+    """Build PEFT's ``LoraConfig`` from a config ``doc`` that :func:`check_adapter_config` accepted
+    (``where``: what to name in errors, the store key or path). Keys this
     PEFT does not know are dropped with a warning, as ``PeftConfig.from_pretrained`` does (a newer
     PEFT wrote them). The initialisation method (``init_lora_weights`` other than true or false,
-    and :data:`_INIT_FIELDS`) is reset to PEFT's default: it only acts when an adapter is created,
+    and :data:`_RESET_FIELDS`) is reset to PEFT's default: it only acts when an adapter is created,
     never when received weights are loaded, and building a LoftQ config makes PEFT import scipy,
     which a rollout worker need not have.
 
@@ -223,7 +226,7 @@ def lora_config_from(doc: Mapping[str, Any], where: str = ADAPTER_CONFIG_KEY):
     kwargs = {k: v for k, v in doc.items() if k in known}
     if not isinstance(kwargs.get("init_lora_weights", True), bool):
         kwargs["init_lora_weights"] = True
-    for key, default in _INIT_FIELDS.items():
+    for key, default in _RESET_FIELDS.items():
         if key in kwargs:
             kwargs[key] = copy.deepcopy(default)
     try:
@@ -250,9 +253,24 @@ def parse_adapter_config(data: bytes, where: str = ADAPTER_CONFIG_KEY):
     return lora_config_from(check_adapter_config(data, where), where)
 
 
-def read_adapter_doc(store: Store | str, *, prefix: str = "", manifest: Manifest | None = None) -> dict[str, Any]:
-    """:func:`read_adapter_config` without PEFT: the run's config as checked by
-    :func:`check_adapter_config` (a ``dict``). Raises what :func:`read_adapter_config` raises."""
+def read_adapter_config_dict(store: Store | str, *, prefix: str = "", manifest: Manifest | None = None) -> dict[str, Any]:
+    """Read a run's adapter config (``<prefix>/adapter/adapter_config.json``) without PEFT.
+
+    Args:
+        store: a store or anything :func:`~torch_deltasync.open_store` accepts.
+        prefix: the run's sub-path in the store.
+        manifest: a version of the run: the config must match the sha256 it records.
+
+    Returns:
+        The config as :func:`check_adapter_config` returns it (a ``dict``; PEFT's own checks have
+        not run: :func:`read_adapter_config` runs them).
+
+    Raises:
+        VersionNotFoundError: the run has no adapter config (not an adapter run, or no sender yet).
+        CorruptObjectError: the config breaks :func:`check_adapter_config`'s rules;
+            ``ChecksumMismatchError`` when it is not the one ``manifest`` records.
+        StoreError: the store failed.
+    """
     st = open_store(store).sub(prefix)
     where = f"{st.describe()}/{ADAPTER_CONFIG_KEY}"
     try:
@@ -280,7 +298,7 @@ def read_adapter_config(store: Store | str, *, prefix: str = "", manifest: Manif
         StoreError: the store failed.
     """
     st = open_store(store).sub(prefix)
-    return lora_config_from(read_adapter_doc(st, manifest=manifest), f"{st.describe()}/{ADAPTER_CONFIG_KEY}")
+    return lora_config_from(read_adapter_config_dict(st, manifest=manifest), f"{st.describe()}/{ADAPTER_CONFIG_KEY}")
 
 
 def _structure(config) -> dict[str, Any]:

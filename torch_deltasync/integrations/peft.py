@@ -27,7 +27,7 @@ Pieces:
   a ``PeftModel`` on any device, bit-exactly, or holds the adapter tensors itself (``model=None``).
 * :func:`materialize_adapter`: writes the PEFT folder of one version (never half-written).
 * :func:`adapter_state_dict`, :func:`read_adapter_config`, :func:`parse_adapter_config`; without
-  PEFT, :func:`read_adapter_doc` and :func:`check_adapter_config` (the config as a ``dict``).
+  PEFT, :func:`read_adapter_config_dict` and :func:`check_adapter_config` (the config as a ``dict``).
 
 ``peft`` is imported lazily (the ``models`` extra), and only where a ``PeftModel`` or a
 ``LoraConfig`` is involved: a receiver without a model (:func:`materialize_adapter`, the vLLM
@@ -50,9 +50,9 @@ from ..sender import AnchorPolicy, DeltaSender, SenderConfig
 from ..store import Store, open_store
 from ..targets import ModuleTarget
 from ._adapter_config import (
-    ADAPTER_CONFIG_KEY, MAX_ADAPTER_CONFIG_BYTES, STRUCTURAL_FIELDS, adapter_config_json, adapter_doc_json,
+    ADAPTER_CONFIG_KEY, MAX_ADAPTER_CONFIG_BYTES, STRUCTURAL_FIELDS, adapter_config_json, config_dict_json,
     check_adapter_config, check_init_method, lora_config_class, lora_config_from, parse_adapter_config, peft_config,
-    read_adapter_config, read_adapter_doc, structure_diff,
+    read_adapter_config, read_adapter_config_dict, structure_diff,
 )
 from ._adapter_dir import check_replaceable, write_adapter_dir
 from ._sender_options import receiver_config as _receiver_config
@@ -70,12 +70,12 @@ __all__ = [
     "check_adapter_config",
     "parse_adapter_config",
     "read_adapter_config",
-    "read_adapter_doc",
+    "read_adapter_config_dict",
     "check_adapter_tensors",
     "materialize_adapter",
 ]
 
-for _f in (adapter_config_json, check_adapter_config, parse_adapter_config, read_adapter_config, read_adapter_doc):
+for _f in (adapter_config_json, check_adapter_config, parse_adapter_config, read_adapter_config, read_adapter_config_dict):
     _f.__module__ = __name__  # the public path (defined in ._adapter_config)
 del _f
 
@@ -143,7 +143,8 @@ def check_adapter_tensors(config, shapes: Mapping[str, tuple[int, ...]], where: 
         shapes: ``{PEFT name: shape}`` of the published tensors.
 
     Raises:
-        CorruptObjectError: a name or rank that does not belong to this adapter.
+        CorruptObjectError: a name or rank that does not belong to this adapter, or a module
+            without both factors of one rank.
     """
     ranks = _ranks_allowed(config)
     pairs: dict[tuple[str, str], dict[str, int]] = {}  # (module, factor kind) -> {"A"/"B": rank}
@@ -371,7 +372,7 @@ class AdapterReceiver(DeltaReceiver):
         self._checking = None  # the manifest _check_target checks (AdapterTarget.check reads its config)
         self._model, self._adapter_name = model, adapter_name
         # Without a model the receiver only needs the config document, not PEFT (a vLLM rollout worker).
-        run_config = self._doc_of if model is None else self._config_of
+        run_config = self._config_dict_of if model is None else self._config_of
         super().__init__(AdapterTarget(tensors, lambda: run_config(self._checking), local), store, prefix=prefix,
                          config=receiver_config)
 
@@ -383,12 +384,12 @@ class AdapterReceiver(DeltaReceiver):
             if key not in self._configs:
                 if len(self._configs) >= 4:  # runs followed long ago
                     self._configs.clear()
-                doc = read_adapter_doc(self.store, manifest=m)
+                doc = read_adapter_config_dict(self.store, manifest=m)
                 check_init_method(doc, f"{self.store.describe()}/{ADAPTER_CONFIG_KEY}")  # (the sender warned too)
                 self._configs[key] = [doc, None]
             return self._configs[key]
 
-    def _doc_of(self, m) -> dict[str, Any]:
+    def _config_dict_of(self, m) -> dict[str, Any]:
         """Version ``m``'s run config as :func:`check_adapter_config` returns it (no PEFT needed)."""
         return self._cached(m)[0]
 
@@ -463,7 +464,7 @@ class AdapterReceiver(DeltaReceiver):
             if m is None:
                 raise VersionNotFoundError("nothing is held yet; call update() first")
             tensors = {n: self.target.values(n, m.inference_dtype).contiguous().clone() for n in self.tensors}
-        return write_adapter_dir(Path(out_dir), tensors, adapter_doc_json(self._doc_of(m), base_model_name_or_path),
+        return write_adapter_dir(Path(out_dir), tensors, config_dict_json(self._config_dict_of(m), base_model_name_or_path),
                                  version=m.version)
 
 
@@ -474,8 +475,10 @@ def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version:
     The version is rebuilt from the store (newest anchor at or before it, then its deltas), checked
     against the manifest's per-tensor checksums, and written as ``adapter_model.safetensors`` (the
     tensors in the run's inference dtype, PEFT names, metadata ``format=pt``) and
-    ``adapter_config.json`` (the run's config), never half-written (a temporary folder renamed into
-    place; an existing adapter folder at ``out_dir`` is briefly absent while it is replaced).
+    ``adapter_config.json`` (the run's config as the trainer wrote it, ``init_lora_weights``
+    included: PEFT and vLLM treat the folder as they treat the trainer's own checkpoint), never
+    half-written (a temporary folder renamed into place; an existing adapter folder at ``out_dir``
+    is briefly absent while it is replaced).
 
     Args:
         store: a store or anything :func:`~torch_deltasync.open_store` accepts.
@@ -489,7 +492,9 @@ def materialize_adapter(store: Store | str, out_dir: str | os.PathLike, version:
 
     Raises:
         VersionNotFoundError: no such version, or not an adapter run.
-        CorruptObjectError / ChecksumMismatchError: invalid objects or config.
+        CorruptObjectError / ChecksumMismatchError: invalid objects, or a config that breaks
+            :func:`check_adapter_config`'s rules (PEFT's own checks run when the folder is loaded:
+            this needs no PEFT).
         ValueError: ``out_dir`` is no folder this may replace (a file, under a file, a folder with
             other files, the current folder): checked before anything is downloaded.
 

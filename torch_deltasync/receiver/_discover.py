@@ -58,6 +58,9 @@ def wait_for(newest: Callable[[], int | None], where: str, version: int | None, 
         if v is not None and (version is None or v >= version):
             return v
         if time.monotonic() >= deadline:
+            if version is None:
+                raise SyncTimeoutError(f"{where}: no version was published within {timeout_s} s; is the writer "
+                                       "running, and publishing to this store and prefix?")
             raise SyncTimeoutError(f"{where}: no version >= {version} after {timeout_s} s (newest: {v})")
         time.sleep(poll_s)
 

@@ -60,8 +60,8 @@ class LoadedAdapter:
         version: the adapter version.
         lora_name: the name vLLM knows it by (``"<name>-v<version>"``, ``"<name>-r<k>-v<version>"`` in
             the k-th run followed after the first; the ``model`` of OpenAI requests).
-        lora_int_id: its vLLM adapter id (``id_offset + version`` in the first run the loader
-            followed, above every earlier id in a later one: never reused; ``>= 1``).
+        lora_int_id: its vLLM adapter id (``id_offset + version`` until a load fails, above every id
+            offered before after that and in a later run: never offered twice; ``>= 1``).
         path: the materialised PEFT folder vLLM loaded.
         load_ms: materialise + load time (milliseconds).
         run_id: the writer run the version belongs to (``Manifest.run_id``).
@@ -85,11 +85,18 @@ def _lora_request_cls():
 
 
 def _refused(name: str, path: str, reason: BaseException | None = None) -> DeltaSyncError:
-    """The error of an ``add_lora`` that failed (it raised ``reason``, e.g. vLLM's ``Exception("Call to
-    add_lora method failed: Worker failed with error 'LoRA rank 16 is greater than max_lora_rank
-    8.'")``) or returned false."""
+    """The error of an ``add_lora`` the engine refused (it raised ``reason`` or returned false)."""
     why = f": {reason}" if reason is not None else ""
     return DeltaSyncError(f"vLLM refused to load LoRA adapter {name!r} from {path}{why}")
+
+
+def _is_refusal(e: BaseException) -> bool:
+    """Whether ``add_lora`` raised the engine's refusal of the adapter: vLLM's engine core answers a
+    utility call that failed in a worker with a plain ``Exception("Call to add_lora method failed:
+    Worker failed with error 'LoRA rank 16 is greater than max_lora_rank 8.'")``
+    (``vllm/v1/engine/core_client.py``, ``_process_utility_output``). Anything else (a dead engine,
+    a timeout, a cancelled call) is not the adapter's fault and propagates as it is."""
+    return type(e) is Exception and str(e).startswith("Call to add_lora method failed")
 
 
 def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dict[str, Callable]:
@@ -100,7 +107,8 @@ def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dic
         request_cls: builds the request; default ``vllm.lora.request.LoRARequest``.
 
     Raises (from the steps):
-        DeltaSyncError: the engine refused the adapter (the message has its reason).
+        DeltaSyncError: the engine refused the adapter (the message has its reason). Other errors
+        (``EngineDeadError``, timeouts) propagate unchanged.
     """
     make = request_cls or _lora_request_cls()
 
@@ -108,8 +116,10 @@ def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dic
         req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
         try:
             loaded = llm.llm_engine.add_lora(req)
-        except Exception as e:  # vLLM's worker error, e.g. a rank above max_lora_rank
-            raise _refused(name, path, e) from e
+        except Exception as e:
+            if _is_refusal(e):  # e.g. a rank above max_lora_rank
+                raise _refused(name, path, e) from e
+            raise
         if loaded is False:
             raise _refused(name, path)
         return req
@@ -129,8 +139,10 @@ def async_llm_lora_ops(engine: Any, request_cls: Callable[..., Any] | None = Non
         req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
         try:
             loaded = await engine.add_lora(req)
-        except Exception as e:  # vLLM's worker error, e.g. a rank above max_lora_rank
-            raise _refused(name, path, e) from e
+        except Exception as e:
+            if _is_refusal(e):  # e.g. a rank above max_lora_rank
+                raise _refused(name, path, e) from e
+            raise
         if loaded is False:
             raise _refused(name, path)
         return req
@@ -198,7 +210,10 @@ class VLLMAdapterLoader:
             engine disjoint ranges. A new run on the prefix (a writer that started over on a wiped
             prefix, whose numbers restart) is followed like a newer version: its version ``v`` is
             loaded as ``f"{name}-r{k}-v{v}"`` (``k``: runs seen before it), with ids that continue
-            above every id this loader used, so no name or id ever stands for two adapters.
+            above every id this loader used, so no name or id ever stands for two adapters. After
+            a refused or interrupted load the ids move on the same way: an id offered once is never
+            offered again (vLLM registers an id before it activates the adapter, and answers a
+            later ``add_lora`` of a registered id with success without loading anything).
         keep: loaded versions to keep (>= 1); older ones are unloaded and their folders deleted.
             Keep at least 2 so requests started just before a swap finish on their version.
         base_model_name_or_path: recorded in each folder's ``adapter_config.json``.
@@ -242,6 +257,7 @@ class VLLMAdapterLoader:
         self.base_model_name_or_path = base_model_name_or_path
         self.loaded: list[LoadedAdapter] = []
         self._numbering = (0, id_offset)  # runs followed before the current one; the id of its version 0
+        self._last_id = id_offset - 1  # the highest id offered to the engine
         self._fetched: tuple[int, str] | None = None  # (version, run) the receiver last applied
 
     @property
@@ -276,7 +292,9 @@ class VLLMAdapterLoader:
         self._fetched = (version, run)  # what the receiver holds (the engine may refuse to load it)
         runs, id_base = self._numbering
         if cur is not None and run != cur.run_id:  # a new run: numbers restart, names and ids move on
-            runs, id_base = runs + 1, max(a.lora_int_id for a in self.loaded) + 1 - version
+            runs = runs + 1
+        if id_base + version <= self._last_id:  # a new run's restarted numbers, or a retry after a failed load
+            id_base = self._last_id + 1 - version
         bad = {n: int((~torch.isfinite(t)).sum()) for n, t in self.receiver.tensors.items() if not torch.isfinite(t).all()}
         if bad:
             # vLLM's CPU LoRA kernels let one NaN adapter turn later requests without any adapter into NaN
@@ -292,13 +310,14 @@ class VLLMAdapterLoader:
     def _load_steps(self, adapter: LoadedAdapter, t0: float, numbering: tuple[int, int]):
         """Engine steps (a generator run by :mod:`._steps`' drivers): load, then unload the oldest.
         The numbering of ``adapter``'s run is kept once the engine has loaded it."""
+        self._last_id = max(self._last_id, adapter.lora_int_id)
         try:
             yield ("load", adapter.lora_name, adapter.lora_int_id, adapter.path)
         except BaseException as refused:
             if isinstance(refused, Exception):
                 # vLLM registers the id before it activates the adapter: one refused while being
-                # activated (say, made for another base model) stays registered, and a later add_lora
-                # of that id would "succeed" without loading anything, serving the base model.
+                # activated (say, made for another base model) stays registered and takes a slot.
+                # (A retry gets a new id either way; vllm serve's unload route only forgets the name.)
                 try:
                     yield ("unload", adapter.lora_name, adapter.lora_int_id)
                 except Exception:  # noqa: BLE001 (not registered: nothing to remove)
