@@ -48,6 +48,13 @@ Or apart (each line on its own machine; the store and the service must be reacha
     deltasync serve-buffer --host 0.0.0.0 --port 8088 --token-file tok --vocab-size 16 --max-lag 2
     python recipes/async_grpo_lora.py trainer --service-url http://HOST:8088 --token-file tok --store s3://bucket/runs
     python recipes/async_grpo_lora.py worker  --service-url http://HOST:8088 --token-file tok --store s3://bucket/runs --worker-id 0
+    python recipes/async_grpo_lora.py worker  ... --worker-id 1 --engine vllm     # a worker with a vllm serve of its own
+
+A trainer refuses a ``--prefix`` that already holds an earlier run's versions (the service and the
+workers would mix that run's episodes and base with the new one's): give each run its own prefix,
+and restart the service and the workers with it. ``run`` starts its default store
+(``RUN_DIR/bucket``) afresh. A worker skips a version it cannot apply or load (reported on stderr
+and in its ``worker-<i>.jsonl``) and samples on with the one it holds.
 
 Output in ``--run-dir``: ``metrics.jsonl`` (one line per trainer step: reward, loss, ratio and clip
 fraction, lag, adapter version, kind and bytes), ``publish.jsonl`` (the sender's per-version stats),
@@ -65,6 +72,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -171,6 +179,7 @@ def run_worker(args) -> int:
     from torch_deltasync.store import open_store
 
     torch.set_num_threads(1)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)  # (apart, the trainer's run folder is elsewhere)
     store = open_store(args.store).sub(args.prefix)
     engine = make_rollouts(args, store, load_base(store, args.startup_timeout))
     client = RolloutClient(args.service_url, token=_token(args))
@@ -272,8 +281,14 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
     t_start = time.monotonic()
     print(f"trainer: adapter {sum(p.numel() for p in adapter_state_dict(model).values()):,} parameters, "
           f"version {version} published; waiting for episodes", flush=True)
+    lost: set[int] = set()
     try:
         for step in range(args.steps):
+            for i, w in enumerate(workers or []):
+                if i not in lost and w.poll() is not None:
+                    lost.add(i)
+                    print(f"trainer: worker {i} exited with status {w.returncode} (its log: "
+                          f"{run_dir / f'worker-{i}.log'}); {len(workers) - len(lost)} left", flush=True)
             t0 = time.monotonic()
             batch = None
             while batch is None:
@@ -313,11 +328,13 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
         sender.flush()
         client.close_service()
         if workers:
-            for w in workers:
+            for i, w in enumerate(workers):  # a worker stops at its next post (the service is closed)
                 try:
-                    w.wait(timeout=120)
+                    w.wait(timeout=30)
                 except subprocess.TimeoutExpired:
+                    print(f"trainer: worker {i} did not stop within 30 s of the service closing; killed", flush=True)
                     w.kill()
+                    w.wait()
         service = client.stats()
     finally:
         client.close()
@@ -374,8 +391,9 @@ def _summary(args, rows, versions, service, exact, workers) -> dict:
         "lag_sampled": service["lag_sampled"],
         "final_adapter_bit_exact": exact,
         "workers_exit_codes": [w.returncode for w in workers] if workers else None,
-        "engine": args.engine,
-        "worker_updates": _worker_updates(Path(args.run_dir)),
+        # the workers' engine and their updates: known here only when this process started them
+        "engine": args.engine if workers else None,
+        "worker_updates": _worker_updates(Path(args.run_dir)) if workers else None,
         "elapsed_s": rows[-1]["elapsed_s"] if rows else 0.0,
     }
     return summary
@@ -427,6 +445,14 @@ def _plot(run_dir: Path, rows: list[dict], summary: dict) -> None:
 
 
 # --- entry points ------------------------------------------------------------------------------
+
+
+def _versions_held(store: str, prefix: str) -> list[int]:
+    """The versions a run prefix already holds (an earlier run's)."""
+    from torch_deltasync.keys import list_versions
+    from torch_deltasync.store import open_store
+
+    return list_versions(open_store(store).sub(prefix))
 
 
 def _token(args) -> str | None:
@@ -517,6 +543,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("workers", "steps", "batch", "prompts", "digits", "rank", "alpha"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.digits > 32:  # recipes.grpo.task.SortTask
+        p.error(f"--digits must be at most 32, got {args.digits}")
     if args.group < 2:  # group advantages compare completions of one prompt
         p.error(f"--group must be at least 2 (completions per prompt, compared with each other), got {args.group}")
     for flag in ("lr", "startup_timeout", "temperature"):
@@ -551,8 +579,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (TypeError, ValueError, ImportError, StoreNotFoundError) as e:
         p.error(str(e))
     # a worker posts prompts x group episodes at once; the service refuses a post its ring cannot hold
+    # (a service started apart has its own --capacity, which only it knows)
     ring = args.capacity if args.capacity is not None else 2 * args.batch
-    if ring < args.prompts * args.group:
+    if args.role != "trainer" and ring < args.prompts * args.group:
         p.error(f"the service ring holds {ring} episodes ({'--capacity' if args.capacity is not None else '2 x --batch'})"
                 f", fewer than one worker post of --prompts x --group = {args.prompts * args.group}: raise it or "
                 "lower those")
@@ -572,6 +601,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "run":  # this run's workers write theirs here (appending)
         for path in run_dir.glob("worker-*.jsonl"):
             path.unlink()
+    if args.role == "run" and args.store is None:  # the run's own store: a new run starts it afresh
+        shutil.rmtree(run_dir / "bucket", ignore_errors=True)
+    else:
+        held = _versions_held(args.store, args.prefix)
+        if held:
+            print(f"error: {args.store} prefix {args.prefix!r} already holds adapter versions {held[0]}..{held[-1]} of "
+                  "an earlier run. This trainer starts a new adapter (and base); the rollout service and the workers "
+                  "would mix that run's episodes and base with this one's. Use a new --prefix (and restart the "
+                  "service and the workers), or delete that prefix.", file=sys.stderr)
+            return 2
     if args.role == "trainer":
         if not args.service_url or not args.store:
             raise SystemExit("trainer: --service-url and --store are required")
@@ -591,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{e['evicted']} evicted + {e['size']} left (unaccounted {e['unaccounted']}); "
           f"{e['rejected_full']} refused while full (429)")
     up = summary["worker_updates"]
-    if up["count"]:
+    if up and up["count"]:
         swap = f", whole swap into vLLM median {up['load_ms']['median']:.1f} ms" if "load_ms" in up else ""
         print(f"worker adapter updates ({summary['engine']}): {up['count']} ({up['by_path']}), update median "
               f"{up['total_ms']['median']:.1f} ms{swap}")
@@ -602,4 +641,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the finally blocks have stopped the workers, their servers and the service
+        print("async_grpo_lora: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -133,16 +133,28 @@ class VLLMRollouts:
                  seed: int, timeout_s: float, vllm_python: str | None = None) -> None:
         from torch_deltasync.follow import poll_until
         from torch_deltasync.integrations.peft import read_adapter_config_dict
-        from torch_deltasync.integrations.vllm import VLLMAdapterLoader, server_lora_ops
-
-        from .generators import _save_quietly
-        from .vllm_server import VLLMServer
 
         config = poll_until(lambda: _config_or_none(read_adapter_config_dict, store), timeout_s=timeout_s, poll_s=0.2)
         if config is None:
             raise TimeoutError(f"{store.describe()}: no adapter config within {timeout_s} s")
         self.tok = tok
         self.workdir = Path(tempfile.mkdtemp(prefix="grpo-lora-vllm-"))
+        self.server = None
+        try:
+            self._start(store, base, config, run_dir=run_dir, worker_id=worker_id, seed=seed, timeout_s=timeout_s,
+                        vllm_python=vllm_python)
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+
+    def _start(self, store, base, config, *, run_dir, worker_id, seed, timeout_s, vllm_python) -> None:
+        from torch_deltasync.integrations.vllm import VLLMAdapterLoader, server_lora_ops
+
+        from .generators import _save_quietly
+        from .vllm_server import VLLMServer
+
         _save_quietly(copy.deepcopy(base).to(torch.bfloat16), str(self.workdir / "base"))
         self.server = VLLMServer(
             str(self.workdir / "base"), Path(run_dir) / f"vllm-worker-{worker_id}.log", python=vllm_python, seed=seed,

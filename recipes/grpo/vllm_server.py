@@ -137,7 +137,7 @@ class VLLMServer:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise ServerDied(f"the vLLM server exited with status {self.proc.returncode} before it answered "
+                raise ServerDied(f"the vLLM server {_status(self.proc.returncode)} before it answered "
                                  f"/health (log: {self.log_path})")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
@@ -162,8 +162,8 @@ class VLLMServer:
         """Raises:
             ServerDied: the server is gone (exit status and log path in the message)."""
         if not self.alive():
-            raise ServerDied(f"the vLLM server at {self.url} (pid {self.server_pid}) exited with status "
-                             f"{self.proc.returncode} (log: {self.log_path})")
+            raise ServerDied(f"the vLLM server at {self.url} (pid {self.server_pid}) "
+                             f"{_status(self.proc.returncode)} (log: {self.log_path})")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """End the server and its engine processes; idempotent. Closing the supervisor's stdin is the
@@ -273,6 +273,17 @@ class VLLMServer:
 # --- the supervisor (runs under the vLLM environment's Python) --------------------------------------
 
 
+def _status(code: int | None) -> str:
+    """How the server ended, from its supervisor's exit status (which passes the server's on: a
+    server killed by signal ``n`` is ``128 + n``, as in a shell)."""
+    if code is not None and code > 128:
+        try:
+            return f"was killed by {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"exited with status {code}"
+
+
 def _supervise(argv: list[str]) -> int:
     import argparse
 
@@ -329,8 +340,13 @@ def _supervise(argv: list[str]) -> int:
         import shutil
 
         shutil.rmtree(ns.remove_when_done, ignore_errors=True)
-    return rc
+    return 128 - rc if rc < 0 else rc  # killed by signal n: 128 + n, as a shell reports it
 
 
 if __name__ == "__main__":
-    sys.exit(_supervise(sys.argv[1:]))
+    code = _supervise(sys.argv[1:])
+    sys.stdout.flush()
+    # Not sys.exit: the stdin thread may still be blocked in a read, and interpreter shutdown then
+    # aborts (SIGABRT, "could not acquire lock for <_io.BufferedReader name='<stdin>'>"), which hid
+    # the server's own status behind -6. Everything the supervisor owns has ended by now.
+    os._exit(code)

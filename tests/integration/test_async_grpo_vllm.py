@@ -205,3 +205,24 @@ def test_commits_never_serve_kv_from_older_weights(tmp_path):
             assert new == fresh and new != old
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("ending, said", [("import sys; sys.exit(3)", "exited with status 3"),
+                                          ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                                           "was killed by SIGKILL")])
+def test_a_server_that_dies_is_reported_with_its_own_status(tmp_path, ending, said):
+    """The supervisor passes the server's exit on (it used to abort at interpreter shutdown, its
+    stdin thread still reading, and every dead server read "exited with status -6"). The server here
+    is a stand-in ``vllm.entrypoints.openai.api_server`` module that ends at once."""
+    import sys
+
+    from recipes.grpo.vllm_server import ServerDied, VLLMServer
+
+    fake = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    fake.mkdir(parents=True)
+    for d in (fake.parents[1], fake.parent, fake):
+        (d / "__init__.py").write_text("")
+    (fake / "api_server.py").write_text(ending + "\n")
+    with pytest.raises(ServerDied, match=f"the vLLM server {said} before it answered /health"):
+        VLLMServer(str(tmp_path), tmp_path / "server.log", python=sys.executable, start_timeout_s=30,
+                   env={"PYTHONPATH": str(tmp_path / "fake")})

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
@@ -99,6 +100,7 @@ def test_default_configuration_learns(tmp_path, engine):
     (["--store", "s3:/b/x"], "'s3:/b/x' looks like a URI that lost a slash"),
     (["--engine", "vllm", "--vllm-python", "/nonexistent/python"], "--engine vllm: vLLM's interpreter /nonexistent/python "
                                                                    "does not exist"),
+    (["--digits", "33"], "--digits must be at most 32, got 33"),  # was a ValueError traceback after start-up
     (["--engine", "vllm", "--rank", "513"], "--engine vllm: --rank 513 is above vLLM's largest --max-lora-rank (512)"),
 ])
 def test_bad_arguments_are_named_before_anything_starts(args, message, capsys):
@@ -108,3 +110,24 @@ def test_bad_arguments_are_named_before_anything_starts(args, message, capsys):
         parse_args(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert parse_args(["--batch", "16", "--prompts", "4", "--group", "4"]).batch == 16
+
+
+@pytest.mark.parametrize("role", ["trainer", "run"])
+def test_a_prefix_holding_an_earlier_run_is_refused_before_anything_starts(tmp_path, role, capsys):
+    """A trainer restarted on a prefix silently trained on the earlier run's episodes (the service
+    still held them, tagged with versions that looked fresh) and its workers kept the earlier base."""
+    from recipes.async_grpo_lora import main
+    from torch_deltasync import DeltaSender
+
+    store = tmp_path / "store"
+    sender = DeltaSender({"w": torch.zeros(4)}, str(store), prefix="lora-grpo")
+    sender.publish()
+    sender.publish()
+    sender.close()
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    extra = ["--service-url", "http://127.0.0.1:9"] if role == "trainer" else []
+    assert main([role, "--store", str(store), "--run-dir", str(tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"{store} prefix 'lora-grpo' already holds adapter versions 0..1 of an earlier run" in err
+    assert "Use a new --prefix" in err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before  # nothing written
