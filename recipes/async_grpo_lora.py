@@ -590,9 +590,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.role != "run" and not (args.service_url and args.store):
+        raise SystemExit(f"{args.role}: --service-url and --store are required")
     if args.role == "worker":
-        if not args.service_url or not args.store:
-            raise SystemExit("worker: --service-url and --store are required")
         return run_worker(args)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -612,8 +612,6 @@ def main(argv: list[str] | None = None) -> int:
                   "service and the workers), or delete that prefix.", file=sys.stderr)
             return 2
     if args.role == "trainer":
-        if not args.service_url or not args.store:
-            raise SystemExit("trainer: --service-url and --store are required")
         summary = run_trainer(args, args.service_url, _token(args))
     else:
         summary = run_all(args)

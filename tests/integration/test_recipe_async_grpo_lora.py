@@ -131,3 +131,12 @@ def test_a_prefix_holding_an_earlier_run_is_refused_before_anything_starts(tmp_p
     assert f"{store} prefix 'lora-grpo' already holds adapter versions 0..1 of an earlier run" in err
     assert "Use a new --prefix" in err
     assert sorted(p.relative_to(store) for p in store.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.parametrize("role", ["trainer", "worker"])
+def test_the_apart_roles_need_a_service_and_a_store(tmp_path, role):
+    from recipes.async_grpo_lora import main
+
+    with pytest.raises(SystemExit, match=f"{role}: --service-url and --store are required"):
+        main([role, "--run-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()

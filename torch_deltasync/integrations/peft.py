@@ -371,7 +371,7 @@ class AdapterReceiver(DeltaReceiver):
         self._configs: dict[tuple[str, str | None], list] = {}
         self._checking = None  # the manifest _check_target checks (AdapterTarget.check reads its config)
         self._model, self._adapter_name = model, adapter_name
-        # Without a model the receiver only needs the config document, not PEFT (a vLLM rollout worker).
+        # Without a model the receiver only needs the config dict, not PEFT (a vLLM rollout worker).
         run_config = self._config_dict_of if model is None else self._config_of
         super().__init__(AdapterTarget(tensors, lambda: run_config(self._checking), local), store, prefix=prefix,
                          config=receiver_config)
