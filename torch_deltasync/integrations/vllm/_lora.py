@@ -35,6 +35,7 @@ folder must be on the server's file system. See ``docs/lora.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -42,7 +43,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -90,13 +91,20 @@ def _refused(name: str, path: str, reason: BaseException | None = None) -> Delta
     return DeltaSyncError(f"vLLM refused to load LoRA adapter {name!r} from {path}{why}")
 
 
-def _is_refusal(e: BaseException) -> bool:
-    """Whether ``add_lora`` raised the engine's refusal of the adapter: vLLM's engine core answers a
-    utility call that failed in a worker with a plain ``Exception("Call to add_lora method failed:
-    Worker failed with error 'LoRA rank 16 is greater than max_lora_rank 8.'")``
-    (``vllm/v1/engine/core_client.py``, ``_process_utility_output``). Anything else (a dead engine,
-    a timeout, a cancelled call) is not the adapter's fault and propagates as it is."""
-    return type(e) is Exception and str(e).startswith("Call to add_lora method failed")
+@contextlib.contextmanager
+def _refusals(name: str, path: str) -> Iterator[None]:
+    """Turn the engine's refusal of adapter ``name`` inside the block into :func:`_refused`'s error.
+    vLLM's engine core answers a utility call that failed in a worker with a plain
+    ``Exception("Call to add_lora method failed: Worker failed with error 'LoRA rank 16 is greater
+    than max_lora_rank 8.'")`` (``vllm/v1/engine/core_client.py``, ``_process_utility_output``).
+    Anything else (a dead engine, a timeout, a cancelled call) is not the adapter's fault and
+    propagates as it is."""
+    try:
+        yield
+    except Exception as e:
+        if type(e) is Exception and str(e).startswith("Call to add_lora method failed"):
+            raise _refused(name, path, e) from e
+        raise
 
 
 def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dict[str, Callable]:
@@ -114,12 +122,8 @@ def llm_lora_ops(llm: Any, request_cls: Callable[..., Any] | None = None) -> dic
 
     def load(name: str, lora_id: int, path: str) -> Any:
         req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
-        try:
+        with _refusals(name, path):
             loaded = llm.llm_engine.add_lora(req)
-        except Exception as e:
-            if _is_refusal(e):  # e.g. a rank above max_lora_rank
-                raise _refused(name, path, e) from e
-            raise
         if loaded is False:
             raise _refused(name, path)
         return req
@@ -137,12 +141,8 @@ def async_llm_lora_ops(engine: Any, request_cls: Callable[..., Any] | None = Non
 
     async def load(name: str, lora_id: int, path: str) -> Any:
         req = make(lora_name=name, lora_int_id=lora_id, lora_path=path)
-        try:
+        with _refusals(name, path):
             loaded = await engine.add_lora(req)
-        except Exception as e:
-            if _is_refusal(e):  # e.g. a rank above max_lora_rank
-                raise _refused(name, path, e) from e
-            raise
         if loaded is False:
             raise _refused(name, path)
         return req
