@@ -295,7 +295,8 @@ class VLLMAdapterLoader:
             runs = runs + 1
         if id_base + version <= self._last_id:  # a new run's restarted numbers, or a retry after a failed load
             id_base = self._last_id + 1 - version
-        bad = {n: int((~torch.isfinite(t)).sum()) for n, t in self.receiver.tensors.items() if not torch.isfinite(t).all()}
+        counts = {n: int((~torch.isfinite(t)).sum()) for n, t in self.receiver.tensors.items()}  # one pass each
+        bad = {n: k for n, k in counts.items() if k}
         if bad:
             # vLLM's CPU LoRA kernels let one NaN adapter turn later requests without any adapter into NaN
             n, k = next(iter(bad.items()))
