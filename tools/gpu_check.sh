@@ -1,42 +1,151 @@
 #!/usr/bin/env bash
-# One script for a lent GPU machine (run from the repository root, with a time limit):
-#   bash tools/gpu_check.sh [OUT_DIR]
-# Sets up what it needs, runs the GPU benchmarks and writes JSON + logs to OUT_DIR (default
-# runs/gpu). Each block is independent and guarded by `timeout`, so one slow block cannot eat the
-# whole device budget.
+# The GPU checks of issue 14, as one run on a lent GPU machine (from the repository root):
+#   bash tools/gpu_check.sh [OUT_DIR]            # on the GPU machine; default OUT_DIR: $OUT or runs/gpu
+#   bash tools/gpu_check.sh --smoke [OUT_DIR]    # here, on the CPU: the same blocks at toy sizes
+#
+# A lent machine has no network, no .venv and about 15 minutes of device time per session, its
+# start included. So this script:
+# * runs on the image's own python3 (PyTorch, Triton, numba, safetensors, transformers) with this
+#   checkout on PYTHONPATH, and installs the wheels carried in .whl/ (the packages the image lacks:
+#   prepare them here with `bash tools/gpu_wheels.sh`, then carry ".whl"); .venv/bin/python when
+#   tools/setup.sh made one;
+# * checks first that torch_deltasync imports and the GPU is seen, and stops there with the reason;
+# * runs the blocks most important first, each under `timeout`: about 5 minutes on an H100, at most 7:
+#   1. the Triton kernels bit for bit against the CPU specification (tests/gpu_kernels_checks.py);
+#   2. detection, publishing and updating on CUDA tensors against the CPU, bit for bit
+#      (`pytest -m gpu tests/unit/test_device_paths.py`);
+#   3. detection, scatter and step apply against HBM bandwidth (tools/bench_gpu_kernels.py);
+#   4. the core benchmark with weights, snapshots and replicas on the GPU, 1B parameters;
+#   5. VLLMTarget on CUDA parameters, where vLLM is importable (the image has none: skipped);
+#   6. a real vLLM engine with CUDA graphs, where vLLM's CUDA build is installed (skipped likewise);
+# * writes the JSON results and summary.txt (one line per block: "<block> ok|failed (rc N)|timed
+#   out, <seconds> s" or "<block> skipped: why") to OUT_DIR, the logs to OUT_DIR/logs/, and packs
+#   the logs into OUT_DIR/logs.tar.gz; under the device tool (OUT_DIR = $OUT, of which at most 8
+#   files come back) the packed logs replace the folder.
+# --smoke runs blocks 1-4 on the CPU (Triton's interpreter, tiny sizes, block 2's tests on CPU
+# tensors): tests/unit/test_gpu_check.py checks this script that way. The device call, with time
+# to rerun it once within a session's 15 minutes:
+#   run(command="bash tools/gpu_check.sh $OUT", carry=[".whl"], timeout_s=450)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-${OUT:-runs/gpu}}
-mkdir -p "$OUT"
-PY=.venv/bin/python
-if [ ! -x "$PY" ]; then
-    bash tools/setup.sh > "$OUT/setup.log" 2>&1 || { echo "setup failed, see $OUT/setup.log"; exit 1; }
-fi
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
-$PY -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name())" | tee "$OUT/torch.txt"
+SMOKE=0
+if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
+OUT_DIR=${1:-${OUT:-runs/gpu}}
+LOGS="$OUT_DIR/logs"
+mkdir -p "$LOGS"
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
 
-# --- core: detection, bytes, apply and memory at 1B and 7B sizes (issue: core) -----------------
-timeout 420 $PY tools/bench_core.py --device cuda --synthetic --sizes 1b 7b --steps 3 \
-    --out "$OUT/core_gpu.json" 2>&1 | tee "$OUT/core_gpu.log"
+pack_logs() {
+    tar -czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs
+    if [ -n "${OUT:-}" ] && [ "$(cd "$OUT_DIR" && pwd)" = "$(cd "$OUT" 2>/dev/null && pwd)" ]; then rm -rf "$LOGS"; fi
+}
 
-# --- Triton kernels (issue 14): detection + position extraction and apply against HBM bandwidth,
-#     after checking them bit for bit against the CPU specification ---------------------------------
-timeout 240 $PY tests/gpu_kernels_checks.py cuda 2>&1 | tee "$OUT/gpu_kernels_checks.log"
-timeout 240 $PY tools/bench_gpu_kernels.py --numel 500000000 --out "$OUT/gpu_kernels.json" 2>&1 \
-    | tee "$OUT/gpu_kernels.log"
-
-# --- vLLM (issue 5): VLLMTarget on CUDA parameters, then a real engine with the extension -------
-# 1) apply vs vLLM's load_weights on CUDA params of one TP rank, bit-exact check included (models
-#    built with the CPU oracle's TP stub, moved to the GPU); needs only tools/setup.sh.
-VLLM_TARGET_DEVICE=cpu timeout 300 $PY tools/bench_vllm_apply.py --device cuda --sizes 100m 500m 1b \
-    --nnz 1e4 1e5 1e6 1e7 --tp 2 --rank 1 --out "$OUT/vllm_apply_gpu.json" 2>&1 | tee "$OUT/vllm_apply_gpu.log"
-# 2) a real LLM (CUDA graphs on) running the deltasync weight-transfer backend, updated with
-#    update_llm (staged ahead, committed in place); tokens and vLLM's own weight checksums compared
-#    against a fresh engine on the final checkpoint. Needs vLLM's CUDA dependencies (a full `pip install vllm==0.33.0`); skipped with a
-#    note when the engine cannot start.
-if $PY -c "import vllm, importlib.util as u; assert u.find_spec('vllm._C') or u.find_spec('vllm._C_stable_libtorch')" 2>/dev/null; then
-    timeout 420 $PY tools/gpu_vllm_check.py --out "$OUT/vllm_engine.json" --workdir "$OUT/vllm_engine" 2>&1 \
-        | tee "$OUT/vllm_engine.log"
+if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+    PY=$GPU_CHECK_PYTHON
+elif [ -x .venv/bin/python ]; then
+    PY=.venv/bin/python
 else
-    echo "vLLM CUDA kernels not installed: engine check skipped" | tee "$OUT/vllm_engine.log"
+    PY=python3
 fi
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+    SITE=${GPU_CHECK_SITE:-/tmp/site}
+    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" .whl/*.whl > "$LOGS/wheels.log" 2>&1 \
+        || echo "installing .whl/ failed, see $LOGS/wheels.log" | tee -a "$SUMMARY"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [ "$SMOKE" = 1 ]; then
+    DEVICE=cpu
+    export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
+else
+    DEVICE=cuda
+    nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1 || true
+fi
+
+# Preflight: what the blocks need, and the versions that ran (environment.txt).
+if ! "$PY" - "$DEVICE" > "$LOGS/environment.txt" 2>&1 <<'PY'
+import platform, sys
+device = sys.argv[1]
+print("python", platform.python_version(), sys.executable)
+missing = []
+for name in ("torch", "triton", "numpy", "numba", "safetensors", "zstandard", "transformers"):
+    try:
+        mod = __import__(name)
+        print(name, getattr(mod, "__version__", "?"))
+    except Exception as e:  # an import that fails for any reason is missing here
+        missing.append(f"{name} ({type(e).__name__}: {e})")
+if missing:
+    sys.exit("missing: " + "; ".join(missing) + ". On a lent GPU machine: `bash tools/gpu_wheels.sh` "
+             "here, then carry \".whl\" (tools/gpu_check.sh installs it).")
+import torch
+import torch_deltasync
+from torch_deltasync import _native
+print("torch_deltasync", torch_deltasync.__file__, "compiled kernels", _native.enabled())
+if device == "cuda":
+    if not torch.cuda.is_available():
+        sys.exit("torch.cuda.is_available() is False: no GPU is seen by this torch")
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, f"{p.total_memory / 2**30:.0f} GiB", "capability", f"{p.major}.{p.minor}")
+PY
+then
+    cat "$LOGS/environment.txt"
+    echo "preflight failed (rc 1): see $LOGS/environment.txt" | tee -a "$SUMMARY"
+    pack_logs
+    exit 1
+fi
+cat "$LOGS/environment.txt"
+
+# block NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, its output in LOGS/NAME.log.
+failed=0
+block() {
+    local name=$1 limit=$2 rc start=$SECONDS
+    shift 2
+    echo "== $name (at most $limit s): $*"
+    timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    rc=$?
+    tail -n 25 "$LOGS/$name.log"
+    local took=$((SECONDS - start)) state="ok"
+    if [ $rc = 124 ] || [ $rc = 137 ]; then state="timed out"; failed=1
+    elif [ $rc != 0 ]; then state="failed (rc $rc)"; failed=1
+    fi
+    echo "$name $state, $took s" | tee -a "$SUMMARY"
+}
+skip() { echo "$1 skipped: $2" | tee -a "$SUMMARY"; }
+
+if [ "$SMOKE" = 1 ]; then
+    block kernels_checks 300 "$PY" tests/gpu_kernels_checks.py cpu
+    block device_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_device_paths.py
+    block kernels_bench 120 "$PY" tools/bench_gpu_kernels.py --device cpu --numel 20000 --repeat 1 \
+        --out "$OUT_DIR/gpu_kernels.json"
+    block core 300 "$PY" tools/bench_core.py --device cpu --synthetic --sizes tiny --steps 1 \
+        --out "$OUT_DIR/core_gpu.json"
+else
+    block kernels_checks 60 "$PY" tests/gpu_kernels_checks.py cuda
+    block device_tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_device_paths.py
+    block kernels_bench 90 "$PY" tools/bench_gpu_kernels.py --numel 500000000 --out "$OUT_DIR/gpu_kernels.json"
+    block core 150 "$PY" tools/bench_core.py --device cuda --synthetic --sizes 1b --steps 2 \
+        --out "$OUT_DIR/core_gpu.json"
+    # VLLMTarget on CUDA parameters of one TP rank against vLLM's load_weights (the CPU oracle's TP
+    # stub, models moved to the GPU): needs vLLM importable, which tools/setup.sh's .venv has.
+    if "$PY" -c "import vllm" > /dev/null 2>&1; then
+        block vllm_apply 150 env VLLM_TARGET_DEVICE=cpu "$PY" tools/bench_vllm_apply.py --device cuda \
+            --sizes 100m 1b --nnz 1e4 1e6 1e7 --tp 2 --rank 1 --out "$OUT_DIR/vllm_apply_gpu.json"
+    else
+        skip vllm_apply "vllm is not importable by $PY"
+    fi
+    # A real LLM (CUDA graphs on) running the deltasync weight-transfer backend: needs vLLM's CUDA
+    # build (`pip install vllm==0.33.0`), which no lent image has so far.
+    if "$PY" -c "import vllm, importlib.util as u; assert u.find_spec('vllm._C') or u.find_spec('vllm._C_stable_libtorch')" \
+        > /dev/null 2>&1; then
+        block vllm_engine 240 "$PY" tools/gpu_vllm_check.py --out "$OUT_DIR/vllm_engine.json" --workdir /tmp/gpu_check_vllm_engine
+    else
+        skip vllm_engine "vLLM's CUDA kernels are not installed for $PY"
+    fi
+fi
+echo "== summary ($SUMMARY)"
+cat "$SUMMARY"
+pack_logs
+exit $failed

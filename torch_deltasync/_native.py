@@ -26,7 +26,9 @@ per-user cache directory when that is not writable), which later processes load 
 tensors at once run in parallel.
 
 Set ``TORCH_DELTASYNC_NATIVE=0`` to use the numpy/torch paths only (e.g. to compare, or on a
-platform without numba wheels: numba is then simply absent and :func:`enabled` is false).
+platform without numba wheels: numba is then simply absent and :func:`enabled` is false). A numba
+that is installed but does not import (one built for an older numpy) turns the kernels off the
+same way, with one ``RuntimeWarning`` that gives its reason (:func:`enabled`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import os
 import sys
 import threading
 import types
+import warnings
 
 import numpy as np
 
@@ -60,6 +63,7 @@ AVAILABLE = _numba_installed()
 # imports torch_deltasync before it starts a vLLM engine (spawned workers re-import it) would stop
 # every engine from starting.
 numba = None
+_IMPORT_ERROR: str | None = None  # why an installed numba did not import (the kernels are then off)
 _DEFERRED: list["_Deferred"] = []
 _MATERIALIZE = threading.Lock()
 _enabled = AVAILABLE and os.environ.get("TORCH_DELTASYNC_NATIVE", "1") != "0"
@@ -67,7 +71,16 @@ _enabled = AVAILABLE and os.environ.get("TORCH_DELTASYNC_NATIVE", "1") != "0"
 
 def enabled() -> bool:
     """Whether callers should use the compiled kernels (numba importable and not switched off by
-    ``TORCH_DELTASYNC_NATIVE=0`` or :func:`set_enabled`)."""
+    ``TORCH_DELTASYNC_NATIVE=0`` or :func:`set_enabled`).
+
+    The first call that would answer yes imports numba (:func:`_materialize`). Where numba is
+    installed but does not import (a numba built for an older numpy raises ``ImportError: Numba
+    needs NumPy 2.x or less``; a broken llvmlite), that call warns once with the reason and the
+    kernels stay off for the process: every caller then takes the numpy/torch paths, which write
+    and read the same bytes, several times slower.
+    """
+    if _enabled and numba is None:
+        _materialize()
     return _enabled
 
 
@@ -78,11 +91,14 @@ def set_enabled(on: bool) -> bool:
         The previous setting.
 
     Raises:
-        RuntimeError: ``on`` is true but numba is not installed.
+        RuntimeError: ``on`` is true but numba is not installed or does not import.
     """
     global _enabled
     if on and not AVAILABLE:
         raise RuntimeError("numba is not installed: the compiled kernels are unavailable (pip install numba)")
+    if on and _IMPORT_ERROR is not None:
+        raise RuntimeError(f"numba is installed but does not import ({_IMPORT_ERROR}): the compiled kernels "
+                           "are unavailable; install a numba release that supports this numpy")
     prev, _enabled = _enabled, bool(on)
     return prev
 
@@ -122,12 +138,27 @@ class _Deferred:
 def _materialize() -> None:
     """Import numba and give every deferred kernel its dispatcher, also in the namespace that
     defines it, so kernels that call each other compile against dispatchers."""
-    global numba
+    global numba, _enabled, _IMPORT_ERROR
     with _MATERIALIZE:
         if numba is not None:
             return
-        import numba as nb
-        from numba.cpython.unsafe.numbers import trailing_zeros as cttz  # an LLVM intrinsic
+        if _IMPORT_ERROR is None:
+            try:
+                import numba as nb
+                from numba.cpython.unsafe.numbers import trailing_zeros as cttz  # an LLVM intrinsic
+            except Exception as e:  # installed, but broken here: numpy too new for it, llvmlite missing
+                _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+                warnings.warn(f"torch_deltasync: numba is installed but does not import ({_IMPORT_ERROR}); "
+                              "the compiled kernels are off and the numpy/torch paths run instead (the same "
+                              "bytes, several times slower). Install a numba release that supports this "
+                              "numpy, or set TORCH_DELTASYNC_NATIVE=0 to choose those paths.",
+                              RuntimeWarning, stacklevel=3)
+        if _IMPORT_ERROR is not None:  # as without numba: kernels off, shared code (estimates) as Python
+            _enabled = False
+            for proxy in _DEFERRED:
+                proxy.dispatcher = proxy.fn
+            _substitute({}, {id(p.fn.__globals__): p.fn.__globals__ for p in _DEFERRED})
+            return
 
         compiled = {prefetch: _prefetch_intrinsic(), trailing_zeros: cttz}  # Python stand-ins -> intrinsics
         for provider in _INTRINSICS:  # e.g. libzstd's functions (:mod:`._native_zstd`)
@@ -211,7 +242,7 @@ def jit(fn=None, *, inline: bool = False):
     part)."""
     if fn is None:
         return lambda f: jit(f, inline=inline)
-    if not AVAILABLE:
+    if not AVAILABLE or _IMPORT_ERROR is not None:
         return fn
     options = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False)
     if inline:

@@ -621,6 +621,62 @@ def test_everything_works_without_numba(tmp_path):
     run_child(script, "ok without numba")
 
 
+def test_a_numba_that_does_not_import_falls_back_with_one_warning(tmp_path):
+    """numba installed but failing to import (a release built for an older numpy raises
+    ImportError on import): the first call that would use the kernels warns once with numba's
+    reason, and from then on the numpy/torch paths run and write the same bytes the kernels do."""
+    w = torch.randn(50_000, generator=torch.Generator().manual_seed(5))
+    w2 = w.clone()
+    w2[::7] += 1e-3
+    det = ChangeDetector()
+    det.reset("w", w)
+    ch = det.detect("w", w2)
+    assert _native.enabled()
+    blob = get_codec("packed").encode(ch.positions, ch.values, ch.old_values, numel=w.numel())["packed"]
+    torch.save({"w": w, "w2": w2, "positions": ch.positions, "blob": blob}, tmp_path / "inputs.pt")
+    script = tmp_path / "numba_breaks.py"
+    script.write_text(
+        "import sys, warnings, importlib.abc, importlib.machinery\n"
+        "class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):  # numba is there, its import fails\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        return importlib.machinery.ModuleSpec(name, self) if name == 'numba' else None\n"
+        "    def create_module(self, spec):\n"
+        "        return None\n"
+        "    def exec_module(self, module):\n"
+        "        raise ImportError('Numba needs NumPy 2.4 or less. Got NumPy 2.9.')\n"
+        "sys.meta_path.insert(0, Broken())\n"
+        "import torch\n"
+        "from torch_deltasync import _native, get_codec\n"
+        "from torch_deltasync.detect import ChangeDetector\n"
+        "from torch_deltasync._dtypes import bits\n"
+        f"x = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
+        "assert _native.AVAILABLE\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    det = ChangeDetector()\n"
+        "    det.reset('w', x['w'])\n"
+        "    ch = det.detect('w', x['w2'])\n"
+        "    c = get_codec('packed')\n"
+        "    blob = c.encode(ch.positions, ch.values, ch.old_values, numel=x['w'].numel())['packed']\n"
+        "    d = c.decode({'packed': blob}, numel=x['w'].numel(), count=ch.numel, dtype=torch.bfloat16)\n"
+        "    new = d.resolve(ch.old_values)\n"
+        "msgs = [str(m.message) for m in caught if issubclass(m.category, RuntimeWarning)]\n"
+        "assert len(msgs) == 1 and 'Numba needs NumPy 2.4 or less' in msgs[0], msgs\n"
+        "assert not _native.enabled()\n"
+        "assert torch.equal(ch.positions, x['positions'])\n"
+        "assert torch.equal(blob, x['blob'])  # the same bytes as the kernels wrote\n"
+        "assert torch.equal(bits(new), bits(x['w2'].bfloat16()[x['positions']]))\n"
+        "try:\n"
+        "    _native.set_enabled(True)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'does not import (ImportError: Numba needs NumPy' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('set_enabled(True) with a numba that does not import')\n"
+        "print('ok with a broken numba')\n"
+    )
+    run_child(script, "ok with a broken numba")
+
+
 def run_child(script: Path, expected: str) -> None:
     """Run ``script`` in a child process with this checkout on its path; it must print ``expected``."""
     root = Path(__file__).resolve().parents[2]
