@@ -59,6 +59,13 @@ def device_time(fn, device: torch.device, repeat: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def copy_bandwidth(numel: int, device: torch.device, timed) -> float:
+    """Bytes per second read + written by ``copy_`` between two int16 buffers of ``numel`` elements."""
+    src = torch.empty(numel, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * numel * 2 / timed(lambda: dst.copy_(src))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=500_000_000)
@@ -80,10 +87,7 @@ def main() -> None:
         return device_time(fn, dev, args.repeat)
 
     # copy bandwidth: bytes read + written by copy_ of a 2 GiB buffer (on the cpu: of 4x the tensor)
-    buf = torch.empty(1 << 30 if dev.type == "cuda" else max(2 * n, 1 << 16), dtype=torch.int16, device=dev)
-    buf2 = torch.empty_like(buf)
-    copy_bw = 2 * buf.numel() * 2 / timed(lambda: buf2.copy_(buf))
-    del buf, buf2
+    copy_bw = copy_bandwidth(1 << 30 if dev.type == "cuda" else max(2 * n, 1 << 16), dev, timed)
     rows = []
     w0 = torch.randn(n, device=dev).mul_(0.02)
     for p in args.density:

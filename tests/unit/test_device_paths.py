@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_kernels_checks import special_fp32
+from gpu_kernels_checks import cpu_detect, special_fp32
 
-from torch_deltasync import DeltaReceiver, DeltaSender, _native
+from torch_deltasync import DeltaReceiver, DeltaSender
 from torch_deltasync._dtypes import bits
 from torch_deltasync.detect import ChangeDetector
 from torch_deltasync.testing import adam_step, tiny_qwen3
@@ -23,18 +23,6 @@ def device(request) -> torch.device:
     if request.param == "cuda":
         assert torch.cuda.is_available(), "run with -m gpu on a machine with a CUDA device"
     return torch.device(request.param)
-
-
-def _cpu_changes(base: torch.Tensor, live: torch.Tensor, dtype: torch.dtype):
-    """The specification: the CPU detector's torch path."""
-    prev = _native.set_enabled(False)
-    try:
-        det = ChangeDetector(inference_dtype=dtype)
-        det.reset("w", base)
-        ch = det.detect("w", live)
-    finally:
-        _native.set_enabled(prev)
-    return ch.positions, bits(ch.values), bits(ch.old_values)
 
 
 @pytest.mark.parametrize("snapshot_device", [None, "cpu"])
@@ -50,7 +38,7 @@ def test_detector_on_the_device_finds_what_the_cpu_finds(device, snapshot_device
     det = ChangeDetector(inference_dtype=dtype, snapshot_device=snapshot_device, chunk_numel=1 << 16)
     det.reset("w", base.to(device))
     ch = det.detect("w", live.to(device))
-    want = _cpu_changes(base, live, dtype)
+    want = cpu_detect(base, live, dtype)  # the CPU detector's torch path
     assert want[0].numel() > 1000
     assert torch.equal(ch.positions.cpu(), want[0])
     assert torch.equal(bits(ch.values).cpu(), want[1]) and torch.equal(bits(ch.old_values).cpu(), want[2])
@@ -66,7 +54,7 @@ def test_versions_published_from_the_device_reach_replicas_on_both_devices(devic
     on_device = tiny_qwen3("tiny", seed=1, dtype=torch.bfloat16, device=device)
     on_cpu = tiny_qwen3("tiny", seed=2, dtype=torch.bfloat16)
     receivers = [DeltaReceiver(on_device, store), DeltaReceiver(on_cpu, store)]
-    changed = 0
+    changed, before = 0, None
     for version in range(4):  # the anchor, then three deltas
         if version:
             adam_step(model, opt, generator=gen)
