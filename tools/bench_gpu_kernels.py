@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_deltasync import _gpu
+from tools._cli import check_writable  # noqa: E402
+from torch_deltasync import _gpu  # noqa: E402
 from torch_deltasync.detect import ChangeDetector  # noqa: E402
 from torch_deltasync._dtypes import bits  # noqa: E402
 
@@ -74,7 +75,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per measurement (the median is kept)")
     ap.add_argument("--out", default="runs/gpu/kernels.json")
     args = ap.parse_args()
-    dev = torch.device(args.device)
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device}: {e}")
+    if not all(0 < p <= 1 for p in args.density):  # (NaN fails too)
+        ap.error(f"--density takes fractions in (0, 1], got {args.density}")
+    check_writable(ap, "--out", args.out)
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (torch.cuda.is_available() is False); on a lent machine run tools/gpu_check.sh")
     if not _gpu.available(dev):

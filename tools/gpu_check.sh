@@ -9,8 +9,11 @@
 #   checkout on PYTHONPATH, and installs the wheels carried in .whl/ (the packages the image lacks:
 #   prepare them here with `bash tools/gpu_wheels.sh`, then carry ".whl"); .venv/bin/python when
 #   tools/setup.sh made one;
-# * checks first that torch_deltasync imports and the GPU is seen, and stops there with the reason;
-# * runs the blocks most important first, each under `timeout`: about 5 minutes on an H100, at most 7:
+# * checks first that torch_deltasync imports and the GPU is seen, and stops there with the reason
+#   (a numba that does not import is reported and the blocks run: the library falls back to numpy);
+# * compiles the numba CPU kernels (tools/warm_kernels.py), then runs the blocks most important
+#   first, each under `timeout` (60 + 60 + 60 + 60 + 150 s at most, plus 10 s each to stop one that
+#   overruns: under 7 minutes in all):
 #   1. the Triton kernels bit for bit against the CPU specification (tests/gpu_kernels_checks.py);
 #   2. detection, publishing and updating on CUDA tensors against the CPU, bit for bit
 #      (`pytest -m gpu tests/unit/test_device_paths.py`);
@@ -21,25 +24,60 @@
 # * writes the JSON results and summary.txt (one line per block: "<block> ok|failed (rc N)|timed
 #   out, <seconds> s" or "<block> skipped: why") to OUT_DIR, the logs to OUT_DIR/logs/, and packs
 #   the logs into OUT_DIR/logs.tar.gz; under the device tool (OUT_DIR = $OUT, of which at most 8
-#   files come back) the packed logs replace the folder.
-# --smoke runs blocks 1-4 on the CPU (Triton's interpreter, tiny sizes, block 2's tests on CPU
-# tensors): tests/unit/test_gpu_check.py checks this script that way. The device call, with time
-# to rerun it once within a session's 15 minutes:
+#   files come back) the packed logs replace the folder. Results of an earlier run in OUT_DIR are
+#   removed first. Ctrl-C or SIGTERM stops the running block, packs the logs and exits 130 / 143.
+# --smoke runs the warm-up and blocks 1-4 on the CPU (Triton's interpreter, tiny sizes, block 2's tests on CPU
+# tensors): tests/unit/test_gpu_check.py checks this script that way.
+# The device call (the session's 15 minutes count the machine's start, 1-2 minutes, and each call):
 #   run(command="bash tools/gpu_check.sh $OUT", carry=[".whl"], timeout_s=450)
+# Environment: GPU_CHECK_PYTHON (the interpreter), GPU_CHECK_WHEELS (wheels to install, default
+# .whl), GPU_CHECK_SITE (where they go, default /tmp/site).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+usage() { sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 SMOKE=0
-if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
-OUT_DIR=${1:-${OUT:-runs/gpu}}
+OUT_DIR=""
+for arg in "$@"; do
+    case $arg in
+        --smoke) SMOKE=1 ;;
+        -h|--help) usage; exit 0 ;;
+        -*) echo "tools/gpu_check.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
+        *) if [ -n "$OUT_DIR" ]; then echo "tools/gpu_check.sh: one OUT_DIR, got $OUT_DIR and $arg" >&2; exit 2; fi
+           OUT_DIR=$arg ;;
+    esac
+done
+OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu}}
+case $OUT_DIR in /*) ;; *) OUT_DIR="$PWD/$OUT_DIR" ;; esac  # relative to where it was called from
+cd "$(dirname "$0")/.."
 LOGS="$OUT_DIR/logs"
-mkdir -p "$LOGS"
 SUMMARY="$OUT_DIR/summary.txt"
+RESULTS=(gpu_kernels.json core_gpu.json vllm_apply_gpu.json vllm_engine.json)
+if ! mkdir -p "$OUT_DIR" 2>/dev/null || ! [ -w "$OUT_DIR" ]; then
+    echo "tools/gpu_check.sh: cannot write to OUT_DIR $OUT_DIR; give a writable folder" >&2
+    exit 2
+fi
+rm -rf "$LOGS" "$OUT_DIR/logs.tar.gz" "${RESULTS[@]/#/$OUT_DIR/}"  # an earlier run's results
+mkdir -p "$LOGS"
 : > "$SUMMARY"
 
 pack_logs() {
     tar -czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs
     if [ -n "${OUT:-}" ] && [ "$(cd "$OUT_DIR" && pwd)" = "$(cd "$OUT" 2>/dev/null && pwd)" ]; then rm -rf "$LOGS"; fi
 }
+
+# Ctrl-C or SIGTERM: `timeout` runs each block in a process group of its own, which the terminal's
+# signal does not reach, so the running block is stopped here, then the logs are packed.
+current=""
+on_signal() {
+    if [ -n "$current" ]; then
+        kill -TERM "$current" 2>/dev/null
+        wait "$current" 2>/dev/null
+    fi
+    echo "interrupted by SIG$1" | tee -a "$SUMMARY"
+    pack_logs
+    exit "$2"
+}
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
 
 if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
     PY=$GPU_CHECK_PYTHON
@@ -48,11 +86,13 @@ elif [ -x .venv/bin/python ]; then
 else
     PY=python3
 fi
-if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
     SITE=${GPU_CHECK_SITE:-/tmp/site}
     "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target "$SITE" .whl/*.whl > "$LOGS/wheels.log" 2>&1 \
-        || echo "installing .whl/ failed, see $LOGS/wheels.log" | tee -a "$SUMMARY"
+        --upgrade --target "$SITE" "$WHEELS"/*.whl > "$LOGS/wheels.log" 2>&1 \
+        || echo "installing $WHEELS/*.whl failed (a wheel for another Python, or no pip?), see $LOGS/wheels.log" \
+            | tee -a "$SUMMARY"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -66,20 +106,26 @@ else
 fi
 
 # Preflight: what the blocks need, and the versions that ran (environment.txt).
-if ! "$PY" - "$DEVICE" > "$LOGS/environment.txt" 2>&1 <<'PY'
+"$PY" - "$DEVICE" > "$LOGS/environment.txt" 2>&1 <<'PY'
 import platform, sys
 device = sys.argv[1]
 print("python", platform.python_version(), sys.executable)
 missing = []
-for name in ("torch", "triton", "numpy", "numba", "safetensors", "zstandard", "transformers"):
+for name in ("torch", "triton", "numpy", "safetensors", "zstandard", "transformers", "numba"):
     try:
         mod = __import__(name)
         print(name, getattr(mod, "__version__", "?"))
     except Exception as e:  # an import that fails for any reason is missing here
-        missing.append(f"{name} ({type(e).__name__}: {e})")
+        if name == "numba":  # optional: torch_deltasync then runs its numpy/torch paths (same bytes)
+            print(f"numba does not import ({type(e).__name__}: {e}): the compiled CPU kernels are off, "
+                  "the CPU parts of the blocks run slower")
+        else:
+            missing.append(f"{name} ({type(e).__name__}: {e})")
 if missing:
-    sys.exit("missing: " + "; ".join(missing) + ". On a lent GPU machine: `bash tools/gpu_wheels.sh` "
-             "here, then carry \".whl\" (tools/gpu_check.sh installs it).")
+    hint = (" For zstandard on a lent GPU machine: `bash tools/gpu_wheels.sh` here, then carry \".whl\"."
+            if any(m.startswith("zstandard") for m in missing) else "")
+    sys.exit(f"missing: {'; '.join(missing)}. {sys.executable} cannot run the checks: the lent machines' "
+             f"python3 has these modules (set GPU_CHECK_PYTHON to choose another interpreter).{hint}")
 import torch
 import torch_deltasync
 from torch_deltasync import _native
@@ -90,13 +136,13 @@ if device == "cuda":
     p = torch.cuda.get_device_properties(0)
     print("gpu", p.name, f"{p.total_memory / 2**30:.0f} GiB", "capability", f"{p.major}.{p.minor}")
 PY
-then
-    cat "$LOGS/environment.txt"
-    echo "preflight failed (rc 1): see $LOGS/environment.txt" | tee -a "$SUMMARY"
+rc=$?
+cat "$LOGS/environment.txt"
+if [ $rc != 0 ]; then
+    echo "preflight failed (rc $rc): see $LOGS/environment.txt" | tee -a "$SUMMARY"
     pack_logs
     exit 1
 fi
-cat "$LOGS/environment.txt"
 
 # block NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, its output in LOGS/NAME.log.
 failed=0
@@ -104,17 +150,24 @@ block() {
     local name=$1 limit=$2 rc start=$SECONDS
     shift 2
     echo "== $name (at most $limit s): $*"
-    timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1 &
+    current=$!
+    wait "$current"
     rc=$?
+    current=""
     tail -n 25 "$LOGS/$name.log"
     local took=$((SECONDS - start)) state="ok"
-    if [ $rc = 124 ] || [ $rc = 137 ]; then state="timed out"; failed=1
+    if [ $rc = 124 ]; then state="timed out"; failed=1
+    elif [ $rc = 137 ]; then state="killed by SIGKILL (out of memory, or still running 10 s past its limit)"; failed=1
     elif [ $rc != 0 ]; then state="failed (rc $rc)"; failed=1
     fi
     echo "$name $state, $took s" | tee -a "$SUMMARY"
 }
 skip() { echo "$1 skipped: $2" | tee -a "$SUMMARY"; }
 
+# numba compiles the CPU kernels once per machine (~20 s on 2 cores; cached next to the sources):
+# here, so that no block below pays it inside its limit or its timings.
+block warm_kernels 60 "$PY" tools/warm_kernels.py
 if [ "$SMOKE" = 1 ]; then
     block kernels_checks 300 "$PY" tests/gpu_kernels_checks.py cpu
     block device_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_device_paths.py
@@ -124,8 +177,8 @@ if [ "$SMOKE" = 1 ]; then
         --out "$OUT_DIR/core_gpu.json"
 else
     block kernels_checks 60 "$PY" tests/gpu_kernels_checks.py cuda
-    block device_tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_device_paths.py
-    block kernels_bench 90 "$PY" tools/bench_gpu_kernels.py --numel 500000000 --out "$OUT_DIR/gpu_kernels.json"
+    block device_tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_device_paths.py
+    block kernels_bench 60 "$PY" tools/bench_gpu_kernels.py --numel 500000000 --out "$OUT_DIR/gpu_kernels.json"
     block core 150 "$PY" tools/bench_core.py --device cuda --synthetic --sizes 1b --steps 2 \
         --out "$OUT_DIR/core_gpu.json"
     # VLLMTarget on CUDA parameters of one TP rank against vLLM's load_weights (the CPU oracle's TP

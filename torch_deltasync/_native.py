@@ -66,18 +66,22 @@ numba = None
 _IMPORT_ERROR: str | None = None  # why an installed numba did not import (the kernels are then off)
 _DEFERRED: list["_Deferred"] = []
 _MATERIALIZE = threading.Lock()
-_enabled = AVAILABLE and os.environ.get("TORCH_DELTASYNC_NATIVE", "1") != "0"
+_WANTED = os.environ.get("TORCH_DELTASYNC_NATIVE", "1") != "0"  # not switched off by the environment
+_enabled = AVAILABLE and _WANTED
+_REINSTALL = "reinstall numba and llvmlite in versions that match each other and this numpy (pip install -U numba)"
 
 
 def enabled() -> bool:
     """Whether callers should use the compiled kernels (numba importable and not switched off by
     ``TORCH_DELTASYNC_NATIVE=0`` or :func:`set_enabled`).
 
-    The first call that would answer yes imports numba (:func:`_materialize`). Where numba is
+    The first call that would answer yes imports numba (:func:`_materialize`), as does the first
+    call of code that both paths share (the codec's size estimates, :func:`jit`). Where numba is
     installed but does not import (a numba built for an older numpy raises ``ImportError: Numba
-    needs NumPy 2.x or less``; a broken llvmlite), that call warns once with the reason and the
-    kernels stay off for the process: every caller then takes the numpy/torch paths, which write
-    and read the same bytes, several times slower.
+    needs NumPy 2.x or less``; an llvmlite that does not match it), that call warns once with the
+    reason, unless ``TORCH_DELTASYNC_NATIVE=0`` chose the numpy/torch paths already, and the
+    kernels stay off for the process: every caller then takes those paths, which write and read
+    the same bytes, several times slower.
     """
     if _enabled and numba is None:
         _materialize()
@@ -88,7 +92,8 @@ def set_enabled(on: bool) -> bool:
     """Switch the compiled kernels on or off for this process (tests compare both paths).
 
     Returns:
-        The previous setting.
+        The previous setting, as :func:`enabled` gives it (so that ``prev = set_enabled(False)``
+        ... ``set_enabled(prev)`` restores it, also where numba turns out not to import).
 
     Raises:
         RuntimeError: ``on`` is true but numba is not installed or does not import.
@@ -96,10 +101,13 @@ def set_enabled(on: bool) -> bool:
     global _enabled
     if on and not AVAILABLE:
         raise RuntimeError("numba is not installed: the compiled kernels are unavailable (pip install numba)")
+    prev = enabled()
+    if on and numba is None:
+        _materialize()
     if on and _IMPORT_ERROR is not None:
         raise RuntimeError(f"numba is installed but does not import ({_IMPORT_ERROR}): the compiled kernels "
-                           "are unavailable; install a numba release that supports this numpy")
-    prev, _enabled = _enabled, bool(on)
+                           f"are unavailable; {_REINSTALL}")
+    _enabled = bool(on)
     return prev
 
 
@@ -148,11 +156,12 @@ def _materialize() -> None:
                 from numba.cpython.unsafe.numbers import trailing_zeros as cttz  # an LLVM intrinsic
             except Exception as e:  # installed, but broken here: numpy too new for it, llvmlite missing
                 _IMPORT_ERROR = f"{type(e).__name__}: {e}"
-                warnings.warn(f"torch_deltasync: numba is installed but does not import ({_IMPORT_ERROR}); "
-                              "the compiled kernels are off and the numpy/torch paths run instead (the same "
-                              "bytes, several times slower). Install a numba release that supports this "
-                              "numpy, or set TORCH_DELTASYNC_NATIVE=0 to choose those paths.",
-                              RuntimeWarning, stacklevel=3)
+                if _WANTED:
+                    warnings.warn(f"torch_deltasync: numba is installed but does not import ({_IMPORT_ERROR}); "
+                                  "the compiled kernels are off and the numpy/torch paths run instead (the "
+                                  f"same bytes, several times slower). {_REINSTALL[0].upper()}{_REINSTALL[1:]}, "
+                                  "or set TORCH_DELTASYNC_NATIVE=0 to choose those paths.",
+                                  RuntimeWarning, stacklevel=3)
         if _IMPORT_ERROR is not None:  # as without numba: kernels off, shared code (estimates) as Python
             _enabled = False
             for proxy in _DEFERRED:

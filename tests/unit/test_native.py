@@ -624,7 +624,8 @@ def test_everything_works_without_numba(tmp_path):
 def test_a_numba_that_does_not_import_falls_back_with_one_warning(tmp_path):
     """numba installed but failing to import (a release built for an older numpy raises
     ImportError on import): the first call that would use the kernels warns once with numba's
-    reason, and from then on the numpy/torch paths run and write the same bytes the kernels do."""
+    reason (not when ``TORCH_DELTASYNC_NATIVE=0`` chose the numpy/torch paths), a save and restore
+    with ``set_enabled`` keeps working, and the numpy/torch paths write the bytes the kernels do."""
     w = torch.randn(50_000, generator=torch.Generator().manual_seed(5))
     w2 = w.clone()
     w2[::7] += 1e-3
@@ -651,8 +652,13 @@ def test_a_numba_that_does_not_import_falls_back_with_one_warning(tmp_path):
         "from torch_deltasync._dtypes import bits\n"
         f"x = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
         "assert _native.AVAILABLE\n"
+        "mode = sys.argv[1]\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
+        "    if mode == 'idiom':  # save and restore around a comparison, as the first call\n"
+        "        prev = _native.set_enabled(False)\n"
+        "        assert prev is False\n"
+        "        _native.set_enabled(prev)\n"
         "    det = ChangeDetector()\n"
         "    det.reset('w', x['w'])\n"
         "    ch = det.detect('w', x['w2'])\n"
@@ -661,7 +667,10 @@ def test_a_numba_that_does_not_import_falls_back_with_one_warning(tmp_path):
         "    d = c.decode({'packed': blob}, numel=x['w'].numel(), count=ch.numel, dtype=torch.bfloat16)\n"
         "    new = d.resolve(ch.old_values)\n"
         "msgs = [str(m.message) for m in caught if issubclass(m.category, RuntimeWarning)]\n"
-        "assert len(msgs) == 1 and 'Numba needs NumPy 2.4 or less' in msgs[0], msgs\n"
+        "if mode == 'off':  # TORCH_DELTASYNC_NATIVE=0 chose the numpy/torch paths: nothing to warn about\n"
+        "    assert msgs == [], msgs\n"
+        "else:\n"
+        "    assert len(msgs) == 1 and 'Numba needs NumPy 2.4 or less' in msgs[0], msgs\n"
         "assert not _native.enabled()\n"
         "assert torch.equal(ch.positions, x['positions'])\n"
         "assert torch.equal(blob, x['blob'])  # the same bytes as the kernels wrote\n"
@@ -674,14 +683,16 @@ def test_a_numba_that_does_not_import_falls_back_with_one_warning(tmp_path):
         "    raise AssertionError('set_enabled(True) with a numba that does not import')\n"
         "print('ok with a broken numba')\n"
     )
-    run_child(script, "ok with a broken numba")
+    run_child(script, "ok with a broken numba", "first-use")
+    run_child(script, "ok with a broken numba", "idiom")
+    run_child(script, "ok with a broken numba", "off", env={"TORCH_DELTASYNC_NATIVE": "0"})
 
 
-def run_child(script: Path, expected: str) -> None:
+def run_child(script: Path, expected: str, *args: str, env: dict | None = None) -> None:
     """Run ``script`` in a child process with this checkout on its path; it must print ``expected``."""
     root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(root)})
+    r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root), **(env or {})})
     assert r.returncode == 0 and expected in r.stdout, r.stdout + r.stderr
 
 
