@@ -52,20 +52,22 @@ def main(device: str) -> None:
             live[flip] = special_fp32(n, n + 1)[flip]
             base, live = base.to(src_dtype), live.to(src_dtype)
             snap = bits(base.to(dtype)).to(device)
-            got = _gpu.detect(live.to(device), snap, dtype, base=7)
             want = cpu_detect(base, live, dtype)
-            assert got is not None
-            assert torch.equal(got[0].cpu(), want[0] + 7), (src_dtype, dtype, n)
-            assert torch.equal(bits(got[1]).cpu(), want[1]) and torch.equal(bits(got[2]).cpu(), want[2])
-        print(f"detect {src_dtype} -> {dtype}: ok")
+            for method in _gpu.METHODS:
+                got = _gpu.detect(live.to(device), snap, dtype, base=7, method=method)
+                assert got is not None
+                assert torch.equal(got[0].cpu(), want[0] + 7), (src_dtype, dtype, n, method)
+                assert torch.equal(bits(got[1]).cpu(), want[1]) and torch.equal(bits(got[2]).cpu(), want[2])
+        print(f"detect {src_dtype} -> {dtype} ({', '.join(_gpu.METHODS)}): ok")
     w = torch.randn(3000)
     w[100] = float("nan")
     w.view(torch.int32)[2_999] = -1  # a NaN with a payload, in the last block
     snap = torch.zeros(3000, dtype=torch.int16)
-    got = _gpu.detect(w.to(device), snap.to(device), torch.bfloat16)
     want = cpu_detect(torch.zeros(3000), w, torch.bfloat16)  # the CPU kernel: NaN -> 0x7FC0
-    assert all(torch.equal(g.cpu() if i == 0 else bits(g).cpu(), x) for i, (g, x) in enumerate(zip(got, want)))
-    assert bits(got[1])[got[0] == 100].tolist() == bits(got[1])[got[0] == 2_999].tolist() == [0x7FC0]
+    for method in _gpu.METHODS:
+        got = _gpu.detect(w.to(device), snap.to(device), torch.bfloat16, method=method)
+        assert all(torch.equal(g.cpu() if i == 0 else bits(g).cpu(), x) for i, (g, x) in enumerate(zip(got, want)))
+        assert bits(got[1])[got[0] == 100].tolist() == bits(got[1])[got[0] == 2_999].tolist() == [0x7FC0]
     assert _gpu.detect(w.half().to(device), bits(w.to(torch.bfloat16)).to(device), torch.bfloat16) is None
     print("detect casts NaN as the CPU does, and leaves other dtype pairs to torch: ok")
 

@@ -3,10 +3,12 @@
 On one CUDA device, for a tensor of ``--numel`` elements (fp32 live weights, bf16 snapshot) at each
 ``--density``:
 
-* **detect**: ``_gpu.detect`` (two passes, each reading the fp32 tensor and the bf16 snapshot:
-  12 bytes per element) against the torch path of ``ChangeDetector.detect`` (cast, compare,
-  ``nonzero``, gathers); achieved bandwidth = bytes the kernels must move / time, as a fraction
-  of the device's copy bandwidth (``copy_`` of a 2 GiB buffer: bytes read + written / time);
+* **detect**: ``_gpu.detect`` with each of its methods (``"reread"``: two passes, each reading the
+  fp32 tensor and the bf16 snapshot, 12 bytes per element; ``"bitmask"``: the second pass reads a
+  bit per element and the values only where one is set) against the torch path of
+  ``ChangeDetector.detect`` (cast, compare, ``nonzero``, gathers); achieved bandwidth = bytes /
+  time, as a fraction of the device's copy bandwidth (``copy_`` of a 2 GiB buffer: bytes read +
+  written / time);
 * **scatter** and **apply_steps**: ``_gpu.scatter`` / ``_gpu.apply_steps`` of the changes into a
   bf16 tensor against ``index_copy_`` (and, for steps, a gather + add + ``index_copy_``).
 
@@ -104,8 +106,6 @@ def main() -> None:
         m = torch.rand(n, device=dev) < p
         w[m] += w[m].abs() * 2**-7
         snap = bits(det.snapshot("w"))
-        got = _gpu.detect(w, snap, torch.bfloat16)
-        t_kernel = timed(lambda: _gpu.detect(w, snap, torch.bfloat16))
         avail = _gpu.available
         _gpu.available = lambda d: False  # the torch path of the detector
         try:
@@ -113,7 +113,13 @@ def main() -> None:
             t_torch = timed(lambda: det.detect("w", w))
         finally:
             _gpu.available = avail
-        assert torch.equal(got[0], want.positions) and torch.equal(bits(got[1]), bits(want.values))
+        t_detect = {}
+        for method in _gpu.METHODS:  # each checked bit for bit against the torch path, then timed
+            got = _gpu.detect(w, snap, torch.bfloat16, method=method)
+            assert torch.equal(got[0], want.positions) and torch.equal(bits(got[1]), bits(want.values)) \
+                and torch.equal(bits(got[2]), bits(want.old_values)), f"detect(method={method!r}) differs from torch"
+            t_detect[method] = timed(lambda: _gpu.detect(w, snap, torch.bfloat16, method=method))
+        t_kernel = t_detect["reread"]
         k = got[0].numel()
         flat = det.snapshot("w").clone()
         t_scatter = timed(lambda: _gpu.scatter(flat, got[0], got[1]))
@@ -125,13 +131,16 @@ def main() -> None:
         row = {"numel": n, "density": k / n, "detect_s": t_kernel, "detect_torch_s": t_torch,
                "detect_gbs": 12 * n / t_kernel / 1e9, "detect_over_copy_bw": 12 * n / t_kernel / copy_bw,
                "detect_least_bytes_over_copy_bw": least / t_kernel / copy_bw,
+               "detect_bitmask_s": t_detect["bitmask"],
+               "detect_bitmask_least_bytes_over_copy_bw": least / t_detect["bitmask"] / copy_bw,
                "copy_gbs": copy_bw / 1e9, "scatter_s": t_scatter, "index_copy_s": t_index_copy,
                "apply_steps_s": t_steps, "apply_steps_torch_s": t_steps_torch,
                "apply_ns_per_change": t_steps / max(k, 1) * 1e9}
         rows.append(row)
         print(f"density {k / n:.2%}: detect {t_kernel * 1e3:.2f} ms ({row['detect_gbs']:.0f} GB/s, "
               f"{row['detect_over_copy_bw']:.0%} of copy bandwidth {copy_bw / 1e9:.0f} GB/s; the least bytes "
-              f"{row['detect_least_bytes_over_copy_bw']:.0%}) vs torch "
+              f"{row['detect_least_bytes_over_copy_bw']:.0%}), bitmask {t_detect['bitmask'] * 1e3:.2f} ms (the least "
+              f"bytes {row['detect_bitmask_least_bytes_over_copy_bw']:.0%}) vs torch "
               f"{t_torch * 1e3:.2f} ms; scatter {t_scatter * 1e3:.2f} ms vs index_copy_ {t_index_copy * 1e3:.2f} ms; "
               f"apply_steps {t_steps * 1e3:.2f} ms vs torch {t_steps_torch * 1e3:.2f} ms", flush=True)
     out = Path(args.out)

@@ -11,10 +11,20 @@ measures them against HBM bandwidth on a GPU (``tools/bench_gpu_kernels.py``).
 Detection is a stream compaction in two passes over the tensor: pass 1 casts each block (fp32 ->
 bf16 by round-to-nearest-even on the bit pattern, or no cast when the tensor is already in the
 inference dtype), compares bit patterns with the snapshot and writes the block's count of
-changes; an exclusive prefix sum of the counts gives each block its output offset; pass 2 casts
-and compares again and writes positions, new and old values in order. Both passes read the
-tensor and the snapshot (12 bytes per fp32 element in all), never a mask or a cast copy. A NaN
-becomes 0x7FC0, as in the published cast (:func:`torch_deltasync._dtypes.cast`) and the CPU kernel.
+changes; an exclusive prefix sum of the counts gives each block its output offset; pass 2 writes
+positions, new and old values in order. A NaN becomes 0x7FC0, as in the published cast
+(:func:`torch_deltasync._dtypes.cast`) and the CPU kernel. Two ways to find the changes again in
+pass 2 (``detect(method=...)``):
+
+* ``"reread"``: cast and compare again, reading the tensor and the snapshot in full a second time
+  (12 bytes per fp32 element over both passes, never a mask or a cast copy);
+* ``"bitmask"``: pass 1 also writes one bit per element (1/8 byte), and pass 2 reads the bits and
+  loads the tensor and the snapshot only where a bit is set. A GPU fetches memory in 32-byte
+  sectors for the lanes that load, so at 1% density pass 2 reads about 0.7 bytes per element
+  instead of 6 (at 5%, about 2.6; changes at random).
+
+Both write the same outputs (``tests/gpu_kernels_checks.py``); ``tools/bench_gpu_kernels.py``
+times both against HBM bandwidth, and ``"reread"`` stays the default until a GPU has measured them.
 """
 
 from __future__ import annotations
@@ -27,9 +37,12 @@ try:
 except ImportError:  # pragma: no cover - triton ships with torch's CUDA wheels
     triton = None
 
-__all__ = ["available", "detect", "scatter", "apply_steps"]
+__all__ = ["available", "detect", "scatter", "apply_steps", "METHODS"]
 
-BLOCK = 1024  # elements per program
+BLOCK = 1024  # elements per program (a multiple of 32: the bitmask's words)
+
+#: The ways :func:`detect` can find the changes in its second pass (the module's docstring).
+METHODS = ("reread", "bitmask")
 
 
 def available(device: torch.device) -> bool:
@@ -47,18 +60,27 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _changed(src_ptr, snap_ptr, offs, n, CAST: tl.constexpr):
-        """Mask of changed elements at ``offs`` and their new and old bit patterns (the snapshot's
-        integer type)."""
-        inside = offs < n
-        old = tl.load(snap_ptr + offs, mask=inside, other=0)
+    def _load(src_ptr, snap_ptr, offs, mask, CAST: tl.constexpr):
+        """New (cast) and old bit patterns at ``offs`` where ``mask`` (the snapshot's integer type)."""
+        old = tl.load(snap_ptr + offs, mask=mask, other=0)
         if CAST:  # fp32 bits -> bf16 bits: round to nearest even, a NaN as 0x7FC0 (the published cast)
-            u = tl.load(src_ptr + offs, mask=inside, other=0)
+            u = tl.load(src_ptr + offs, mask=mask, other=0)
             rne = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
             new = (tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rne) & 0xFFFF).to(tl.int16)  # wraps to signed
         else:
-            new = tl.load(src_ptr + offs, mask=inside, other=0)
+            new = tl.load(src_ptr + offs, mask=mask, other=0)
+        return new, old
+
+    @triton.jit
+    def _changed(src_ptr, snap_ptr, offs, n, CAST: tl.constexpr):
+        """Mask of changed elements at ``offs`` and their new and old bit patterns."""
+        inside = offs < n
+        new, old = _load(src_ptr, snap_ptr, offs, inside, CAST)
         return (new != old) & inside, new, old
+
+    @triton.jit
+    def _or(a, b):
+        return a | b
 
     @triton.jit
     def _count_kernel(src_ptr, snap_ptr, counts_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
@@ -68,16 +90,43 @@ if triton is not None:
         tl.store(counts_ptr + pid, tl.sum(changed.to(tl.int32), axis=0))
 
     @triton.jit
-    def _write_kernel(src_ptr, snap_ptr, starts_ptr, pos_ptr, new_ptr, old_ptr, n, base,
-                      CAST: tl.constexpr, BLOCK: tl.constexpr):
+    def _count_bits_kernel(src_ptr, snap_ptr, counts_ptr, bits_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 1 of ``"bitmask"``: the block's count, and bit ``j`` of word ``i`` set where element
+        ``32 i + j`` of the block changed (int32 words, ``BLOCK // 32`` per block)."""
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        changed, new, old = _changed(src_ptr, snap_ptr, offs, n, CAST)
+        changed, _, _ = _changed(src_ptr, snap_ptr, offs, n, CAST)
+        c = changed.to(tl.int32)
+        tl.store(counts_ptr + pid, tl.sum(c, axis=0))
+        words = tl.reduce(tl.reshape(c, (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], 1, _or)
+        tl.store(bits_ptr + pid * (BLOCK // 32) + tl.arange(0, BLOCK // 32), words)
+
+    @triton.jit
+    def _store_changes(offs, changed, new, old, starts_ptr, pos_ptr, new_ptr, old_ptr, base, pid):
         c = changed.to(tl.int32)
         at = tl.load(starts_ptr + pid) + tl.cumsum(c, axis=0) - c  # exclusive prefix within the block
         tl.store(pos_ptr + at, offs.to(tl.int64) + base, mask=changed)
         tl.store(new_ptr + at, new.to(new_ptr.dtype.element_ty), mask=changed)
         tl.store(old_ptr + at, old.to(old_ptr.dtype.element_ty), mask=changed)
+
+    @triton.jit
+    def _write_kernel(src_ptr, snap_ptr, starts_ptr, pos_ptr, new_ptr, old_ptr, n, base,
+                      CAST: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        changed, new, old = _changed(src_ptr, snap_ptr, offs, n, CAST)
+        _store_changes(offs, changed, new, old, starts_ptr, pos_ptr, new_ptr, old_ptr, base, pid)
+
+    @triton.jit
+    def _write_bits_kernel(src_ptr, snap_ptr, bits_ptr, starts_ptr, pos_ptr, new_ptr, old_ptr, n, base,
+                           CAST: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 2 of ``"bitmask"``: the tensor and the snapshot are loaded only where a bit is set."""
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        w = tl.load(bits_ptr + offs // 32, mask=offs < n, other=0)
+        changed = ((w >> (offs % 32)) & 1) != 0
+        new, old = _load(src_ptr, snap_ptr, offs, changed, CAST)
+        _store_changes(offs, changed, new, old, starts_ptr, pos_ptr, new_ptr, old_ptr, base, pid)
 
     @triton.jit
     def _scatter_kernel(dst_ptr, pos_ptr, val_ptr, k, BLOCK: tl.constexpr):
@@ -103,7 +152,7 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base: int = 0):
+def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base: int = 0, method: str = "reread"):
     """Changed elements of ``flat`` cast to ``dtype`` against a snapshot, as
     :meth:`ChangeDetector.detect <torch_deltasync.detect.ChangeDetector.detect>` finds them.
 
@@ -112,11 +161,18 @@ def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base
         snap_bits: the snapshot's integer bit view (same width as ``dtype``), same length and device.
         dtype: the inference dtype.
         base: added to every position.
+        method: how pass 2 finds the changes again, one of :data:`METHODS` (the module's docstring);
+            the outputs are the same.
 
     Returns:
         ``(positions int64, new values, old values)`` in ``dtype`` on ``flat``'s device, or ``None``
         for other dtype pairs.
+
+    Raises:
+        ValueError: an unknown ``method``.
     """
+    if method not in METHODS:
+        raise ValueError(f"detect: method must be one of {METHODS}, got {method!r}")
     cast = flat.dtype == torch.float32 and dtype == torch.bfloat16
     if not cast and flat.dtype != dtype:
         return None
@@ -125,13 +181,20 @@ def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base
     src = flat.view(torch.int32) if cast else _int_view(flat)
     blocks = max(1, triton.cdiv(n, BLOCK))
     counts = torch.empty(blocks, dtype=torch.int32, device=dev)
-    _count_kernel[(blocks,)](src, snap_bits, counts, n, CAST=cast, BLOCK=BLOCK)
+    if method == "bitmask":
+        words = torch.empty(blocks * (BLOCK // 32), dtype=torch.int32, device=dev)
+        _count_bits_kernel[(blocks,)](src, snap_bits, counts, words, n, CAST=cast, BLOCK=BLOCK)
+    else:
+        _count_kernel[(blocks,)](src, snap_bits, counts, n, CAST=cast, BLOCK=BLOCK)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
     k = int(ends[-1])  # (the one sync)
     pos = torch.empty(k, dtype=torch.int64, device=dev)
     new = torch.empty(k, dtype=snap_bits.dtype, device=dev)
     old = torch.empty(k, dtype=snap_bits.dtype, device=dev)
-    if k:
+    if k and method == "bitmask":
+        _write_bits_kernel[(blocks,)](src, snap_bits, words, ends - counts, pos, new, old, n, base, CAST=cast,
+                                      BLOCK=BLOCK)
+    elif k:
         _write_kernel[(blocks,)](src, snap_bits, ends - counts, pos, new, old, n, base, CAST=cast, BLOCK=BLOCK)
     return pos, new.view(dtype), old.view(dtype)
 
