@@ -26,8 +26,8 @@
 #   the logs into OUT_DIR/logs.tar.gz; under the device tool (OUT_DIR = $OUT, of which at most 8
 #   files come back) the packed logs replace the folder. Results of an earlier run in OUT_DIR are
 #   removed first. Ctrl-C or SIGTERM stops the running block, packs the logs and exits 130 / 143.
-# --smoke runs the warm-up and blocks 1-4 on the CPU (Triton's interpreter, tiny sizes, block 2's tests on CPU
-# tensors): tests/unit/test_gpu_check.py checks this script that way.
+# --smoke runs the warm-up and blocks 1-4 on the CPU (Triton's interpreter, tiny sizes, block 2's
+# tests on CPU tensors): tests/unit/test_gpu_check.py checks this script that way.
 # The device call (the session's 15 minutes count the machine's start, 1-2 minutes, and each call):
 #   run(command="bash tools/gpu_check.sh $OUT", carry=[".whl"], timeout_s=450)
 # Environment: GPU_CHECK_PYTHON (the interpreter), GPU_CHECK_WHEELS (wheels to install, default
