@@ -12,8 +12,8 @@
 # * checks first that torch_deltasync imports and the GPU is seen, and stops there with the reason
 #   (a numba that does not import is reported and the blocks run: the library falls back to numpy);
 # * compiles the numba CPU kernels (tools/warm_kernels.py), then runs the blocks most important
-#   first, each under `timeout` (60 + 60 + 60 + 60 + 150 s at most, plus 10 s each to stop one that
-#   overruns: under 7 minutes in all):
+#   first, each under `timeout` (60 + 60 + 60 + 60 + 120 s at most, plus 10 s each to stop one that
+#   overruns, and 90 s at most for the preflight: under 8.5 minutes in all, 7 without the preflight):
 #   1. the Triton kernels bit for bit against the CPU specification (tests/gpu_kernels_checks.py);
 #   2. detection, publishing and updating on CUDA tensors against the CPU, bit for bit
 #      (`pytest -m gpu tests/unit/test_device_paths.py`);
@@ -25,13 +25,14 @@
 #   out, <seconds> s" or "<block> skipped: why") to OUT_DIR, the logs to OUT_DIR/logs/, and packs
 #   the logs into OUT_DIR/logs.tar.gz; under the device tool (OUT_DIR = $OUT, of which at most 8
 #   files come back) the packed logs replace the folder. Results of an earlier run in OUT_DIR are
-#   removed first. Ctrl-C or SIGTERM stops the running block, packs the logs and exits 130 / 143.
+#   removed first (a folder that holds other files is refused: the script marks its own with
+#   .gpu_check). Ctrl-C or SIGTERM stops the running block, packs the logs and exits 130 / 143.
 # --smoke runs the warm-up and blocks 1-4 on the CPU (Triton's interpreter, tiny sizes, block 2's
 # tests on CPU tensors): tests/unit/test_gpu_check.py checks this script that way.
 # The device call (the session's 15 minutes count the machine's start, 1-2 minutes, and each call):
-#   run(command="bash tools/gpu_check.sh $OUT", carry=[".whl"], timeout_s=450)
-# Environment: GPU_CHECK_PYTHON (the interpreter), GPU_CHECK_WHEELS (wheels to install, default
-# .whl), GPU_CHECK_SITE (where they go, default /tmp/site).
+#   run(command="bash tools/gpu_check.sh $OUT", carry=[".whl"], timeout_s=510)
+# Environment: GPU_CHECK_PYTHON (the interpreter), GPU_CHECK_WHEELS (a folder of wheels to install,
+# default the checkout's .whl; "none": install none), GPU_CHECK_SITE (where, default /tmp/site).
 set -uo pipefail
 usage() { sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 SMOKE=0
@@ -47,16 +48,25 @@ for arg in "$@"; do
 done
 OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu}}
 case $OUT_DIR in /*) ;; *) OUT_DIR="$PWD/$OUT_DIR" ;; esac  # relative to where it was called from
+WHEELS=${GPU_CHECK_WHEELS:-}
+case $WHEELS in ""|none|/*) ;; *) WHEELS="$PWD/$WHEELS" ;; esac
 cd "$(dirname "$0")/.."
 LOGS="$OUT_DIR/logs"
 SUMMARY="$OUT_DIR/summary.txt"
 RESULTS=(gpu_kernels.json core_gpu.json vllm_apply_gpu.json vllm_engine.json)
+MARK="$OUT_DIR/.gpu_check"  # this script wrote the folder: its earlier results may be removed
+if [ -d "$OUT_DIR" ] && [ ! -e "$MARK" ] && [ -n "$(ls -A "$OUT_DIR" 2>/dev/null)" ] \
+    && [ "$OUT_DIR" != "$(cd "${OUT:-/nonexistent}" 2>/dev/null && pwd)" ]; then
+    echo "tools/gpu_check.sh: OUT_DIR $OUT_DIR holds files this script did not write; give a new or empty folder" >&2
+    exit 2
+fi
 if ! mkdir -p "$OUT_DIR" 2>/dev/null || ! [ -w "$OUT_DIR" ]; then
     echo "tools/gpu_check.sh: cannot write to OUT_DIR $OUT_DIR; give a writable folder" >&2
     exit 2
 fi
 rm -rf "$LOGS" "$OUT_DIR/logs.tar.gz" "${RESULTS[@]/#/$OUT_DIR/}"  # an earlier run's results
 mkdir -p "$LOGS"
+: > "$MARK"
 : > "$SUMMARY"
 
 pack_logs() {
@@ -67,12 +77,13 @@ pack_logs() {
 # Ctrl-C or SIGTERM: `timeout` runs each block in a process group of its own, which the terminal's
 # signal does not reach, so the running block is stopped here, then the logs are packed.
 current=""
+current_name="the preflight"
 on_signal() {
     if [ -n "$current" ]; then
         kill -TERM "$current" 2>/dev/null
         wait "$current" 2>/dev/null
     fi
-    echo "interrupted by SIG$1" | tee -a "$SUMMARY"
+    echo "interrupted by SIG$1 in $current_name" | tee -a "$SUMMARY"
     pack_logs
     exit "$2"
 }
@@ -86,8 +97,11 @@ elif [ -x .venv/bin/python ]; then
 else
     PY=python3
 fi
-WHEELS=${GPU_CHECK_WHEELS:-.whl}
-if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+if [ -n "$WHEELS" ] && [ "$WHEELS" != none ] && ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    echo "GPU_CHECK_WHEELS $WHEELS holds no wheels: none installed" | tee -a "$SUMMARY"
+fi
+WHEELS=${WHEELS:-$PWD/.whl}
+if [ "$WHEELS" != none ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
     SITE=${GPU_CHECK_SITE:-/tmp/site}
     "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target "$SITE" "$WHEELS"/*.whl > "$LOGS/wheels.log" 2>&1 \
@@ -106,7 +120,7 @@ else
 fi
 
 # Preflight: what the blocks need, and the versions that ran (environment.txt).
-"$PY" - "$DEVICE" > "$LOGS/environment.txt" 2>&1 <<'PY'
+timeout --kill-after=10 90 "$PY" - "$DEVICE" > "$LOGS/environment.txt" 2>&1 <<'PY' &
 import platform, sys
 device = sys.argv[1]
 print("python", platform.python_version(), sys.executable)
@@ -122,10 +136,14 @@ for name in ("torch", "triton", "numpy", "safetensors", "zstandard", "transforme
         else:
             missing.append(f"{name} ({type(e).__name__}: {e})")
 if missing:
-    hint = (" For zstandard on a lent GPU machine: `bash tools/gpu_wheels.sh` here, then carry \".whl\"."
-            if any(m.startswith("zstandard") for m in missing) else "")
-    sys.exit(f"missing: {'; '.join(missing)}. {sys.executable} cannot run the checks: the lent machines' "
-             f"python3 has these modules (set GPU_CHECK_PYTHON to choose another interpreter).{hint}")
+    version = ".".join(platform.python_version_tuple()[:2])
+    hints = [f"{sys.executable} cannot run the checks (GPU_CHECK_PYTHON chooses another interpreter)."]
+    if any(not m.startswith("zstandard") for m in missing):
+        hints.append("The lent machines' python3 has every module but zstandard.")
+    if any(m.startswith("zstandard") for m in missing):
+        hints.append(f"zstandard: `bash tools/gpu_wheels.sh {version}` here (wheels for Python {version}), "
+                     "then carry \".whl\".")
+    sys.exit(f"missing: {'; '.join(missing)}. " + " ".join(hints))
 import torch
 import torch_deltasync
 from torch_deltasync import _native
@@ -136,7 +154,10 @@ if device == "cuda":
     p = torch.cuda.get_device_properties(0)
     print("gpu", p.name, f"{p.total_memory / 2**30:.0f} GiB", "capability", f"{p.major}.{p.minor}")
 PY
+current=$!
+wait "$current"
 rc=$?
+current=""
 cat "$LOGS/environment.txt"
 if [ $rc != 0 ]; then
     echo "preflight failed (rc $rc): see $LOGS/environment.txt" | tee -a "$SUMMARY"
@@ -151,7 +172,7 @@ block() {
     shift 2
     echo "== $name (at most $limit s): $*"
     timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1 &
-    current=$!
+    current=$! current_name="block $name"
     wait "$current"
     rc=$?
     current=""
@@ -179,7 +200,7 @@ else
     block kernels_checks 60 "$PY" tests/gpu_kernels_checks.py cuda
     block device_tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_device_paths.py
     block kernels_bench 60 "$PY" tools/bench_gpu_kernels.py --numel 500000000 --out "$OUT_DIR/gpu_kernels.json"
-    block core 150 "$PY" tools/bench_core.py --device cuda --synthetic --sizes 1b --steps 2 \
+    block core 120 "$PY" tools/bench_core.py --device cuda --synthetic --sizes 1b --steps 2 \
         --out "$OUT_DIR/core_gpu.json"
     # VLLMTarget on CUDA parameters of one TP rank against vLLM's load_weights (the CPU oracle's TP
     # stub, models moved to the GPU): needs vLLM importable, which tools/setup.sh's .venv has.

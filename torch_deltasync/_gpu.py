@@ -41,6 +41,10 @@ __all__ = ["available", "detect", "scatter", "apply_steps", "METHODS"]
 
 BLOCK = 1024  # elements per program (a multiple of 32: the bitmask's words)
 
+#: The kernels index with int32 offsets: tensors of this many elements or more (and as many
+#: changes) are left to torch (:func:`detect` returns ``None``; the apply kernels refuse them).
+MAX_NUMEL = 2**31 - BLOCK
+
 #: The ways :func:`detect` can find the changes in its second pass (the module's docstring).
 METHODS = ("reread", "bitmask")
 
@@ -166,15 +170,21 @@ def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base
 
     Returns:
         ``(positions int64, new values, old values)`` in ``dtype`` on ``flat``'s device, or ``None``
-        for other dtype pairs.
+        for other dtype pairs and for tensors of :data:`MAX_NUMEL` elements or more (torch's path
+        then runs).
 
     Raises:
-        ValueError: an unknown ``method``.
+        ValueError: an unknown ``method``; ``flat`` and ``snap_bits`` not 1-D contiguous on one
+            device, of different lengths, or ``snap_bits`` not of ``dtype``'s width.
     """
     if method not in METHODS:
         raise ValueError(f"detect: method must be one of {METHODS}, got {method!r}")
+    _check_flat("detect", flat, snap_bits)
+    if snap_bits.numel() != flat.numel() or snap_bits.element_size() != dtype.itemsize:
+        raise ValueError(f"detect: a snapshot of {snap_bits.numel()} {snap_bits.dtype} for {flat.numel()} "
+                         f"elements in {dtype}: it must have as many elements, of {dtype}'s width")
     cast = flat.dtype == torch.float32 and dtype == torch.bfloat16
-    if not cast and flat.dtype != dtype:
+    if (not cast and flat.dtype != dtype) or flat.numel() >= MAX_NUMEL:
         return None
     n = flat.numel()
     dev = flat.device
@@ -199,9 +209,33 @@ def detect(flat: torch.Tensor, snap_bits: torch.Tensor, dtype: torch.dtype, base
     return pos, new.view(dtype), old.view(dtype)
 
 
+def _check_flat(what: str, *tensors: torch.Tensor) -> None:
+    """1-D contiguous tensors on one device: the kernels index them as flat arrays."""
+    for t in tensors:
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{what}: tensors must be 1-D and contiguous, got shape {tuple(t.shape)} "
+                             f"with strides {t.stride()}")
+        if t.device != tensors[0].device:
+            raise ValueError(f"{what}: tensors on {tensors[0].device} and {t.device}")
+
+
+def _check_changes(what: str, flat: torch.Tensor, positions: torch.Tensor, *per_change: torch.Tensor) -> None:
+    _check_flat(what, flat, positions, *per_change)
+    if positions.dtype != torch.int64 or any(t.numel() != positions.numel() for t in per_change):
+        raise ValueError(f"{what}: int64 positions and one entry per position in each of the others")
+    if positions.numel() >= MAX_NUMEL:
+        raise ValueError(f"{what}: {positions.numel()} changes; the kernels take fewer than {MAX_NUMEL}")
+
+
 def scatter(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """``flat.index_copy_(0, positions, values)`` for positions already validated (in range,
-    unique): one program per ``BLOCK`` changes, no bounds checks on the GPU."""
+    unique): one program per ``BLOCK`` changes, no bounds checks on the GPU.
+
+    Raises:
+        ValueError: tensors not 1-D contiguous on one device, positions not int64, lengths that
+            differ, or :data:`MAX_NUMEL` changes or more.
+    """
+    _check_changes("scatter", flat, positions, values)
     k = positions.numel()
     if k:
         _scatter_kernel[(triton.cdiv(k, BLOCK),)](_int_view(flat), positions, _int_view(values), k, BLOCK=BLOCK)
@@ -212,7 +246,12 @@ def apply_steps(flat: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor
     """Apply a step-coded delta in place: ``flat[p] = bits(flat[p]) + step`` (wrapped) where
     ``relative`` (all when ``None``), else ``values`` (:meth:`TensorDelta.resolve
     <torch_deltasync.codecs.TensorDelta.resolve>` followed by the write, in one pass; the caller
-    checks the base checksum first when it needs to)."""
+    checks the base checksum first when it needs to).
+
+    Raises:
+        ValueError: as :func:`scatter`.
+    """
+    _check_changes("apply_steps", flat, positions, steps, *(t for t in (relative, values) if t is not None))
     k = positions.numel()
     if not k:
         return

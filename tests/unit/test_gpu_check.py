@@ -25,7 +25,7 @@ SCRIPT = ROOT / "tools" / "gpu_check.sh"
 def _env(tmp_path: Path, shadow: dict[str, str] | None = None) -> dict:
     """This interpreter, no carried wheels; ``shadow``: modules (name -> source) that take the place
     of installed ones."""
-    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"),
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": "none",
            "GPU_CHECK_SITE": str(tmp_path / "site")}
     env.pop("OUT", None)
     if shadow:
@@ -46,6 +46,7 @@ def test_smoke_runs_every_block_and_reports_bit_exact_results(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "gpu"
     (out / "logs").mkdir(parents=True)
+    (out / ".gpu_check").write_text("")  # an earlier run's folder: its results are replaced
     (out / "logs" / "old.log").write_text("an earlier run")
     (out / "gpu_kernels.json").write_text("{}")
     r = _run("gpu", _env(tmp_path), cwd=tmp_path)  # OUT_DIR relative to where it is called from
@@ -78,6 +79,16 @@ def test_a_module_that_does_not_import_stops_at_the_preflight(tmp_path, module, 
     assert ("tools/gpu_wheels.sh" in r.stdout) == hint
     assert (tmp_path / "gpu" / "summary.txt").read_text().startswith("preflight failed (rc 1)")
     assert not (tmp_path / "gpu" / "gpu_kernels.json").exists()
+
+
+def test_a_folder_it_did_not_write_is_refused_untouched(tmp_path):
+    out = tmp_path / "project"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "train.log").write_text("precious")
+    (out / "summary.txt").write_text("notes")
+    r = _run(str(out), _env(tmp_path), timeout=60)
+    assert r.returncode == 2 and "holds files this script did not write" in r.stderr, r.stdout + r.stderr
+    assert (out / "logs" / "train.log").read_text() == "precious" and (out / "summary.txt").read_text() == "notes"
 
 
 def _descendants(pid: int) -> set[int]:
@@ -119,6 +130,6 @@ def test_sigterm_stops_the_running_block_and_a_broken_numba_passes_the_preflight
         env_txt = tar.extractfile("logs/environment.txt").read().decode()
     assert "numba does not import (ImportError: Numba needs NumPy 2.4 or less" in env_txt
     assert "compiled kernels False" in env_txt
-    assert (out / "summary.txt").read_text().splitlines()[-1] == "interrupted by SIGTERM"
+    assert (out / "summary.txt").read_text().splitlines()[-1].startswith("interrupted by SIGTERM in block ")
     time.sleep(1)
     assert block and not any(Path(f"/proc/{pid}").exists() for pid in block), "the block's processes were left running"
