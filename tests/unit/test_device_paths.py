@@ -39,6 +39,7 @@ def test_detector_on_the_device_finds_what_the_cpu_finds(device, snapshot_device
     det.reset("w", base.to(device))
     ch = det.detect("w", live.to(device))
     want = cpu_detect(base, live, dtype)  # the CPU detector's torch path
+    assert not det._gpu_failed  # on CUDA the Triton kernels ran, not torch's fallback
     assert want[0].numel() > 1000
     assert torch.equal(ch.positions.cpu(), want[0])
     assert torch.equal(bits(ch.values).cpu(), want[1]) and torch.equal(bits(ch.old_values).cpu(), want[2])
