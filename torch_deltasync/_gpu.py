@@ -258,6 +258,6 @@ def apply_steps(flat: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor
     dst = _int_view(flat)
     has_rel = relative is not None
     rel = relative.view(torch.uint8) if has_rel else positions
-    val = _int_view(values.contiguous()) if has_rel else steps
+    val = _int_view(values) if has_rel else steps
     _steps_kernel[(triton.cdiv(k, BLOCK),)](dst, positions, steps.to(dst.dtype), rel, val, k, HAS_REL=has_rel,
                                              BLOCK=BLOCK)
