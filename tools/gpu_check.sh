@@ -54,9 +54,13 @@ cd "$(dirname "$0")/.."
 LOGS="$OUT_DIR/logs"
 SUMMARY="$OUT_DIR/summary.txt"
 RESULTS=(gpu_kernels.json core_gpu.json vllm_apply_gpu.json vllm_engine.json)
+# Under the device tool OUT_DIR is its $OUT: emptied before each command, at most 8 files back.
+UNDER_TOOL=0
+if [ -n "${OUT:-}" ] && [ "$(cd "$OUT_DIR" 2>/dev/null && pwd)" = "$(cd "$OUT" 2>/dev/null && pwd)" ]; then
+    UNDER_TOOL=1
+fi
 MARK="$OUT_DIR/.gpu_check"  # this script wrote the folder: its earlier results may be removed
-if [ -d "$OUT_DIR" ] && [ ! -e "$MARK" ] && [ -n "$(ls -A "$OUT_DIR" 2>/dev/null)" ] \
-    && [ "$OUT_DIR" != "$(cd "${OUT:-/nonexistent}" 2>/dev/null && pwd)" ]; then
+if [ -d "$OUT_DIR" ] && [ ! -e "$MARK" ] && [ -n "$(ls -A "$OUT_DIR" 2>/dev/null)" ] && [ $UNDER_TOOL = 0 ]; then
     echo "tools/gpu_check.sh: OUT_DIR $OUT_DIR holds files this script did not write; give a new or empty folder" >&2
     exit 2
 fi
@@ -71,7 +75,7 @@ mkdir -p "$LOGS"
 
 pack_logs() {
     tar -czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs
-    if [ -n "${OUT:-}" ] && [ "$(cd "$OUT_DIR" && pwd)" = "$(cd "$OUT" 2>/dev/null && pwd)" ]; then rm -rf "$LOGS"; fi
+    if [ $UNDER_TOOL = 1 ]; then rm -rf "$LOGS"; fi
 }
 
 # Ctrl-C or SIGTERM: `timeout` runs each block in a process group of its own, which the terminal's
