@@ -310,7 +310,9 @@ def _verify(args: argparse.Namespace) -> int:
     objects (a new receiver's only way in once older versions are collected), and the delta part
     of an anchor reached through the anchor has its objects checked (size, sha256, structure). A
     version the replay reaches only by recovering (its planned path failed) is reported FAILED
-    with why; the replay goes on from it, as a follower would."""
+    with why; the replay goes on from it, as a follower would. A version the replay cannot reach
+    also has its own objects checked (size, sha256, a delta part decoded), so the report names every
+    damaged object, not only the first one a path needs."""
     from .errors import ObjectNotFoundError, VersionNotFoundError
     from .keys import list_versions, manifest_key
     from .manifest import load_manifest
@@ -352,12 +354,58 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"version {v:>8}: deleted meanwhile")
             else:  # a version still there, or damaged: what it needs is gone or wrong
                 failures += 1
-                print(f"version {v:>8}: FAILED: {type(e).__name__}: {_printable(e)}")
+                print(f"version {v:>8}: FAILED: {_failure(e)}")
+                own = _own_objects(store, v)
+                if own:
+                    print(f"{'':>17}{own}")
     if receiver is not None:
         receiver.close()
     print(f"{len(versions) - failures - deleted}/{len(versions)} versions verified"
           + (f", {deleted} deleted meanwhile" if deleted else ""))
     return 1 if failures else 0
+
+
+def _failure(e: Exception) -> str:
+    """Why a version failed, for the report: an object lost by the store named by its key (the
+    receiver's advice on planning again is for ``update()`` callers), else the error."""
+    from .errors import ObjectNotFoundError
+
+    key = getattr(e, "object_key", None)
+    if isinstance(e, ObjectNotFoundError) and key:
+        return f"ObjectNotFoundError: {key} is missing (deleted by hand, by a collector with another retention policy, or lost)"
+    return f"{type(e).__name__}: {_printable(e)}"
+
+
+def _own_objects(store, version: int) -> str:
+    """A report line on the objects version ``version``'s manifest names, checked on their own
+    (size and sha256; a delta object also read and decoded): a version that fails on what it
+    builds on tells intact from damaged objects of its own. Empty when its manifest is unreadable
+    (its failure says so) or names no object."""
+    from .errors import CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
+    from .format import DAMAGED_HINT, decode_delta, verify_bytes
+    from .manifest import load_manifest
+
+    try:
+        m = load_manifest(store, version)
+    except (CorruptObjectError, VersionNotFoundError):
+        return ""
+    objects = [*m.anchor_objects, *m.delta_objects]
+    damaged = []
+    for o in objects:
+        try:
+            data = store.get(o.key, start=0, end=o.nbytes + 1)
+            verify_bytes(data, o, f"version {m.version}")
+            if o in m.delta_objects:
+                decode_delta(data, m, o)
+        except ObjectNotFoundError:
+            damaged.append(f"{o.key} is missing")
+        except CorruptObjectError as e:
+            damaged.append(_printable(str(e).replace(f" ({DAMAGED_HINT})", "").removeprefix(f"version {version}: ")))
+    if not objects:
+        return ""
+    if not damaged:
+        return f"its own {len(objects)} object(s) are intact: what fails is a version it builds on (above)"
+    return f"its own objects: {len(damaged)} of {len(objects)} damaged: " + "; ".join(damaged)
 
 
 def _check_rest(target, store, m, path: str, run_files_seen: set) -> str:
@@ -436,7 +484,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
                    help="Qwen3 config (the demo prints the memory it needs and refuses one that does not fit)")
     p.add_argument("--lr", type=positive_finite_float, default=3e-6, help="Adam learning rate")
     p.add_argument("--anchor-every", type=int, default=10, help="publish an anchor every this many versions")
-    p.add_argument("--bucket", default=None, help="local bucket folder (none: RUN_DIR/bucket, emptied first)")
+    p.add_argument("--bucket", default=None, help="local bucket folder (none: RUN_DIR/bucket, emptied first when it holds only a store)")
     p.add_argument("--codec", default=None, help="delta codec (none: the sender's, packed)")
     p.add_argument("--run-dir", default="runs/demo", help="folder for the bucket and metrics.jsonl")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the training data")
@@ -449,7 +497,7 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         ok = run_demo(steps=args.steps, size=args.size, lr=args.lr, anchor_every=args.anchor_every,
                       bucket=args.bucket, codec=args.codec, seed=args.seed, run_dir=args.run_dir)
-    except MemoryError as e:  # refused before anything was built
+    except (MemoryError, FileExistsError) as e:  # refused before anything was built
         print(f"deltasync demo: error: {e}", file=sys.stderr)
         return 2
     return 0 if ok else 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import queue
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -99,6 +100,18 @@ def _receiver_main(bucket: str, size: str, tie: bool, cmd: mp.Queue, out: mp.Que
             out.put({"version": version, "error": f"{type(e).__name__}: {e}"})
 
 
+#: Top-level names a run prefix holds (``keys``, ``lease``, ``acks``), with or without the suffix
+#: of a ``LocalStore`` write that did not finish (``<name>.tmp-<32 hex digits>``).
+_STORE_ENTRY = re.compile(r"(versions|objects|acks|LATEST|OWNER|OWNER\.claims)(\.tmp-[0-9a-f]{32})?")
+
+
+def _foreign_entries(bucket: Path) -> list[str]:
+    """Sorted names at the top of ``bucket`` that a store does not write (empty: none, or no folder)."""
+    if not bucket.is_dir():
+        return []
+    return sorted(e.name for e in bucket.iterdir() if not _STORE_ENTRY.fullmatch(e.name))
+
+
 def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_every: int = 10,
              bucket: str | None = None, codec: str | None = None, seed: int = 0, tie: bool = False,
              run_dir: str = "runs/demo", timeout_s: float = 120.0) -> bool:
@@ -108,6 +121,7 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
         MemoryError: ``size`` needs more memory than this machine has available (checked before
             anything is built; the message gives both numbers).
         PrefixInUseError: another demo is writing the run folder's bucket (nothing is deleted).
+        FileExistsError: the run folder's bucket holds files no store writes (nothing is deleted).
         WorkerError: the receiver process failed, died, or did not answer within ``timeout_s``.
     """
     from ._units import format_bytes
@@ -134,6 +148,12 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
         if owner is not None and owner.live(time.time()) and owner.may_be_running():
             raise PrefixInUseError(f"{bucket} is in use by a running demo: {owner.describe(time.time())}; "
                                    "wait for it, or give this one another --run-dir")
+        foreign = _foreign_entries(Path(bucket))
+        if foreign:
+            raise FileExistsError(
+                f"{bucket} holds {', '.join(repr(n) for n in foreign[:3])}{' and more' if len(foreign) > 3 else ''}, "
+                "which no store writes; the demo empties its bucket before each run and deletes nothing it "
+                "did not write: move them, or give this one another --run-dir")
         shutil.rmtree(bucket, ignore_errors=True)
     (run / "metrics.jsonl").unlink(missing_ok=True)
     store = LocalStore(bucket)

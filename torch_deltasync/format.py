@@ -314,6 +314,7 @@ class EncodedDelta:
         codec: the manifest's codec (:func:`~torch_deltasync.codecs.get_codec`).
         dtype: the inference dtype.
         where: the object, for error messages (``"version V object KEY"``).
+        key: the object's store key (set as ``object_key`` on the errors of :meth:`decode`).
     """
 
     name: str
@@ -323,6 +324,7 @@ class EncodedDelta:
     codec: Codec
     dtype: torch.dtype
     where: str
+    key: str
 
     def decode(self) -> TensorDelta:
         """The codec's validating decode.
@@ -335,16 +337,24 @@ class EncodedDelta:
         Raises:
             CorruptObjectError: anything the codec's decoder rejects (out-of-range, unsorted or
                 duplicate indices, wrong dtypes, ...), or a decoded count other than ``count``
-                (whatever the codec checks itself), naming the object and the tensor.
+                (whatever the codec checks itself), naming the object and the tensor; its
+                ``object_key`` is :attr:`key`.
         """
         try:
             d = self.codec.decode(self.parts, numel=self.numel, count=self.count, dtype=self.dtype)
         except CorruptObjectError as e:
-            raise CorruptObjectError(f"{self.where}: tensor {self.name!r}: {e}") from None
+            raise _of_object(CorruptObjectError(f"{self.where}: tensor {self.name!r}: {e}"), self.key) from None
         if d.numel != self.count:
-            raise CorruptObjectError(f"{self.where}: tensor {self.name!r}: {d.numel} changes decoded, "
-                                     f"the object declares {self.count}")
+            raise _of_object(CorruptObjectError(f"{self.where}: tensor {self.name!r}: {d.numel} changes decoded, "
+                                                f"the object declares {self.count}"), self.key)
         return d
+
+
+def _of_object(e: CorruptObjectError, key: str) -> CorruptObjectError:
+    """``e`` with ``object_key = key``: the object it condemns (a receiver's recovery then avoids
+    every path through that object, :func:`torch_deltasync.receiver._stage.failed_part`)."""
+    e.object_key = key
+    return e
 
 
 def read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str, EncodedDelta]:
@@ -355,9 +365,17 @@ def read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str,
 
     Raises:
         CorruptObjectError: metadata that disagrees with the manifest, unknown tensor names,
-            counts missing, extra or outside ``[0, numel]``.
+            counts missing, extra or outside ``[0, numel]``; its ``object_key`` is ``entry.key``.
         ValueError: the manifest names a codec that is not registered here.
     """
+    try:
+        return _read_delta(data, manifest, entry)
+    except CorruptObjectError as e:
+        raise _of_object(e, entry.key)
+
+
+def _read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str, EncodedDelta]:
+    """:func:`read_delta` but for the ``object_key`` of its errors."""
     where = f"version {manifest.version} object {entry.key}"
     tensors, meta = _load(data, manifest, entry, "delta")
     if meta.get("codec") != manifest.codec or meta.get("base_version") != str(manifest.base_version):
@@ -380,7 +398,7 @@ def read_delta(data: bytes, manifest: Manifest, entry: ObjectEntry) -> dict[str,
         count = counts[name]
         if type(count) is not int or not 0 <= count <= specs[name].numel:
             raise CorruptObjectError(f"{where}: bad count {count!r} for {name!r}")
-        out[name] = EncodedDelta(name, ps, specs[name].numel, count, codec, manifest.inference_dtype, where)
+        out[name] = EncodedDelta(name, ps, specs[name].numel, count, codec, manifest.inference_dtype, where, entry.key)
     return out
 
 

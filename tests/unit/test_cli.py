@@ -260,6 +260,25 @@ def test_demo_runs_bit_exact(tmp_path, capsys):
     assert sum(r["event"] == "publish" for r in rows) == 3 and all(r["bit_exact"] for r in rows if r["event"] == "receiver")
 
 
+def test_a_demo_deletes_only_a_store_from_its_bucket(tmp_path, capsys):
+    """Its own bucket from the last run (a store, an unfinished write's temporary file) is emptied;
+    a file no store writes stops the demo before anything is deleted."""
+    bucket = tmp_path / "bucket"
+    DeltaSender({"w": torch.zeros(4)}, str(bucket)).publish()
+    (bucket / "versions" / "000000000009.json.tmp-0123456789abcdef0123456789abcdef").write_bytes(b"{")
+    (bucket / "LATEST.tmp-0123456789abcdef0123456789abcdef").write_bytes(b"")
+    assert main(["demo", "--steps", "1", "--size", "tiny", "--run-dir", str(tmp_path)]) == 0
+    assert "bit-exact: YES (1/1" in capsys.readouterr().out
+    assert not (bucket / "versions" / "000000000009.json.tmp-0123456789abcdef0123456789abcdef").exists()
+    (bucket / "notes.txt").write_text("precious")
+    before = sorted(p.relative_to(bucket) for p in bucket.rglob("*"))
+    assert main(["demo", "--steps", "1", "--size", "tiny", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bucket} holds 'notes.txt', which no store writes" in err and "another --run-dir" in err
+    assert sorted(p.relative_to(bucket) for p in bucket.rglob("*")) == before
+    assert (bucket / "notes.txt").read_text() == "precious"
+
+
 def test_a_second_demo_leaves_a_running_ones_bucket_alone(tmp_path, capsys):
     """It emptied the bucket (and the metrics) of the demo running in the same folder, then refused."""
     from torch_deltasync import DeltaSender
@@ -389,6 +408,28 @@ def test_verify_checks_an_anchor_reached_through_its_delta_part(anchored, capsys
     assert "FAILED: CorruptObjectError" in lines[10] and "anchor-r00000-of00001.safetensors has sha256" in lines[10]
     assert all(": ok (" in lines[v] for v in range(15) if v != 10)  # 11..14 still replay through the delta part
     assert "14/15 versions verified" in out
+
+
+def test_verify_checks_the_own_objects_of_a_version_it_cannot_reach(anchored, capsys):
+    """Anchor 10's anchor object deleted and 12's delta object truncated: 10, 12, 13 and 14 fail
+    (11 is reached through 10's delta part), and each failing version's own objects are checked:
+    the report tells the damaged versions (10, 12) from those that fail on what they build on."""
+    from torch_deltasync.manifest import load_manifest
+
+    store, _ = anchored
+    anchor10 = load_manifest(store, 10).anchor_objects[0].key
+    delta12 = load_manifest(store, 12).delta_objects[0].key
+    store.delete(anchor10)
+    store.put(delta12, store.get(delta12)[:100])
+    assert main(["verify", str(store.root)]) == 1
+    out = capsys.readouterr().out
+    report = out[out.index("version       10:"):]
+    assert f"version       10: FAILED: ObjectNotFoundError: {anchor10} is missing" in report
+    assert f"its own objects: 1 of 2 damaged: {anchor10} is missing" in report
+    assert f"its own objects: 1 of 1 damaged: {delta12} is 100 bytes, manifest says" in report
+    assert report.count("are intact: what fails is a version it builds on") == 2  # 13, 14
+    assert "version       11: ok (delta path" in report
+    assert "update()" not in report and "11/15 versions verified" in out
 
 
 def test_verify_checks_the_delta_part_of_an_anchor_reached_through_the_anchor(anchored, capsys):

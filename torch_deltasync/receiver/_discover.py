@@ -101,7 +101,9 @@ def object_lost(e: ObjectNotFoundError, version: int, explicit: bool) -> ObjectN
     else:
         hint = ("the store lost an object that a visible manifest names (deleted by hand, or by a collector "
                 "with another retention policy): `deltasync verify` checks the run")
-    return ObjectNotFoundError(f"{e}, needed to reach version {version}: {hint}")
+    lost = ObjectNotFoundError(f"{e}, needed to reach version {version}: {hint}")
+    lost.object_key = getattr(e, "object_key", None)
+    return lost
 
 
 def check_still_published(store, held: Manifest | None, version: int, fresh: Callable[[int], Manifest]) -> None:

@@ -48,8 +48,9 @@ def reread(store: Store, read: Callable[[], T]) -> T:
 
 def failed_part(plan: UpdatePlan, error: BaseException) -> tuple[int, str] | None:
     """``(version, "anchor" | "delta")``: the part of ``plan`` whose object ``error`` names
-    (``object_key``, set by :func:`download`), or ``None`` when it names none (a decode or
-    checksum failure)."""
+    (``object_key``: set by :func:`download`, by :func:`read_version` and by the delta readers of
+    :mod:`torch_deltasync.format`), or ``None`` when it names none (a checksum failure: the held
+    state or any version of the chain may be wrong; an anchor that does not decode)."""
     key = getattr(error, "object_key", None)
     for m, step in zip(plan.manifests, plan.steps):
         if any(o.key == key for o in step.objects):
@@ -364,9 +365,12 @@ def read_version(m: Manifest, blobs: dict[str, bytes]) -> dict[str, list[Encoded
         parts = per_tensor.get(entry.name, [])
         n = sum(p.count for p in parts)
         if n != entry.changed:
-            raise CorruptObjectError(
+            e = CorruptObjectError(
                 f"version {m.version}: tensor {entry.name!r} has {n} changes in its objects, manifest says {entry.changed}"
             )
+            if m.delta_objects:
+                e.object_key = m.delta_objects[0].key  # the version's delta part (failed_part)
+            raise e
         if parts:
             out[entry.name] = parts
     return out
