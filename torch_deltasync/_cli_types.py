@@ -1,5 +1,6 @@
 """Argument types and the help formatter of the ``deltasync`` command line (:mod:`torch_deltasync.cli`)
-and of the recipes' command lines: each refuses a bad value with argparse's usage error."""
+and of the recipes' command lines (each type refuses a bad value with argparse's usage error), and
+:func:`printable`, how the command line shows text read from a store."""
 
 from __future__ import annotations
 
@@ -65,3 +66,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.default == "":
             return action.help
         return super()._get_help_string(action)
+
+
+def printable(value: object) -> str:
+    """``str(value)`` with every non-printable character escaped (``\\x1b``): store data is
+    untrusted, and a terminal must not run its control sequences."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(value))

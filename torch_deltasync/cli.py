@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from ._cli_types import (
-    HelpFormatter, metrics_file, number, port, positive_finite_float, positive_float, positive_int, version_arg,
+    HelpFormatter, metrics_file, number, port, positive_finite_float, positive_float, positive_int, printable,
+    version_arg,
 )
 from ._units import format_bytes
 
@@ -163,7 +164,7 @@ def _inspect(args: argparse.Namespace) -> int:
             try:
                 manifest = load_manifest(store, version)
             except DeltaSyncError as e:
-                unavailable = f"  manifest of version {version}: unavailable ({type(e).__name__}: {_printable(e)})"
+                unavailable = f"  manifest of version {version}: unavailable ({type(e).__name__}: {printable(e)})"
             entry = next((o for o in manifest.objects if o.key == key), None) if manifest else None
         size = store.size(key)
         if entry is not None and size != entry.nbytes:  # not read: it may be of any size
@@ -186,7 +187,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{where} ({format_bytes(size)})")
     for k, v in meta.items():
         if k not in ("counts", "slices"):
-            print(f"  {_printable(k)}: {_printable(v)}")
+            print(f"  {printable(k)}: {printable(v)}")
     ok = True
     if unavailable:
         print(unavailable)
@@ -207,15 +208,15 @@ def _inspect(args: argparse.Namespace) -> int:
             dens = f"{c / numel[name]:8.3%}" if name in numel and numel[name] else "       ?"
             if c < 0 or c > numel.get(name, c):
                 ok, dens = False, "CORRUPT (more changes than elements)" if c > 0 else "CORRUPT (negative)"
-            parts = ", ".join(f"{_printable(k.rpartition(':')[2])} {v['dtype']}{v['shape']}" for k, v in header.items()
+            parts = ", ".join(f"{printable(k.rpartition(':')[2])} {v['dtype']}{v['shape']}" for k, v in header.items()
                               if k.rpartition(":")[0] == name)
-            print(f"    {_printable(name):<60s} {c:>12,} {dens}  [{parts}]")
+            print(f"    {printable(name):<60s} {c:>12,} {dens}  [{parts}]")
     else:
         slices = json_meta(meta, "slices", where)
         print(f"  {len(header)} tensors")
         for name, v in header.items():
             s = slices.get(name) if isinstance(slices.get(name), dict) else {}
-            print(f"    {_printable(name):<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {_printable(s.get('offsets'))}")
+            print(f"    {printable(name):<60s} {v['dtype']:>5} {str(v['shape']):<18} offsets {printable(s.get('offsets'))}")
     return 0 if ok else 1
 
 
@@ -235,23 +236,17 @@ def _header_bytes(read, size: int) -> bytes:
     return head if n > MAX_HEADER_BYTES or 8 + n > size else read(0, 8 + n)
 
 
-def _printable(value: object) -> str:
-    """``str(value)`` with every non-printable character escaped (``\\x1b``): store data is
-    untrusted, and a terminal must not run its control sequences."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(value))
-
-
 def _print_manifest(m) -> None:
     print(f"version {m.version} ({m.kind}, base {m.base_version}, anchor {m.anchor_version}), codec {m.codec}, "
-          f"{m.inference_dtype}, run {_printable(m.run_id)}")
+          f"{m.inference_dtype}, run {printable(m.run_id)}")
     print(f"  {len(m.objects)} objects, {format_bytes(m.nbytes)}; {m.changed:,} of {m.numel:,} elements changed "
           f"({m.changed / max(m.numel, 1):.3%})")
     for o in m.objects:
         print(f"    {o.key}  {o.nbytes:,} B  sha256 {o.sha256[:16]}...")
     for t in m.tensors:
-        print(f"    {_printable(t.name):<60s} {str(list(t.shape)):<18} changed {t.changed:>12,}  checksum {t.checksum:016x}")
+        print(f"    {printable(t.name):<60s} {str(list(t.shape)):<18} changed {t.changed:>12,}  checksum {t.checksum:016x}")
     if m.aliases:
-        print(f"  aliases: {_printable(m.aliases)}")
+        print(f"  aliases: {printable(m.aliases)}")
 
 
 # --- ls ----------------------------------------------------------------------------------------
@@ -283,7 +278,7 @@ def _ls(args: argparse.Namespace) -> int:
             continue
         except Exception as e:  # noqa: BLE001 - one bad manifest should not hide the rest
             _stop_if_interrupted(e)
-            print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {_printable(e)}")
+            print(f"{v:>8} {'?':<6} {'':>6} {'':>12} {'':>12} {'':>8}  unreadable: {printable(e)}")
             unreadable += 1
             continue
         base = "" if m.base_version is None else str(m.base_version)
@@ -313,6 +308,7 @@ def _verify(args: argparse.Namespace) -> int:
     with why; the replay goes on from it, as a follower would. A version the replay cannot reach
     also has its own objects checked (size, sha256, a delta part decoded), so the report names every
     damaged object, not only the first one a path needs."""
+    from ._cli_verify import check_rest, failure, own_objects
     from .errors import ObjectNotFoundError, VersionNotFoundError
     from .keys import list_versions, manifest_key
     from .manifest import load_manifest
@@ -342,10 +338,10 @@ def _verify(args: argparse.Namespace) -> int:
             st = receiver.last_stats
             if st.recovered:  # the replay held a checked version: what its path read is damaged
                 failures += 1  # recovered_from is "Type: message" of what failed
-                print(f"version {v:>8}: FAILED: {_printable(st.recovered_from)} (a follower gets past it along another path: "
+                print(f"version {v:>8}: FAILED: {printable(st.recovered_from)} (a follower gets past it along another path: "
                       f"{st.path} path, {st.versions_applied} applied)")
                 continue
-            checked = _check_rest(target, store, receiver.manifest(v), st.path, run_files_seen)
+            checked = check_rest(target, store, receiver.manifest(v), st.path, run_files_seen)
             print(f"version {v:>8}: ok ({st.path} path, {st.versions_applied} applied, {st.nbytes:,} B{checked})")
         except Exception as e:  # noqa: BLE001 - report every failing version, then exit non-zero
             _stop_if_interrupted(e)
@@ -354,8 +350,8 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"version {v:>8}: deleted meanwhile")
             else:  # a version still there, or damaged: what it needs is gone or wrong
                 failures += 1
-                print(f"version {v:>8}: FAILED: {_failure(e)}")
-                own = _own_objects(store, v)
+                print(f"version {v:>8}: FAILED: {failure(e)}")
+                own = own_objects(store, v)
                 if own:
                     print(f"{'':>17}{own}")
     if receiver is not None:
@@ -363,83 +359,6 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"{len(versions) - failures - deleted}/{len(versions)} versions verified"
           + (f", {deleted} deleted meanwhile" if deleted else ""))
     return 1 if failures else 0
-
-
-def _failure(e: Exception) -> str:
-    """Why a version failed, for the report: an object lost by the store named by its key (the
-    receiver's advice on planning again is for ``update()`` callers), else the error."""
-    from .errors import ObjectNotFoundError
-
-    key = getattr(e, "object_key", None)
-    if isinstance(e, ObjectNotFoundError) and key:
-        return f"ObjectNotFoundError: {key} is missing (deleted by hand, by a collector with another retention policy, or lost)"
-    return f"{type(e).__name__}: {_printable(e)}"
-
-
-def _own_objects(store, version: int) -> str:
-    """A report line on the objects version ``version``'s manifest names, checked on their own
-    (size and sha256; a delta object also read and decoded): a version that fails on what it
-    builds on tells intact from damaged objects of its own. Empty when its manifest is unreadable
-    (its failure says so) or names no object."""
-    from .errors import CorruptObjectError, ObjectNotFoundError, VersionNotFoundError
-    from .format import DAMAGED_HINT, decode_delta, verify_bytes
-    from .manifest import load_manifest
-
-    try:
-        m = load_manifest(store, version)
-    except (CorruptObjectError, VersionNotFoundError):
-        return ""
-    objects = [*m.anchor_objects, *m.delta_objects]
-    damaged = []
-    for o in objects:
-        try:
-            data = store.get(o.key, start=0, end=o.nbytes + 1)
-            verify_bytes(data, o, f"version {m.version}")
-            if o in m.delta_objects:
-                decode_delta(data, m, o)
-        except ObjectNotFoundError:
-            damaged.append(f"{o.key} is missing")
-        except CorruptObjectError as e:
-            damaged.append(_printable(str(e).replace(f" ({DAMAGED_HINT})", "").removeprefix(f"version {version}: ")))
-    if not objects:
-        return ""
-    if not damaged:
-        return f"its own {len(objects)} object(s) are intact: what fails is a version it builds on (above)"
-    return f"its own objects: {len(damaged)} of {len(objects)} damaged: " + "; ".join(damaged)
-
-
-def _check_rest(target, store, m, path: str, run_files_seen: set) -> str:
-    """Check the run files of version ``m`` and the parts an update along ``path`` did not read.
-    Returns a note for the report line.
-
-    The anchor part is rebuilt into ``target`` by a second receiver that holds nothing and does not
-    recover (its failure is what is reported); it leaves the same version in ``target``, so the
-    replay's receiver goes on from there. The delta part is read and decoded (bytes and structure:
-    it applies to a version not held).
-
-    Raises:
-        DeltaSyncError: a part fails (``target`` keeps the version the replay gave it).
-    """
-    from .format import decode_delta, verify_bytes
-    from .manifest import check_run_files
-    from .receiver import DeltaReceiver
-
-    n_files = check_run_files(store, m, run_files_seen)  # (an adapter run's config, read once)
-    notes = [f"{n_files} run file(s) checked"] if n_files else []
-    if m.kind == "anchor" and path == "delta":
-        fresh = DeltaReceiver(target, store, recover=False)
-        try:
-            fresh.update(m.version)
-        finally:
-            fresh.close()
-        notes.append(f"anchor objects rebuilt and checked, {m.anchor_nbytes:,} B")
-    if m.kind == "anchor" and m.has_delta and path == "anchor":
-        for o in m.delta_objects:
-            data = store.get(o.key, start=0, end=o.nbytes + 1)
-            verify_bytes(data, o, f"version {m.version}")
-            decode_delta(data, m, o)
-        notes.append(f"delta objects checked, {m.delta_nbytes:,} B")
-    return "".join(f"; {n}" for n in notes)
 
 
 # --- gc ----------------------------------------------------------------------------------------
@@ -611,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         if interrupted(e):  # a Ctrl-C while a compiled kernel returned
             return 130
         if isinstance(e, (DeltaSyncError, OSError, ValueError)):
-            print(f"deltasync {args.command}: error: {_printable(e)}", file=sys.stderr)
+            print(f"deltasync {args.command}: error: {printable(e)}", file=sys.stderr)
             return 2
         raise
 

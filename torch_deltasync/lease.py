@@ -110,7 +110,7 @@ class OwnerRecord:
 
     def describe(self, now: float) -> str:
         age = now - self.renewed_at
-        when = (f"{age:.1f} s ago" if age >= 0 else
+        when = (f"{max(age, 0.0):.1f} s ago" if age > -1.0 else  # (renewed while this was read: just now)
                 f"{-age:.1f} s in the future by this host's clock (the owner's clock runs ahead, or the "
                 "record is damaged)")
         return f"run {self.run_id!r} (host {self.host}, pid {self.pid}), lease renewed {when} for {self.lease_s:g} s"

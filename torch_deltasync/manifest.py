@@ -157,7 +157,7 @@ def _check_digest(data: bytes, where: str) -> dict:
                 f"{where}: digest mismatch: the content hashes to sha256:{actual}, the manifest says "
                 f"sha256:{m.group(1).decode()} (corrupted in storage or transfer)")
     try:
-        doc = json.loads(data)
+        doc = json.loads(data.decode("utf-8"))  # (json.loads of bytes would guess UTF-16 or -32 too)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptObjectError(f"{where} is not valid JSON: {type(e).__name__}: {e}") from None
     if m is not None:

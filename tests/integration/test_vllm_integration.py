@@ -148,6 +148,11 @@ def test_bad_init_info_installs_nothing(run):
         attach_llm(llm, run.bucket, status_dir=0)  # 0 == False, but it is not False
     with pytest.raises(ValueError, match=r"init_info 'reload_ahead' must be 'auto', 'always' or 'never', got True"):
         attach_llm(llm, run.bucket, reload_ahead=True)
+    with pytest.raises(TypeError, match=r"attach_llm: expected a vllm\.LLM \(an engine with vLLM's weight-transfer API, "
+                                        r"init_weight_transfer_engine\), got NoneType"):
+        attach_llm(None, run.bucket)
+    with pytest.raises(TypeError, match=r"attach_async_llm: expected a vllm AsyncLLM .*got str"):
+        asyncio.run(attach_async_llm("engine", run.bucket))
     assert llm.calls == [] and set(Path(tempfile.gettempdir()).glob("deltasync-ready-*")) == tmp_before
     with pytest.raises(DeltaSyncError, match="not attached to a run: call attach_llm first"):
         update_llm(llm, 0)
@@ -292,6 +297,11 @@ def test_unreachable_server_is_named():
     with pytest.raises(DeltaSyncError, match=r"GET http://127\.0\.0\.1:\d+/is_paused: "
                        r"cannot reach the server \(.*Connection refused"):
         update_server(url, 3, timeout=5)
+    for bad in ("not a url", "127.0.0.1:8000", "ftp://host", None):  # urllib's "unknown url type" before
+        with pytest.raises(ValueError, match=r"base_url must be the server's http\(s\) URL, e\.g\. http://127\.0\.0\.1:8000"):
+            attach_server(bad, "bucket")
+        with pytest.raises(ValueError, match="base_url must be"):
+            update_server(bad, 3)
 
 
 def _write(d, rank, **state):

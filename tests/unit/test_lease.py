@@ -152,6 +152,8 @@ def test_a_record_renewed_in_the_future_counts_as_live_and_says_so(tmp_path):
                                                r"\(the owner's clock runs ahead, or the record is damaged\)"):
         DeltaSender(StepModel(seed=6).tensors, store)
     assert json.loads(store.get(OWNER_KEY)) == record  # untouched
+    # renewed by its owner while this host read it: "just now", not "0.0 s in the future"
+    assert "lease renewed 0.0 s ago for 60 s" in read_owner(store).describe(record["renewed_at"] - 0.02)
 
 
 def test_a_live_lease_is_renewed_while_the_sender_is_open(tmp_path):

@@ -127,6 +127,8 @@ def test_malformed_manifests_are_refused(change, match):
     (b"not json", "not valid JSON"),
     (b"[]", "top level is not an object"),
     (b"\xff\xfe", "not valid JSON"),
+    (b"\x00garbage{{{", "not valid JSON: JSONDecodeError"),  # (read as UTF-16 before: "'utf-16-be' codec")
+    ('{"é": 1}'.encode("utf-16"), "not valid JSON: UnicodeDecodeError: 'utf-8' codec"),  # manifests are UTF-8
     (json.dumps({"format": None}).encode(), "unknown format"),
 ])
 def test_garbage_is_refused(data, match):

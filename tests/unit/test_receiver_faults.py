@@ -165,7 +165,9 @@ def test_receiver_drift_is_repaired_from_the_anchor(store, codec):
     # damage elsewhere is invisible to O(nnz) updates but verify() finds it
     with torch.no_grad():
         replica.state_dict()["0.bias"][0] += 1.0
-    with pytest.raises(ChecksumMismatchError):
+    with pytest.raises(ChecksumMismatchError, match=rf"{store.describe()}: version {receiver.version}: 1 tensors differ "
+                                                    r"from the published checksums, e.g. \['0.bias'\]: the weights "
+                                                    r"changed behind the receiver .*verify_or_forget\(\) then update\(\)"):
         receiver.verify()
 
 
@@ -514,6 +516,29 @@ def test_a_new_run_reusing_the_held_version_number_is_not_taken_for_it(store):
     assert first_difference(trainer, replica) is None
     assert not receiver.needs_update() and receiver.plan().path == "noop"
     receiver.verify()
+
+
+def test_a_version_not_visible_names_the_newest_and_a_wiped_store_the_held_one(store):
+    """"version 7 is not visible" said neither what is there nor what to do; a receiver holding a
+    version of a store whose versions were all deleted was told nothing had been published yet."""
+    publish_steps(store, 3, anchor_every=2)
+    replica = make_mlp(1, torch.bfloat16)
+    receiver = DeltaReceiver(replica, store)
+    with pytest.raises(VersionNotFoundError, match=r"version 7 is not visible; the newest visible version is 2 "
+                                                   r"\(7 is not published yet: wait_for\(7\) waits for it\)"):
+        receiver.update(7)
+    assert receiver.update() == 2
+    store.delete(manifest_key(0))
+    with pytest.raises(VersionNotFoundError, match=r"version 0 is not visible; the newest visible version is 2 "
+                                                   r"\(update\(\) without a version takes it\)"):
+        receiver.update(0)
+    before = state_bits(replica)
+    for key in store.list():
+        store.delete(key)
+    with pytest.raises(VersionNotFoundError, match=r"no version is visible, yet the target holds version 2 from this "
+                                                   r"store: its versions were deleted .*keeps its weights"):
+        receiver.update()
+    assert receiver.version == 2 and same(state_bits(replica), before)
 
 
 def test_a_store_that_lost_versions_does_not_move_the_receiver_back(store):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -267,6 +268,43 @@ def test_a_cuda_snapshot_without_cuda_is_refused_when_built():
     if torch.accelerator.current_accelerator(check_available=True) is None:  # 'mps' passed on any machine
         with pytest.raises(ValueError, match=r"snapshot_device 'mps' cannot hold a snapshot on this machine \(no mps"):
             SenderConfig(snapshot_device="mps")
+
+
+def test_entries_that_do_not_sync_are_named(tmp_path, caplog):
+    """Complex tensors and values that are not tensors were dropped without a word (integer
+    buffers are passed over by design); a model of nothing else named none of them."""
+    weights = {"w": torch.randn(4), "c": torch.randn(3, dtype=torch.complex64), "l": [1.0], "ids": torch.arange(3)}
+    with caplog.at_level("WARNING", logger="torch_deltasync.sender"):
+        sender = DeltaSender(weights, tmp_path / "a")
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not published")]
+    assert warned == ["not published: 'c' (complex64 tensor), 'l' (list). Only real floating-point tensors sync; "
+                      "publish a complex tensor as its real view (torch.view_as_real) under its own name, and keep "
+                      "other values out of the state dict"]
+    assert sender.publish() == 0
+    assert [t.name for t in DeltaReceiver({"w": torch.zeros(4, dtype=torch.bfloat16)}, tmp_path / "a").manifest(0).tensors] == ["w"]
+    for model, held in [({"c": weights["c"], "ids": weights["ids"]}, "; it holds 'c' (complex64 tensor), 'ids' (int64 tensor)"),
+                        ({}, " (it is empty)")]:
+        with pytest.raises(ValueError, match=re.escape(f"the model has no floating-point tensors to publish{held}")):
+            DeltaSender(model, tmp_path / "b")
+
+
+def test_a_receiver_refuses_a_sparse_tensor_and_a_version_that_is_not_one(tmp_path):
+    """A sparse tensor was called overlapping memory, with .contiguous() as the fix; the version
+    setter took a str and failed later inside update()."""
+    from torch_deltasync.errors import IncompatibleTargetError
+
+    DeltaSender({"w": torch.randn(4, 4)}, tmp_path).publish()
+    with pytest.raises(IncompatibleTargetError, match=r"tensor 'w' has layout torch.sparse_coo; only strided tensors "
+                                                      r"receive \(make it dense: .to_dense\(\)\)"):
+        DeltaReceiver({"w": torch.zeros(4, 4, dtype=torch.bfloat16).to_sparse()}, tmp_path).update()
+    receiver = DeltaReceiver({"w": torch.zeros(4, 4, dtype=torch.bfloat16)}, tmp_path)
+    for value, error in [("x", TypeError), (-1, ValueError), (1.0, TypeError)]:
+        with pytest.raises(error, match="version"):
+            receiver.version = value
+        assert receiver.version is None
+    assert receiver.update() == 0 and receiver.version == 0
+    receiver.version = None  # the next update rebuilds from the anchor
+    assert receiver.update() == 0 and receiver.last_stats.path == "anchor"
 
 
 def test_misused_arguments_are_named(tmp_path, caplog):

@@ -56,6 +56,27 @@ def test_put_get_list_delete(any_store):
         s.get("versions/x")
 
 
+def test_bad_byte_ranges_and_prefixes_are_named(any_store):
+    """A negative start reached the OS (EINVAL), a float a bare TypeError; "/abs" was taken as "abs"."""
+    any_store.put("k", b"hello")
+    for kwargs, error, match in [(dict(start=-3), ValueError, r"get\('k'\): the byte range must be non-negative, got \[-3, None\)"),
+                                 (dict(end=-1), ValueError, "must be non-negative"),
+                                 (dict(start=1.5), TypeError, r"get\('k'\): start must be an int >= 0 or None, got float 1.5"),
+                                 (dict(end=True), TypeError, "end must be an int")]:
+        with pytest.raises(error, match=match):
+            any_store.get("k", **kwargs)
+    assert any_store.get("k", start=1, end=99) == b"ello" and any_store.get("k", start=4, end=2) == b""
+    for prefix in ("/abs", "/", "runs//a"):
+        if prefix == "/":
+            assert any_store.sub(prefix) is any_store  # the root
+            continue
+        with pytest.raises(ValueError, match=f"prefix of .*{prefix!r} is not a valid path inside a store"):
+            any_store.sub(prefix)
+        with pytest.raises(ValueError, match="is not a valid path inside a store"):
+            any_store.sub("runs").sub(prefix)
+    assert any_store.sub("runs/a/").describe() == any_store.sub("runs").sub("a").describe()
+
+
 def test_prefix_views_are_isolated(any_store):
     a, b = any_store.sub("runs/a"), any_store.sub("runs/b")
     a.put("LATEST", b"1")

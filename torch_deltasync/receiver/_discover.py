@@ -145,3 +145,26 @@ def check_not_behind(where: str, newest: int | None, held: Manifest | None, mani
             f"same run ({held.run_id!r}): the store lost versions (restored from a backup, or manifests were "
             f"deleted). The target keeps version {held.version}; update(version={newest}) goes back on "
             "purpose, and the writer's next version is applied as usual")
+
+
+def nothing_visible(store, held: int | None) -> VersionNotFoundError:
+    """The error when ``store`` shows no version: none published yet, or (``held``: the version
+    the target holds from it) all deleted since; either says why the store's root is absent."""
+    why = store.absent()  # a mistyped path reads differently from a run not started yet
+    why = f": {why}" if why else ""
+    if held is None:
+        return VersionNotFoundError(f"{store.describe()}: no version has been published yet{why}")
+    return VersionNotFoundError(
+        f"{store.describe()}: no version is visible, yet the target holds version {held} from this store: its "
+        f"versions were deleted (a wiped prefix, another path?){why}; the target keeps its weights until a writer "
+        "publishes again")
+
+
+def not_visible(e: VersionNotFoundError, version: int, newest: int | None) -> VersionNotFoundError:
+    """``e`` (``version``, asked for by number, is not visible) with the newest visible version and
+    what to do: update to it, or wait for ``version``."""
+    if newest is None or newest == version:
+        return e
+    return VersionNotFoundError(f"{e}; the newest visible version is {newest} " + (
+        "(update() without a version takes it)" if newest > version
+        else f"({version} is not published yet: wait_for({version}) waits for it)"))

@@ -57,6 +57,18 @@ class UpdatePlan:
         return "\n".join(lines)
 
 
+def plan_steps(ms: list[Manifest], path: str, first_reason: str) -> tuple[PlanStep, ...]:
+    """The steps through ``ms`` (oldest first): the first the anchor of an ``"anchor"`` path,
+    every other one a delta on the version before, each with the objects it downloads."""
+    return tuple(
+        PlanStep(m.version, "anchor", m.anchor_nbytes, first_reason, m.anchor_objects)
+        if i == 0 and path == "anchor" else
+        PlanStep(m.version, "delta", m.delta_nbytes, first_reason if i == 0 else f"delta on {m.base_version}",
+                 m.delta_objects)
+        for i, m in enumerate(ms)
+    )
+
+
 def walk_chain(head: Manifest, held: int | None, *, held_run: str | None, manifest: Callable[..., Manifest],
                where: str, exclude_anchors: Collection[int] = ()) -> tuple[list[Manifest], int, str, str]:
     """The chain walk of :meth:`plan`, from ``head`` back along ``base_version`` links.

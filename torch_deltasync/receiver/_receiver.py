@@ -54,8 +54,9 @@ from ..manifest import Manifest
 from ..store import Store, open_store
 from ..targets import ModuleTarget, Target
 from ._config import ReceiverConfig
-from ._discover import check_not_behind, check_still_published, newest_version, object_lost, republished, wait_for
-from ._plan import PlanStep, UpdatePlan, walk_chain
+from ._discover import (check_not_behind, check_still_published, newest_version, not_visible, nothing_visible,
+                        object_lost, republished, wait_for)
+from ._plan import UpdatePlan, plan_steps, walk_chain
 from ._stage import StagedUpdate, UpdateStats, failed_part, read_manifest, stage, write_staged
 
 log = logging.getLogger("torch_deltasync.receiver")
@@ -149,13 +150,15 @@ class DeltaReceiver:
 
     @property
     def version(self) -> int | None:
-        """The version the target holds (``None``: nothing, or unknown after a failed write)."""
+        """The version the target holds (``None``: nothing, or unknown after a failed write). Set to
+        ``None``, the next update rebuilds from an anchor; an int is a claim taken unchecked
+        (:meth:`assume` checks it). Setting it drops every staged update; a value neither ``None``
+        nor an int in ``[0, MAX_VERSION]`` raises ``TypeError`` or ``ValueError``."""
         return self._version
 
     @version.setter
     def version(self, value: int | None) -> None:
-        # Setting it (e.g. to None to force an anchor rebuild) invalidates every staged update.
-        self._version = value
+        self._version = None if value is None else check_version(value)
         if self._held is not None and self._held.version != value:
             self._held = None  # the manifest of the held version, or None
         self._generation = next(_GENERATIONS)
@@ -256,16 +259,19 @@ class DeltaReceiver:
         """
         target = self.newest_version() if version is None else check_version(version)
         if target is None:
-            why = self.store.absent()  # a mistyped path reads differently from a run not started yet
-            raise VersionNotFoundError(f"{self.store.describe()}: no version has been published yet"
-                                       + (f": {why}" if why else ""))
+            raise nothing_visible(self.store, self.version)
         again = target == self.version and not force_anchor and republished(
             self.store, self._held, target, fresh=self._fresh)
         if target == self.version and not force_anchor and not again:
             return UpdatePlan(self.version, target, "noop", ())
         if version is None:
             check_not_behind(self.store.describe(), target, self._held, self._fresh)
-        head = self.manifest(target, fresh=True)  # the head of the walk is never a stale cached copy
+        try:
+            head = self.manifest(target, fresh=True)  # the head of the walk is never a stale cached copy
+        except VersionNotFoundError as e:
+            if version is None:
+                raise
+            raise not_visible(e, target, self.newest_version()) from None
         self._held_runs[target] = head.run_id
         while len(self._held_runs) > 64:
             self._held_runs.pop(next(iter(self._held_runs)))
@@ -287,14 +293,7 @@ class DeltaReceiver:
         if held_run is not None and held_run != head.run_id:
             log.info("%s: version %d belongs to run %r, the held version %s to run %r; crossing by an anchor",
                      self.store.describe(), target, head.run_id, held, held_run)
-        steps = tuple(
-            PlanStep(m.version, "anchor", m.anchor_nbytes, first_reason, m.anchor_objects)
-            if i == 0 and path == "anchor" else
-            PlanStep(m.version, "delta", m.delta_nbytes, first_reason if i == 0 else f"delta on {m.base_version}",
-                     m.delta_objects)
-            for i, m in enumerate(ms)
-        )
-        return UpdatePlan(self.version, target, path, steps, tuple(ms))
+        return UpdatePlan(self.version, target, path, plan_steps(ms, path, first_reason), tuple(ms))
 
     # --- update ----------------------------------------------------------------------------------
 
@@ -538,7 +537,9 @@ class DeltaReceiver:
             bad = [t.name for t in m.tensors if self.target.checksum(t.name, m.inference_dtype) != t.checksum]
             if bad:
                 raise ChecksumMismatchError(
-                    f"version {version}: {len(bad)} tensors differ from the published checksums, e.g. {bad[:3]}"
+                    f"{self.store.describe()}: version {version}: {len(bad)} tensors differ from the published "
+                    f"checksums, e.g. {bad[:3]}: the weights changed behind the receiver (written in place, "
+                    "load_state_dict, an optimizer step); verify_or_forget() then update() rebuilds them from an anchor"
                 )
 
     def verify_or_forget(self) -> DeltaSyncError | None:

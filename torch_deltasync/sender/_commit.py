@@ -84,8 +84,9 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
             "error": str, "taken"?: True, "transient"?: bool}``.
         codec, dtype, run_id, world: recorded in the manifest.
         run_files: run-level objects, ``{key: bytes}`` (an adapter run's config): the manifest records
-            their sha256 (``Manifest.run_files``); an anchor first writes any of them that is gone or
-            differs (after a prefix was emptied under the sender, the next version is an anchor).
+            their sha256 (``Manifest.run_files``); every version first reads them back (one small
+            read each) and writes any of them that is gone or differs (emptied or edited in the store),
+            so no manifest vouches for a file readers cannot match.
         latest_at: the version this sender last pointed ``LATEST`` at. Unless it is the one before
             ``job.version``, ``LATEST`` is removed before the manifest is written: readers confirm
             ``LATEST`` by "its manifest exists and the next one does not", sound only while the
@@ -115,14 +116,17 @@ def write_manifest(store: Store, job: Job, gathered: list[dict], *, codec: str, 
                 "error": f"the manifest of its base version {job.base_version} is gone from {store.describe()} (the "
                          "prefix was emptied under this sender?): no reader could apply it. The next publish is an anchor"}
     run_files = dict(run_files or {})
-    if job.kind == "anchor":  # the run's files as they should be, from here on (gone or damaged: again)
-        try:
-            for key, data in run_files.items():
-                if _stored(store, key) != data:
-                    store.put(key, data)
-        except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
-            return {"ok": False, "error": f"rank 0 could not write the run's objects: {type(e).__name__}: {e}",
-                    "transient": True}
+    try:  # the run's files as every manifest vouches for them (gone or changed in the store: again)
+        for key, data in run_files.items():
+            stored = _stored(store, key)
+            if stored != data:
+                if stored is not None:
+                    log.warning("%s: %s differs from this run's (edited or damaged in the store); written again "
+                                "before version %d", store.describe(), key, job.version)
+                store.put(key, data)
+    except Exception as e:  # noqa: BLE001 - the store failed: an ordinary failed publish
+        return {"ok": False, "error": f"rank 0 could not write the run's objects: {type(e).__name__}: {e}",
+                "transient": True}
     if latest_at != job.version - 1:
         try:
             store.delete(LATEST_KEY)

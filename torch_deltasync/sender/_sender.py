@@ -53,7 +53,7 @@ from ._commit import remove_objects, upload_objects, write_latest, write_manifes
 from ._encode import cast_anchors, delta_parts, encode_objects
 from ._group import Group, SingleProcess
 from ._job import Job
-from ._sources import check_publishable, collect_sources, warn_unchanged
+from ._sources import _collect, check_publishable, collect_sources, warn_not_synced, warn_unchanged
 from ._stats import PublishStats
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,9 @@ class DeltaSender:
         self.run_files: dict[str, bytes] = {}  # rank 0: run-level objects every manifest vouches for (_commit.py)
         self.detector = ChangeDetector(inference_dtype=self.dtype, snapshot_device=config.snapshot_device)
 
-        sources, _ = collect_sources(model)
-        check_publishable(sources)
+        sources, _, skipped = _collect(model)
+        check_publishable(sources, skipped)
+        warn_not_synced(skipped)
         if group is None and any(s.distributed for s in sources):
             from ..dtensor import default_group
 

@@ -35,20 +35,41 @@ def collect_sources(model: Any) -> tuple[list[Source], dict[str, str]]:
     """The floating tensors of ``model`` as sources, and tied aliases ``{alias: canonical}``.
 
     Plain tensors are whole (:meth:`TensorBlock.full`); ``DTensor`` parameters (FSDP2) are
-    described by :func:`torch_deltasync.dtensor.local_source`. Non-floating entries (integer
-    buffers) are not synced.
+    described by :func:`torch_deltasync.dtensor.local_source`. Other entries (integer and bool
+    buffers, complex tensors, values that are not tensors) are not synced: :func:`not_synced`.
 
     Raises:
         TypeError: a name that is not a string.
         UnsupportedLayoutError: a sparse or meta-device tensor (no strided data to read).
     """
-    sources: list[Source] = []
+    sources, aliases, _ = _collect(model)
+    return sources, aliases
+
+
+def not_synced(model: Any) -> dict[str, str]:
+    """``{name: what}`` for the entries of ``model`` that :func:`collect_sources` passes over, in
+    its order: ``"int64 tensor"``, ``"complex64 tensor"``, ``"list"``, ...
+
+    Raises:
+        TypeError: as :func:`collect_sources`.
+    """
+    return _collect(model, sources=False)[2]
+
+
+def _collect(model: Any, sources: bool = True) -> tuple[list[Source], dict[str, str], dict[str, str]]:
+    """:func:`collect_sources`, and :func:`not_synced` (of the same read of ``model``); with
+    ``sources=False`` only the names are checked."""
+    out: list[Source] = []
     aliases: dict[str, str] = {}
+    skipped: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, t in _tensors_of(model).items():
         if not isinstance(name, str):
             raise TypeError(f"tensor names are strings (state-dict keys), got {type(name).__name__} {name!r}")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            skipped[name] = f"{str(t.dtype).removeprefix('torch.')} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            continue
+        if not sources:
             continue
         if t.is_meta:
             raise UnsupportedLayoutError(f"tensor {name!r} is on the meta device (no data to publish); "
@@ -71,12 +92,27 @@ def collect_sources(model: Any) -> tuple[list[Source], dict[str, str]]:
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        sources.append(src)
-    return sources, aliases
+        out.append(src)
+    return out, aliases, skipped
 
 
-def check_publishable(sources: list[Source]) -> None:
+def warn_not_synced(skipped: Mapping[str, str]) -> None:
+    """Log the entries of :func:`not_synced` a user may have meant to sync: complex tensors and
+    values that are not tensors (integer and bool buffers, e.g. position ids, are skipped by
+    design)."""
+    odd = {n: w for n, w in skipped.items() if not (w.endswith(" tensor") and not w.startswith("complex"))}
+    if odd:
+        shown = ", ".join(f"{n!r} ({w})" for n, w in list(odd.items())[:5]) + (" and more" if len(odd) > 5 else "")
+        log.warning("not published: %s. Only real floating-point tensors sync; publish a complex tensor as its real "
+                    "view (torch.view_as_real) under its own name, and keep other values out of the state dict",
+                    shown)
+
+
+def check_publishable(sources: list[Source], skipped: Mapping[str, str] | None = None) -> None:
     """The limits of docs/format.md §3, checked when a sender is built (before anything is written).
+
+    Args:
+        skipped: :func:`not_synced` of the model, named when there is no source.
 
     Raises:
         ValueError: no source (no floating-point tensor), a name outside 1-1024 characters, the name
@@ -84,7 +120,9 @@ def check_publishable(sources: list[Source]) -> None:
             would replace it), or a tensor of more than 8 dimensions (naming it).
     """
     if not sources:
-        raise ValueError("the model has no floating-point tensors to publish")
+        held = ", ".join(f"{n!r} ({w})" for n, w in list((skipped or {}).items())[:5])
+        raise ValueError("the model has no floating-point tensors to publish"
+                         + (f"; it holds {held}{' and more' if len(skipped) > 5 else ''}" if held else " (it is empty)"))
     for s in sources:
         if not s.name or len(s.name) > 1024 or len(s.slice.global_shape) > 8:
             raise ValueError(f"tensor {s.name[:80]!r}: names must be 1-1024 characters and tensors at most 8-D "

@@ -101,6 +101,20 @@ def check_prefix(prefix: str, what: str) -> str:
     return prefix
 
 
+def check_range(key: str, start: object, end: object) -> None:
+    """The byte range ``[start, end)`` of a :meth:`Store.get` of ``key``: ``None`` or ints >= 0.
+
+    Raises:
+        TypeError: a bound that is neither ``None`` nor an int.
+        ValueError: a negative bound.
+    """
+    for what, v in (("start", start), ("end", end)):
+        if v is not None and (isinstance(v, bool) or not hasattr(type(v), "__index__")):
+            raise TypeError(f"get({key!r}): {what} must be an int >= 0 or None, got {type(v).__name__} {v!r}")
+    if (start is not None and start < 0) or (end is not None and end < 0):
+        raise ValueError(f"get({key!r}): the byte range must be non-negative, got [{start}, {end})")
+
+
 def join_key(prefix: str, key: str) -> str:
     """``prefix/key`` with an empty prefix allowed; both parts are validated."""
     check_key(prefix, allow_empty=True)
@@ -148,9 +162,11 @@ class Store(Protocol):
 
     @abstractmethod
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
-        """Read the object, or the byte range ``[start, end)`` of it.
+        """Read the object, or the byte range ``[start, end)`` of it (clipped to the object).
 
         Raises:
+            TypeError, ValueError: ``start`` or ``end`` is not ``None`` or an int >= 0
+                (:func:`check_range`).
             ObjectNotFoundError: the key does not exist.
             StoreError: the read failed (naming the store, key and cause).
         """
@@ -202,10 +218,16 @@ class Store(Protocol):
         return 0
 
     def sub(self, prefix: str) -> "Store":
-        """A view of this store rooted at ``prefix`` (several runs can share one store)."""
+        """A view of this store rooted at ``prefix`` (several runs can share one store): a relative
+        path (``"runs/grpo-7"``; a trailing ``/`` is dropped; ``""``: this store).
+
+        Raises:
+            TypeError: ``prefix`` is not a string.
+            ValueError: ``prefix`` is not a plain relative path (absolute, ``..``, ...).
+        """
         if not isinstance(prefix, str):
             raise TypeError(f"a store prefix is a string, got {type(prefix).__name__} {prefix!r}")
-        prefix = prefix.strip("/")
+        prefix = prefix.rstrip("/") if prefix.strip("/") else ""
         if not prefix:
             return self
         return PrefixStore(self, check_prefix(prefix, f"prefix of {self.describe()}"))
@@ -273,8 +295,12 @@ class PrefixStore(Store):
         return self.inner.sweep_temporaries(older_than_s, full)
 
     def sub(self, prefix: str) -> Store:
-        prefix = prefix.strip("/")
-        return PrefixStore(self.inner, join_key(self.prefix, prefix)) if prefix else self
+        if not isinstance(prefix, str):
+            raise TypeError(f"a store prefix is a string, got {type(prefix).__name__} {prefix!r}")
+        prefix = prefix.rstrip("/") if prefix.strip("/") else ""
+        if not prefix:
+            return self
+        return PrefixStore(self.inner, join_key(self.prefix, check_prefix(prefix, f"prefix of {self.describe()}")))
 
     def describe(self) -> str:
         return f"{self.inner.describe().rstrip('/')}/{self.prefix}"

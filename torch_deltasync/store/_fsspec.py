@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ..errors import TransientStoreError
-from ._base import Store, check_key, check_prefix, driver_import_error, root_cause
+from ._base import Store, check_key, check_prefix, check_range, driver_import_error, root_cause
 from ._retry import RetryPolicy, call_with_retry, classify_error
 
 __all__ = ["FsspecStore", "s3_storage_options"]
@@ -247,8 +247,7 @@ class FsspecStore(Store):
 
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         path = self._path(key)
-        if (start is not None and start < 0) or (end is not None and end < 0):
-            raise ValueError(f"byte range of {key!r} must be non-negative, got [{start}, {end})")
+        check_range(key, start, end)
         if start is not None and end is not None and end <= start:
             return b""
         if not start and (end is None or end > self.part_nbytes):

@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import quote
 
 from ._http import http_status
-from ._base import Store, check_key, check_prefix, driver_import_error
+from ._base import Store, check_key, check_prefix, check_range, driver_import_error
 from ._retry import RetryPolicy, Verdict, call_with_retry, classify_error
 from ..errors import StoreError, StoreNotFoundError
 
@@ -174,8 +174,7 @@ class HFBucketStore(Store):
 
     def get(self, key: str, *, start: int | None = None, end: int | None = None) -> bytes:
         path = self._path(key)
-        if (start is not None and start < 0) or (end is not None and end < 0):
-            raise ValueError(f"byte range of {key!r} must be non-negative, got [{start}, {end})")
+        check_range(key, start, end)
         if start is None and end is None:
             return self._call("read", key, lambda: self._download(path))
         if end is not None and end <= (start or 0):

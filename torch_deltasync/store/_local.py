@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import ObjectExistsError, ObjectNotFoundError, StoreError, StoreNotFoundError
-from ._base import Store, check_key
+from ._base import Store, check_key, check_range
 
 __all__ = ["LocalStore"]
 
@@ -191,7 +191,9 @@ class LocalStore(Store):
                 a device, a socket: opened without blocking and refused, as :meth:`list` and
                 :meth:`exists` leave it out).
             StoreError: the read failed.
+            TypeError, ValueError: a bad byte range (:func:`~._base.check_range`).
         """
+        check_range(key, start, end)
         path = self._path(key)
         try:
             # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever

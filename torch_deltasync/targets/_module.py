@@ -25,13 +25,17 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 
 def _refuse_unwritable(name: str, t: torch.Tensor) -> None:
-    """Refuse a tensor a commit would write that holds no data (meta) or whose elements overlap.
+    """Refuse a tensor a commit would write that holds no data (meta), is not strided (sparse) or
+    whose elements overlap.
 
     Raises:
         IncompatibleTargetError: naming it and what to do.
     """
     if t.device.type == "meta":
         raise IncompatibleTargetError(f"tensor {name!r} is on the meta device; materialise the model first")
+    if t.layout != torch.strided:
+        raise IncompatibleTargetError(f"tensor {name!r} has layout {t.layout}; only strided tensors receive "
+                                      "(make it dense: .to_dense())")
     if overlaps_itself(t):
         raise IncompatibleTargetError(
             f"tensor {name!r} has overlapping memory (shape {tuple(t.shape)}, stride {t.stride()}, e.g. from "

@@ -284,10 +284,22 @@ def attach_llm(llm: Any, store: str | os.PathLike, prefix: str = "", *, assume_v
         whatever the workers raise (a path they cannot write, a store or version that does not
         fit: a :class:`~torch_deltasync.DeltaSyncError`); nothing is installed then.
     """
+    _check_engine(llm, "attach_llm", "a vllm.LLM")
     info, att = drive(_attach_steps(store, prefix, assume_version, status_dir, init_info),
                       {"init": lambda info: llm.init_weight_transfer_engine({"init_info": info})})
     _remember(llm, att)
     return info
+
+
+def _check_engine(engine: Any, where: str, kind: str) -> None:
+    """Refuse an ``engine`` without vLLM's weight-transfer API before anything is sent.
+
+    Raises:
+        TypeError: naming what was passed and what is expected.
+    """
+    if not callable(getattr(engine, "init_weight_transfer_engine", None)):
+        raise TypeError(f"{where}: expected {kind} (an engine with vLLM's weight-transfer API, "
+                        f"init_weight_transfer_engine), got {type(engine).__name__}")
 
 
 def update_llm(llm: Any, version: int | None = None, *,
@@ -327,6 +339,7 @@ async def attach_async_llm(engine: Any, store: str | os.PathLike, prefix: str = 
     ``await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=...))``."""
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+    _check_engine(engine, "attach_async_llm", "a vllm AsyncLLM")
     info, att = await drive_async(
         _attach_steps(store, prefix, assume_version, status_dir, init_info),
         {"init": lambda info: engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))})
@@ -378,6 +391,9 @@ class _Server:
     """vLLM's RL routes on one server (``vllm/entrypoints/rl/online/api_router.py``)."""
 
     def __init__(self, base_url: str, timeout: float, headers: dict[str, str] | None) -> None:
+        url = urllib.parse.urlsplit(base_url) if isinstance(base_url, str) else None
+        if url is None or url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"base_url must be the server's http(s) URL, e.g. http://127.0.0.1:8000, got {base_url!r}")
         self.base = base_url.rstrip("/")
         self.timeout, self.headers = timeout, dict(headers or {})
 
