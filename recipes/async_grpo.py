@@ -73,6 +73,7 @@ from typing import Any
 
 from recipes.grpo.config import GRPOConfig
 from recipes.grpo.vllm_server import free_port
+from torch_deltasync.bucket import clear_local_bucket
 from torch_deltasync.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +188,7 @@ class Controller:
         self.latest_version = 0
         self.step = 0
         self.stopping = False
+        self.stopped_by = "Ctrl-C"  # or "SIGTERM" (main)
         self.abort: str | None = None
         self.alive: list[bool] = []
         self.gen_pids: list[int] = []
@@ -402,7 +404,7 @@ class Controller:
             await self.shutdown()
             if self.metrics is not None:
                 done = len(self.metrics.of("step"))
-                self.write_summary({"status": "interrupted", "message": f"interrupted (Ctrl-C) after {done} GRPO "
+                self.write_summary({"status": "interrupted", "message": f"interrupted ({self.stopped_by}) after {done} GRPO "
                                     "steps", "bit_exact": None, **self.progress_so_far()})
             raise
         finally:
@@ -500,7 +502,9 @@ class Controller:
         cfg = self.cfg
         if cfg.bucket is None:
             bucket_path = self.run_dir / "bucket"
-            shutil.rmtree(bucket_path, ignore_errors=True)  # ours: a fresh chain per run
+            dropped = clear_local_bucket(bucket_path)  # ours: a fresh chain per run (never a live run's)
+            if dropped:
+                print(f"emptied {bucket_path}: {dropped} versions of earlier runs deleted")
             bucket = str(bucket_path.resolve())
         else:
             # Every process must find the same folder, whatever its working directory.
@@ -778,6 +782,12 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("torch._library.opaque_object", "torch._opaque_base", "torch.utils.cpp_extension", "torchrl"):
         logging.getLogger(noisy).setLevel(logging.ERROR)  # import-time deprecation chatter
     ctl = Controller(cfg, progress=not ns.no_progress and sys.stderr.isatty(), log_every=ns.log_every)
+
+    def terminate(signum: int, frame: Any) -> None:  # (timeout, systemd, Kubernetes, Slurm): as Ctrl-C
+        ctl.stopped_by = "SIGTERM"
+        signal.raise_signal(signal.SIGINT)  # asyncio.run cancels the run on SIGINT
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         summary = asyncio.run(ctl.run())
     except RunAborted as e:
@@ -785,8 +795,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (KeyboardInterrupt, asyncio.CancelledError):  # (Python 3.10: a Ctrl-C in the warm start)
         done = cfg.run_dir / "summary.json"
-        print(f"interrupted{f'; summary of the steps done: {done}' if done.exists() else ''}", file=sys.stderr)
-        return 130
+        print(f"interrupted ({ctl.stopped_by}){f'; summary of the steps done: {done}' if done.exists() else ''}",
+              file=sys.stderr)
+        return 143 if ctl.stopped_by == "SIGTERM" else 130
     _print_summary(summary)
     print(f"outputs: {cfg.run_dir}/{', '.join(RUN_OUTPUTS)}")
     return 0 if summary["status"] == "ok" and summary["bit_exact"] else 1

@@ -72,7 +72,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -602,7 +601,16 @@ def main(argv: list[str] | None = None) -> int:
         for path in run_dir.glob("worker-*.jsonl"):
             path.unlink()
     if args.role == "run" and args.store is None:  # the run's own store: a new run starts it afresh
-        shutil.rmtree(run_dir / "bucket", ignore_errors=True)
+        from torch_deltasync.bucket import clear_local_bucket
+        from torch_deltasync.errors import PrefixInUseError
+
+        try:
+            dropped = clear_local_bucket(run_dir / "bucket")
+        except (PrefixInUseError, FileExistsError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if dropped:
+            print(f"emptied {run_dir / 'bucket'}: {dropped} versions of earlier runs deleted")
     else:
         held = _versions_held(args.store, args.prefix)
         if held:

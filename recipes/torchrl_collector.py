@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import sys
 import time
 from pathlib import Path
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.store is not None and args.store.startswith("memory://"):
         p.error("--store memory://... lives inside one process, but the collector's workers are separate processes; "
                 "use a folder, s3://... or hf://buckets/...")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a file; give a folder")
     if args.start_method:
         mp.set_start_method(args.start_method, force=True)
 
@@ -236,5 +239,21 @@ def _plot(metrics_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def run(argv: list[str] | None = None) -> int:
+    """:func:`main` as a command: a one-line error (exit 1) for a store or folder that fails, exit
+    130 on Ctrl-C (the collector and its workers are shut down by ``main``)."""
+    from torch_deltasync.errors import DeltaSyncError
+
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (DeltaSyncError, OSError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

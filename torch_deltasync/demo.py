@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import queue
-import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,18 +98,6 @@ def _receiver_main(bucket: str, size: str, tie: bool, cmd: mp.Queue, out: mp.Que
             out.put({"version": version, "error": f"{type(e).__name__}: {e}"})
 
 
-#: Top-level names a run prefix holds (``keys``, ``lease``, ``acks``), with or without the suffix
-#: of a ``LocalStore`` write that did not finish (``<name>.tmp-<32 hex digits>``).
-_STORE_ENTRY = re.compile(r"(versions|objects|acks|LATEST|OWNER|OWNER\.claims)(\.tmp-[0-9a-f]{32})?")
-
-
-def _foreign_entries(bucket: Path) -> list[str]:
-    """Sorted names at the top of ``bucket`` that a store does not write (empty: none, or no folder)."""
-    if not bucket.is_dir():
-        return []
-    return sorted(e.name for e in bucket.iterdir() if not _STORE_ENTRY.fullmatch(e.name))
-
-
 def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_every: int = 10,
              bucket: str | None = None, codec: str | None = None, seed: int = 0, tie: bool = False,
              run_dir: str = "runs/demo", timeout_s: float = 120.0) -> bool:
@@ -120,13 +106,13 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
     Raises:
         MemoryError: ``size`` needs more memory than this machine has available (checked before
             anything is built; the message gives both numbers).
-        PrefixInUseError: another demo is writing the run folder's bucket (nothing is deleted).
-        FileExistsError: the run folder's bucket holds files no store writes (nothing is deleted).
+        PrefixInUseError, FileExistsError: the run folder's bucket has a live writer, or holds files
+            no run writes (:func:`~torch_deltasync.bucket.clear_local_bucket`; nothing is deleted).
         WorkerError: the receiver process failed, died, or did not answer within ``timeout_s``.
     """
     from ._units import format_bytes
-    from .errors import PrefixInUseError, WorkerError
-    from .lease import read_owner
+    from .bucket import clear_local_bucket
+    from .errors import WorkerError
     from .manifest import load_manifest
     from .sender import DeltaSender
     from .store import LocalStore
@@ -144,17 +130,7 @@ def run_demo(*, steps: int = 50, size: str = "small", lr: float = 3e-6, anchor_e
     run.mkdir(parents=True, exist_ok=True)
     if bucket is None:  # the demo's own bucket: start from an empty one every run, unless another demo writes it
         bucket = str(run / "bucket")
-        owner = read_owner(LocalStore(bucket)) if Path(bucket).is_dir() else None
-        if owner is not None and owner.live(time.time()) and owner.may_be_running():
-            raise PrefixInUseError(f"{bucket} is in use by a running demo: {owner.describe(time.time())}; "
-                                   "wait for it, or give this one another --run-dir")
-        foreign = _foreign_entries(Path(bucket))
-        if foreign:
-            raise FileExistsError(
-                f"{bucket} holds {', '.join(repr(n) for n in foreign[:3])}{' and more' if len(foreign) > 3 else ''}, "
-                "which no store writes; the demo empties its bucket before each run and deletes nothing it "
-                "did not write: move them, or give this one another --run-dir")
-        shutil.rmtree(bucket, ignore_errors=True)
+        clear_local_bucket(bucket)
     (run / "metrics.jsonl").unlink(missing_ok=True)
     store = LocalStore(bucket)
     model = tiny_qwen3(size, seed=seed, tie_word_embeddings=tie)

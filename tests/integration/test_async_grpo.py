@@ -207,7 +207,9 @@ def test_bad_options_are_usage_errors(argv, match, capsys):
     assert e.value.code == 2 and match in capsys.readouterr().err
 
 
-def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
+@pytest.mark.parametrize("stop,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path, stop, code):
+    """SIGTERM (timeout, systemd, Kubernetes) killed the run: no summary, its run folder's lease left."""
     import signal
 
     (tmp_path / "t").mkdir()
@@ -219,16 +221,16 @@ def test_ctrl_c_writes_a_summary_of_the_steps_done(tmp_path):
         seen.append(line)
         if line.lstrip().startswith("2 "):
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, stop))
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 130, "".join(seen)[-2000:] + out[-3000:]
-    assert "summary of the steps done" in out
+    assert proc.returncode == code, "".join(seen)[-2000:] + out[-3000:]
+    assert "summary of the steps done" in out and not (tmp_path / "t" / "OWNER").exists()
     s = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["bit_exact"] is None
     trained = events(tmp_path, "step")
     assert s["steps"] == len(trained) >= 3 and s["steps"] < 500
     assert s["versions_published"] == len(events(tmp_path, "publish")) >= 3
-    assert s["message"] == f"interrupted (Ctrl-C) after {s['steps']} GRPO steps"
+    assert s["message"] == f"interrupted ({'Ctrl-C' if stop == 'SIGINT' else stop}) after {s['steps']} GRPO steps"
 
 
 def test_a_setup_failure_stops_with_one_line_and_a_summary(tmp_path):
@@ -265,6 +267,26 @@ def test_a_run_folder_in_use_is_refused_and_left_alone(tmp_path):
     assert (folder / "bucket" / "v0").read_text() == "the live run's"
     assert (folder / "metrics.jsonl").read_text() == "{}\n"
     assert not (folder / "summary.json").exists()
+
+
+def test_a_default_bucket_another_live_run_writes_to_is_left_alone(tmp_path):
+    """Another run (`--bucket runs/t/bucket`, its own run name) writes into this run's default
+    bucket: the run emptied the bucket under it (its versions gone, its next publish failed)."""
+    import torch
+
+    from torch_deltasync import DeltaSender
+
+    bucket = tmp_path / "t" / "bucket"
+    other = DeltaSender({"w": torch.zeros(4)}, str(bucket), prefix="other-run")
+    try:
+        other.publish()
+        proc, s = run_recipe(tmp_path, "--steps", "1", "--generators", "1", "--warmstart-steps", "0", timeout=300)
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"{bucket}/other-run is in use by a running writer: run" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and s["status"] == "setup_failed"
+        assert other.publish() == 1  # its run goes on
+    finally:
+        other.close()
 
 
 def test_a_run_folder_of_a_killed_run_is_taken_over(tmp_path):

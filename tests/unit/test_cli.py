@@ -274,7 +274,7 @@ def test_a_demo_deletes_only_a_store_from_its_bucket(tmp_path, capsys):
     before = sorted(p.relative_to(bucket) for p in bucket.rglob("*"))
     assert main(["demo", "--steps", "1", "--size", "tiny", "--run-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"{bucket} holds 'notes.txt', which no store writes" in err and "another --run-dir" in err
+    assert f"{bucket} holds notes.txt, which no run writes" in err and "another bucket" in err
     assert sorted(p.relative_to(bucket) for p in bucket.rglob("*")) == before
     assert (bucket / "notes.txt").read_text() == "precious"
 
@@ -289,7 +289,7 @@ def test_a_second_demo_leaves_a_running_ones_bucket_alone(tmp_path, capsys):
         running.publish()
         (tmp_path / "metrics.jsonl").write_text("{}\n")
         assert main(["demo", "--steps", "1", "--size", "tiny", "--run-dir", str(tmp_path)]) == 2
-        assert f"{bucket} is in use by a running demo: run" in capsys.readouterr().err
+        assert f"{bucket} is in use by a running writer: run" in capsys.readouterr().err
         assert (bucket / "versions" / f"{0:012d}.json").is_file() and (tmp_path / "metrics.jsonl").read_text() == "{}\n"
     finally:
         running.close()

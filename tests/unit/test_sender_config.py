@@ -288,6 +288,29 @@ def test_entries_that_do_not_sync_are_named(tmp_path, caplog):
             DeltaSender(model, tmp_path / "b")
 
 
+def test_a_sender_on_a_prefix_of_another_model_warns(tmp_path, caplog):
+    """Another model published into a prefix went unnoticed until its followers failed."""
+    from torch import nn
+
+    def senders_warnings(model, **kwargs):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="torch_deltasync.sender"):
+            with DeltaSender(model, tmp_path, **kwargs) as sender:
+                sender.publish()
+        return [r.getMessage() for r in caplog.records if "of another model" in r.getMessage()]
+
+    torch.manual_seed(0)
+    assert senders_warnings(nn.Linear(16, 16)) == []  # a new prefix
+    assert senders_warnings(nn.Linear(16, 16)) == []  # a restart of the same model
+    assert senders_warnings(nn.Linear(32, 32)) == [
+        f"{LocalStore(tmp_path).describe()}: its newest version 1 is of another model ('weight': (16, 16) -> (32, 32), "
+        "'bias': (16,) -> (32,)). This sender publishes its own from version 2 on, and receivers that hold the old "
+        "model will refuse it (IncompatibleTargetError): publish under a new prefix unless the model changed on purpose"]
+    assert senders_warnings(nn.Linear(32, 32), inference_dtype="float32")[0].startswith(
+        f"{LocalStore(tmp_path).describe()}: its newest version 2 is of another model (inference dtype torch.bfloat16 "
+        "-> torch.float32)")
+
+
 def test_a_receiver_refuses_a_sparse_tensor_and_a_version_that_is_not_one(tmp_path):
     """A sparse tensor was called overlapping memory, with .contiguous() as the fix; the version
     setter took a str and failed later inside update()."""

@@ -13,7 +13,7 @@ A publish of version ``v``:
 If anything fails, no manifest is written, the snapshots stay at the last published state and the
 version number is burned: the next publish is a delta against the last *published* version
 (docs/design.md, invariant 4), so the chain that receivers follow is never broken. A new sender on a prefix that
-already holds versions continues after the newest one and starts with an anchor.
+holds versions continues after the newest with an anchor (warning when that one is of another model).
 
 With ``background=True`` the detection (which must read the live weights before the next optimizer
 step changes them) runs in ``publish()``; encoding the object, uploading and writing the manifest run
@@ -53,7 +53,7 @@ from ._commit import remove_objects, upload_objects, write_latest, write_manifes
 from ._encode import cast_anchors, delta_parts, encode_objects
 from ._group import Group, SingleProcess
 from ._job import Job
-from ._sources import _collect, check_publishable, collect_sources, warn_not_synced, warn_unchanged
+from ._sources import _collect, check_publishable, warn_if_another_model, warn_not_synced, warn_unchanged
 from ._stats import PublishStats
 
 log = logging.getLogger(__name__)
@@ -167,11 +167,12 @@ class DeltaSender:
 
         # Publish state. Identical on every rank: it only changes on outcomes rank 0 broadcasts.
         # After the newest version, and after objects a crashed writer left without a manifest:
-        # object keys are never reused, so no writer can overwrite objects a manifest names.
-        # Counted after the claim: a writer that took the prefix over continues after everything the
-        # previous owner wrote.
+        # object keys are never reused, so no writer can overwrite objects a manifest names. Counted
+        # after the claim: a writer that took the prefix over continues after all the previous one wrote.
         try:
             self._next_version = self.group.broadcast(next_free_version(self.store) if self.group.rank == 0 else None)
+            if self.group.rank == 0 and self._next_version:  # (a restart, or another model on the prefix)
+                warn_if_another_model(self.store, sources, self.dtype, self._next_version)
         except BaseException:
             if self._lease is not None:
                 self._lease.release()
@@ -380,7 +381,7 @@ class DeltaSender:
     def _prepare(self, version: int) -> Job:
         """Read the live weights: detect changes (and cast anchors). Called on the caller's thread;
         the tensors are read on the helper threads too (:meth:`_detect`)."""
-        sources, aliases = collect_sources(self.model)
+        sources, aliases, _ = _collect(self.model)
         for src in sources:
             if src.problem:
                 raise UnsupportedLayoutError(src.problem)

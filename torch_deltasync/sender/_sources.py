@@ -143,3 +143,39 @@ def warn_unchanged(model: Any, version: int, base: int | None) -> bool:
                 "(module.to(...), load_state_dict(..., assign=True)), a state dict taken before still holds "
                 "the old ones: pass the module itself", version, base)
     return True
+
+
+def warn_if_another_model(store: Any, sources: list[Source], dtype: torch.dtype, next_version: int) -> None:
+    """Log when the newest version on ``store`` (a prefix that holds versions, which a sender then
+    continues from ``next_version``) is of another model than ``sources``: receivers that hold
+    that model refuse every version of the new one."""
+    from ..errors import DeltaSyncError
+    from ..keys import list_versions
+    from ..manifest import load_manifest
+
+    versions = list_versions(store)
+    try:
+        newest = load_manifest(store, versions[-1]) if versions else None
+    except DeltaSyncError:  # damaged or gone meanwhile: nothing to compare (the sender starts with an anchor)
+        return
+    change = newest and model_change(sources, dtype, newest)
+    if change:
+        log.warning("%s: its newest version %d is of another model (%s). This sender publishes its own from version "
+                    "%d on, and receivers that hold the old model will refuse it (IncompatibleTargetError): publish "
+                    "under a new prefix unless the model changed on purpose", store.describe(), newest.version,
+                    change, next_version)
+
+
+def model_change(sources: list[Source], dtype: torch.dtype, manifest: Any) -> str | None:
+    """How the model of ``sources`` (published in ``dtype``) differs from the one ``manifest`` (a
+    version already on the prefix) lists: the first few names and shapes that differ, ``None``
+    when it is the same model."""
+    ours = {s.name: tuple(s.slice.global_shape) for s in sources}
+    theirs = {t.name: tuple(t.shape) for t in manifest.tensors}
+    diffs = [f"{n!r}: {theirs.get(n, 'absent')} -> {ours.get(n, 'absent')}"
+             for n in [*theirs, *(n for n in ours if n not in theirs)] if ours.get(n) != theirs.get(n)]
+    if str(dtype).removeprefix("torch.") != str(manifest.inference_dtype).removeprefix("torch."):
+        diffs.insert(0, f"inference dtype {manifest.inference_dtype} -> {dtype}")
+    if not diffs:
+        return None
+    return ", ".join(diffs[:3]) + (f" ({len(diffs)} differences)" if len(diffs) > 3 else "")
