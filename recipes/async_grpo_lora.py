@@ -271,8 +271,9 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
     model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=lora_targets(),
                                             lora_dropout=0.0))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    sender = AdapterSender(model, store, metrics_path=run_dir / "publish.jsonl")
     client = RolloutClient(service_url, token=token)
+    client.stats()  # the service answers before version 0 is published (a retry would find the prefix used)
+    sender = AdapterSender(model, store, metrics_path=run_dir / "publish.jsonl")
     version = sender.publish()
     client.set_version(version)
     versions = [_version_row(sender)]
@@ -293,8 +294,12 @@ def run_trainer(args, service_url: str, token: str | None, workers: list | None 
             while batch is None:
                 batch = client.sample(args.batch, trainer_version=version, wait_s=2.0)
                 if batch is None:
-                    if workers and any(w.poll() is not None for w in workers):
-                        raise RuntimeError("a rollout worker exited; see its log in the run dir")
+                    gone = [i for i, w in enumerate(workers or []) if w.poll() is not None]
+                    if gone:
+                        raise RuntimeError(f"rollout worker {gone[0]} exited with status {workers[gone[0]].returncode} "
+                                           f"before the first batch; see its log, {run_dir / f'worker-{gone[0]}.log'}"
+                                           + (f", and its vLLM server's, {run_dir / f'vllm-worker-{gone[0]}.log'}"
+                                              if args.engine == "vllm" else ""))
                     if time.monotonic() - t0 > args.startup_timeout:
                         raise TimeoutError(f"no {args.batch} fresh episodes within {args.startup_timeout} s")
             wait_s = time.monotonic() - t0
@@ -647,8 +652,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from torch_deltasync.errors import DeltaSyncError
+
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # the finally blocks have stopped the workers, their servers and the service
         print("async_grpo_lora: interrupted", file=sys.stderr)
         sys.exit(130)
+    except (DeltaSyncError, OSError, RuntimeError, TimeoutError) as e:  # (a service, store or worker that failed)
+        print(f"async_grpo_lora: error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -79,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not math.isfinite(args.lr) or args.lr <= 0:
         p.error(f"--lr must be a positive finite number, got {args.lr}")
+    world = int(os.environ.get("WORLD_SIZE") or 1)  # (torchrun's; checked before any process group or model)
+    if world % (args.tp * args.dp_replicate):
+        if int(os.environ.get("RANK") or 0):
+            sys.exit(2)  # rank 0 says why, once
+        p.error(f"--tp {args.tp} x --dp-replicate {args.dp_replicate} must divide the world size {world} "
+                "(torchrun --nproc-per-node)")
     for flag in ("save_final", "metrics"):  # checked now, not after training (--save-final) or by dropping records
         path, option = getattr(args, flag), f"--{flag.replace('_', '-')}"
         if path is None:

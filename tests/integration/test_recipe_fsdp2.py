@@ -111,6 +111,21 @@ def test_bad_arguments_are_named_before_any_rank_starts(args, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_mesh_that_does_not_fit_the_world_is_a_usage_error_of_rank_0(monkeypatch, capsys):
+    """It was a ValueError traceback on every rank, after the process group and the model."""
+    from recipes.torchrun_fsdp2 import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, said in (("0", "--tp 3 x --dp-replicate 1 must divide the world size 2 (torchrun --nproc-per-node)"),
+                       ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--bucket", "b", "--tp", "3"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and (said in err if said else err == "")
+    assert parse_args(["--bucket", "b", "--tp", "2"]).tp == 2
+
+
 def test_a_prefix_in_use_names_the_recipes_takeover_flag(tmp_path):
     """The library's message says ``takeover=True``; the recipe's flag is ``--takeover``."""
     from torch_deltasync import DeltaSender
