@@ -31,6 +31,8 @@ def own_objects(store, version: int) -> str:
     except (CorruptObjectError, VersionNotFoundError):
         return ""
     objects = [*m.anchor_objects, *m.delta_objects]
+    if not objects:
+        return ""
     damaged = []
     for o in objects:
         try:
@@ -42,8 +44,6 @@ def own_objects(store, version: int) -> str:
             damaged.append(f"{o.key} is missing")
         except CorruptObjectError as e:
             damaged.append(printable(str(e).replace(f" ({DAMAGED_HINT})", "").removeprefix(f"version {version}: ")))
-    if not objects:
-        return ""
     if not damaged:
         return f"its own {len(objects)} object(s) are intact: what fails is a version it builds on (above)"
     return f"its own objects: {len(damaged)} of {len(objects)} damaged: " + "; ".join(damaged)

@@ -35,7 +35,9 @@ def clear_local_bucket(path: str | os.PathLike) -> int:
     Raises:
         PrefixInUseError: a run in it has a live writer (an ``OWNER`` lease that is live, of a
             process that may still run), naming the run's folder and owner.
-        FileExistsError: it holds a file or folder no run writes, naming it.
+        FileExistsError: ``path`` is a file, or the folder holds a file no run writes (naming it;
+            a folder that is not a run's own, e.g. ``notes/``, may be a prefix of runs and is
+            looked into).
     """
     from .store import LocalStore
 

@@ -262,7 +262,7 @@ def test_demo_runs_bit_exact(tmp_path, capsys):
 
 def test_a_demo_deletes_only_a_store_from_its_bucket(tmp_path, capsys):
     """Its own bucket from the last run (a store, an unfinished write's temporary file) is emptied;
-    a file no store writes stops the demo before anything is deleted."""
+    a file no run writes stops the demo before anything is deleted."""
     bucket = tmp_path / "bucket"
     DeltaSender({"w": torch.zeros(4)}, str(bucket)).publish()
     (bucket / "versions" / "000000000009.json.tmp-0123456789abcdef0123456789abcdef").write_bytes(b"{")
