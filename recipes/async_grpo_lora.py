@@ -582,6 +582,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_store(args.store)
     except (TypeError, ValueError, ImportError, StoreNotFoundError) as e:
         p.error(str(e))
+    if args.role != "run" and not (args.service_url and args.store):
+        p.error(f"{args.role}: --service-url and --store are required")
     # a worker posts prompts x group episodes at once; the service refuses a post its ring cannot hold
     # (a service started apart has its own --capacity, which only it knows)
     ring = args.capacity if args.capacity is not None else 2 * args.batch
@@ -594,8 +596,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.role != "run" and not (args.service_url and args.store):
-        raise SystemExit(f"{args.role}: --service-url and --store are required")
     if args.role == "worker":
         return run_worker(args)
     run_dir = Path(args.run_dir)

@@ -134,9 +134,11 @@ def test_a_prefix_holding_an_earlier_run_is_refused_before_anything_starts(tmp_p
 
 
 @pytest.mark.parametrize("role", ["trainer", "worker"])
-def test_the_apart_roles_need_a_service_and_a_store(tmp_path, role):
+def test_the_apart_roles_need_a_service_and_a_store(tmp_path, role, capsys):
     from recipes.async_grpo_lora import main
 
-    with pytest.raises(SystemExit, match=f"{role}: --service-url and --store are required"):
+    with pytest.raises(SystemExit) as e:
         main([role, "--run-dir", str(tmp_path / "run")])
+    assert e.value.code == 2  # a usage error (it exited 1)
+    assert f"{role}: --service-url and --store are required" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

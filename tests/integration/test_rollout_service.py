@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -269,6 +270,12 @@ def test_numbers_json_allows_but_no_float_holds_are_refused_and_leave_the_servic
 def test_client_backpressure_and_close(service):
     with RolloutClient(service.url, token=TOKEN) as c:
         assert c.set_version(0) == 0
+        # (json's bare "Out of range float values are not JSON compliant" named no episode or field)
+        for field, bad, said in [("reward", float("nan"), "'reward' is nan"),
+                                 ("logprobs", [-0.5, float("-inf")], "'logprobs'[1] is -inf")]:
+            with pytest.raises(ValueError, match=rf"post_episodes: episode 1: {re.escape(said)}; JSON carries finite"):
+                c.post_episodes([episode(0, 0), {**episode(1, 0), field: bad}])
+        assert c.stats()["accepted"] == 0  # nothing was posted
         eps = [episode(i, 0) for i in range(64)]
         assert c.post_episodes(eps)["stored"] == 64
         with pytest.raises(RolloutServiceError, match="HTTP 429"):

@@ -3,6 +3,7 @@ imported when a client is built."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -56,11 +57,14 @@ class RolloutClient:
             :class:`AddResult` as a dict (``accepted``, ``stored``, ``dropped_stale``, ...).
 
         Raises:
+            ValueError: a float that JSON cannot carry (NaN, infinity), naming the episode and field
+                (nothing is posted).
             ServiceClosedError: the trainer closed the service (stop producing).
             RolloutServiceError: refused (invalid: the message says why), unreachable, or still
                 full after ``max_wait_s``.
         """
         deadline = time.monotonic() + max_wait_s
+        _check_finite(episodes)
         while True:
             r = self._post("/episodes", {"episodes": episodes})
             if r.status_code == 200:
@@ -121,3 +125,16 @@ class RolloutClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_finite(episodes: list[dict[str, Any]]) -> None:
+    """Refuse NaN and infinite floats (JSON has no such numbers), naming the episode and field."""
+    for i, ep in enumerate(episodes):
+        for key, value in (ep.items() if isinstance(ep, dict) else ()):
+            seq = value if isinstance(value, (list, tuple)) else None
+            bad = [(j, v) for j, v in enumerate(seq if seq is not None else [value])
+                   if isinstance(v, float) and not math.isfinite(v)]
+            if bad:
+                where = f"{key!r} is {bad[0][1]}" if seq is None else f"{key!r}[{bad[0][0]}] is {bad[0][1]}"
+                raise ValueError(f"post_episodes: episode {i}: {where}; JSON carries finite numbers only "
+                                 "(nothing was posted)")
