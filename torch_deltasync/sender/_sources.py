@@ -36,7 +36,7 @@ def collect_sources(model: Any) -> tuple[list[Source], dict[str, str]]:
 
     Plain tensors are whole (:meth:`TensorBlock.full`); ``DTensor`` parameters (FSDP2) are
     described by :func:`torch_deltasync.dtensor.local_source`. Other entries (integer and bool
-    buffers, complex tensors, values that are not tensors) are not synced: :func:`not_synced`.
+    buffers, complex tensors, values that are not tensors) are not synced.
 
     Raises:
         TypeError: a name that is not a string.
@@ -46,19 +46,9 @@ def collect_sources(model: Any) -> tuple[list[Source], dict[str, str]]:
     return sources, aliases
 
 
-def not_synced(model: Any) -> dict[str, str]:
-    """``{name: what}`` for the entries of ``model`` that :func:`collect_sources` passes over, in
-    its order: ``"int64 tensor"``, ``"complex64 tensor"``, ``"list"``, ...
-
-    Raises:
-        TypeError: as :func:`collect_sources`.
-    """
-    return _collect(model, sources=False)[2]
-
-
-def _collect(model: Any, sources: bool = True) -> tuple[list[Source], dict[str, str], dict[str, str]]:
-    """:func:`collect_sources`, and :func:`not_synced` (of the same read of ``model``); with
-    ``sources=False`` only the names are checked."""
+def _collect(model: Any) -> tuple[list[Source], dict[str, str], dict[str, str]]:
+    """:func:`collect_sources`, and the entries it passes over, ``{name: what}`` in its order
+    (``"int64 tensor"``, ``"complex64 tensor"``, ``"list"``, ...), from one read of ``model``."""
     out: list[Source] = []
     aliases: dict[str, str] = {}
     skipped: dict[str, str] = {}
@@ -67,9 +57,8 @@ def _collect(model: Any, sources: bool = True) -> tuple[list[Source], dict[str, 
         if not isinstance(name, str):
             raise TypeError(f"tensor names are strings (state-dict keys), got {type(name).__name__} {name!r}")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            skipped[name] = f"{str(t.dtype).removeprefix('torch.')} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
-            continue
-        if not sources:
+            is_tensor = isinstance(t, torch.Tensor)
+            skipped[name] = f"{str(t.dtype).removeprefix('torch.')} tensor" if is_tensor else type(t).__name__
             continue
         if t.is_meta:
             raise UnsupportedLayoutError(f"tensor {name!r} is on the meta device (no data to publish); "
@@ -97,7 +86,7 @@ def _collect(model: Any, sources: bool = True) -> tuple[list[Source], dict[str, 
 
 
 def warn_not_synced(skipped: Mapping[str, str]) -> None:
-    """Log the entries of :func:`not_synced` a user may have meant to sync: complex tensors and
+    """Log the entries ``_collect`` passes over that a user may have meant to sync: complex tensors and
     values that are not tensors (integer and bool buffers, e.g. position ids, are skipped by
     design)."""
     odd = {n: w for n, w in skipped.items() if not (w.endswith(" tensor") and not w.startswith("complex"))}
@@ -112,7 +101,7 @@ def check_publishable(sources: list[Source], skipped: Mapping[str, str] | None =
     """The limits of docs/format.md §3, checked when a sender is built (before anything is written).
 
     Args:
-        skipped: :func:`not_synced` of the model, named when there is no source.
+        skipped: the entries ``_collect`` passed over, ``{name: what}``, named when there is no source.
 
     Raises:
         ValueError: no source (no floating-point tensor), a name outside 1-1024 characters, the name
@@ -121,8 +110,9 @@ def check_publishable(sources: list[Source], skipped: Mapping[str, str] | None =
     """
     if not sources:
         held = ", ".join(f"{n!r} ({w})" for n, w in list((skipped or {}).items())[:5])
+        more = " and more" if len(skipped or {}) > 5 else ""
         raise ValueError("the model has no floating-point tensors to publish"
-                         + (f"; it holds {held}{' and more' if len(skipped) > 5 else ''}" if held else " (it is empty)"))
+                         + (f"; it holds {held}{more}" if held else " (it is empty)"))
     for s in sources:
         if not s.name or len(s.name) > 1024 or len(s.slice.global_shape) > 8:
             raise ValueError(f"tensor {s.name[:80]!r}: names must be 1-1024 characters and tensors at most 8-D "
@@ -149,13 +139,16 @@ def warn_if_another_model(store: Any, sources: list[Source], dtype: torch.dtype,
     """Log when the newest version on ``store`` (a prefix that holds versions, which a sender then
     continues from ``next_version``) is of another model than ``sources``: receivers that hold
     that model refuse every version of the new one."""
-    from ..errors import DeltaSyncError
+    from ..errors import DeltaSyncError, VersionNotFoundError
     from ..keys import list_versions
     from ..manifest import load_manifest
 
-    versions = list_versions(store)
-    try:
-        newest = load_manifest(store, versions[-1]) if versions else None
+    try:  # the newest manifest is next_version - 1 unless a crashed writer left objects above it
+        try:
+            newest = load_manifest(store, next_version - 1)
+        except VersionNotFoundError:
+            versions = list_versions(store)
+            newest = load_manifest(store, versions[-1]) if versions else None
     except DeltaSyncError:  # damaged or gone meanwhile: nothing to compare (the sender starts with an anchor)
         return
     change = newest and model_change(sources, dtype, newest)

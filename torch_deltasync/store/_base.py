@@ -115,6 +115,18 @@ def check_range(key: str, start: object, end: object) -> None:
         raise ValueError(f"get({key!r}): the byte range must be non-negative, got [{start}, {end})")
 
 
+def _sub_prefix(store: "Store", prefix: object) -> str:
+    """The checked ``prefix`` of :meth:`Store.sub` (a trailing ``/`` dropped; ``""``: the store itself).
+
+    Raises:
+        TypeError, ValueError: as :meth:`Store.sub`.
+    """
+    if not isinstance(prefix, str):
+        raise TypeError(f"a store prefix is a string, got {type(prefix).__name__} {prefix!r}")
+    prefix = prefix.rstrip("/") if prefix.strip("/") else ""
+    return check_prefix(prefix, f"prefix of {store.describe()}") if prefix else ""
+
+
 def join_key(prefix: str, key: str) -> str:
     """``prefix/key`` with an empty prefix allowed; both parts are validated."""
     check_key(prefix, allow_empty=True)
@@ -225,12 +237,8 @@ class Store(Protocol):
             TypeError: ``prefix`` is not a string.
             ValueError: ``prefix`` is not a plain relative path (absolute, ``..``, ...).
         """
-        if not isinstance(prefix, str):
-            raise TypeError(f"a store prefix is a string, got {type(prefix).__name__} {prefix!r}")
-        prefix = prefix.rstrip("/") if prefix.strip("/") else ""
-        if not prefix:
-            return self
-        return PrefixStore(self, check_prefix(prefix, f"prefix of {self.describe()}"))
+        prefix = _sub_prefix(self, prefix)
+        return PrefixStore(self, prefix) if prefix else self
 
     def describe(self) -> str:
         """Short human-readable name used in error messages (e.g. ``file:///data/bucket``)."""
@@ -295,12 +303,8 @@ class PrefixStore(Store):
         return self.inner.sweep_temporaries(older_than_s, full)
 
     def sub(self, prefix: str) -> Store:
-        if not isinstance(prefix, str):
-            raise TypeError(f"a store prefix is a string, got {type(prefix).__name__} {prefix!r}")
-        prefix = prefix.rstrip("/") if prefix.strip("/") else ""
-        if not prefix:
-            return self
-        return PrefixStore(self.inner, join_key(self.prefix, check_prefix(prefix, f"prefix of {self.describe()}")))
+        prefix = _sub_prefix(self, prefix)
+        return PrefixStore(self.inner, join_key(self.prefix, prefix)) if prefix else self
 
     def describe(self) -> str:
         return f"{self.inner.describe().rstrip('/')}/{self.prefix}"
